@@ -1,0 +1,1 @@
+"""Baton's services: gateway, global scheduler, workers."""

@@ -1,0 +1,1 @@
+"""The worker service and the engine that runs inside it."""

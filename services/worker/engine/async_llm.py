@@ -1,0 +1,122 @@
+"""``AsyncLLM``: the engine for asyncio servers. The core runs in a background process
+(``AsyncMPClient``); one owned output task routes its outputs to per-request queues.
+
+    async for out in engine.generate(prompt, params, request_id):
+        ...
+    await engine.abort(request_id)
+
+Leaving the ``async for`` early (break, cancellation, client disconnect) aborts the request in
+the core, so its KV blocks are freed at once.
+"""
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from services.worker.engine.config import EngineArgs, EngineConfig
+from services.worker.engine.core_client import AsyncMPClient, EngineDeadError
+from services.worker.engine.messages import EngineStats
+from services.worker.engine.output_processor import OutputProcessor, fan_out
+from services.worker.engine.outputs import RequestOutput
+from services.worker.engine.params import SamplingParams
+from services.worker.engine.processor import InputProcessor, PromptType
+from services.worker.engine.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model.tokenizer)
+        self.processor = InputProcessor(config.model, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.client = AsyncMPClient(config)
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._output_task: asyncio.Task[None] | None = None
+        self._dead: BaseException | None = None
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "AsyncLLM":
+        return cls(args.create_engine_config())
+
+    async def generate(
+        self, prompt: PromptType, params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream outputs for one request. Raises ValueError for bad input, EngineDeadError
+        if the core dies."""
+        if self._dead is not None:
+            raise EngineDeadError(str(self._dead))
+        self._ensure_output_task()
+        text, request = self.processor.process(request_id, prompt, params)
+        core_requests = fan_out(request)
+        self.output_processor.add_request(text, request, core_requests)
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            for r in core_requests:
+                await self.client.add_request_async(r)
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                await self._abort_quietly(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        core_ids = self.output_processor.abort(request_id)
+        await self.client.abort_requests_async(core_ids)
+        queue = self._queues.get(request_id)
+        if queue is not None:
+            queue.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
+
+    async def get_stats(self) -> EngineStats:
+        self._ensure_output_task()
+        stats: EngineStats = await self.client.call_utility_async("get_stats")
+        return stats
+
+    async def reset_prefix_cache(self) -> bool:
+        self._ensure_output_task()
+        return bool(await self.client.call_utility_async("reset_prefix_cache"))
+
+    def shutdown(self) -> None:
+        if self._output_task is not None:
+            self._output_task.cancel()
+        self.client.shutdown()
+
+    async def _abort_quietly(self, request_id: str) -> None:
+        core_ids = self.output_processor.abort(request_id)
+        if core_ids and self._dead is None:
+            with contextlib.suppress(EngineDeadError):
+                await self.client.abort_requests_async(core_ids)
+
+    def _ensure_output_task(self) -> None:
+        if self._output_task is None or self._output_task.done():
+            self._output_task = asyncio.get_running_loop().create_task(
+                self._run_output_handler(), name="baton-engine-outputs"
+            )
+
+    async def _run_output_handler(self) -> None:
+        """The one reader of the core's output socket."""
+        try:
+            while True:
+                outs = await self.client.get_output_async()
+                result = self.output_processor.process_outputs(outs.outputs)
+                for out in result.request_outputs:
+                    queue = self._queues.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+                await self.client.abort_requests_async(result.reqs_to_abort)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # the core died: fail every request in flight
+            logger.error("engine output handler stopped: %s", e)
+            self._dead = e
+            for queue in self._queues.values():
+                queue.put_nowait(e if isinstance(e, EngineDeadError) else EngineDeadError(str(e)))

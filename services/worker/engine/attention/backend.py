@@ -1,0 +1,90 @@
+"""The attention-backend seam: what the model runner hands a backend each step, and the contract
+every backend (torch reference, Triton, flash-attn) must keep.
+
+The batch is flattened ("varlen"): the scheduled tokens of every request sit end to end.
+
+    tokens:          | req0: 5 new tokens | req1: 1 (decode) | req2: 3 (prefill chunk) |
+    query_start_loc: 0                    5                  6                         9
+    seq_lens:        req0: 5              req1: 37           req2: 19   (cached + new)
+
+Request *i*'s queries are the last ``q_len_i`` of its ``seq_lens[i]`` positions; each attends
+causally to every position before it, read from the paged cache through ``block_tables[i]``.
+"""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step by the model runner; read by every layer. Device tensors unless noted."""
+
+    num_tokens: int  # scheduled tokens in this step (length of the flattened batch)
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]: request i's tokens are [qsl[i], qsl[i+1])
+    seq_lens: torch.Tensor  # int32 [num_reqs]: cached + scheduled tokens per request
+    block_tables: torch.Tensor  # int32 [num_reqs, max_blocks]: KV block ids, padded past the end
+    slot_mapping: torch.Tensor  # int64 [num_tokens]: block_id * block_size + offset to write K/V
+    query_start_loc_cpu: list[int]  # host copies, for backends that loop over requests
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+
+@dataclass
+class LayerKVCache:
+    """One layer's view of the shared KV tensor: two strided views [num_blocks, block_size, H, D].
+
+    The underlying tensor keeps a whole block contiguous across layers (see kv_cache/layout.py),
+    so these views are not contiguous; backends must honour their strides.
+    """
+
+    key: torch.Tensor
+    value: torch.Tensor
+
+    @property
+    def block_size(self) -> int:
+        return int(self.key.shape[1])
+
+
+class AttentionBackend(ABC):
+    """One instance per attention layer. Called once per layer per step, inside the forward pass.
+
+    ``forward`` must (1) write this step's k/v into ``kv_cache`` at ``metadata.slot_mapping`` and
+    (2) return causal attention of ``q`` over each request's whole context (cached + new). It must
+    not allocate per-step state that outlives the call and must not synchronise with the host
+    except where a reference implementation says so.
+    """
+
+    name: str = "abstract"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of kv heads {num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKVCache, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter this step's keys and values into their cache slots (strided views, in place)."""
+    block_size = kv_cache.block_size
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping % block_size
+    kv_cache.key[blocks, offsets] = k.to(kv_cache.key.dtype)
+    kv_cache.value[blocks, offsets] = v.to(kv_cache.value.dtype)

@@ -1,0 +1,207 @@
+"""``EngineArgs`` (what a user or CLI passes) → frozen ``EngineConfig`` (what the engine reads).
+
+Every "auto" is resolved here, once, before freezing; each component then takes the narrowest
+sub-config it needs. Nothing downstream mutates a config: values discovered later (the number of
+KV blocks that fit in memory) travel as explicit constructor arguments instead.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from services.worker.engine.model_config import ArchConfig, load_arch_config
+from services.worker.engine.models.registry import check_architecture
+
+DTYPES = ("float32", "float16", "bfloat16")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # checkpoint directory
+    tokenizer: str  # tokenizer directory (defaults to the checkpoint)
+    served_model_name: str
+    dtype: str  # one of DTYPES, resolved
+    load_format: str  # safetensors | dummy, resolved
+    seed: int
+    max_model_len: int  # prompt + output tokens per request
+    arch: ArchConfig
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int  # tokens per KV block
+    enable_prefix_caching: bool
+    num_blocks: int | None  # explicit block count; None: size from the memory budget
+    kv_cache_memory_bytes: int | None  # explicit budget; None: device default
+    gpu_memory_utilization: float  # fraction of GPU memory the engine may use in all
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int  # running requests per step
+    max_num_batched_tokens: int  # token budget per step
+    enable_chunked_prefill: bool  # split long prompts across steps
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    backend: str  # a name in attention.registry, resolved from "auto"
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str  # "cpu" | "cuda"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    attention: AttentionConfig
+    device: DeviceConfig
+
+
+@dataclass
+class EngineArgs:
+    """Keyword arguments of ``LLM(...)``/``AsyncLLM`` and flags of ``baton worker``."""
+
+    model: str
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    load_format: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    tensor_parallel_size: int = 1
+    attention_backend: str = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    def create_engine_config(self) -> EngineConfig:
+        arch = load_arch_config(self.model)
+        check_architecture(arch.architecture)
+        device = _resolve_device(self.device)
+        max_model_len = _resolve_max_model_len(self.max_model_len, arch)
+        _check_positive(
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            tensor_parallel_size=self.tensor_parallel_size,
+        )
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet (layers are TP-ready)")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        budget = self.max_num_batched_tokens or max(8192, self.max_num_seqs)
+        if not self.enable_chunked_prefill:
+            budget = max(budget, max_model_len)
+        if budget < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({self.max_num_seqs})"
+            )
+        from services.worker.engine.attention.registry import resolve_backend_name
+
+        return EngineConfig(
+            model=ModelConfig(
+                model=self.model,
+                tokenizer=self.tokenizer or self.model,
+                served_model_name=self.served_model_name or Path(self.model).name,
+                dtype=_resolve_dtype(self.dtype, arch, device),
+                load_format=_resolve_load_format(self.load_format),
+                seed=self.seed,
+                max_model_len=max_model_len,
+                arch=arch,
+            ),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                enable_prefix_caching=self.enable_prefix_caching,
+                num_blocks=self.num_kv_blocks,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=budget,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                max_model_len=max_model_len,
+            ),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            attention=AttentionConfig(backend=resolve_backend_name(self.attention_backend, device)),
+            device=DeviceConfig(device=device),
+        )
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def _resolve_device(device: str) -> str:
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but CUDA is not available")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def _resolve_dtype(dtype: str, arch: ArchConfig, device: str) -> str:
+    if dtype == "auto":
+        if device == "cpu":
+            return "float32"  # CPU matmuls in half precision are slow and diverge from the oracle
+        return arch.torch_dtype if arch.torch_dtype in ("bfloat16", "float16") else "bfloat16"
+    if dtype == "half":
+        return "float16"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r}")
+    return dtype
+
+
+def _resolve_load_format(load_format: str) -> str:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(
+            f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}"
+        )
+    return "safetensors" if load_format == "auto" else load_format
+
+
+def _resolve_max_model_len(requested: int | None, arch: ArchConfig) -> int:
+    limit = arch.max_position_embeddings
+    if arch.rope.rope_type in ("linear", "dynamic") and arch.rope.factor > 1:
+        limit = int(limit * arch.rope.factor)
+    if arch.sliding_window is not None:
+        # No sliding-window attention yet: full attention equals it only within the window.
+        limit = min(limit, arch.sliding_window)
+    if requested is None:
+        return limit
+    if requested < 1 or requested > limit:
+        raise ValueError(
+            f"max_model_len={requested} is outside [1, {limit}] (the model's context length)"
+        )
+    return requested

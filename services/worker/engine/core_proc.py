@@ -1,0 +1,99 @@
+"""``EngineCoreProc``: the engine core in its own process, behind two ZMQ sockets.
+
+The loop drains every pending input, runs one step when there is work, and sends the outputs;
+idle, it blocks on the input socket for at most ``POLL_MS`` so it notices a dead parent. The
+config arrives as JSON on stdin; messages are msgpack decoded against a fixed tagged union.
+"""
+
+import argparse
+import logging
+import os
+import sys
+
+import msgspec
+import zmq
+
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.core import EngineCore
+from services.worker.engine.messages import (
+    EngineCoreAbort,
+    EngineCoreInput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreShutdown,
+    EngineCoreUtility,
+)
+
+POLL_MS = 500
+logger = logging.getLogger("baton.engine_core")
+
+
+class EngineCoreProc:
+    def __init__(self, config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int):
+        self.parent_pid = parent_pid
+        self.ctx = zmq.Context()
+        self.input = self.ctx.socket(zmq.PULL)
+        self.input.connect(input_addr)
+        self.output = self.ctx.socket(zmq.PUSH)
+        self.output.connect(output_addr)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(EngineCoreInput)
+        self.core = EngineCore(config, show_progress=False)
+        self._send(EngineCoreOutputs(ready=self.core.scheduler.stats()))
+
+    def run(self) -> None:
+        while self._handle_inputs(block=not self.core.has_work()):
+            if self.core.has_work():
+                outs = self.core.step()
+                if outs.outputs or outs.kv_events:
+                    self._send(outs)
+        self.close()
+
+    def _handle_inputs(self, block: bool) -> bool:
+        """Process every queued input; False on shutdown or when the parent is gone."""
+        if block and not self.input.poll(POLL_MS) and os.getppid() != self.parent_pid:
+            logger.warning("parent process %d is gone; exiting", self.parent_pid)
+            return False
+        while True:
+            try:
+                raw = self.input.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            try:
+                msg = self.decoder.decode(raw)
+            except msgspec.DecodeError as e:
+                logger.error("dropping a malformed message: %s", e)
+                continue
+            if isinstance(msg, EngineCoreShutdown):
+                return False
+            self._dispatch(msg)
+
+    def _dispatch(self, msg: EngineCoreInput) -> None:
+        if isinstance(msg, EngineCoreRequest):
+            self.core.add_request(msg)
+        elif isinstance(msg, EngineCoreAbort):
+            self.core.abort_requests(msg.request_ids)
+        elif isinstance(msg, EngineCoreUtility):
+            self._send(EngineCoreOutputs(utility_results=[self.core.call_utility(msg)]))
+
+    def _send(self, outs: EngineCoreOutputs) -> None:
+        self.output.send(self.encoder.encode(outs), copy=False)
+
+    def close(self) -> None:
+        self.core.shutdown()
+        self.ctx.destroy(linger=1000)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Baton engine core process")
+    parser.add_argument("--input", required=True)
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineConfig)
+    EngineCoreProc(config, args.input, args.output, args.parent_pid).run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""The executor seam between the engine core and its workers.
+
+``UniprocExecutor`` runs the single worker in the core's own process (tp=1). A multiprocess
+executor for tensor parallelism keeps the same four calls, broadcasting the scheduler output.
+"""
+
+from abc import ABC, abstractmethod
+
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.sched.output import ModelRunnerOutput, SchedulerOutput
+from services.worker.engine.worker.worker import Worker
+
+
+class Executor(ABC):
+    @abstractmethod
+    def determine_num_blocks(self) -> int:
+        """KV blocks every worker can hold (the minimum across ranks)."""
+
+    @abstractmethod
+    def initialize_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache on every worker; called once, before the first step."""
+
+    @abstractmethod
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step; returns rank 0's sampled tokens."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release workers and their device memory; idempotent."""
+
+
+class UniprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, show_progress: bool = True):
+        self.worker = Worker(config)
+        self.worker.load_model(show_progress)
+
+    def determine_num_blocks(self) -> int:
+        return self.worker.determine_num_blocks()
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_cache(num_blocks)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(sched)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

@@ -1,0 +1,1 @@
+"""Paged KV cache: the physical layout, the block pool and the per-request manager."""

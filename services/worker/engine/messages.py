@@ -1,0 +1,81 @@
+"""Messages between the engine's frontend (LLM, AsyncLLM, the worker service) and its core.
+
+All msgspec structs: the same types go through ``InprocClient`` as objects and through the ZMQ
+boundary of ``EngineCoreProc`` as msgpack. Decoders are typed (a tagged union), so nothing on a
+socket can construct an arbitrary object.
+"""
+
+import msgspec
+
+from services.worker.engine.params import SamplingParams
+from services.worker.engine.request import FinishReason
+from shared.kv_events import KVEventBatch
+
+
+class EngineCoreRequest(msgspec.Struct, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    cache_salt: str | None = None
+
+
+class EngineCoreAbort(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class EngineCoreUtility(msgspec.Struct, tag="utility"):
+    """A named call on the core (see ``core.UTILITY_METHODS``), answered in ``UtilityResult``."""
+
+    call_id: int
+    method: str
+
+
+class EngineCoreShutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+EngineCoreInput = EngineCoreRequest | EngineCoreAbort | EngineCoreUtility | EngineCoreShutdown
+
+
+class SampleLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs at one generated position: the sampled token first, then the top-N."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int  # 1 = the most likely token
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[SampleLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None  # the stop token id, when one ended the request
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # with finish_reason ERROR
+
+
+class EngineStats(msgspec.Struct):
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    kv_usage: float
+    num_preemptions: int
+    prefix_hit_tokens: int  # prompt tokens served from the cache, since start
+    prompt_tokens: int  # prompt tokens admitted, since start
+
+
+class UtilityResult(msgspec.Struct):
+    call_id: int
+    result: msgspec.Raw = msgspec.Raw(b"\xc0")  # msgpack of the method's declared return type
+    error: str | None = None
+
+
+class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
+    utility_results: list[UtilityResult] = msgspec.field(default_factory=list)
+    kv_events: KVEventBatch | None = None
+    ready: EngineStats | None = None  # sent once by EngineCoreProc when it can take requests

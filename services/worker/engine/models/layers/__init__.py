@@ -1,0 +1,1 @@
+"""Building blocks of the dense decoder: tensor-parallel linears, norms, rotary, activation."""

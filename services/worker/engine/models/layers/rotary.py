@@ -1,0 +1,75 @@
+"""Rotary position embedding (NeoX / Llama "rotate half" style) with the scaling types the
+supported checkpoints use: default, linear and llama3. Computed in float32 like Hugging Face.
+"""
+
+import math
+
+import torch
+from torch import nn
+
+from services.worker.engine.model_config import RopeConfig
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    inv_freq = 1.0 / (
+        rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    )
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        return _llama3_scale(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    """Llama 3.1: long wavelengths slow down by ``factor``, short ones stay, a smooth ramp between.
+
+    wavelen:  short  | ramp between high_freq and low_freq wavelengths |  long
+    scaling:  1      | interpolate(1, 1/factor)                        |  1/factor
+    """
+    if rope.original_max_position_embeddings is None:
+        raise ValueError("llama3 rope scaling needs original_max_position_embeddings")
+    old_len = rope.original_max_position_embeddings
+    low_wavelen = old_len / rope.low_freq_factor
+    high_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Caches cos/sin for every position up to ``max_positions``; applied per token by position."""
+
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig):
+        super().__init__()
+        if rope.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope_type {rope.rope_type!r}; supported: "
+                + ", ".join(SUPPORTED_ROPE_TYPES)
+            )
+        freqs = torch.outer(torch.arange(max_positions).float(), _inv_freq(rope, head_dim))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos_cache: torch.Tensor
+        self.sin_cache: torch.Tensor
+        self.register_buffer("cos_cache", emb.cos(), persistent=False)
+        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]."""
+        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)

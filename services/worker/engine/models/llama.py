@@ -1,0 +1,151 @@
+"""The Llama-family dense decoder: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm).
+
+It runs on a flattened batch (``input_ids``/``positions`` of shape [num_tokens]) and reads the
+paged KV cache through the attention backend; ``compute_logits`` runs only on the rows the
+runner will sample from.
+"""
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from services.worker.engine.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    LayerKVCache,
+)
+from services.worker.engine.model_config import ArchConfig
+from services.worker.engine.models.layers.activation import SiluAndMul
+from services.worker.engine.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from services.worker.engine.models.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from services.worker.engine.models.layers.norm import RMSNorm
+from services.worker.engine.models.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ArchConfig, max_positions: int, backend: type[AttentionBackend]):
+        super().__init__()
+        d = arch.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            arch.hidden_size, d, arch.num_heads, arch.num_kv_heads, bias=arch.attention_bias
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.head_dim = d
+        self.o_proj = RowParallelLinear(arch.num_heads * d, arch.hidden_size, bias=False)
+        self.rotary = RotaryEmbedding(d, max_positions, arch.rope)
+        self.q_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
+        self.attn = backend(self.num_heads, self.num_kv_heads, d, scale=d**-0.5)
+        self.kv_cache: LayerKVCache | None = None  # bound by the worker after cache allocation
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        assert self.kv_cache is not None, "KV cache not bound"
+        out = self.attn.forward(q, k, v, self.kv_cache, meta)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: ArchConfig):
+        super().__init__()
+        if arch.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {arch.hidden_act!r}; supported: silu")
+        inter = arch.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            arch.hidden_size, [inter, inter], bias=arch.mlp_bias
+        )
+        self.down_proj = RowParallelLinear(inter, arch.hidden_size, bias=arch.mlp_bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig, max_positions: int, backend: type[AttentionBackend]):
+        super().__init__()
+        self.self_attn = LlamaAttention(arch, max_positions, backend)
+        self.mlp = LlamaMLP(arch)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.forward_residual(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm.forward_residual(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ArchConfig, max_positions: int, backend: type[AttentionBackend]):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, max_positions, backend) for _ in range(arch.num_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        assert residual is not None
+        x, _ = self.norm.forward_residual(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint names that we load into one stacked parameter: name → (our name, shard id).
+    packed_modules: ClassVar[dict[str, tuple[str, str | int]]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, arch: ArchConfig, max_positions: int, backend: type[AttentionBackend]):
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(arch, max_positions, backend)
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def attention_layers(self) -> list[LlamaAttention]:
+        return [layer.self_attn for layer in self.model.layers]  # type: ignore[misc]
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

@@ -1,0 +1,83 @@
+"""Weight loading: Hugging Face safetensors (single file or sharded with an index), or random
+"dummy" weights of the right shapes for benchmarks.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+_SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    path = Path(model_dir)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    return files
+
+
+def load_safetensors(model: nn.Module, model_dir: str | Path, show_progress: bool = True) -> None:
+    """Copy every checkpoint tensor into its parameter through the parameter's weight_loader.
+
+    Raises if a parameter is left unloaded: a half-loaded model would produce silent garbage.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    packed: dict[str, tuple[str, str | int]] = getattr(model, "packed_modules", {})
+    tied = bool(getattr(getattr(model, "arch", None), "tie_word_embeddings", False))
+    loaded: set[str] = set()
+    for file in tqdm(
+        checkpoint_files(model_dir), desc="Loading weights", disable=not show_progress
+    ):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if name.endswith(_SKIPPED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                    continue
+                target, shard = _map_name(name, packed)
+                if target not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
+                param = params[target]
+                loader = getattr(param, "weight_loader", _default_loader)
+                loader(param, f.get_tensor(name), shard)
+                loaded.add(target)
+    if tied:
+        loaded.add("lm_head.weight")
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {model_dir} lacks weights for: {', '.join(missing[:8])}")
+
+
+def _default_loader(param: nn.Parameter, loaded: torch.Tensor, shard: object = None) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(
+            f"checkpoint tensor of shape {tuple(loaded.shape)} != {tuple(param.shape)}"
+        )
+    param.data.copy_(loaded)
+
+
+def _map_name(name: str, packed: dict[str, tuple[str, str | int]]) -> tuple[str, str | int | None]:
+    for ckpt, (ours, shard) in packed.items():
+        if f".{ckpt}." in name:
+            return name.replace(f".{ckpt}.", f".{ours}."), shard
+    return name, None
+
+
+def load_dummy(model: nn.Module, seed: int) -> None:
+    """Small uniform random weights (norm weights near 1), reproducible from ``seed``."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        noise = torch.rand(param.shape, generator=gen, dtype=torch.float32, device=device)
+        if name.endswith("norm.weight"):
+            values = 1.0 + (noise - 0.5) * 0.1
+        else:
+            values = (noise - 0.5) * 0.04
+        param.data.copy_(values.to(param.dtype))

@@ -1,0 +1,33 @@
+"""Maps a checkpoint's ``architectures`` name to a model class, imported lazily.
+
+The names are checked at config time without importing torch; the class is imported when the
+worker builds the model. One dense decoder class covers the Llama family: the differences
+(q/k/v bias, q/k norm, tied embeddings, RoPE scaling) are read from ``ArchConfig``.
+"""
+
+import importlib
+
+_MODELS: dict[str, str] = {
+    "LlamaForCausalLM": "services.worker.engine.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "services.worker.engine.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "services.worker.engine.models.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "services.worker.engine.models.llama:LlamaForCausalLM",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def check_architecture(name: str) -> None:
+    if name not in _MODELS:
+        raise ValueError(
+            f"unsupported model architecture {name!r}; supported: "
+            + ", ".join(supported_architectures())
+        )
+
+
+def resolve_model_class(name: str) -> type:
+    check_architecture(name)
+    module, _, cls = _MODELS[name].partition(":")
+    return getattr(importlib.import_module(module), cls)

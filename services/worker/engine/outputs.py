@@ -1,0 +1,38 @@
+"""What users get back, shaped like vLLM's so code can switch: ``RequestOutput`` with
+``.prompt_token_ids`` and ``.outputs[i]`` (``CompletionOutput``: token_ids, text, finish_reason,
+logprobs as one {token_id: Logprob} dict per generated token)."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int  # 1 = the most likely token at that position
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[dict[int, Logprob]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)

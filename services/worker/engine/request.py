@@ -1,0 +1,104 @@
+"""The engine-side request: its tokens, how many of them have KV computed, and its status.
+
+There are no prefill/decode phases: the scheduler only drives ``num_computed_tokens`` to catch up
+with ``num_tokens``. A prompt of 40 with 3 outputs and 42 computed has one token to run.
+"""
+
+import enum
+
+from services.worker.engine.params import SamplingParams
+from shared.block_hash import ROOT_HASH, hash_blocks
+from shared.ids import BlockHash, RequestId
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: every status from FINISHED_STOPPED on is final."""
+
+    WAITING = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # eos, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"  # the client went away or asked
+    ERROR = "error"  # the engine could not run it (the error text travels with it)
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: RequestId,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: tuple[int, ...],
+        block_size: int,
+        max_model_len: int,
+        cache_salt: str | None = None,
+    ):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens: int | None = None  # prefix-cache hit at first scheduling
+        self.num_preemptions = 0
+        self.stop_reason: int | None = None  # the stop token id that ended it, if any
+        limit = max_model_len - len(prompt_token_ids)
+        self.max_tokens = min(params.max_tokens or limit, limit)
+        self._block_size = block_size
+        self._extra_keys = (cache_salt,) if cache_salt else ()
+        self.block_hashes: list[BlockHash] = hash_blocks(
+            self.all_token_ids, block_size, self._extra_keys
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if self.num_tokens % self._block_size == 0:  # a block just filled up: extend the chain
+            self.block_hashes += hash_blocks(
+                self.all_token_ids,
+                self._block_size,
+                self._extra_keys,
+                start=len(self.block_hashes),
+                parent=self.block_hashes[-1] if self.block_hashes else ROOT_HASH,
+            )
+
+    def check_stop(self) -> RequestStatus | None:
+        """After appending a token: the final status it causes, if any."""
+        last = self.output_token_ids[-1]
+        if len(self.output_token_ids) >= self.params.min_tokens:
+            if not self.params.ignore_eos and last in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if last in self.params.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if len(self.output_token_ids) >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None

@@ -1,0 +1,1 @@
+"""Token sampling: logits processors, temperature, top-k/top-p/min-p, seeds, logprobs."""

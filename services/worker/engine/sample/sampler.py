@@ -1,0 +1,99 @@
+"""The sampler. Order, as in vLLM: logprobs of the raw model output → min_tokens ban →
+penalties → greedy argmax | (temperature → top-k/top-p → min-p → random draw).
+
+Random rows draw with the exponential race (argmax of p / q, q ~ Exp(1)), which needs no sort
+and no host sync. A seeded request draws its q from its own generator, so its tokens do not
+depend on which other requests share the batch.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from services.worker.engine.sample.metadata import Penalties, SamplingMetadata
+
+
+@dataclass
+class SamplerOutput:
+    sampled: torch.Tensor  # int64 [rows]
+    top_ids: torch.Tensor | None  # int64 [rows, N]: most likely tokens under the raw distribution
+    top_logprobs: torch.Tensor | None  # float32 [rows, N]
+    sampled_logprobs: torch.Tensor | None  # float32 [rows]
+    sampled_ranks: torch.Tensor | None  # int64 [rows], 1 = most likely
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = logits.log_softmax(-1) if meta.max_num_logprobs is not None else None
+        for row, token_ids in meta.banned:
+            logits[row, token_ids] = float("-inf")
+        if meta.penalties is not None:
+            logits = apply_penalties(logits, meta.penalties)
+        sampled = logits.argmax(-1)
+        if not meta.all_greedy:
+            random = self._sample_random(logits, meta)
+            sampled = torch.where(meta.greedy, sampled, random)
+        return _with_logprobs(sampled, raw_logprobs, meta.max_num_logprobs)
+
+    def _sample_random(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        logits = logits / meta.temperature.unsqueeze(1)
+        if meta.top_k is not None or meta.top_p is not None:
+            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+        probs = logits.softmax(-1)
+        if meta.min_p is not None:
+            keep = probs >= meta.min_p.unsqueeze(1) * probs.max(-1, keepdim=True).values
+            probs = probs * keep
+        q = torch.empty_like(probs).exponential_()
+        for row, gen in meta.generators.items():
+            q[row].exponential_(generator=gen)
+        return probs.div(q).argmax(-1)
+
+
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+    """Repetition over prompt + output (divide positive logits, multiply negative ones);
+    frequency and presence over the output only (OpenAI's definitions)."""
+    rows, vocab = logits.shape
+    counts = torch.zeros(rows, vocab + 1, dtype=logits.dtype, device=logits.device)
+    counts.scatter_add_(1, p.output_ids, torch.ones_like(p.output_ids, dtype=logits.dtype))
+    counts = counts[:, :vocab]
+    seen = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=logits.device)
+    seen.scatter_(1, p.prompt_ids, True)
+    seen = seen[:, :vocab] | (counts > 0)
+    rep = p.repetition.unsqueeze(1)
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - p.frequency.unsqueeze(1) * counts
+    return logits - p.presence.unsqueeze(1) * (counts > 0).to(logits.dtype)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Mask everything outside each row's top-k and top-p nucleus (at least one token stays)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    vocab = logits.shape[-1]
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (vocab - top_k).clamp(0, vocab - 1).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum <= (1 - top_p).unsqueeze(1)
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _with_logprobs(sampled: torch.Tensor, raw: torch.Tensor | None, n: int | None) -> SamplerOutput:
+    if raw is None or n is None:
+        return SamplerOutput(sampled, None, None, None, None)
+    chosen = raw.gather(1, sampled.unsqueeze(1)).squeeze(1)
+    ranks = (raw > chosen.unsqueeze(1)).sum(-1) + 1
+    top = raw.topk(n, dim=-1) if n > 0 else None
+    return SamplerOutput(
+        sampled=sampled,
+        top_ids=top.indices if top is not None else None,
+        top_logprobs=top.values if top is not None else None,
+        sampled_logprobs=chosen,
+        sampled_ranks=ranks,
+    )

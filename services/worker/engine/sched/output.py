@@ -1,0 +1,46 @@
+"""The scheduler → model runner hand-off for one step, and the runner's answer.
+
+The runner keeps per-request state between steps, so the scheduler sends a request's prompt
+and parameters once (``NewRequestData``) and afterwards only what changed (``CachedRequestData``).
+"""
+
+from dataclasses import dataclass, field
+
+from services.worker.engine.messages import SampleLogprobs
+from services.worker.engine.params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    token_ids: list[int]  # prompt, plus any output tokens it arrives with
+    num_prompt_tokens: int
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    block_ids: list[int]  # the whole block table so far
+    num_computed_tokens: int  # tokens whose KV is already in the cache (prefix hits)
+
+
+@dataclass
+class CachedRequestData:
+    req_id: str
+    new_block_ids: list[int]  # blocks to append; the whole table when resumed
+    num_computed_tokens: int  # before this step
+    resumed_from_preemption: bool  # the runner must replace, not extend, its block table
+
+
+@dataclass
+class SchedulerOutput:
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # req id → tokens this step
+    total_num_scheduled_tokens: int = 0
+    finished_req_ids: set[str] = field(default_factory=set)  # the runner drops their state
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str] = field(default_factory=list)  # in the order the runner batched them
+    sampled_token_ids: list[list[int]] = field(default_factory=list)  # empty: a prefill chunk
+    logprobs: list[SampleLogprobs | None] = field(default_factory=list)

@@ -1,0 +1,212 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Each step has a token budget. Running requests go first, in admission order, each asking for
+all the tokens it has not computed yet (one, when decoding; a chunk, mid-prefill). When the KV
+cache cannot hold them, the most recently admitted running request is preempted: its blocks
+are freed and it waits again at the head of the queue, to recompute later (cheaply, when its
+blocks are still in the prefix cache). Then waiting requests are admitted while budget, slots
+and blocks last; a long prompt takes what budget is left and continues next step.
+"""
+
+from collections import deque
+from collections.abc import Iterable
+
+from services.worker.engine.config import CacheConfig, SchedulerConfig
+from services.worker.engine.kv_cache.manager import KVCacheBlocks, KVCacheManager
+from services.worker.engine.messages import EngineCoreOutput, EngineStats
+from services.worker.engine.request import FINISH_REASONS, Request, RequestStatus
+from services.worker.engine.sched.output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from shared.ids import RequestId
+from shared.kv_events import KVEvent
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int):
+        self.config = config
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.requests: dict[RequestId, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_since_last_step: set[str] = set()
+        self._num_preemptions = 0
+        self._prompt_tokens = 0
+        self._prefix_hit_tokens = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside the step (abort, stop string); unknown ids are ignored."""
+        for rid in request_ids:
+            request = self.requests.get(RequestId(rid))
+            if request is None or request.status.finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._free(request, status)
+
+    def has_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_since_last_step)
+        self._finished_since_last_step = set()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted_req_ids:
+            self._schedule_waiting(out, budget)
+        for rid, n in out.num_scheduled_tokens.items():
+            self.requests[RequestId(rid)].num_computed_tokens += n
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            blocks = self._allocate_or_preempt(request, num_new, out)
+            if blocks is None:  # it preempted itself: nothing after it can run either
+                break
+            out.cached_reqs.append(
+                CachedRequestData(
+                    req_id=request.request_id,
+                    new_block_ids=blocks.block_ids(),
+                    num_computed_tokens=request.num_computed_tokens,
+                    resumed_from_preemption=False,
+                )
+            )
+            out.num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, out: SchedulerOutput
+    ) -> KVCacheBlocks | None:
+        while True:
+            blocks = self.kv.allocate_slots(request, num_new)
+            if blocks is not None:
+                return blocks
+            victim = self.running.pop()  # the most recently admitted
+            self._preempt(victim)
+            out.preempted_req_ids.add(victim.request_id)
+            if victim is request:
+                return None
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if self.kv.allocate_slots(request, num_new, hits) is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            resumed = request.status == RequestStatus.PREEMPTED
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_hit
+                self._prompt_tokens += request.num_prompt_tokens
+                self._prefix_hit_tokens += num_hit
+            block_ids = self.kv.get_block_ids(request.request_id)
+            if resumed:
+                out.cached_reqs.append(
+                    CachedRequestData(request.request_id, block_ids, num_hit, True)
+                )
+            else:
+                out.new_reqs.append(self._new_request_data(request, block_ids))
+            out.num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+
+    @staticmethod
+    def _new_request_data(request: Request, block_ids: list[int]) -> NewRequestData:
+        return NewRequestData(
+            req_id=request.request_id,
+            token_ids=list(request.all_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            params=request.params,
+            eos_token_ids=request.eos_token_ids,
+            block_ids=block_ids,
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self._num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- after the model ran -------------------------------------------------------------
+    def update_from_output(
+        self, sched: SchedulerOutput, result: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs = []
+        for rid, tokens, logprobs in zip(
+            result.req_ids, result.sampled_token_ids, result.logprobs, strict=True
+        ):
+            request = self.requests.get(RequestId(rid))
+            if request is None or not tokens:  # finished meanwhile, or a prefill chunk
+                continue
+            status = None
+            for token in tokens:
+                request.append_output_token(token)
+                status = request.check_stop()
+                if status is not None:
+                    break
+            if status is not None:
+                self.running.remove(request)
+                self._free(request, status)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=rid,
+                    new_token_ids=tokens,
+                    new_logprobs=[logprobs] if logprobs is not None else None,
+                    finish_reason=FINISH_REASONS[status] if status is not None else None,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=request.num_cached_tokens or 0,
+                )
+            )
+        return outputs
+
+    def _free(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self._finished_since_last_step.add(request.request_id)
+
+    # ---- introspection -------------------------------------------------------------------
+    def take_kv_events(self) -> list[KVEvent]:
+        return self.kv.take_events()
+
+    def stats(self) -> EngineStats:
+        pool = self.kv.pool
+        return EngineStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free_blocks,
+            num_cached_blocks=pool.num_cached_blocks,
+            kv_usage=pool.usage,
+            num_preemptions=self._num_preemptions,
+            prefix_hit_tokens=self._prefix_hit_tokens,
+            prompt_tokens=self._prompt_tokens,
+        )

@@ -1,0 +1,1 @@
+"""The device side of the engine: Worker (device, cache) → ModelRunner (inputs, model, sampler)."""

@@ -1,0 +1,67 @@
+"""``Worker``: owns one device — seeds it, loads the model, sizes and allocates the KV cache, and
+runs steps through its ModelRunner. The executor talks to one Worker per tensor-parallel rank.
+"""
+
+import torch
+
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.sched.output import ModelRunnerOutput, SchedulerOutput
+from services.worker.engine.worker.model_runner import ModelRunner
+
+CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on CPU: 1 GiB
+CUDA_RESERVE_BYTES = 1 << 30  # kept free for activations until profiling sizes it (GPU issue)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0):
+        self.config = config
+        self.rank = rank
+        on_gpu = config.device.device == "cuda"
+        self.device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        torch.manual_seed(config.model.seed)
+        self.runner = ModelRunner(config, self.device)
+
+    def load_model(self, show_progress: bool = True) -> None:
+        self.runner.load_model(show_progress)
+
+    def determine_num_blocks(self) -> int:
+        """Blocks that fit the budget: an explicit count, an explicit byte budget, or the device
+        default — never more than max_num_seqs full-length requests can use at once."""
+        cache, sched = self.config.cache, self.config.scheduler
+        per_block = self.runner.layout.bytes_per_block
+        if cache.num_blocks is not None:
+            num = cache.num_blocks
+        else:
+            num = self._kv_budget_bytes() // per_block
+            per_seq = -(-sched.max_model_len // cache.block_size)
+            num = min(num, per_seq * sched.max_num_seqs)
+        needed = -(-sched.max_model_len // cache.block_size)
+        if num < needed:
+            raise ValueError(
+                f"the KV cache holds {num} blocks ({num * cache.block_size} tokens) but one "
+                f"request of max_model_len={sched.max_model_len} needs {needed}; give it more "
+                "memory or lower max_model_len"
+            )
+        return num
+
+    def _kv_budget_bytes(self) -> int:
+        explicit = self.config.cache.kv_cache_memory_bytes
+        if explicit is not None:
+            return explicit
+        if self.device.type == "cpu":
+            return CPU_KV_CACHE_BYTES
+        free, total = torch.cuda.mem_get_info(self.device)
+        allowed = int(total * self.config.cache.gpu_memory_utilization)
+        used = total - free
+        return max(0, allowed - used - CUDA_RESERVE_BYTES)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(sched)
+
+    def shutdown(self) -> None:
+        self.runner.release()

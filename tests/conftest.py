@@ -1,0 +1,43 @@
+"""Shared fixtures: tiny Hugging Face checkpoints of every supported family, made once per run."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from baton.tiny_model import make_tiny_model
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+# name → make_tiny_model kwargs. Together they cover: untied + tied embeddings, q/k/v bias,
+# q/k norm with an explicit head_dim, llama3 RoPE scaling, and a sharded checkpoint.
+TINY_MODELS = {
+    "llama": {"arch": "llama"},
+    "llama3-tied": {"arch": "llama3", "tie_word_embeddings": True},
+    "mistral": {"arch": "mistral"},
+    "qwen2-sharded": {"arch": "qwen2", "num_shards": 3},
+    "qwen3": {"arch": "qwen3"},
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {name: make_tiny_model(root / name, **kw) for name, kw in TINY_MODELS.items()}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_models: dict[str, Path]) -> Path:
+    """The default checkpoint for tests that need any one model."""
+    return tiny_models["qwen3"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (run on the GPU machine with `make test-gpu`)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
