@@ -1,0 +1,141 @@
+"""Offline throughput: N prompts of random token ids with random input/output lengths (the
+nano-vllm workload: 256 sequences, lengths uniform in [100, 1024], ignore_eos), reporting output
+tokens/s. ``--compare-hf`` runs Hugging Face ``generate`` on the same prompts in the same process
+and prints the ratio.
+
+HF cannot stop sequences of one batch at different lengths when EOS is ignored, so it runs
+batches of ``--hf-batch-size`` prompts (left-padded) for the longest requested output of the
+batch; only the requested tokens count as its output, as for Baton.
+
+    python benchmarks/throughput.py --model tiny-model --num-prompts 32 --max-len 256 --compare-hf
+"""
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from baton import LLM, SamplingParams
+
+
+def make_workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(args.seed)
+    lo, hi = args.min_len, args.max_len
+    prompts = [
+        [rng.randrange(min(vocab, 10000)) for _ in range(rng.randint(lo, hi))]
+        for _ in range(args.num_prompts)
+    ]
+    outputs = [rng.randint(lo, hi) for _ in range(args.num_prompts)]
+    return prompts, outputs
+
+
+def run_baton(args: argparse.Namespace) -> tuple[dict[str, Any], list[list[int]], list[int]]:
+    llm = LLM(
+        model=args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=2 * args.max_len + 8,
+        max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=False,  # random prompts share nothing; measure the engine itself
+        seed=args.seed,
+    )
+    prompts, out_lens = make_workload(args, llm.config.model.arch.vocab_size)
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(requests[:2], params[:2], use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(requests, params)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert produced == sum(out_lens), "every request must produce exactly max_tokens"
+    llm.shutdown()
+    return _result("baton", produced, sum(map(len, prompts)), elapsed), prompts, out_lens
+
+
+def run_hf(
+    args: argparse.Namespace, prompts: list[list[int]], out_lens: list[int]
+) -> dict[str, Any]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = "cuda" if args.device in ("cuda", "auto") and torch.cuda.is_available() else "cpu"
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    if args.load_format == "dummy":
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(args.model), dtype=dtype
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    model = model.to(device).eval()
+    pad = 0
+    start = time.perf_counter()
+    for i in range(0, len(prompts), args.hf_batch_size):
+        batch, lens = prompts[i : i + args.hf_batch_size], out_lens[i : i + args.hf_batch_size]
+        width = max(map(len, batch))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+        with torch.inference_mode():
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max(lens),
+                min_new_tokens=max(lens),
+                do_sample=True,
+                temperature=0.6,
+                pad_token_id=pad,
+            )
+    elapsed = time.perf_counter() - start
+    return _result("hf", sum(out_lens), sum(map(len, prompts)), elapsed)
+
+
+def _result(name: str, out_tokens: int, in_tokens: int, elapsed: float) -> dict[str, Any]:
+    return {
+        "engine": name,
+        "output_tokens": out_tokens,
+        "input_tokens": in_tokens,
+        "seconds": round(elapsed, 3),
+        "output_tok_s": round(out_tokens / elapsed, 2),
+        "total_tok_s": round((out_tokens + in_tokens) / elapsed, 2),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", required=True)
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--min-len", type=int, default=100)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compare-hf", action="store_true")
+    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--output", help="write the results as JSON here")
+    args = p.parse_args()
+
+    baton, prompts, out_lens = run_baton(args)
+    results = {"workload": vars(args), "baton": baton, "torch_threads": torch.get_num_threads()}
+    print(json.dumps(baton))
+    if args.compare_hf:
+        hf = run_hf(args, prompts, out_lens)
+        print(json.dumps(hf))
+        results["hf"] = hf
+        results["ratio_output_tok_s"] = round(baton["output_tok_s"] / hf["output_tok_s"], 2)
+        print(f"baton / hf output tokens/s: {results['ratio_output_tok_s']}x")
+    if args.output:
+        Path(args.output).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

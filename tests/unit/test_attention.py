@@ -1,0 +1,98 @@
+"""Attention backends against a dense float64 attention computed independently of the cache.
+
+The cache uses the real layout (a block contiguous across layers) with shuffled block tables;
+the batch mixes prefill chunks that continue a cached prefix with decode rows.
+"""
+
+import math
+import random
+
+import pytest
+import torch
+
+from services.worker.engine.attention.backend import AttentionMetadata
+from services.worker.engine.attention.registry import get_backend, known_backends
+from services.worker.engine.kv_cache.layout import KVCacheLayout, layer_views
+
+BS, LAYERS, LAYER = 4, 3, 1
+
+
+def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n, Hq, D] are the last n positions of k/v [L, Hkv, D]; causal, float64."""
+    n, hq, _ = q.shape
+    length, hkv, _ = k.shape
+    k = k.double().repeat_interleave(hq // hkv, dim=1)
+    v = v.double().repeat_interleave(hq // hkv, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    q_pos = torch.arange(length - n, length)[:, None]
+    scores = scores.masked_fill(torch.arange(length)[None, :] > q_pos, -math.inf)
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def build_case(seed: int, hq: int, hkv: int, d: int, rows: list[tuple[int, int]]):  # type: ignore[no-untyped-def]
+    """rows: (cached tokens, new tokens) per request."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    layout = KVCacheLayout(LAYERS, hkv, d, BS, torch.float32)
+    total_blocks = sum(-(-(c + n) // BS) for c, n in rows) + 3
+    kv = torch.randn(layout.shape(total_blocks))  # garbage everywhere not written below
+    cache = layer_views(kv, LAYER)
+    free = list(range(total_blocks))
+    rng.shuffle(free)
+    q_parts, k_parts, v_parts, slots, tables, expected = [], [], [], [], [], []
+    for cached, new in rows:
+        length = cached + new
+        table = [free.pop() for _ in range(-(-length // BS))]
+        keys, values = torch.randn(length, hkv, d), torch.randn(length, hkv, d)
+        for pos in range(cached):  # the prefix already sits in the cache
+            cache.key[table[pos // BS], pos % BS] = keys[pos]
+            cache.value[table[pos // BS], pos % BS] = values[pos]
+        q = torch.randn(new, hq, d)
+        q_parts.append(q)
+        k_parts.append(keys[cached:])
+        v_parts.append(values[cached:])
+        slots += [table[p // BS] * BS + p % BS for p in range(cached, length)]
+        tables.append(table)
+        expected.append(dense(q, keys, values, d**-0.5))
+    width = max(map(len, tables))
+    qsl = [0]
+    for _, n in rows:
+        qsl.append(qsl[-1] + n)
+    seq_lens = [c + n for c, n in rows]
+    meta = AttentionMetadata(
+        num_tokens=qsl[-1],
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+        max_query_len=max(n for _, n in rows),
+        max_seq_len=max(seq_lens),
+    )
+    q, k, v = torch.cat(q_parts), torch.cat(k_parts), torch.cat(v_parts)
+    return q, k, v, cache, meta, torch.cat(expected), kv
+
+
+CASES = {
+    "decode-only": [(5, 1), (17, 1), (1, 1), (30, 1)],
+    "prefill-only": [(0, 7), (0, 1), (0, 13)],
+    "mixed-with-prefix": [(8, 6), (0, 9), (21, 1), (3, 1), (12, 5)],
+}
+
+
+@pytest.mark.parametrize("backend", known_backends())
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 4, 16), (8, 2, 32), (6, 1, 8)])
+def test_backend_matches_dense_attention(
+    backend: str, case: str, hq: int, hkv: int, d: int
+) -> None:
+    q, k, v, cache, meta, expected, kv = build_case(7, hq, hkv, d, CASES[case])
+    other_layers = kv[:, [i for i in range(LAYERS) if i != LAYER]].clone()
+    impl = get_backend(backend)(hq, hkv, d, scale=d**-0.5)
+    out = impl.forward(q, k, v, cache, meta)
+    assert torch.allclose(out.double(), expected, atol=1e-5, rtol=1e-5)
+    # the new keys/values landed in their slots, and no other layer was touched
+    blocks, offs = meta.slot_mapping // BS, meta.slot_mapping % BS
+    assert torch.equal(cache.key[blocks, offs], k) and torch.equal(cache.value[blocks, offs], v)
+    assert torch.equal(kv[:, [i for i in range(LAYERS) if i != LAYER]], other_layers)
