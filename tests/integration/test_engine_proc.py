@@ -20,16 +20,32 @@ PARAMS = [
 
 
 def summary(outs: list) -> list:  # type: ignore[type-arg]
-    return [[(c.token_ids, c.text, c.finish_reason, c.logprobs) for c in o.outputs] for o in outs]
+    return [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs]
+
+
+def logprob_values(outs: list) -> list[float]:  # type: ignore[type-arg]
+    return [
+        lp.logprob
+        for o in outs
+        for c in o.outputs
+        for position in c.logprobs or []
+        for lp in position.values()
+    ]
 
 
 def test_multiprocess_equals_inprocess(tiny_model: Path) -> None:
     inproc = LLM(model=str(tiny_model), show_progress=False, max_model_len=256)
-    expected = summary(inproc.generate(PROMPTS, PARAMS))
+    expected = inproc.generate(PROMPTS, PARAMS)
     with LLM(
         model=str(tiny_model), multiprocess=True, show_progress=False, max_model_len=256
     ) as mp:
-        assert summary(mp.generate(PROMPTS, PARAMS)) == expected
+        got = mp.generate(PROMPTS, PARAMS)
+        assert summary(got) == summary(expected)
+        # The core may start a step before every request has arrived over the socket, so the
+        # batches differ and float rounding with them: logprobs agree closely, not bit for bit.
+        got_lps, expected_lps = logprob_values(got), logprob_values(expected)
+        assert len(got_lps) == len(expected_lps) > 0
+        assert max(abs(a - b) for a, b in zip(got_lps, expected_lps, strict=True)) < 1e-5
         stats = mp.get_stats()
         assert stats.num_free_blocks == stats.num_blocks and stats.prompt_tokens > 0
         assert mp.reset_prefix_cache()
