@@ -8,7 +8,15 @@ def _make_tiny_model(args: argparse.Namespace) -> None:
     from baton.tiny_model import make_tiny_model
 
     path = make_tiny_model(
-        args.dir, args.arch, seed=args.seed, num_shards=args.shards, tie_word_embeddings=args.tie
+        args.dir,
+        args.arch,
+        seed=args.seed,
+        num_shards=args.shards,
+        tie_word_embeddings=args.tie,
+        hidden_size=args.hidden_size,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
     )
     print(f"wrote a tiny {args.arch} checkpoint to {path}")
 
@@ -49,6 +57,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shards", type=int, default=1)
     p.add_argument("--tie", action="store_true", help="tie input and output embeddings")
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
     p.set_defaults(func=_make_tiny_model)
 
     p = sub.add_parser("generate", help="offline generation with a checkpoint")

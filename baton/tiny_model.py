@@ -38,7 +38,7 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "mistral": ("MistralConfig", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", {}),
-    "qwen3": ("Qwen3Config", {"head_dim": 32}),
+    "qwen3": ("Qwen3Config", {"head_dim": 32}),  # head_dim ≠ hidden / heads, as in real Qwen3
 }
 
 
@@ -85,6 +85,10 @@ def make_tiny_model(
     num_shards: int = 1,
     tie_word_embeddings: bool = False,
     max_position_embeddings: int = 1024,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
 ) -> Path:
     import torch
     import transformers
@@ -98,11 +102,11 @@ def make_tiny_model(
     cls_name, extra = ARCHS[arch]
     config = getattr(transformers, cls_name)(
         vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings,
         rms_norm_eps=1e-6,
         tie_word_embeddings=tie_word_embeddings,

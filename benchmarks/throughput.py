@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from baton import LLM, SamplingParams
+from benchmarks.roofline import copy_bandwidth, matmul_peak
 
 
 def make_workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -51,13 +52,42 @@ def run_baton(args: argparse.Namespace) -> tuple[dict[str, Any], list[list[int]]
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
     requests = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(requests[:2], params[:2], use_tqdm=False)  # warm-up
+    before = llm.get_stats()
     start = time.perf_counter()
     outs = llm.generate(requests, params)
     elapsed = time.perf_counter() - start
+    after, info = llm.get_stats(), llm.get_model_info()
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == sum(out_lens), "every request must produce exactly max_tokens"
     llm.shutdown()
-    return _result("baton", produced, sum(map(len, prompts)), elapsed), prompts, out_lens
+    result = _result("baton", produced, sum(map(len, prompts)), elapsed)
+    result.update(_bounds(args, before, after, info, elapsed))
+    return result, prompts, out_lens
+
+
+def _bounds(
+    args: argparse.Namespace, before: Any, after: Any, info: Any, elapsed: float
+) -> dict[str, Any]:
+    """The run against the machine: every step must read all weights plus the KV cache of every
+    scheduled request; every token costs 2 FLOPs per weight. Limits measured now, same device."""
+    device = torch.device(info.device)
+    dtype = getattr(torch, info.dtype)
+    steps = after.num_steps - before.num_steps
+    kv_tokens = after.context_tokens_read - before.context_tokens_read
+    tokens = after.computed_tokens - before.computed_tokens
+    must_read = steps * info.weight_bytes + kv_tokens * info.kv_bytes_per_token
+    bandwidth = copy_bandwidth(device)
+    peak = matmul_peak(device, dtype)
+    flops = 2 * info.num_params * tokens
+    return {
+        "steps": steps,
+        "bytes_must_read": must_read,
+        "copy_bandwidth_GBps": round(bandwidth / 1e9, 1),
+        "memory_bound_fraction": round(must_read / bandwidth / elapsed, 3),
+        "matmul_peak_TFLOPs": round(peak / 1e12, 3),
+        "weight_TFLOPs_achieved": round(flops / elapsed / 1e12, 4),
+        "matmul_peak_fraction": round(flops / elapsed / peak, 3),
+    }
 
 
 def run_hf(

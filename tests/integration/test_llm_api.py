@@ -104,6 +104,11 @@ def test_prefix_is_reused_and_only_new_tokens_computed(llm: LLM) -> None:
     assert out.num_cached_tokens == (n_prompt // 16) * 16 > 0
     after = llm.get_stats()
     assert after.prefix_hit_tokens - before.prefix_hit_tokens == out.num_cached_tokens
+    # what the model really ran: the first request's whole prompt and one decode step, then
+    # only the uncached part of the second prompt and one decode step
+    n_second = len(out.prompt_token_ids)
+    ran = after.computed_tokens - before.computed_tokens
+    assert ran == (n_prompt + 1) + (n_second - out.num_cached_tokens + 1)
     assert after.num_free_blocks == after.num_blocks  # finished requests hold nothing
 
 

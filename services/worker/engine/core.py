@@ -18,6 +18,7 @@ from services.worker.engine.messages import (
     EngineCoreRequest,
     EngineCoreUtility,
     EngineStats,
+    ModelInfo,
     UtilityResult,
 )
 from services.worker.engine.request import FinishReason, Request, RequestStatus
@@ -28,7 +29,11 @@ from shared.kv_events import KVEventBatch
 logger = logging.getLogger(__name__)
 
 # Named calls a client may make on the core, with what each returns (decoded with this type).
-UTILITY_METHODS: dict[str, type] = {"get_stats": EngineStats, "reset_prefix_cache": bool}
+UTILITY_METHODS: dict[str, type] = {
+    "get_stats": EngineStats,
+    "get_model_info": ModelInfo,
+    "reset_prefix_cache": bool,
+}
 
 
 class EngineCore:
@@ -69,6 +74,8 @@ class EngineCore:
     def call_utility(self, call: EngineCoreUtility) -> UtilityResult:
         if call.method == "get_stats":
             result: object = self.scheduler.stats()
+        elif call.method == "get_model_info":
+            result = self.executor.model_info()
         elif call.method == "reset_prefix_cache":
             result = self.scheduler.kv.reset_prefix_cache()
         else:

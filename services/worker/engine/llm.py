@@ -72,6 +72,9 @@ class LLM:
     def get_stats(self) -> Any:
         return self.client.call_utility("get_stats")
 
+    def get_model_info(self) -> Any:
+        return self.client.call_utility("get_model_info")
+
     def reset_prefix_cache(self) -> bool:
         return bool(self.client.call_utility("reset_prefix_cache"))
 

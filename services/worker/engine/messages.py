@@ -66,6 +66,19 @@ class EngineStats(msgspec.Struct):
     num_preemptions: int
     prefix_hit_tokens: int  # prompt tokens served from the cache, since start
     prompt_tokens: int  # prompt tokens admitted, since start
+    computed_tokens: int  # tokens run through the model (prefill + decode), since start
+    num_steps: int  # steps that ran the model, since start
+    context_tokens_read: int  # sum over steps of each scheduled request's context length
+
+
+class ModelInfo(msgspec.Struct):
+    """What a benchmark needs to compute the machine's bound for a run."""
+
+    num_params: int
+    weight_bytes: int
+    kv_bytes_per_token: int  # all layers, K and V
+    device: str
+    dtype: str
 
 
 class UtilityResult(msgspec.Struct):

@@ -141,12 +141,11 @@ class OutputProcessor:
         if sample.logprobs is not None and out.new_logprobs:
             sample.logprobs += [self._logprob_dict(lp) for lp in out.new_logprobs]
         stop = sample.detok.update(out.new_token_ids)
-        if stop is not None and out.finish_reason is None:
+        if stop is not None:  # the text was cut here, whatever else ended the request
             sample.finish_reason, sample.stop_reason = "stop", stop
-            return True
+            return out.finish_reason is None  # still running in the core: abort it
         if out.finish_reason is not None:
-            sample.finish_reason = str(out.finish_reason)
-            sample.stop_reason = stop if stop is not None else out.stop_reason
+            sample.finish_reason, sample.stop_reason = str(out.finish_reason), out.stop_reason
         return False
 
     def _logprob_dict(self, lp: SampleLogprobs) -> dict[int, Logprob]:

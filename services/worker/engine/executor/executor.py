@@ -7,6 +7,7 @@ executor for tensor parallelism keeps the same four calls, broadcasting the sche
 from abc import ABC, abstractmethod
 
 from services.worker.engine.config import EngineConfig
+from services.worker.engine.messages import ModelInfo
 from services.worker.engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from services.worker.engine.worker.worker import Worker
 
@@ -23,6 +24,10 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; returns rank 0's sampled tokens."""
+
+    @abstractmethod
+    def model_info(self) -> ModelInfo:
+        """Sizes of the model and its KV cache (rank 0's view)."""
 
     @abstractmethod
     def shutdown(self) -> None:
@@ -42,6 +47,9 @@ class UniprocExecutor(Executor):
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(sched)
+
+    def model_info(self) -> ModelInfo:
+        return self.worker.runner.model_info()
 
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -36,6 +36,9 @@ class Scheduler:
         self._num_preemptions = 0
         self._prompt_tokens = 0
         self._prefix_hit_tokens = 0
+        self._computed_tokens = 0
+        self._num_steps = 0
+        self._context_tokens_read = 0
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -67,8 +70,12 @@ class Scheduler:
         if not out.preempted_req_ids:
             self._schedule_waiting(out, budget)
         for rid, n in out.num_scheduled_tokens.items():
-            self.requests[RequestId(rid)].num_computed_tokens += n
+            request = self.requests[RequestId(rid)]
+            request.num_computed_tokens += n
+            self._context_tokens_read += request.num_computed_tokens
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        self._computed_tokens += out.total_num_scheduled_tokens
+        self._num_steps += out.total_num_scheduled_tokens > 0
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -209,4 +216,7 @@ class Scheduler:
             num_preemptions=self._num_preemptions,
             prefix_hit_tokens=self._prefix_hit_tokens,
             prompt_tokens=self._prompt_tokens,
+            computed_tokens=self._computed_tokens,
+            num_steps=self._num_steps,
+            context_tokens_read=self._context_tokens_read,
         )

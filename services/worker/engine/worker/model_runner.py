@@ -17,7 +17,7 @@ from services.worker.engine.attention.backend import AttentionMetadata
 from services.worker.engine.attention.registry import get_backend
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.kv_cache.layout import KVCacheLayout, layer_views
-from services.worker.engine.messages import SampleLogprobs
+from services.worker.engine.messages import ModelInfo, SampleLogprobs
 from services.worker.engine.models.loader import load_dummy, load_safetensors
 from services.worker.engine.models.registry import resolve_model_class
 from services.worker.engine.sample.sampler import Sampler, SamplerOutput
@@ -61,6 +61,16 @@ class ModelRunner:
         self.kv_cache = self.layout.allocate(num_blocks, self.device)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.kv_cache = layer_views(self.kv_cache, i)
+
+    def model_info(self) -> ModelInfo:
+        params = list(self.model.parameters())  # tied weights appear once
+        return ModelInfo(
+            num_params=sum(p.numel() for p in params),
+            weight_bytes=sum(p.numel() * p.element_size() for p in params),
+            kv_bytes_per_token=self.layout.bytes_per_block // self.block_size,
+            device=str(self.device),
+            dtype=self.config.model.dtype,
+        )
 
     def release(self) -> None:
         """Drop the KV cache and per-request state (device memory goes back to the allocator)."""
