@@ -6,6 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. The switch is read
+# when a kernel is defined, so it must be set before any engine module imports Triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from baton.tiny_model import make_tiny_model
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -29,13 +29,20 @@ def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> to
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def build_case(seed: int, hq: int, hkv: int, d: int, rows: list[tuple[int, int]]):  # type: ignore[no-untyped-def]
+def build_case(  # type: ignore[no-untyped-def]
+    seed: int,
+    hq: int,
+    hkv: int,
+    d: int,
+    rows: list[tuple[int, int]],
+    dtype: torch.dtype = torch.float32,
+):
     """rows: (cached tokens, new tokens) per request."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    layout = KVCacheLayout(LAYERS, hkv, d, BS, torch.float32)
+    layout = KVCacheLayout(LAYERS, hkv, d, BS, dtype)
     total_blocks = sum(-(-(c + n) // BS) for c, n in rows) + 3
-    kv = torch.randn(layout.shape(total_blocks))  # garbage everywhere not written below
+    kv = torch.randn(layout.shape(total_blocks)).to(dtype)  # garbage where nothing is written
     cache = layer_views(kv, LAYER)
     free = list(range(total_blocks))
     rng.shuffle(free)
@@ -43,11 +50,12 @@ def build_case(seed: int, hq: int, hkv: int, d: int, rows: list[tuple[int, int]]
     for cached, new in rows:
         length = cached + new
         table = [free.pop() for _ in range(-(-length // BS))]
-        keys, values = torch.randn(length, hkv, d), torch.randn(length, hkv, d)
+        keys = torch.randn(length, hkv, d).to(dtype)
+        values = torch.randn(length, hkv, d).to(dtype)
         for pos in range(cached):  # the prefix already sits in the cache
             cache.key[table[pos // BS], pos % BS] = keys[pos]
             cache.value[table[pos // BS], pos % BS] = values[pos]
-        q = torch.randn(new, hq, d)
+        q = torch.randn(new, hq, d).to(dtype)
         q_parts.append(q)
         k_parts.append(keys[cached:])
         v_parts.append(values[cached:])
@@ -76,22 +84,45 @@ def build_case(seed: int, hq: int, hkv: int, d: int, rows: list[tuple[int, int]]
 
 CASES = {
     "decode-only": [(5, 1), (17, 1), (1, 1), (30, 1)],
+    "decode-long": [(70, 1), (3, 1), (129, 1)],  # split over the context (see the fixture)
     "prefill-only": [(0, 7), (0, 1), (0, 13)],
     "mixed-with-prefix": [(8, 6), (0, 9), (21, 1), (3, 1), (12, 5)],
 }
 
 
+@pytest.fixture(autouse=True)
+def small_decode_splits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the Triton decode kernel split contexts of this test's size, so the split and
+    combine path runs too (on a GPU it splits only contexts of thousands of tokens)."""
+    from services.worker.engine.attention import triton_backend
+
+    monkeypatch.setattr(triton_backend, "TOKENS_PER_SPLIT", 8)
+
+
+# Inputs are rounded to the dtype first, so only the kernel's own rounding is measured.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @pytest.mark.parametrize("backend", known_backends())
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 4, 16), (8, 2, 32), (6, 1, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_backend_matches_dense_attention(
-    backend: str, case: str, hq: int, hkv: int, d: int
+    backend: str, case: str, hq: int, hkv: int, d: int, dtype: torch.dtype
 ) -> None:
-    q, k, v, cache, meta, expected, kv = build_case(7, hq, hkv, d, CASES[case])
+    if backend == "triton" and dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("Triton's CPU interpreter has no bfloat16 matmul (numpy); runs on the GPU")
+    q, k, v, _, meta, expected, kv = build_case(7, hq, hkv, d, CASES[case], dtype)
+    q, k, v, kv = q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), kv.to(DEVICE)
+    for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+        setattr(meta, name, getattr(meta, name).to(DEVICE))
+    cache = layer_views(kv, LAYER)
     other_layers = kv[:, [i for i in range(LAYERS) if i != LAYER]].clone()
     impl = get_backend(backend)(hq, hkv, d, scale=d**-0.5)
     out = impl.forward(q, k, v, cache, meta)
-    assert torch.allclose(out.double(), expected, atol=1e-5, rtol=1e-5)
+    tol = TOLERANCE[dtype]
+    assert torch.allclose(out.double().cpu(), expected, atol=tol, rtol=tol)
     # the new keys/values landed in their slots, and no other layer was touched
     blocks, offs = meta.slot_mapping // BS, meta.slot_mapping % BS
     assert torch.equal(cache.key[blocks, offs], k) and torch.equal(cache.value[blocks, offs], v)

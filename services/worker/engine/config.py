@@ -27,6 +27,7 @@ class ModelConfig:
     seed: int
     max_model_len: int  # prompt + output tokens per request
     arch: ArchConfig
+    fused_ops: bool  # Triton kernels for norm / rotary / SiLU·mul (models/layers/fused_ops.py)
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class AttentionConfig:
 @dataclass(frozen=True)
 class DeviceConfig:
     device: str  # "cpu" | "cuda"
+    cuda_graph_batch_sizes: tuple[int, ...]  # decode batch sizes captured; () = eager only
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,9 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
     attention_backend: str = "auto"
+    fused_ops: bool | None = None  # None: on for CUDA, off for CPU
+    enforce_eager: bool = False  # no CUDA graphs
+    max_cuda_graph_batch_size: int = 256
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
     @classmethod
@@ -133,6 +138,7 @@ class EngineArgs:
                 seed=self.seed,
                 max_model_len=max_model_len,
                 arch=arch,
+                fused_ops=device == "cuda" if self.fused_ops is None else self.fused_ops,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -149,8 +155,18 @@ class EngineArgs:
             ),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             attention=AttentionConfig(backend=resolve_backend_name(self.attention_backend, device)),
-            device=DeviceConfig(device=device),
+            device=DeviceConfig(device, self._graph_sizes(device)),
         )
+
+    def _graph_sizes(self, device: str) -> tuple[int, ...]:
+        """1, 2, 4, 8, then every multiple of 16, up to the largest decode batch."""
+        if device != "cuda" or self.enforce_eager:
+            return ()
+        top = min(self.max_cuda_graph_batch_size, self.max_num_seqs)
+        ladder = [s for s in (1, 2, 4, 8) if s <= top] + list(range(16, top + 1, 16))
+        if ladder[-1] != top:
+            ladder.append(top)
+        return tuple(ladder)
 
 
 def _check_positive(**values: int) -> None:

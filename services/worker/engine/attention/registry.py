@@ -6,6 +6,7 @@ from services.worker.engine.attention.backend import AttentionBackend
 
 _BACKENDS: dict[str, str] = {
     "torch": "services.worker.engine.attention.torch_ref:TorchAttentionBackend",
+    "triton": "services.worker.engine.attention.triton_backend:TritonAttentionBackend",
 }
 
 
@@ -16,7 +17,7 @@ def known_backends() -> list[str]:
 def resolve_backend_name(name: str, device: str) -> str:
     """Turn "auto" into the best backend for ``device``; check any other name."""
     if name == "auto":
-        return "torch"
+        return "triton" if device == "cuda" else "torch"
     if name not in _BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r}; known: auto, " + ", ".join(known_backends())

@@ -28,7 +28,13 @@ from services.worker.engine.models.layers.rotary import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ArchConfig, max_positions: int, backend: type[AttentionBackend]):
+    def __init__(
+        self,
+        arch: ArchConfig,
+        max_positions: int,
+        backend: type[AttentionBackend],
+        fused: bool = False,
+    ):
         super().__init__()
         d = arch.head_dim
         self.qkv_proj = QKVParallelLinear(
@@ -38,9 +44,9 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.head_dim = d
         self.o_proj = RowParallelLinear(arch.num_heads * d, arch.hidden_size, bias=False)
-        self.rotary = RotaryEmbedding(d, max_positions, arch.rope)
-        self.q_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
+        self.rotary = RotaryEmbedding(d, max_positions, arch.rope, fused)
+        self.q_norm = RMSNorm(d, arch.rms_norm_eps, fused) if arch.qk_norm else None
+        self.k_norm = RMSNorm(d, arch.rms_norm_eps, fused) if arch.qk_norm else None
         self.attn = backend(self.num_heads, self.num_kv_heads, d, scale=d**-0.5)
         self.kv_cache: LayerKVCache | None = None  # bound by the worker after cache allocation
 
@@ -61,7 +67,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ArchConfig):
+    def __init__(self, arch: ArchConfig, fused: bool = False):
         super().__init__()
         if arch.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {arch.hidden_act!r}; supported: silu")
@@ -70,19 +76,25 @@ class LlamaMLP(nn.Module):
             arch.hidden_size, [inter, inter], bias=arch.mlp_bias
         )
         self.down_proj = RowParallelLinear(inter, arch.hidden_size, bias=arch.mlp_bias)
-        self.act = SiluAndMul()
+        self.act = SiluAndMul(fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, max_positions: int, backend: type[AttentionBackend]):
+    def __init__(
+        self,
+        arch: ArchConfig,
+        max_positions: int,
+        backend: type[AttentionBackend],
+        fused: bool = False,
+    ):
         super().__init__()
-        self.self_attn = LlamaAttention(arch, max_positions, backend)
-        self.mlp = LlamaMLP(arch)
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = LlamaAttention(arch, max_positions, backend, fused)
+        self.mlp = LlamaMLP(arch, fused)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fused)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fused)
 
     def forward(
         self,
@@ -101,13 +113,19 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ArchConfig, max_positions: int, backend: type[AttentionBackend]):
+    def __init__(
+        self,
+        arch: ArchConfig,
+        max_positions: int,
+        backend: type[AttentionBackend],
+        fused: bool = False,
+    ):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, max_positions, backend) for _ in range(arch.num_layers)
+            LlamaDecoderLayer(arch, max_positions, backend, fused) for _ in range(arch.num_layers)
         )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fused)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -131,10 +149,16 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, arch: ArchConfig, max_positions: int, backend: type[AttentionBackend]):
+    def __init__(
+        self,
+        arch: ArchConfig,
+        max_positions: int,
+        backend: type[AttentionBackend],
+        fused: bool = False,
+    ):
         super().__init__()
         self.arch = arch
-        self.model = LlamaModel(arch, max_positions, backend)
+        self.model = LlamaModel(arch, max_positions, backend, fused)
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

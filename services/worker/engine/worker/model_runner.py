@@ -1,5 +1,6 @@
 """``ModelRunner.execute_model(scheduler_output)``: update per-request state, build the
-flattened batch and attention metadata, run the model, sample, and report the new tokens.
+flattened batch, run the model (eagerly, or by replaying a CUDA graph for decode batches),
+sample, and report the new tokens.
 
 One step, for requests A (3-token prefill chunk that completes its prompt), B (decode):
 
@@ -8,25 +9,29 @@ One step, for requests A (3-token prefill chunk that completes its prompt), B (d
     logits rows:  last token of every request whose tokens are now all computed → [2, 3]
 """
 
-import itertools
-
 import numpy as np
 import torch
 
-from services.worker.engine.attention.backend import AttentionMetadata
 from services.worker.engine.attention.registry import get_backend
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.kv_cache.layout import KVCacheLayout, layer_views
 from services.worker.engine.messages import ModelInfo, SampleLogprobs
 from services.worker.engine.models.loader import load_dummy, load_safetensors
 from services.worker.engine.models.registry import resolve_model_class
+from services.worker.engine.params import SamplingParams
 from services.worker.engine.sample.sampler import Sampler, SamplerOutput
-from services.worker.engine.sched.output import ModelRunnerOutput, SchedulerOutput
+from services.worker.engine.sched.output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
+from services.worker.engine.worker.cuda_graphs import CudaGraphRunner
 from services.worker.engine.worker.input_batch import (
     CachedRequestState,
     build_sampling_metadata,
     make_generator,
 )
+from services.worker.engine.worker.step_inputs import StepInputs, build_step_inputs
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -44,23 +49,76 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
         self.kv_cache: torch.Tensor | None = None
+        self.graphs: CudaGraphRunner | None = None
 
     def load_model(self, show_progress: bool = True) -> None:
         cfg = self.config.model
         cls = resolve_model_class(cfg.arch.architecture)
-        backend = get_backend(self.config.attention.backend)
+        self.backend = get_backend(self.config.attention.backend)
         with torch.device(self.device), _default_dtype(self.dtype):
-            self.model = cls(cfg.arch, cfg.max_model_len, backend)
+            self.model = cls(cfg.arch, cfg.max_model_len, self.backend, cfg.fused_ops)
         if cfg.load_format == "dummy":
             load_dummy(self.model, cfg.seed)
         else:
             load_safetensors(self.model, cfg.model, show_progress)
         self.model.eval()
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def _bind_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = self.layout.allocate(num_blocks, self.device)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.kv_cache = layer_views(self.kv_cache, i)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` blocks plus one spare that padded graph rows write into."""
+        self._bind_kv_cache(num_blocks + 1)
+        sizes = self.config.device.cuda_graph_batch_sizes
+        if sizes and getattr(self.backend, "supports_cuda_graphs", False):
+            self.graphs = CudaGraphRunner(
+                self.model, sizes, self.config.model.max_model_len, self.block_size,
+                pad_block=num_blocks, device=self.device,
+            )  # fmt: skip
+            self.graphs.capture()
+
+    @torch.inference_mode()
+    def profile_peak_bytes(self) -> int:
+        """Peak device memory of the largest step — a full token budget of prefill, then logits
+        and top-k/top-p sampling for max_num_seqs rows — beyond the weights, measured with a
+        temporary KV cache whose own bytes are not counted."""
+        sched, cfg = self.config.scheduler, self.config.model
+        per_seq = min(cfg.max_model_len - 1, sched.max_num_batched_tokens)
+        lens = [per_seq] * (sched.max_num_batched_tokens // per_seq)
+        lens += (
+            [sched.max_num_batched_tokens - sum(lens)]
+            if sum(lens) < sched.max_num_batched_tokens
+            else []
+        )
+        params = SamplingParams(top_k=50, top_p=0.9)
+        states, first = {}, 0
+        for i, n in enumerate(lens):
+            blocks = list(range(first, first + -(-n // self.block_size)))
+            first += len(blocks)
+            ids = np.random.randint(0, cfg.arch.vocab_size, size=n).tolist()
+            states[str(i)] = CachedRequestState(str(i), ids, n, params, (), blocks, 0)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        self._bind_kv_cache(first)
+        kv_bytes = torch.cuda.memory_allocated(self.device) - base
+        step = SchedulerOutput(
+            cached_reqs=[CachedRequestData(k, [], 0, False) for k in states],
+            num_scheduled_tokens={k: len(s.token_ids) for k, s in states.items()},
+        )
+        ids, pos, meta, _ = build_step_inputs(step, states, self.block_size).to_device(self.device)
+        hidden = self.model(ids, pos, meta)
+        rows = hidden[-1:].expand(sched.max_num_seqs, -1)
+        worst = [CachedRequestState("p", [0], 1, params, (), [], 0)] * sched.max_num_seqs
+        meta_s = build_sampling_metadata(worst, cfg.arch.vocab_size, self.device)
+        self.sampler(self.model.compute_logits(rows), meta_s)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base - kv_bytes
+        self.release()
+        torch.cuda.empty_cache()
+        return peak
 
     def model_info(self) -> ModelInfo:
         params = list(self.model.parameters())  # tied weights appear once
@@ -73,10 +131,11 @@ class ModelRunner:
         )
 
     def release(self) -> None:
-        """Drop the KV cache and per-request state (device memory goes back to the allocator)."""
+        """Drop the KV cache, graphs and per-request state (memory back to the allocator)."""
         for attn in self.model.attention_layers():
             attn.kv_cache = None
         self.kv_cache = None
+        self.graphs = None
         self.requests.clear()
 
     # ---- one step ------------------------------------------------------------------------
@@ -85,22 +144,29 @@ class ModelRunner:
         self._update_states(sched)
         if sched.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput()
-        req_ids, sample_rows, inputs = self._prepare_inputs(sched)
-        input_ids, positions, meta, logits_indices = inputs
-        hidden = self.model(input_ids, positions, meta)
+        inputs = build_step_inputs(sched, self.requests, self.block_size)
         out = ModelRunnerOutput(
-            req_ids=req_ids,
-            sampled_token_ids=[[] for _ in req_ids],
-            logprobs=[None for _ in req_ids],
+            req_ids=inputs.req_ids,
+            sampled_token_ids=[[] for _ in inputs.req_ids],
+            logprobs=[None for _ in inputs.req_ids],
         )
-        if not sample_rows:
+        logits = self._run_model(inputs)
+        if logits is None:
             return out
-        states = [self.requests[req_ids[r]] for r in sample_rows]
-        logits = self.model.compute_logits(hidden[logits_indices])
-        meta_s = build_sampling_metadata(states, self.config.model.arch.vocab_size, self.device)
-        result = self.sampler(logits, meta_s)
-        self._record(result, states, sample_rows, out)
+        states = [self.requests[inputs.req_ids[r]] for r in inputs.sample_rows]
+        meta = build_sampling_metadata(states, self.config.model.arch.vocab_size, self.device)
+        self._record(self.sampler(logits, meta), states, inputs.sample_rows, out)
         return out
+
+    def _run_model(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Logits of the rows to sample, or None when no request samples this step."""
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            return self.graphs.run(inputs)  # decode: every row samples
+        input_ids, positions, meta, logits_indices = inputs.to_device(self.device)
+        hidden = self.model(input_ids, positions, meta)
+        if not inputs.sample_rows:
+            return None
+        return self.model.compute_logits(hidden[logits_indices])
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_req_ids:
@@ -123,51 +189,6 @@ class ModelRunner:
             else:
                 state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
-
-    def _prepare_inputs(
-        self, sched: SchedulerOutput
-    ) -> tuple[
-        list[str], list[int], tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]
-    ]:
-        req_ids = [r.req_id for r in sched.new_reqs] + [r.req_id for r in sched.cached_reqs]
-        bs = self.block_size
-        ids, pos, slots, seq_lens, qsl, sample_rows, logits_idx = [], [], [], [], [0], [], []
-        tables = []
-        for row, rid in enumerate(req_ids):
-            state = self.requests[rid]
-            n = sched.num_scheduled_tokens[rid]
-            start = state.num_computed_tokens
-            p = np.arange(start, start + n)
-            ids.append(np.asarray(state.token_ids[start : start + n]))
-            pos.append(p)
-            block_ids = np.asarray(state.block_ids, dtype=np.int64)
-            slots.append(block_ids[p // bs] * bs + p % bs)
-            seq_lens.append(start + n)
-            qsl.append(qsl[-1] + n)
-            tables.append(state.block_ids)
-            if start + n == len(state.token_ids):  # every known token computed: sample next
-                sample_rows.append(row)
-                logits_idx.append(qsl[-1] - 1)
-        width = max(len(t) for t in tables)
-        table = np.zeros((len(tables), width), dtype=np.int32)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = t
-        dev = self.device
-        meta = AttentionMetadata(
-            num_tokens=qsl[-1],
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(table).to(dev),
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
-            max_query_len=max(b - a for a, b in itertools.pairwise(qsl)),
-            max_seq_len=max(seq_lens),
-        )
-        input_ids = torch.from_numpy(np.concatenate(ids).astype(np.int64)).to(dev)
-        positions = torch.from_numpy(np.concatenate(pos).astype(np.int64)).to(dev)
-        logits_indices = torch.tensor(logits_idx, dtype=torch.int64, device=dev)
-        return req_ids, sample_rows, (input_ids, positions, meta, logits_indices)
 
     def _record(
         self,

@@ -9,7 +9,7 @@ from services.worker.engine.sched.output import ModelRunnerOutput, SchedulerOutp
 from services.worker.engine.worker.model_runner import ModelRunner
 
 CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on CPU: 1 GiB
-CUDA_RESERVE_BYTES = 1 << 30  # kept free for activations until profiling sizes it (GPU issue)
+CUDA_GRAPH_RESERVE_BYTES = 512 << 20  # decode graphs' private pool (activations of ≤ 512 rows)
 
 
 class Worker:
@@ -52,10 +52,14 @@ class Worker:
             return explicit
         if self.device.type == "cpu":
             return CPU_KV_CACHE_BYTES
+        # What the engine may use, minus: the weights (allocated now), the peak of the largest
+        # step (profiled), memory outside PyTorch's allocator (CUDA context, cuBLAS), graphs.
+        peak = self.runner.profile_peak_bytes()
         free, total = torch.cuda.mem_get_info(self.device)
+        weights = torch.cuda.memory_allocated(self.device)
+        outside_torch = (total - free) - torch.cuda.memory_reserved(self.device)
         allowed = int(total * self.config.cache.gpu_memory_utilization)
-        used = total - free
-        return max(0, allowed - used - CUDA_RESERVE_BYTES)
+        return max(0, allowed - weights - peak - outside_torch - CUDA_GRAPH_RESERVE_BYTES)
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)

@@ -5,9 +5,10 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, fused: bool = False):
         super().__init__()
         self.eps = eps
+        self.fused = fused  # one Triton kernel (models/layers/fused_ops.py) instead of seven
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -17,11 +18,20 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            from services.worker.engine.models.layers.fused_ops import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
         return self._norm(x)
 
     def forward_residual(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``residual + x`` becomes the new residual; returns (norm of it, it)."""
+        """``residual + x`` becomes the new residual; returns (norm of it, it). The fused
+        kernel updates ``residual`` in place."""
+        if self.fused:
+            from services.worker.engine.models.layers.fused_ops import add_rms_norm
+
+            return add_rms_norm(x, residual, self.weight, self.eps)
         residual = residual + x
         return self._norm(residual), residual

@@ -47,8 +47,9 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Caches cos/sin for every position up to ``max_positions``; applied per token by position."""
 
-    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig):
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, fused: bool = False):
         super().__init__()
+        self.fused = fused  # rotate q and k in place with one Triton kernel
         if rope.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"unsupported rope_type {rope.rope_type!r}; supported: "
@@ -65,6 +66,11 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]."""
+        if self.fused:
+            from services.worker.engine.models.layers.fused_ops import rotary_
+
+            rotary_(positions, q, k, self.cos_cache, self.sin_cache)
+            return q, k
         cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -1,0 +1,185 @@
+"""Triton kernels for paged attention over Baton's KV layout (strided per-layer views
+[num_blocks, block_size, kv_heads, head_dim]; the head dimension must be contiguous).
+
+Two kernels and a combine step:
+
+- ``_prefill``: grid (query tiles, requests, q heads). Each program attends BLOCK_M queries of
+  one request and one head to that request's whole context, causally:
+
+      context:  | cached prefix (seq_len - q_len) | this step's q_len tokens |
+      query m sits at position seq_len - q_len + m and sees keys [0, that position]
+
+  Keys are gathered token by token through the block table, so BLOCK_N need not match the
+  KV block size. It also serves mixed batches (a decode row is a query tile of one).
+- ``_decode``: grid (requests, kv heads, splits). One query per request; the GROUP query heads
+  that share a kv head are packed into the M dimension of one tile, so K/V are read once per
+  group. The context is cut into NUM_SPLITS ranges processed in parallel (long contexts, small
+  batches); ``_combine`` merges the partial results with their log-sum-exp.
+
+Softmax runs in base 2 with float32 statistics (the flash-attention recurrence). Both kernels
+read only device values (lengths, tables), so they can be captured in CUDA graphs.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill(
+    Q, K, V, Out,
+    block_tables, query_start_loc, seq_lens,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_bt,
+    qk_scale,
+    KV_BLOCK: tl.constexpr, GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    req = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(query_start_loc + req)
+    q_len = tl.load(query_start_loc + req + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens + req)
+    prefix = seq_len - q_len
+    kv_head = head // GROUP
+
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < q_len
+    d_ok = offs_d < HEAD_DIM
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(
+        Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        mask=m_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    q_pos = prefix + offs_m
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_M)  # the last query's causal edge
+    table = block_tables + req.to(tl.int64) * stride_bt
+    for start in range(0, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        block = tl.load(table + offs_n // KV_BLOCK, mask=n_ok, other=0).to(tl.int64)
+        kv = block * stride_kb + (offs_n % KV_BLOCK) * stride_ks + kv_head * stride_kh
+        mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + kv[:, None] + offs_d[None, :], mask=mask, other=0.0)
+        v = tl.load(V + kv[:, None] + offs_d[None, :], mask=mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        visible = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(
+        Out + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=m_ok[:, None] & d_ok[None, :],
+    )
+
+
+@triton.jit
+def _decode(
+    Q, K, V, Out, part_acc, part_ml,
+    block_tables, query_start_loc, seq_lens,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_bt,
+    qk_scale,
+    KV_BLOCK: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP
+    seq_len = tl.load(seq_lens + req)
+    row = tl.load(query_start_loc + req).to(tl.int64)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(seq_len, lo + per_split)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_ok = offs_g < GROUP
+    d_ok = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g
+    q = tl.load(
+        Q + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    table = block_tables + req.to(tl.int64) * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        block = tl.load(table + offs_n // KV_BLOCK, mask=n_ok, other=0).to(tl.int64)
+        kv = block * stride_kb + (offs_n % KV_BLOCK) * stride_ks + kv_head * stride_kh
+        mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + kv[:, None] + offs_d[None, :], mask=mask, other=0.0)
+        v = tl.load(V + kv[:, None] + offs_d[None, :], mask=mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    out_mask = g_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            Out + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=out_mask,
+        )
+    else:
+        # partials: acc [reqs, heads, splits, BLOCK_D], (max, sum) [reqs, heads, splits, 2]
+        slot = (req.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
+        tl.store(part_acc + slot[:, None] * BLOCK_D + offs_d[None, :], acc, mask=out_mask)
+        tl.store(part_ml + slot * 2, m_i, mask=g_ok)
+        tl.store(part_ml + slot * 2 + 1, l_i, mask=g_ok)
+
+
+@triton.jit
+def _combine(
+    Out, part_acc, part_ml, query_start_loc, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    row = tl.load(query_start_loc + req).to(tl.int64)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    slot = (req.to(tl.int64) * num_heads + head) * NUM_SPLITS + offs_s
+    m = tl.load(part_ml + slot * 2)
+    l_s = tl.load(part_ml + slot * 2 + 1)
+    m_max = tl.max(m, 0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
+    acc = tl.load(part_acc + slot[:, None] * BLOCK_D + offs_d[None, :])
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
+    tl.store(
+        Out + row * stride_ot + head * stride_oh + offs_d,
+        out.to(Out.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )

@@ -1,0 +1,122 @@
+"""Fused elementwise kernels (Triton): residual add + RMSNorm, SiLU·mul, and rotary embedding.
+
+In eager PyTorch these are chains of small kernels (RMSNorm alone is seven); at batch 1 on a
+GPU their launches cost as much as reading the weights. Each kernel here is one launch and
+rounds where the PyTorch/Hugging Face version rounds (casts to the model dtype at the same
+points), so outputs agree to within a unit in the last place.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm(
+    X, R, W, Y, stride_xt, stride_xh, stride_rt, stride_yt, stride_yh, N, eps,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    """One row (token, head) per program: [r = x + r (stored)]; y = w * norm(r or x)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < N
+    x = tl.load(X + t * stride_xt + h * stride_xh + offs, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(R + t * stride_rt + offs, mask=ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(R + t * stride_rt + offs, x, mask=ok)
+    xf = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
+    normed = (xf * inv).to(x.dtype).to(tl.float32)
+    w = tl.load(W + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Y + t * stride_yt + h * stride_yh + offs, (w * normed).to(Y.dtype.element_ty), mask=ok)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, N] or [T, H, N] (any strides, last dim contiguous); returns a new tensor."""
+    x3 = x if x.dim() == 3 else x.unsqueeze(1)
+    y = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
+    n = x3.shape[-1]
+    _rms_norm[(x3.shape[0], x3.shape[1])](
+        x3, x3, weight, y, x3.stride(0), x3.stride(1), 0, y.stride(0), y.stride(1), n, eps,
+        BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=False,
+    )  # fmt: skip
+    return y if x.dim() == 3 else y.squeeze(1)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual += x`` in place; returns (norm of it, it). x, residual: [T, N]."""
+    y = torch.empty_like(x)
+    n = x.shape[-1]
+    _rms_norm[(x.shape[0], 1)](
+        x, residual, weight, y, x.stride(0), 0, residual.stride(0), y.stride(0), 0, n, eps,
+        BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=True,
+    )  # fmt: skip
+    return y, residual
+
+
+@triton.jit
+def _silu_mul(X, Y, stride_x, stride_y, N, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    gate = tl.load(X + t * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(X + t * stride_x + N + offs, mask=ok, other=0.0)
+    act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)
+    tl.store(Y + t * stride_y + offs, (act * up.to(tl.float32)).to(Y.dtype.element_ty), mask=ok)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2N] = [gate ‖ up] → silu(gate) · up: [T, N]."""
+    n = x.shape[-1] // 2
+    y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(n))
+    _silu_mul[(x.shape[0], triton.cdiv(n, block))](x, y, x.stride(0), y.stride(0), n, BLOCK=block)
+    return y
+
+
+@triton.jit
+def _rotary(
+    Q, K, positions, COS, SIN, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
+    NUM_Q_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """In place, one (token, head) per program; heads [0, NUM_Q_HEADS) of q, then those of k.
+
+    out[:half] = x1·cos − x2·sin,  out[half:] = x2·cos + x1·sin   (rotate-half style)
+    """
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    pos = tl.load(positions + t).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < HALF
+    if h < NUM_Q_HEADS:
+        base = Q + t * stride_qt + h * stride_qh
+    else:
+        base = K + t * stride_kt + (h - NUM_Q_HEADS) * stride_kh
+    x1 = tl.load(base + offs, mask=ok, other=0.0)
+    x2 = tl.load(base + HALF + offs, mask=ok, other=0.0)
+    dtype = x1.dtype
+    cos = tl.load(COS + pos * stride_c + offs, mask=ok, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.load(SIN + pos * stride_c + offs, mask=ok, other=0.0).to(dtype).to(tl.float32)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    a1 = (x1f * cos).to(dtype).to(tl.float32)
+    b1 = (x2f * sin).to(dtype).to(tl.float32)
+    a2 = (x2f * cos).to(dtype).to(tl.float32)
+    b2 = (x1f * sin).to(dtype).to(tl.float32)
+    tl.store(base + offs, (a1 - b1).to(dtype), mask=ok)
+    tl.store(base + HALF + offs, (a2 + b2).to(dtype), mask=ok)
+
+
+def rotary_(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> None:
+    """Rotate q [T, Hq, D] and k [T, Hk, D] in place; cos/sin: [max_positions, D] float32."""
+    half = q.shape[-1] // 2
+    grid = (q.shape[0], q.shape[1] + k.shape[1])
+    _rotary[grid](
+        q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        cos.stride(0), NUM_Q_HEADS=q.shape[1], HALF=half, BLOCK=triton.next_power_of_2(half),
+    )  # fmt: skip

@@ -1,0 +1,98 @@
+"""CUDA graphs for decode steps: the model forward (and logits) captured once per batch size of
+a ladder (1, 2, 4, 8, 16, 32, …), replayed with the step's inputs copied into static buffers.
+
+A batch of B requests runs in the smallest captured size S ≥ B; rows [B, S) are padding: one
+token at position 0 that writes to the spare block after the real cache and attends to itself.
+Batches larger than the largest size, and any step with a prefill, run eagerly.
+
+Capture needs a backend that reads no per-step host values (``supports_cuda_graphs``).
+"""
+
+import bisect
+
+import torch
+from torch import nn
+
+from services.worker.engine.attention.backend import AttentionMetadata
+from services.worker.engine.worker.step_inputs import StepInputs
+
+
+class CudaGraphRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        sizes: tuple[int, ...],
+        max_model_len: int,
+        block_size: int,
+        pad_block: int,
+        device: torch.device,
+    ):
+        self.model = model
+        self.sizes = sorted(sizes)
+        self.max_model_len = max_model_len
+        self.pad_slot = pad_block * block_size
+        self.pad_block = pad_block
+        top = self.sizes[-1]
+        width = -(-max_model_len // block_size)
+        self.input_ids = torch.zeros(top, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(top, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((top,), self.pad_slot, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(top, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=device)
+        self.block_tables = torch.full((top, width), pad_block, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+
+    def can_run(self, inputs: StepInputs) -> bool:
+        return inputs.max_query_len == 1 and len(inputs.req_ids) <= self.sizes[-1]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        pool = None
+        for size in reversed(self.sizes):  # largest first: later graphs reuse its memory
+            meta = self._metadata(size)
+            for _ in range(2):  # compile kernels, settle allocations
+                self._forward(size, meta)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[size] = self._forward(size, meta)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits [B, vocab] for a decode batch of B requests (one token each)."""
+        b = len(inputs.req_ids)
+        size = self.sizes[bisect.bisect_left(self.sizes, b)]
+        self.input_ids[:b].copy_(torch.from_numpy(inputs.input_ids))
+        self.positions[:b].copy_(torch.from_numpy(inputs.positions))
+        self.slot_mapping[:b].copy_(torch.from_numpy(inputs.slot_mapping))
+        self.seq_lens[:b].copy_(torch.tensor(inputs.seq_lens, dtype=torch.int32))
+        width = inputs.block_table.shape[1]
+        self.block_tables[:b, :width].copy_(torch.from_numpy(inputs.block_table))
+        if size > b:  # padding rows: harmless single-token requests on the spare block
+            self.input_ids[b:size].zero_()
+            self.positions[b:size].zero_()
+            self.slot_mapping[b:size].fill_(self.pad_slot)
+            self.seq_lens[b:size].fill_(1)
+            self.block_tables[b:size, 0].fill_(self.pad_block)
+        self.graphs[size].replay()
+        return self.logits[size][:b]
+
+    def _metadata(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            num_tokens=size,
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
+            slot_mapping=self.slot_mapping[:size],
+            query_start_loc_cpu=list(range(size + 1)),
+            seq_lens_cpu=[self.max_model_len] * size,
+            max_query_len=1,
+            max_seq_len=self.max_model_len,  # fixes the decode kernel's split count
+        )
+
+    def _forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:size], self.positions[:size], meta)
+        return self.model.compute_logits(hidden)  # type: ignore[operator]

@@ -1,0 +1,69 @@
+"""Fused Triton kernels against the PyTorch layer code they replace (interpreter on CPU)."""
+
+import pytest
+import torch
+
+from services.worker.engine.model_config import RopeConfig
+from services.worker.engine.models.layers.activation import SiluAndMul
+from services.worker.engine.models.layers.norm import RMSNorm
+from services.worker.engine.models.layers.rotary import RotaryEmbedding
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def pair(cls, *args):  # type: ignore[no-untyped-def]
+    """The same layer twice: the PyTorch version and the fused one, sharing weights."""
+    ref, fused = cls(*args, fused=False), cls(*args, fused=True)
+    fused.load_state_dict(ref.state_dict())
+    return ref.to(DEVICE), fused.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_and_residual(dtype: torch.dtype) -> None:
+    ref, fused = pair(RMSNorm, 48, 1e-6)
+    ref.weight.data = torch.rand(48, device=DEVICE) + 0.5
+    fused.weight.data = ref.weight.data.clone()
+    ref, fused = ref.to(dtype), fused.to(dtype)
+    x = torch.randn(5, 48, device=DEVICE, dtype=dtype)
+    res = torch.randn(5, 48, device=DEVICE, dtype=dtype)
+    torch.testing.assert_close(fused(x), ref(x), atol=TOL[dtype], rtol=TOL[dtype])
+    y_ref, r_ref = ref.forward_residual(x, res.clone())
+    y, r = fused.forward_residual(x, res.clone())
+    torch.testing.assert_close(r, r_ref, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(y, y_ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_rms_norm_per_head_on_a_strided_view() -> None:
+    ref, fused = pair(RMSNorm, 16, 1e-6)
+    qkv = torch.randn(7, 4 * 16 + 2 * 16, device=DEVICE)
+    q = qkv[:, : 4 * 16].view(7, 4, 16)  # not contiguous across tokens
+    torch.testing.assert_close(fused(q), ref(q))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_and_mul(dtype: torch.dtype) -> None:
+    ref, fused = pair(SiluAndMul)
+    x = torch.randn(6, 2 * 40, device=DEVICE, dtype=dtype)
+    torch.testing.assert_close(fused(x), ref(x), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize(
+    "rope", [RopeConfig(10000.0), RopeConfig(5e5, "llama3", 8.0, 1.0, 4.0, 64)]
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotary_in_place(rope: RopeConfig, dtype: torch.dtype) -> None:
+    ref, fused = pair(RotaryEmbedding, 32, 256, rope)
+    qkv = torch.randn(9, (4 + 2 + 2) * 32, device=DEVICE, dtype=dtype)
+    positions = torch.tensor([0, 1, 2, 50, 51, 200, 3, 4, 255], device=DEVICE)
+
+    def split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return t[:, : 4 * 32].view(9, 4, 32), t[:, 4 * 32 : 6 * 32].view(9, 2, 32)
+
+    q_ref, k_ref = ref(positions, *split(qkv.clone()))
+    fused_qkv = qkv.clone()
+    q, k = fused(positions, *split(fused_qkv))
+    torch.testing.assert_close(q, q_ref, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(k, k_ref, atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(fused_qkv[:, 6 * 32 :], qkv[:, 6 * 32 :])  # v untouched
