@@ -97,12 +97,12 @@ def run_hf(
 
     device = "cuda" if args.device in ("cuda", "auto") and torch.cuda.is_available() else "cpu"
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    if args.load_format == "dummy":
-        model = AutoModelForCausalLM.from_config(
-            AutoConfig.from_pretrained(args.model), dtype=dtype
-        )
-    else:
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    with torch.device(device):  # random init on the GPU: an 8B model on the host takes minutes
+        if args.load_format == "dummy":
+            config = AutoConfig.from_pretrained(args.model)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
     model = model.to(device).eval()
     pad = 0
     start = time.perf_counter()
@@ -140,7 +140,7 @@ def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--model", required=True)
+    p.add_argument("--model")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -151,14 +151,33 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare-hf", action="store_true")
     p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument(
+        "--hf-num-prompts",
+        type=int,
+        default=None,
+        help="run HF on the first N of the same prompts only (its rate is per batch; a GPU "
+        "run of all 256 takes many minutes)",
+    )
+    p.add_argument("--shape", help="a model shape from benchmarks/shapes.py instead of --model")
     p.add_argument("--output", help="write the results as JSON here")
     args = p.parse_args()
+    if args.shape:
+        import tempfile
+
+        from benchmarks.shapes import write_shape
+
+        args.model = str(write_shape(args.shape, Path(tempfile.mkdtemp()) / args.shape))
+        args.load_format = "dummy"
+    if not args.model:
+        p.error("give --model or --shape")
 
     baton, prompts, out_lens = run_baton(args)
     results = {"workload": vars(args), "baton": baton, "torch_threads": torch.get_num_threads()}
     print(json.dumps(baton))
     if args.compare_hf:
-        hf = run_hf(args, prompts, out_lens)
+        k = args.hf_num_prompts or len(prompts)
+        hf = run_hf(args, prompts[:k], out_lens[:k])
+        hf["num_prompts"] = k
         print(json.dumps(hf))
         results["hf"] = hf
         results["ratio_output_tok_s"] = round(baton["output_tok_s"] / hf["output_tok_s"], 2)

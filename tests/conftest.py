@@ -39,6 +39,17 @@ def tiny_model(tiny_models: dict[str, Path]) -> Path:
     return tiny_models["qwen3"]
 
 
+@pytest.fixture(autouse=True)
+def _free_gpu_memory() -> object:
+    """On a GPU, give each test's engines' memory back before the next test sizes its cache."""
+    yield
+    if torch.cuda.is_available():
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

@@ -26,11 +26,13 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 
 
 def load_safetensors(model: nn.Module, model_dir: str | Path, show_progress: bool = True) -> None:
-    """Copy every checkpoint tensor into its parameter through the parameter's weight_loader.
+    """Copy every checkpoint tensor into its parameter through the ``weight_loader`` of the
+    module that owns it (a plain copy for modules without one).
 
     Raises if a parameter is left unloaded: a half-loaded model would produce silent garbage.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules())
     packed: dict[str, tuple[str, str | int]] = getattr(model, "packed_modules", {})
     tied = bool(getattr(getattr(model, "arch", None), "tie_word_embeddings", False))
     loaded: set[str] = set()
@@ -45,7 +47,8 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, show_progress: boo
                 if target not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
                 param = params[target]
-                loader = getattr(param, "weight_loader", _default_loader)
+                owner = modules[target.rpartition(".")[0]]
+                loader = getattr(owner, "weight_loader", _default_loader)
                 loader(param, f.get_tensor(name), shard)
                 loaded.add(target)
     if tied:

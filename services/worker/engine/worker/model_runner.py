@@ -161,7 +161,12 @@ class ModelRunner:
     def _run_model(self, inputs: StepInputs) -> torch.Tensor | None:
         """Logits of the rows to sample, or None when no request samples this step."""
         if self.graphs is not None and self.graphs.can_run(inputs):
-            return self.graphs.run(inputs)  # decode: every row samples
+            logits = self.graphs.run(inputs)  # one row per request
+            if len(inputs.sample_rows) == len(inputs.req_ids):
+                return logits
+            # a one-token prefill chunk has one query too, but samples nothing yet
+            rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=self.device)
+            return logits[rows] if inputs.sample_rows else None
         input_ids, positions, meta, logits_indices = inputs.to_device(self.device)
         hidden = self.model(input_ids, positions, meta)
         if not inputs.sample_rows:

@@ -14,7 +14,6 @@ class VocabParallelEmbedding(nn.Module):
         self.shard = -(-vocab_size // self.tp_size)
         self.start = self.tp_rank * self.shard
         self.weight = nn.Parameter(torch.empty(self.shard, hidden), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None

@@ -5,11 +5,10 @@
     QKVParallelLinear      q, k, v stacked along out; each rank holds its heads of each
     MergedColumnParallelLinear  gate and up stacked along out; each rank holds its slice of each
 
-Every parameter carries ``weight_loader(param, loaded, shard_id)`` that copies this rank's slice
-of a checkpoint tensor into the right rows, so the loader never needs to know the layout.
+Each layer has ``weight_loader(param, loaded, shard_id)`` that copies this rank's slice of a
+checkpoint tensor into the right rows of its parameter, so the loader never needs to know the
+layout (models/loader.py calls the loader of the module that owns each parameter).
 """
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,21 +17,15 @@ from torch import nn
 from services.worker.engine.distributed import all_reduce, tp_rank, tp_size
 
 
-def _attach(param: nn.Parameter, loader: Callable[..., None]) -> None:
-    param.weight_loader = loader  # type: ignore[attr-defined]
-
-
 class _LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, split_dim: int | None):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.split_dim = split_dim
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        _attach(self.weight, self.weight_loader)
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-            _attach(self.bias, self.weight_loader)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None

@@ -1,0 +1,116 @@
+"""Batch-1 latency: decode ms/step and tokens/s next to the HBM roofline (weight bytes ÷ copy
+bandwidth, both measured in this run), and prefill of a long prompt as achieved TFLOP/s
+against the matmul peak measured in this run. Variants (CUDA graphs off, fused kernels off)
+run in the same process so their ratios are side by side.
+
+    python benchmarks/latency.py --shape llama-3.1-8b --variants graphs eager unfused
+"""
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from baton import LLM, SamplingParams
+from benchmarks.roofline import copy_bandwidth, matmul_peak
+from benchmarks.shapes import write_shape
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "graphs": {},  # the default: CUDA graphs + fused kernels + Triton attention
+    "eager": {"enforce_eager": True},
+    "unfused": {"fused_ops": False},
+}
+
+
+def _timed(llm: LLM, ids: list[int], max_tokens: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    [out] = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == max_tokens
+    return time.perf_counter() - start
+
+
+def measure(model: str, variant: str, args: argparse.Namespace) -> dict[str, Any]:
+    llm = LLM(
+        model=model, load_format="dummy", dtype=args.dtype, max_model_len=args.max_model_len,
+        max_num_seqs=4, num_kv_blocks=args.max_model_len // 16 * 2, show_progress=False,
+        max_num_batched_tokens=args.prefill_len, **VARIANTS[variant],
+    )  # fmt: skip
+    info = llm.get_model_info()
+    prompt = list(range(1, args.input_len + 1))
+    long_prompt = [i % 1000 + 1 for i in range(args.prefill_len)]
+    for _ in range(2):  # warm-up: compile kernels, settle the allocator
+        _timed(llm, prompt, 8)
+        _timed(llm, long_prompt, 1)
+    prefill_only = min(_timed(llm, prompt, 1) for _ in range(3))
+    whole = min(_timed(llm, prompt, args.output_len) for _ in range(args.repeats))
+    ms_step = (whole - prefill_only) / (args.output_len - 1) * 1e3
+    long_prefill = min(_timed(llm, long_prompt, 1) for _ in range(3))
+    arch = llm.config.model.arch
+    # weight FLOPs plus attention (QK^T and PV over the causal half of the square)
+    attn = 2 * 2 * arch.num_layers * arch.num_heads * arch.head_dim * args.prefill_len**2 / 2
+    flops = 2 * info.num_params * args.prefill_len + attn
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {
+        "variant": variant,
+        "decode_ms_per_step": round(ms_step, 3),
+        "decode_tok_s": round(1e3 / ms_step, 1),
+        "prefill_len": args.prefill_len,
+        "prefill_ms": round(long_prefill * 1e3, 2),
+        "prefill_TFLOPs": round(flops / long_prefill / 1e12, 1),
+        "weight_bytes": info.weight_bytes,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--shape", default="llama-3.1-8b")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--prefill-len", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--variants", nargs="+", default=["graphs", "eager", "unfused"], choices=list(VARIANTS)
+    )
+    p.add_argument("--output")
+    args = p.parse_args()
+    device = torch.device("cuda")
+    model = str(write_shape(args.shape, Path(tempfile.mkdtemp()) / args.shape))
+    results: dict[str, Any] = {"shape": args.shape, "args": vars(args)}
+    results["variants"] = [measure(model, v, args) for v in args.variants]
+    bandwidth = copy_bandwidth(device)
+    peak = matmul_peak(device, getattr(torch, args.dtype))
+    roofline_ms = results["variants"][0]["weight_bytes"] / bandwidth * 1e3
+    results.update(
+        copy_bandwidth_GBps=round(bandwidth / 1e9, 1),
+        matmul_peak_TFLOPs=round(peak / 1e12, 1),
+        roofline_ms_per_step=round(roofline_ms, 3),
+        roofline_tok_s=round(1e3 / roofline_ms, 1),
+        gpu=torch.cuda.get_device_name(device),
+    )
+    for v in results["variants"]:
+        v["fraction_of_roofline"] = round(roofline_ms / v["decode_ms_per_step"], 3)
+        v["fraction_of_matmul_peak"] = round(v["prefill_TFLOPs"] * 1e12 / peak, 3)
+    print(json.dumps(results, indent=2))
+    if args.output:
+        Path(args.output).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""Config-only checkpoints of real model shapes, for ``load_format="dummy"`` benchmarks: the
+architecture's config.json plus the small locally trained tokenizer (prompts are token ids)."""
+
+import json
+from pathlib import Path
+
+from baton.tiny_model import train_tokenizer
+
+SHAPES = {
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "torch_dtype": "bfloat16", "eos_token_id": 0,
+    },
+    "qwen3-0.6b": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+        "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+        "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+        "rope_theta": 1000000.0, "torch_dtype": "bfloat16", "eos_token_id": 0,
+    },
+}  # fmt: skip
+
+
+def write_shape(name: str, out_dir: str | Path) -> Path:
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / "tokenizer.json").exists():
+        train_tokenizer(out)
+    (out / "config.json").write_text(json.dumps(SHAPES[name], indent=2))
+    return out
