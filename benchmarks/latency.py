@@ -44,7 +44,8 @@ def measure(model: str, variant: str, args: argparse.Namespace) -> dict[str, Any
     llm = LLM(
         model=model, load_format="dummy", dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_seqs=4, num_kv_blocks=args.max_model_len // 16 * 2, show_progress=False,
-        max_num_batched_tokens=args.prefill_len, **VARIANTS[variant],
+        max_num_batched_tokens=args.prefill_len, enable_prefix_caching=False,  # every token runs
+        **VARIANTS[variant],
     )  # fmt: skip
     info = llm.get_model_info()
     prompt = list(range(1, args.input_len + 1))
@@ -56,6 +57,8 @@ def measure(model: str, variant: str, args: argparse.Namespace) -> dict[str, Any
     whole = min(_timed(llm, prompt, args.output_len) for _ in range(args.repeats))
     ms_step = (whole - prefill_only) / (args.output_len - 1) * 1e3
     long_prefill = min(_timed(llm, long_prompt, 1) for _ in range(3))
+    replay_ms = _graph_replay_ms(llm)
+    kernels = _kernel_table(llm, prompt) if args.profile and variant == "eager" else None
     arch = llm.config.model.arch
     # weight FLOPs plus attention (QK^T and PV over the causal half of the square)
     attn = 2 * 2 * arch.num_layers * arch.num_heads * arch.head_dim * args.prefill_len**2 / 2
@@ -71,7 +74,44 @@ def measure(model: str, variant: str, args: argparse.Namespace) -> dict[str, Any
         "prefill_ms": round(long_prefill * 1e3, 2),
         "prefill_TFLOPs": round(flops / long_prefill / 1e12, 1),
         "weight_bytes": info.weight_bytes,
+        "graph_replay_ms": replay_ms,  # GPU time of one batch-1 step; the rest is host work
+        "kernels": kernels,
     }
+
+
+def _graph_replay_ms(llm: LLM) -> float | None:
+    graphs = llm.client.core.executor.worker.runner.graphs  # type: ignore[attr-defined]
+    if graphs is None:
+        return None
+    graph = graphs.graphs[1]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(50):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return round(start.elapsed_time(end) / 50, 3)
+
+
+def _kernel_table(llm: LLM, prompt: list[int], steps: int = 16) -> list[dict[str, Any]]:
+    """GPU time per decode step by kernel (eager, so each kernel is visible), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _timed(llm, prompt, steps + 1)
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+        if us > 0:
+            rows.append(
+                {
+                    "kernel": e.key[:90],
+                    "us_per_step": round(us / steps, 1),
+                    "calls_per_step": round(e.count / steps, 1),
+                }
+            )
+    return sorted(rows, key=lambda r: -r["us_per_step"])[:20]
 
 
 def main() -> None:
@@ -88,6 +128,7 @@ def main() -> None:
     p.add_argument(
         "--variants", nargs="+", default=["graphs", "eager", "unfused"], choices=list(VARIANTS)
     )
+    p.add_argument("--profile", action="store_true", help="kernel table of an eager decode step")
     p.add_argument("--output")
     args = p.parse_args()
     device = torch.device("cuda")

@@ -15,24 +15,32 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _best_time(fn, device: torch.device, reps: int) -> float:  # type: ignore[no-untyped-def]
+def _median_time(fn, device: torch.device, reps: int) -> float:  # type: ignore[no-untyped-def]
+    """Median seconds per call after a warm-up: CUDA events on a GPU, a host clock on CPU."""
     fn()
     _sync(device)
-    best = float("inf")
+    times = []
     for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return best
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
 
 
 def copy_bandwidth(device: torch.device, nbytes: int | None = None, reps: int = 10) -> float:
-    """Bytes/s, read + written."""
-    nbytes = nbytes or (2 << 30 if device.type == "cuda" else 256 << 20)
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    """Bytes/s, read + written, of one large copy (4 GiB each way on a GPU, as KINDS.md did)."""
+    nbytes = nbytes or (4 << 30 if device.type == "cuda" else 256 << 20)
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
-    seconds = _best_time(lambda: dst.copy_(src), device, reps)
+    seconds = _median_time(lambda: dst.copy_(src), device, reps)
     return 2 * nbytes / seconds
 
 
@@ -43,5 +51,5 @@ def matmul_peak(
     n = n or (8192 if device.type == "cuda" else 1024)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    seconds = _best_time(lambda: a @ b, device, reps)
+    seconds = _median_time(lambda: a @ b, device, reps)
     return 2 * n**3 / seconds

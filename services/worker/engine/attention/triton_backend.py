@@ -42,7 +42,7 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.group = num_heads // num_kv_heads
-        self.block_d = triton.next_power_of_2(head_dim)
+        self.block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
         self._num_sms: int | None = None
 
     def forward(

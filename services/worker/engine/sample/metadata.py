@@ -19,9 +19,9 @@ class Penalties:
 
 @dataclass
 class SamplingMetadata:
-    all_greedy: bool
-    greedy: torch.Tensor  # bool [rows]
-    temperature: torch.Tensor  # float32 [rows]; 1.0 on greedy rows (never divides by 0)
+    all_greedy: bool  # then greedy and temperature are None: one argmax, nothing else
+    greedy: torch.Tensor | None  # bool [rows]
+    temperature: torch.Tensor | None  # float32 [rows]; 1.0 on greedy rows (never divides by 0)
     top_k: torch.Tensor | None  # int64 [rows]; vocab size where disabled
     top_p: torch.Tensor | None  # float32 [rows]; 1.0 where disabled
     min_p: torch.Tensor | None  # float32 [rows]; 0.0 where disabled

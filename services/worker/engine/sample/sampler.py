@@ -32,11 +32,13 @@ class Sampler:
             logits = apply_penalties(logits, meta.penalties)
         sampled = logits.argmax(-1)
         if not meta.all_greedy:
+            assert meta.greedy is not None  # built whenever a row samples randomly
             random = self._sample_random(logits, meta)
             sampled = torch.where(meta.greedy, sampled, random)
         return _with_logprobs(sampled, raw_logprobs, meta.max_num_logprobs)
 
     def _sample_random(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        assert meta.temperature is not None
         logits = logits / meta.temperature.unsqueeze(1)
         if meta.top_k is not None or meta.top_p is not None:
             logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)

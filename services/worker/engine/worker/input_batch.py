@@ -45,12 +45,12 @@ def build_sampling_metadata(
 
     top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
     logprobs = [p.logprobs for p in params if p.logprobs is not None]
+    all_greedy = all(greedy)
+    temps = [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
     return SamplingMetadata(
-        all_greedy=all(greedy),
-        greedy=column(greedy, torch.bool),
-        temperature=column(
-            [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
-        ),
+        all_greedy=all_greedy,
+        greedy=None if all_greedy else column(greedy, torch.bool),
+        temperature=None if all_greedy else column(temps),
         top_k=column(top_k, torch.int64) if any(k < vocab_size for k in top_k) else None,
         top_p=column([p.top_p for p in params]) if any(p.top_p < 1 for p in params) else None,
         min_p=column([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None,
