@@ -155,7 +155,8 @@ def _decode(
     else:
         # partials: acc [reqs, heads, splits, BLOCK_D], (max, sum) [reqs, heads, splits, 2]
         slot = (req.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
-        tl.store(part_acc + slot[:, None] * BLOCK_D + offs_d[None, :], acc, mask=out_mask)
+        # whole padded rows (the columns past HEAD_DIM are zeros), so _combine reads no garbage
+        tl.store(part_acc + slot[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_ok[:, None])
         tl.store(part_ml + slot * 2, m_i, mask=g_ok)
         tl.store(part_ml + slot * 2 + 1, l_i, mask=g_ok)
 
