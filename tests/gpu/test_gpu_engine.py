@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from baton import LLM, SamplingParams
+from baton.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.gpu
 
@@ -44,9 +45,13 @@ def test_bfloat16_is_the_default_and_close_to_float32(tiny_model: Path) -> None:
         assert all(abs(la[0][t].logprob - lb[0][t].logprob) < 0.05 for t in shared)
 
 
-def test_kv_cache_is_sized_from_free_memory(tiny_model: Path) -> None:
+def test_kv_cache_is_sized_from_free_memory(tmp_path: Path) -> None:
+    # big enough per token (8 KiB) that the memory budget, not the block-count bound, decides
+    path = make_tiny_model(
+        tmp_path / "m", "llama", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4
+    )
     total = torch.cuda.get_device_properties(0).total_memory
-    llm = LLM(model=str(tiny_model), gpu_memory_utilization=0.3, show_progress=False)
+    llm = LLM(model=str(path), gpu_memory_utilization=0.3, show_progress=False)
     used = torch.cuda.memory_reserved(0)
     info = llm.get_model_info()
     kv = llm.get_stats().num_blocks * info.kv_bytes_per_token * llm.config.cache.block_size

@@ -115,6 +115,7 @@ def test_backend_matches_dense_attention(
         pytest.skip("Triton's CPU interpreter has no bfloat16 matmul (numpy); runs on the GPU")
     q, k, v, _, meta, expected, kv = build_case(7, hq, hkv, d, CASES[case], dtype)
     q, k, v, kv = q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), kv.to(DEVICE)
+    v = torch.cat([v, torch.zeros_like(v)], dim=1)[:, :hkv]  # a strided view, unlike k
     for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
         setattr(meta, name, getattr(meta, name).to(DEVICE))
     cache = layer_views(kv, LAYER)

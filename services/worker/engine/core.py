@@ -7,6 +7,7 @@ instead of raising into the loop) and answers a small set of named utility calls
 """
 
 import logging
+import time
 
 import msgspec
 
@@ -45,6 +46,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks)
         self._rejected: list[EngineCoreOutput] = []
         self._kv_event_seq = 0
+        self._model_seconds = 0.0
         logger.info(
             "engine core ready: %d KV blocks of %d tokens", self.num_blocks, config.cache.block_size
         )
@@ -53,7 +55,9 @@ class EngineCore:
         outputs, self._rejected = self._rejected, []
         if self.scheduler.has_requests():
             scheduler_output = self.scheduler.schedule()
+            start = time.perf_counter()
             model_output = self.executor.execute_model(scheduler_output)
+            self._model_seconds += time.perf_counter() - start
             outputs += self.scheduler.update_from_output(scheduler_output, model_output)
         return EngineCoreOutputs(outputs=outputs, kv_events=self._take_kv_events())
 
@@ -73,7 +77,8 @@ class EngineCore:
 
     def call_utility(self, call: EngineCoreUtility) -> UtilityResult:
         if call.method == "get_stats":
-            result: object = self.scheduler.stats()
+            stats = self.scheduler.stats()
+            result: object = msgspec.structs.replace(stats, model_seconds=self._model_seconds)
         elif call.method == "get_model_info":
             result = self.executor.model_info()
         elif call.method == "reset_prefix_cache":

@@ -69,6 +69,7 @@ class EngineStats(msgspec.Struct):
     computed_tokens: int  # tokens run through the model (prefill + decode), since start
     num_steps: int  # steps that ran the model, since start
     context_tokens_read: int  # sum over steps of each scheduled request's context length
+    model_seconds: float = 0.0  # wall time inside the executor (model + sampling), since start
 
 
 class ModelInfo(msgspec.Struct):

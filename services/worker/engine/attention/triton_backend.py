@@ -15,9 +15,14 @@ from services.worker.engine.attention.backend import (
     AttentionBackend,
     AttentionMetadata,
     LayerKVCache,
-    write_kv,
 )
-from services.worker.engine.attention.triton_kernels import LOG2E, _combine, _decode, _prefill
+from services.worker.engine.attention.triton_kernels import (
+    LOG2E,
+    _combine,
+    _decode,
+    _prefill,
+    _write_kv,
+)
 
 MAX_SPLITS = 16
 TOKENS_PER_SPLIT = 512  # below this a split's work is too small to pay for the combine step
@@ -53,13 +58,25 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: LayerKVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        write_kv(k, v, kv_cache, metadata.slot_mapping[: metadata.num_tokens])
+        self._write_kv(k, v, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(q)
         if metadata.max_query_len == 1:
             self._decode(q, kv_cache, metadata, out)
         else:
             self._prefill(q, kv_cache, metadata, out)
         return out
+
+    def _write_kv(
+        self, k: torch.Tensor, v: torch.Tensor, kv: LayerKVCache, slot_mapping: torch.Tensor
+    ) -> None:
+        if k.stride(-1) != 1 or v.stride(-1) != 1:
+            raise ValueError("new keys and values need a contiguous head dimension")
+        _write_kv[(k.shape[0], self.num_kv_heads)](
+            k, v, kv.key, kv.value, slot_mapping,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            kv.key.stride(0), kv.key.stride(1), kv.key.stride(2),
+            KV_BLOCK=kv.block_size, HEAD_DIM=self.head_dim, BLOCK_D=self.block_d,
+        )  # fmt: skip
 
     def _common(
         self, q: torch.Tensor, kv: LayerKVCache, meta: AttentionMetadata, out: torch.Tensor

@@ -184,3 +184,20 @@ def _combine(
         out.to(Out.dtype.element_ty),
         mask=offs_d < HEAD_DIM,
     )
+
+
+@triton.jit
+def _write_kv(
+    K_new, V_new, K, V, slot_mapping,
+    stride_nt, stride_nh, stride_vt, stride_vh, stride_kb, stride_ks, stride_kh,
+    KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Store one token's key and value of one kv head into its cache slot (one launch for all)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    slot = tl.load(slot_mapping + t)
+    offs = tl.arange(0, BLOCK_D)
+    ok = offs < HEAD_DIM
+    dst = (slot // KV_BLOCK) * stride_kb + (slot % KV_BLOCK) * stride_ks + h * stride_kh + offs
+    tl.store(K + dst, tl.load(K_new + t * stride_nt + h * stride_nh + offs, mask=ok), mask=ok)
+    tl.store(V + dst, tl.load(V_new + t * stride_vt + h * stride_vh + offs, mask=ok), mask=ok)

@@ -32,6 +32,9 @@ class KVCacheBlocks:
         return len(self.blocks)
 
 
+_NO_BLOCKS = KVCacheBlocks()  # never mutated: callers only read block_ids()
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool):
         self.block_size = block_size
@@ -71,6 +74,8 @@ class KVCacheManager:
         hits = new_computed.blocks if new_computed else []
         held = self._blocks.setdefault(request.request_id, [])
         total = request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
+        if not hits and total <= len(held) * self.block_size and total % self.block_size:
+            return _NO_BLOCKS  # decode inside a partly filled block: nothing to do (hot path)
         needed = max(0, -(-total // self.block_size) - len(held) - len(hits))
         hits_in_free_queue = sum(1 for b in hits if b.ref_cnt == 0)
         if needed > self.pool.num_free_blocks - hits_in_free_queue:

@@ -62,33 +62,50 @@ class StepInputs:
 def build_step_inputs(
     sched: SchedulerOutput, requests: dict[str, CachedRequestState], block_size: int
 ) -> StepInputs:
-    """Flatten the scheduled tokens of every request (see model_runner.py for a picture)."""
+    """Flatten the scheduled tokens of every request (see model_runner.py for a picture).
+
+    Runs on the host every step, for up to max_num_seqs requests, while the GPU waits: decode
+    rows (one token) take a plain-int path; numpy only pays off for long prefill chunks.
+    """
     req_ids = [r.req_id for r in sched.new_reqs] + [r.req_id for r in sched.cached_reqs]
-    ids, pos, slots, seq_lens, qsl = [], [], [], [], [0]
-    sample_rows, logits_idx, tables = [], [], []
+    bs = block_size
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    seq_lens: list[int] = []
+    qsl = [0]
+    sample_rows: list[int] = []
+    logits_idx: list[int] = []
+    tables: list[list[int]] = []
     for row, rid in enumerate(req_ids):
         state = requests[rid]
         n = sched.num_scheduled_tokens[rid]
         start = state.num_computed_tokens
-        p = np.arange(start, start + n, dtype=np.int64)
-        ids.append(np.asarray(state.token_ids[start : start + n], dtype=np.int64))
-        pos.append(p)
-        blocks = np.asarray(state.block_ids, dtype=np.int64)
-        slots.append(blocks[p // block_size] * block_size + p % block_size)
+        blocks = state.block_ids
+        if n == 1:
+            ids.append(state.token_ids[start])
+            pos.append(start)
+            slots.append(blocks[start // bs] * bs + start % bs)
+        else:
+            p = np.arange(start, start + n, dtype=np.int64)
+            ids.extend(state.token_ids[start : start + n])
+            pos.extend(range(start, start + n))
+            slots.extend((np.asarray(blocks, dtype=np.int64)[p // bs] * bs + p % bs).tolist())
         seq_lens.append(start + n)
         qsl.append(qsl[-1] + n)
-        tables.append(state.block_ids)
+        tables.append(blocks)
         if start + n == len(state.token_ids):  # every known token computed: sample the next
             sample_rows.append(row)
             logits_idx.append(qsl[-1] - 1)
-    table = np.zeros((len(tables), max(map(len, tables))), dtype=np.int32)
+    width = max(map(len, tables))
+    table = np.zeros((len(tables), width), dtype=np.int32)
     for i, t in enumerate(tables):
         table[i, : len(t)] = t
     return StepInputs(
         req_ids=req_ids,
-        input_ids=np.concatenate(ids),
-        positions=np.concatenate(pos),
-        slot_mapping=np.concatenate(slots),
+        input_ids=np.array(ids, dtype=np.int64),
+        positions=np.array(pos, dtype=np.int64),
+        slot_mapping=np.array(slots, dtype=np.int64),
         query_start_loc=qsl,
         seq_lens=seq_lens,
         block_table=table,

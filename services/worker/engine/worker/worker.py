@@ -9,6 +9,7 @@ from services.worker.engine.sched.output import ModelRunnerOutput, SchedulerOutp
 from services.worker.engine.worker.model_runner import ModelRunner
 
 CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on CPU: 1 GiB
+MAX_BLOCKS = 1 << 20  # the block pool keeps a Python object per block: bound its bookkeeping
 CUDA_GRAPH_RESERVE_BYTES = 512 << 20  # decode graphs' private pool (activations of ≤ 512 rows)
 
 
@@ -28,15 +29,18 @@ class Worker:
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit the budget: an explicit count, an explicit byte budget, or the device
-        default — never more than max_num_seqs full-length requests can use at once."""
+        default. On a GPU every byte of the budget goes to the cache (what running requests do
+        not hold serves as prefix cache); on CPU, whose default budget is only a guess, no more
+        than max_num_seqs full-length requests can use at once."""
         cache, sched = self.config.cache, self.config.scheduler
         per_block = self.runner.layout.bytes_per_block
         if cache.num_blocks is not None:
             num = cache.num_blocks
         else:
-            num = self._kv_budget_bytes() // per_block
-            per_seq = -(-sched.max_model_len // cache.block_size)
-            num = min(num, per_seq * sched.max_num_seqs)
+            num = min(self._kv_budget_bytes() // per_block, MAX_BLOCKS)
+            if self.device.type == "cpu" and cache.kv_cache_memory_bytes is None:
+                per_seq = -(-sched.max_model_len // cache.block_size)
+                num = min(num, per_seq * sched.max_num_seqs)
         needed = -(-sched.max_model_len // cache.block_size)
         if num < needed:
             raise ValueError(
