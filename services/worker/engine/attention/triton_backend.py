@@ -43,6 +43,10 @@ def num_decode_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sm
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
+    # GPU launch configuration (benchmarks/attention_sweep.py measures the alternatives)
+    DECODE_BLOCK_N = 64
+    DECODE_WARPS = 4
+    DECODE_STAGES = 2
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
@@ -120,7 +124,8 @@ class TritonAttentionBackend(AttentionBackend):
             q, kv.key, kv.value, out, part_acc, part_ml,
             meta.block_tables, meta.query_start_loc, meta.seq_lens,
             GROUP_PAD=max(16, triton.next_power_of_2(self.group)),
-            BLOCK_N=64 if q.is_cuda else 16, NUM_SPLITS=splits, **common,
+            BLOCK_N=self.DECODE_BLOCK_N if q.is_cuda else 16, NUM_SPLITS=splits, **common,
+            **({"num_warps": self.DECODE_WARPS, "num_stages": self.DECODE_STAGES} if q.is_cuda else {}),
         )  # fmt: skip
         if splits > 1:
             _combine[(num_reqs, self.num_heads)](
