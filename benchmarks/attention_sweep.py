@@ -78,11 +78,21 @@ def main() -> None:
             continue
         results.append({
             "block_n": block_n, "warps": warps, "stages": stages, "us": round(ms * 1e3, 1),
-            "GBps": round(kv_bytes / ms / 1e6, 1), "fraction_of_copy": round(kv_bytes / ms / 1e-3 / bandwidth, 3),
+            "GBps": round(kv_bytes / ms / 1e6, 1),
+            "fraction_of_copy": round(kv_bytes / ms / 1e-3 / bandwidth, 3),
         })  # fmt: skip
     ok = sorted((r for r in results if "us" in r), key=lambda r: r["us"])
-    summary = {"copy_bandwidth_GBps": round(bandwidth / 1e9, 1), "kv_MB": round(kv_bytes / 1e6, 1),
-               "best": ok[:5], "default": [r for r in ok if (r["block_n"], r["warps"], r["stages"]) == (64, 4, 2)]}  # fmt: skip
+    default = (
+        TritonAttentionBackend.DECODE_BLOCK_N,
+        TritonAttentionBackend.DECODE_WARPS,
+        TritonAttentionBackend.DECODE_STAGES,
+    )
+    summary = {
+        "copy_bandwidth_GBps": round(bandwidth / 1e9, 1),
+        "kv_MB": round(kv_bytes / 1e6, 1),
+        "best": ok[:5],
+        "default": [r for r in ok if (r["block_n"], r["warps"], r["stages"]) == default],
+    }
     print(json.dumps(summary, indent=1))
     if args.output:
         Path(args.output).write_text(json.dumps({"summary": summary, "all": results}, indent=1))

@@ -125,13 +125,18 @@ class TritonAttentionBackend(AttentionBackend):
             meta.block_tables, meta.query_start_loc, meta.seq_lens,
             GROUP_PAD=max(16, triton.next_power_of_2(self.group)),
             BLOCK_N=self.DECODE_BLOCK_N if q.is_cuda else 16, NUM_SPLITS=splits, **common,
-            **({"num_warps": self.DECODE_WARPS, "num_stages": self.DECODE_STAGES} if q.is_cuda else {}),
+            **self._decode_launch(q),
         )  # fmt: skip
         if splits > 1:
             _combine[(num_reqs, self.num_heads)](
                 out, part_acc, part_ml, meta.query_start_loc, out.stride(0), out.stride(1),
                 HEAD_DIM=self.head_dim, BLOCK_D=self.block_d, NUM_SPLITS=splits,
             )  # fmt: skip
+
+    def _decode_launch(self, q: torch.Tensor) -> dict[str, int]:
+        if not q.is_cuda:
+            return {}
+        return {"num_warps": self.DECODE_WARPS, "num_stages": self.DECODE_STAGES}
 
     def _sms(self, q: torch.Tensor) -> int:
         if self._num_sms is None:
