@@ -27,6 +27,31 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _attend_tile(
+    q, K, V, table, offs_n, n_ok, visible, offs_d, d_ok, kv_head,
+    stride_kb, stride_ks, stride_kh, qk_scale, m_i, l_i, acc,
+    KV_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One step of the flash-attention recurrence: gather the keys/values of token positions
+    ``offs_n`` through the block table, score them against ``q`` (masked by ``visible``) and
+    fold them into the running max ``m_i``, sum ``l_i`` and accumulator ``acc`` (base 2)."""
+    block = tl.load(table + offs_n // KV_BLOCK, mask=n_ok, other=0).to(tl.int64)
+    kv = block * stride_kb + (offs_n % KV_BLOCK) * stride_ks + kv_head * stride_kh
+    mask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(K + kv[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    v = tl.load(V + kv[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _prefill(
     Q, K, V, Out,
     block_tables, query_start_loc, seq_lens,
@@ -69,21 +94,11 @@ def _prefill(
     for start in range(0, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
-        block = tl.load(table + offs_n // KV_BLOCK, mask=n_ok, other=0).to(tl.int64)
-        kv = block * stride_kb + (offs_n % KV_BLOCK) * stride_ks + kv_head * stride_kh
-        mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + kv[:, None] + offs_d[None, :], mask=mask, other=0.0)
-        v = tl.load(V + kv[:, None] + offs_d[None, :], mask=mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         visible = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(
+            q, K, V, table, offs_n, n_ok, visible, offs_d, d_ok, kv_head,
+            stride_kb, stride_ks, stride_kh, qk_scale, m_i, l_i, acc, KV_BLOCK, PRECISION,
+        )  # fmt: skip
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         Out + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -130,20 +145,10 @@ def _decode(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
-        block = tl.load(table + offs_n // KV_BLOCK, mask=n_ok, other=0).to(tl.int64)
-        kv = block * stride_kb + (offs_n % KV_BLOCK) * stride_ks + kv_head * stride_kh
-        mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + kv[:, None] + offs_d[None, :], mask=mask, other=0.0)
-        v = tl.load(V + kv[:, None] + offs_d[None, :], mask=mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(
+            q, K, V, table, offs_n, n_ok, n_ok[None, :], offs_d, d_ok, kv_head,
+            stride_kb, stride_ks, stride_kh, qk_scale, m_i, l_i, acc, KV_BLOCK, PRECISION,
+        )  # fmt: skip
     out_mask = g_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
