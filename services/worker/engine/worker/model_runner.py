@@ -61,7 +61,7 @@ class ModelRunner:
             load_dummy(self.model, cfg.seed)
         else:
             load_safetensors(self.model, cfg.model, show_progress)
-        self.model.eval()
+        self.model.train(False)  # inference mode for every submodule
 
     def _bind_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = self.layout.allocate(num_blocks, self.device)
@@ -85,13 +85,9 @@ class ModelRunner:
         and top-k/top-p sampling for max_num_seqs rows — beyond the weights, measured with a
         temporary KV cache whose own bytes are not counted."""
         sched, cfg = self.config.scheduler, self.config.model
-        per_seq = min(cfg.max_model_len - 1, sched.max_num_batched_tokens)
-        lens = [per_seq] * (sched.max_num_batched_tokens // per_seq)
-        lens += (
-            [sched.max_num_batched_tokens - sum(lens)]
-            if sum(lens) < sched.max_num_batched_tokens
-            else []
-        )
+        budget = sched.max_num_batched_tokens
+        per_seq = min(cfg.max_model_len - 1, budget)
+        lens = [per_seq] * (budget // per_seq) + ([budget % per_seq] if budget % per_seq else [])
         params = SamplingParams(top_k=50, top_p=0.9)
         states, first = {}, 0
         for i, n in enumerate(lens):
