@@ -9,6 +9,7 @@ the socket can build an arbitrary object. Every wait is bounded: a dead core is 
 ``POLL_S`` and raises ``EngineDeadError``.
 """
 
+import asyncio
 import contextlib
 import itertools
 import os
@@ -205,8 +206,6 @@ class AsyncMPClient(EngineCoreClient):
     ``get_output_async`` (one reader task) and ``call_utility_async`` never race for a message."""
 
     def __init__(self, config: EngineConfig, startup_timeout_s: float = STARTUP_TIMEOUT_S):
-        import asyncio
-
         self.core = _CoreProcess(config, startup_timeout_s)
         self._input = zmq.asyncio.Socket.from_socket(self.core.input)
         self._output = zmq.asyncio.Socket.from_socket(self.core.output)
@@ -239,8 +238,6 @@ class AsyncMPClient(EngineCoreClient):
 
     async def call_utility_async(self, method: str, timeout_s: float = 30.0) -> Any:
         """Needs a running ``get_output_async`` reader (AsyncLLM's output task) to resolve."""
-        import asyncio
-
         call_id = next(self._call_ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future

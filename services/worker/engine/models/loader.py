@@ -10,6 +10,8 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from services.worker.engine.models.layers.linear import copy_weight
+
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
@@ -48,22 +50,17 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, show_progress: boo
                     raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
                 param = params[target]
                 owner = modules[target.rpartition(".")[0]]
-                loader = getattr(owner, "weight_loader", _default_loader)
-                loader(param, f.get_tensor(name), shard)
+                loader = getattr(owner, "weight_loader", None)
+                if loader is not None:
+                    loader(param, f.get_tensor(name), shard)
+                else:
+                    copy_weight(param, f.get_tensor(name))
                 loaded.add(target)
     if tied:
         loaded.add("lm_head.weight")
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks weights for: {', '.join(missing[:8])}")
-
-
-def _default_loader(param: nn.Parameter, loaded: torch.Tensor, shard: object = None) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(
-            f"checkpoint tensor of shape {tuple(loaded.shape)} != {tuple(param.shape)}"
-        )
-    param.data.copy_(loaded)
 
 
 def _map_name(name: str, packed: dict[str, tuple[str, str | int]]) -> tuple[str, str | int | None]:

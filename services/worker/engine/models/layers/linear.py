@@ -33,13 +33,14 @@ class _LinearBase(nn.Module):
         if self.split_dim is not None and self.split_dim < loaded.dim():
             size = param.shape[self.split_dim]
             loaded = loaded.narrow(self.split_dim, self.tp_rank * size, size)
-        _copy(param, loaded)
+        copy_weight(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+def copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy a checkpoint tensor into a parameter (or a slice of one), refusing a shape mismatch."""
     if dst.shape != src.shape:
         raise ValueError(f"checkpoint tensor of shape {tuple(src.shape)} != {tuple(dst.shape)}")
     dst.data.copy_(src)
@@ -58,7 +59,7 @@ class RowParallelLinear(_LinearBase):
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
     ) -> None:
         if loaded.dim() == 1:  # the bias is added once, on rank 0 only
-            _copy(param, loaded if self.tp_rank == 0 else torch.zeros_like(loaded))
+            copy_weight(param, loaded if self.tp_rank == 0 else torch.zeros_like(loaded))
             return
         super().weight_loader(param, loaded, shard_id)
 
@@ -80,7 +81,7 @@ class MergedColumnParallelLinear(_LinearBase):
         assert isinstance(shard_id, int)  # the loader's packed-module table is ours
         size = self.out_sizes[shard_id]
         offset = sum(self.out_sizes[:shard_id])
-        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
+        copy_weight(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
 
 
 class QKVParallelLinear(_LinearBase):
@@ -107,4 +108,4 @@ class QKVParallelLinear(_LinearBase):
         else:  # with more ranks than kv heads, consecutive ranks share one kv head
             replicas = max(1, self.tp_size // self.total_kv_heads)
             start = (self.tp_rank // replicas) * size
-        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
+        copy_weight(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
