@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 PIP     := .venv/bin/pip
 TINY    := tiny-model
 
-.PHONY: install run test test-gpu lint format bench clean
+.PHONY: install run demo protos test test-gpu lint format bench bench-serving clean
 
 install:  ## create .venv and install Baton with its pinned dependencies
 	python3 -m venv .venv
@@ -15,8 +15,14 @@ install:  ## create .venv and install Baton with its pinned dependencies
 $(TINY)/config.json:
 	$(PY) -m baton.cli make-tiny-model $(TINY) --arch qwen3
 
-run: $(TINY)/config.json  ## offline demo: generate text with a tiny model made on the fly
+run: $(TINY)/config.json  ## the whole system on this machine: scheduler + worker + gateway on :8000
+	$(PY) -m baton.cli serve --model $(TINY) --port 8000
+
+demo: $(TINY)/config.json  ## offline: generate text with the engine in this process
 	$(PY) -m baton.cli generate --model $(TINY) --max-tokens 24
+
+protos:  ## regenerate the gRPC stubs in shared/protos/ from protos/baton/v1/*.proto
+	$(PY) protos/generate.py
 
 test:  ## unit + integration + e2e on CPU (GPU tests are skipped without CUDA)
 	$(PY) -m pytest -q tests
@@ -35,6 +41,9 @@ format:
 
 bench: $(TINY)/config.json  ## offline throughput at a small scale on this machine
 	$(PY) benchmarks/throughput.py --model $(TINY) --num-prompts 32 --min-len 32 --max-len 256 --compare-hf
+
+bench-serving: $(TINY)/config.json  ## Poisson arrivals through the gateway + control-plane overhead
+	$(PY) benchmarks/serving.py --model $(TINY) --num-prompts 200 --request-rate 20 --out bench-results
 
 clean:
 	rm -rf $(TINY) .pytest_cache .mypy_cache .ruff_cache

@@ -45,7 +45,9 @@ def _generate(args: argparse.Namespace) -> None:
     llm.shutdown()
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    from baton.service_cli import add_service_commands
+
     parser = argparse.ArgumentParser(prog="baton", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -73,7 +75,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     p.set_defaults(func=_generate)
 
-    args = parser.parse_args(argv)
+    add_service_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     try:
         args.func(args)
     except (ValueError, FileNotFoundError) as e:

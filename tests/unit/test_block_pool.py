@@ -84,3 +84,17 @@ def test_caching_disabled_indexes_nothing() -> None:
     blocks = pool.get_new_blocks(2)
     pool.cache_full_blocks(blocks, HASHES, 0, 2)
     assert pool.get_cached_block(HASHES[0]) is None and pool.take_events() == []
+
+
+def test_announce_all_replays_the_exact_index() -> None:
+    pool = BlockPool(3, 16, enable_caching=True)
+    blocks = pool.get_new_blocks(3)
+    pool.cache_full_blocks(blocks, HASHES, 0, 3)
+    pool.free_blocks(reversed(blocks))
+    pool.get_new_blocks(1)  # evicts HASHES[2]
+    pool.take_events()
+    pool.announce_all()
+    assert pool.take_events() == [
+        AllBlocksCleared(),
+        BlockStored([HASHES[0], HASHES[1]], None, 16),
+    ]

@@ -3,10 +3,9 @@
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from services.worker.engine.detokenizer import IncrementalDetokenizer
-from services.worker.engine.params import SamplingParams
+from shared.text.detokenizer import IncrementalDetokenizer
+from shared.text.tokenizer import TextTokenizer
 
 TEXTS = [
     "plain ascii text, with punctuation!",
@@ -16,17 +15,15 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_model: Path) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(tiny_model)
+def tokenizer(tiny_model: Path) -> TextTokenizer:
+    return TextTokenizer(tiny_model)
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_one_token_at_a_time_equals_full_decode(
-    tokenizer: PreTrainedTokenizerBase, text: str
-) -> None:
-    prompt = tokenizer("Prompt:")["input_ids"]
-    ids = tokenizer(text)["input_ids"]
-    detok = IncrementalDetokenizer(tokenizer, prompt, SamplingParams())
+def test_one_token_at_a_time_equals_full_decode(tokenizer: TextTokenizer, text: str) -> None:
+    prompt = tokenizer.encode("Prompt:")
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer.tokenizer, prompt)
     pieces = []
     for token in ids:
         assert detok.update([token]) is None
@@ -37,11 +34,11 @@ def test_one_token_at_a_time_equals_full_decode(
 
 
 def test_stop_string_split_across_tokens_is_never_leaked(
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: TextTokenizer,
 ) -> None:
     text = "alpha beta STOP gamma"
-    ids = tokenizer(text)["input_ids"]
-    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["STOP"]))
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer.tokenizer, [], stop=["STOP"])
     streamed, hit = "", None
     for token in ids:
         hit = detok.update([token])
@@ -53,9 +50,7 @@ def test_stop_string_split_across_tokens_is_never_leaked(
     assert "S" not in streamed  # the first letters of the stop string were held back
 
 
-def test_include_stop_string(tokenizer: PreTrainedTokenizerBase) -> None:
-    detok = IncrementalDetokenizer(
-        tokenizer, [], SamplingParams(stop=["beta"], include_stop_str_in_output=True)
-    )
-    assert detok.update(tokenizer("alpha beta gamma")["input_ids"]) == "beta"
+def test_include_stop_string(tokenizer: TextTokenizer) -> None:
+    detok = IncrementalDetokenizer(tokenizer.tokenizer, [], stop=["beta"], include_stop=True)
+    assert detok.update(tokenizer.encode("alpha beta gamma")) == "beta"
     assert detok.new_text(finished=True) == "alpha beta"

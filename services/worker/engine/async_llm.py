@@ -12,7 +12,7 @@ the core, so its KV blocks are freed at once.
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from services.worker.engine.config import EngineArgs, EngineConfig
 from services.worker.engine.core_client import AsyncMPClient, EngineDeadError
@@ -22,6 +22,7 @@ from services.worker.engine.outputs import RequestOutput
 from services.worker.engine.params import SamplingParams
 from services.worker.engine.processor import InputProcessor, PromptType
 from services.worker.engine.tokenizer import load_tokenizer
+from shared.kv_events import KVEventBatch
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,9 @@ class AsyncLLM:
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._output_task: asyncio.Task[None] | None = None
         self._dead: BaseException | None = None
+        # Called with every KV-event batch, in the core's order (the worker service forwards
+        # them to the global scheduler). Must not block: it runs on the output task.
+        self.kv_event_listener: Callable[[KVEventBatch], None] | None = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "AsyncLLM":
@@ -85,6 +89,20 @@ class AsyncLLM:
         self._ensure_output_task()
         return bool(await self.client.call_utility_async("reset_prefix_cache"))
 
+    async def resync_kv_events(self) -> None:
+        """Have the core re-announce its whole prefix index (all-cleared, then every cached
+        block) in its next KV-event batch, for a directory that has lost track."""
+        self._ensure_output_task()
+        await self.client.call_utility_async("resync_kv_events")
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model.served_model_name
+
+    @property
+    def dead(self) -> bool:
+        return self._dead is not None
+
     def shutdown(self) -> None:
         if self._output_task is not None:
             self._output_task.cancel()
@@ -107,6 +125,8 @@ class AsyncLLM:
         try:
             while True:
                 outs = await self.client.get_output_async()
+                if outs.kv_events is not None and self.kv_event_listener is not None:
+                    self.kv_event_listener(outs.kv_events)
                 result = self.output_processor.process_outputs(outs.outputs)
                 for out in result.request_outputs:
                     queue = self._queues.get(out.request_id)

@@ -34,6 +34,7 @@ UTILITY_METHODS: dict[str, type] = {
     "get_stats": EngineStats,
     "get_model_info": ModelInfo,
     "reset_prefix_cache": bool,
+    "resync_kv_events": bool,
 }
 
 
@@ -83,6 +84,9 @@ class EngineCore:
             result = self.executor.model_info()
         elif call.method == "reset_prefix_cache":
             result = self.scheduler.kv.reset_prefix_cache()
+        elif call.method == "resync_kv_events":
+            self.scheduler.kv.pool.announce_all()
+            result = True
         else:
             known = ", ".join(sorted(UTILITY_METHODS))
             return UtilityResult(

@@ -233,8 +233,11 @@ class AsyncMPClient(EngineCoreClient):
                 future = self._calls.pop(result.call_id, None)
                 if future is not None and not future.done():
                     future.set_result(result)
-            if outs.outputs or not outs.utility_results:
+            if outs.outputs or outs.kv_events is not None or not outs.utility_results:
                 return outs
+
+    def core_dead(self) -> bool:
+        return self.core.proc.poll() is not None
 
     async def call_utility_async(self, method: str, timeout_s: float = 30.0) -> Any:
         """Needs a running ``get_output_async`` reader (AsyncLLM's output task) to resolve."""

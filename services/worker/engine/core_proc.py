@@ -50,8 +50,11 @@ class EngineCoreProc:
         self.close()
 
     def _handle_inputs(self, block: bool) -> bool:
-        """Process every queued input; False on shutdown or when the parent is gone."""
-        if block and not self.input.poll(POLL_MS) and os.getppid() != self.parent_pid:
+        """Process every queued input; False on shutdown or when the parent is gone (checked
+        every step too: an orphaned core must not keep computing for nobody)."""
+        if block:
+            self.input.poll(POLL_MS)
+        if os.getppid() != self.parent_pid:
             logger.warning("parent process %d is gone; exiting", self.parent_pid)
             return False
         while True:

@@ -54,6 +54,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | None = None  # the stop token id, when one ended the request
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # with finish_reason ERROR
+    queued_seconds: float = 0.0  # time it waited in the scheduler before its first step
 
 
 class EngineStats(msgspec.Struct):

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from services.worker.engine.detokenizer import IncrementalDetokenizer
 from services.worker.engine.messages import EngineCoreOutput, EngineCoreRequest, SampleLogprobs
 from services.worker.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from services.worker.engine.params import RequestOutputKind, SamplingParams
+from shared.text.detokenizer import IncrementalDetokenizer
 
 
 def fan_out(request: EngineCoreRequest) -> list[EngineCoreRequest]:
@@ -43,7 +43,7 @@ class _Sample:
     """One of the n samples of a request, as the output processor tracks it."""
 
     index: int
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None  # None when the request asked for token ids only
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
@@ -59,6 +59,7 @@ class _RequestState:
     params: SamplingParams
     samples: dict[str, _Sample]  # core request id → sample
     num_cached_tokens: int = 0
+    queued_seconds: float = 0.0
     error: str | None = None
 
     @property
@@ -86,9 +87,7 @@ class OutputProcessor:
         samples = {
             c.request_id: _Sample(
                 index=i,
-                detok=IncrementalDetokenizer(
-                    self.tokenizer, request.prompt_token_ids, c.sampling_params
-                ),
+                detok=self._detokenizer(request.prompt_token_ids, c.sampling_params),
                 logprobs=[] if c.sampling_params.logprobs is not None else None,
             )
             for i, c in enumerate(core_requests)
@@ -98,6 +97,19 @@ class OutputProcessor:
         )
         for c in core_requests:
             self._core_to_request[c.request_id] = request.request_id
+
+    def _detokenizer(
+        self, prompt_ids: list[int], p: SamplingParams
+    ) -> IncrementalDetokenizer | None:
+        if not p.detokenize:
+            return None
+        return IncrementalDetokenizer(
+            self.tokenizer._tokenizer,  # the Rust tokenizer behind the fast one
+            prompt_ids,
+            p.stop,
+            p.include_stop_str_in_output,
+            p.skip_special_tokens,
+        )
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -135,12 +147,14 @@ class OutputProcessor:
     def _apply(self, state: _RequestState, sample: _Sample, out: EngineCoreOutput) -> bool:
         """Fold one core output into a sample; True when a stop string ended it here."""
         state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+        state.queued_seconds = max(state.queued_seconds, out.queued_seconds)
         if out.error is not None:
             state.error = out.error
         sample.token_ids += out.new_token_ids
         if sample.logprobs is not None and out.new_logprobs:
-            sample.logprobs += [self._logprob_dict(lp) for lp in out.new_logprobs]
-        stop = sample.detok.update(out.new_token_ids)
+            decode = sample.detok is not None
+            sample.logprobs += [self._logprob_dict(lp, decode) for lp in out.new_logprobs]
+        stop = sample.detok.update(out.new_token_ids) if sample.detok is not None else None
         if stop is not None:  # the text was cut here, whatever else ended the request
             sample.finish_reason, sample.stop_reason = "stop", stop
             return out.finish_reason is None  # still running in the core: abort it
@@ -148,10 +162,10 @@ class OutputProcessor:
             sample.finish_reason, sample.stop_reason = str(out.finish_reason), out.stop_reason
         return False
 
-    def _logprob_dict(self, lp: SampleLogprobs) -> dict[int, Logprob]:
+    def _logprob_dict(self, lp: SampleLogprobs, decode: bool) -> dict[int, Logprob]:
         ranks = [lp.sampled_rank, *range(1, len(lp.token_ids))]
         return {
-            tok: Logprob(value, rank, str(self.tokenizer.decode([tok])))
+            tok: Logprob(value, rank, str(self.tokenizer.decode([tok])) if decode else None)
             for tok, value, rank in zip(lp.token_ids, lp.logprobs, ranks, strict=True)
         }
 
@@ -172,17 +186,18 @@ class OutputProcessor:
             finished=finished,
             num_cached_tokens=state.num_cached_tokens,
             error=state.error,
+            metrics={"queued_seconds": state.queued_seconds},
         )
 
     @staticmethod
     def _completion(s: _Sample, delta: bool) -> CompletionOutput:
         done = s.finish_reason is not None
-        new_text = s.detok.new_text(done)
+        new_text = s.detok.new_text(done) if s.detok is not None else ""
         if delta:
             start, s.num_sent_tokens = s.num_sent_tokens, len(s.token_ids)
             token_ids, text = s.token_ids[start:], new_text
             logprobs = s.logprobs[start:] if s.logprobs is not None else None
         else:
             token_ids, logprobs = list(s.token_ids), s.logprobs
-            text = s.detok.released_text
+            text = s.detok.released_text if s.detok is not None else ""
         return CompletionOutput(s.index, text, token_ids, s.finish_reason, s.stop_reason, logprobs)

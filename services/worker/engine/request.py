@@ -61,6 +61,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first scheduling
         self.num_preemptions = 0
+        self.admitted_at = 0.0  # time.monotonic() when the scheduler took it
+        self.queued_seconds = 0.0  # admitted → first scheduled
         self.stop_reason: int | None = None  # the stop token id that ended it, if any
         limit = max_model_len - len(prompt_token_ids)
         self.max_tokens = min(params.max_tokens or limit, limit)

@@ -126,6 +126,15 @@ class BlockPool:
             self._events.append(AllBlocksCleared())
         return True
 
+    def announce_all(self) -> None:
+        """Queue AllBlocksCleared and then every indexed hash, so a consumer that lost track
+        (a restarted directory) converges to the exact index by applying events in order."""
+        if not self.enable_caching:
+            return
+        self._events.append(AllBlocksCleared())
+        if self._cached:
+            self._events.append(BlockStored(list(self._cached), None, self.block_size))
+
     def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
         return events

@@ -8,6 +8,7 @@ blocks are still in the prefix cache). Then waiting requests are admitted while 
 and blocks last; a long prompt takes what budget is left and continues next step.
 """
 
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -45,6 +46,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         self.requests[request.request_id] = request
+        request.admitted_at = time.monotonic()
         self.waiting.append(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
@@ -130,6 +132,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_hit
+                request.queued_seconds = time.monotonic() - request.admitted_at
                 self._prompt_tokens += request.num_prompt_tokens
                 self._prefix_hit_tokens += num_hit
             block_ids = self.kv.get_block_ids(request.request_id)
@@ -190,6 +193,7 @@ class Scheduler:
                     finish_reason=FINISH_REASONS[status] if status is not None else None,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens or 0,
+                    queued_seconds=request.queued_seconds,
                 )
             )
         return outputs

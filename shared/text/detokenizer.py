@@ -5,22 +5,29 @@ Text is emitted as soon as it is valid UTF-8. While a request streams, the last
 stop string that the next token completes; they are released when the request finishes.
 """
 
-from tokenizers.decoders import DecodeStream
-from transformers import PreTrainedTokenizerBase
+from collections.abc import Sequence
 
-from services.worker.engine.params import SamplingParams
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 
 class IncrementalDetokenizer:
+    """Torch-free: the engine's output processor and the gateway both use it."""
+
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], params: SamplingParams
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
     ):
-        self._tokenizer = tokenizer._tokenizer  # the Rust tokenizer behind the fast one
+        self._tokenizer = tokenizer
         self._stream = DecodeStream(
-            ids=prompt_ids[-8:], skip_special_tokens=params.skip_special_tokens
+            ids=list(prompt_ids[-8:]), skip_special_tokens=skip_special_tokens
         )
-        self.stop = params.stop
-        self.include_stop = params.include_stop_str_in_output
+        self.stop = list(stop)
+        self.include_stop = include_stop
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""
         self._sent = 0  # characters of ``text`` already handed out

@@ -1,0 +1,175 @@
+"""``baton serve``: the whole system as processes on this machine.
+
+    global scheduler ──ready file──▶ N workers ──ready files──▶ gateway ──/health──▶ print URL
+
+Each child is a plain ``baton <service>`` process (what a Kubernetes pod runs). Every wait is
+bounded and notices a child that exits. Ctrl-C (or SIGTERM) stops the gateway first, then the
+workers (they drain), then the scheduler; anything still alive after the bound is killed. A
+worker that dies while serving is reported and the others keep serving; the scheduler or the
+gateway dying stops everything.
+"""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+SCHEDULER_START_S = 30.0
+WORKER_START_S = 600.0
+GATEWAY_START_S = 60.0
+STOP_S = 20.0
+
+
+class Cluster:
+    def __init__(self, args: argparse.Namespace, engine_argv: list[str]):
+        self.args = args
+        self.engine_argv = engine_argv
+        self.tmp = Path(tempfile.mkdtemp(prefix="baton-serve-"))
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.ready: dict[str, dict] = {}  # name → what it wrote when ready (address, ports)
+        self._stopping = False
+        self.url: str | None = None  # the OpenAI base URL, once started
+
+    def run(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: self._interrupt())
+        failed = False
+        try:
+            url = self.start()
+            print(f"Baton is serving {self.model_name} at {url}  (Ctrl-C stops it)", flush=True)
+            self._supervise()
+        except KeyboardInterrupt:
+            pass
+        except (RuntimeError, TimeoutError) as e:
+            print(f"baton serve: {e}", file=sys.stderr)
+            failed = True
+        finally:
+            self.stop()
+        if failed:
+            sys.exit(1)
+
+    @property
+    def model_name(self) -> str:
+        return self.args.served_model_name or Path(self.args.model).name
+
+    def start(self) -> str:
+        a = self.args
+        sched = self._spawn("scheduler", ["global-scheduler", "--port", "0"], ready=True)
+        sched_addr = self._wait_ready("scheduler", sched, SCHEDULER_START_S)["address"]
+        workers = []
+        for i in range(a.workers):
+            name = f"worker-{i}"
+            argv = ["worker", "--model", a.model, "--scheduler", sched_addr, "--worker-id", name]
+            if a.worker_metrics:
+                argv += ["--metrics-port", "0"]
+            env = {"OMP_NUM_THREADS": str(self._threads_per_worker())}
+            workers.append((name, self._spawn(name, argv + self.engine_argv, True, env)))
+        for name, path in workers:
+            self._wait_ready(name, path, WORKER_START_S)
+        argv = ["gateway", "--model", a.model, "--scheduler", sched_addr, "--host", a.host,
+                "--port", str(a.port), "--served-model-name", self.model_name,
+                "--max-body-bytes", str(a.max_body_bytes),
+                "--request-timeout", str(a.request_timeout)]  # fmt: skip
+        for key in a.api_key or ():
+            argv += ["--api-key", key]
+        self._spawn("gateway", argv, ready=False)
+        url = f"http://{a.host}:{a.port}"
+        self._wait_http("gateway", f"{url}/health", GATEWAY_START_S)
+        self.url = f"{url}/v1"
+        return self.url
+
+    def stop(self) -> None:
+        """Stop the children in order; further signals are ignored until they are down."""
+        self._stopping = True
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for group in (
+            ["gateway"],
+            [n for n in self.procs if n.startswith("worker")],
+            ["scheduler"],
+        ):
+            procs = [self.procs[n] for n in group if n in self.procs]
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + STOP_S
+            for p in procs:
+                try:
+                    p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(timeout=5)
+        print("baton serve: stopped", flush=True)
+
+    def _interrupt(self) -> None:
+        raise KeyboardInterrupt
+
+    def _threads_per_worker(self) -> int:
+        """CPU threads for each worker's engine: the cores shared out, so N engines on one
+        machine do not oversubscribe it (OpenMP spinning on shared cores is many times slower).
+        An explicit OMP_NUM_THREADS wins."""
+        if "OMP_NUM_THREADS" in os.environ:
+            return int(os.environ["OMP_NUM_THREADS"])
+        return max(1, (os.cpu_count() or 1) // max(1, self.args.workers))
+
+    def _spawn(
+        self, name: str, argv: list[str], ready: bool, env: dict[str, str] | None = None
+    ) -> Path:
+        ready_file = self.tmp / f"{name}.json"
+        cmd = [sys.executable, "-m", "baton.cli", *argv]
+        if ready:
+            cmd += ["--ready-file", str(ready_file)]
+        # Ctrl-C in the terminal reaches the whole process group; children ignore the launcher's
+        # SIGINT by running in their own session, and are stopped in order by stop().
+        self.procs[name] = subprocess.Popen(
+            cmd, start_new_session=True, env={**os.environ, **(env or {})}
+        )
+        return ready_file
+
+    def _wait_ready(self, name: str, path: Path, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._check_alive(name)
+            if path.exists():
+                self.ready[name] = dict(json.loads(path.read_text()))
+                return self.ready[name]
+            time.sleep(0.05)
+        raise TimeoutError(f"{name} did not become ready within {timeout_s:.0f} s")
+
+    def _wait_http(self, name: str, url: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._check_alive(name)
+            try:
+                with urllib.request.urlopen(url, timeout=1.0) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"{name} did not answer {url} within {timeout_s:.0f} s")
+
+    def _check_alive(self, name: str) -> None:
+        code = self.procs[name].poll()
+        if code is not None:
+            raise RuntimeError(f"{name} exited with code {code} while starting")
+
+    def _supervise(self) -> None:
+        reported: set[str] = set()
+        while not self._stopping:
+            for name, p in self.procs.items():
+                code = p.poll()
+                if code is None or name in reported:
+                    continue
+                if name in ("scheduler", "gateway"):
+                    raise RuntimeError(f"{name} exited with code {code}")
+                print(f"baton serve: {name} exited with code {code}; the others keep serving",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                reported.add(name)
+            time.sleep(0.2)

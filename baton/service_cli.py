@@ -1,0 +1,158 @@
+"""The service sub-commands of ``baton``: ``worker``, ``global-scheduler``, ``gateway`` and
+``serve`` (all of them on this machine). Each builds its frozen settings from the flags and
+hands them to the service's ``serve``; nothing else reads the command line."""
+
+import argparse
+import asyncio
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.worker.engine.config import EngineArgs
+
+ENGINE_FLAGS: list[tuple[str, dict]] = [
+    ("--served-model-name", {"default": None}),
+    ("--dtype", {"default": "auto"}),
+    ("--load-format", {"default": "auto", "choices": ["auto", "safetensors", "dummy"]}),
+    ("--seed", {"type": int, "default": 0}),
+    ("--max-model-len", {"type": int, "default": None}),
+    ("--block-size", {"type": int, "default": 16}),
+    ("--num-kv-blocks", {"type": int, "default": None}),
+    ("--kv-cache-memory-bytes", {"type": int, "default": None}),
+    ("--gpu-memory-utilization", {"type": float, "default": 0.9}),
+    ("--max-num-seqs", {"type": int, "default": 256}),
+    ("--max-num-batched-tokens", {"type": int, "default": None}),
+    ("--attention-backend", {"default": "auto"}),
+    ("--device", {"default": "auto", "choices": ["auto", "cpu", "cuda"]}),
+]
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    for flag, kw in ENGINE_FLAGS:
+        p.add_argument(flag, **kw)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+
+
+def engine_args(args: argparse.Namespace) -> "EngineArgs":
+    from services.worker.engine.config import EngineArgs
+
+    kw = {
+        flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
+        for flag, _ in ENGINE_FLAGS
+    }
+    return EngineArgs(
+        model=args.model,
+        enable_prefix_caching=not args.no_prefix_caching,
+        enforce_eager=args.enforce_eager,
+        **kw,
+    )
+
+
+def engine_flags_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags as given, to pass on to child ``baton worker`` processes."""
+    argv = []
+    for flag, kw in ENGINE_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value != kw.get("default"):
+            argv += [flag, str(value)]
+    argv += ["--no-prefix-caching"] if args.no_prefix_caching else []
+    argv += ["--enforce-eager"] if args.enforce_eager else []
+    return argv
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    from services.worker.main import serve
+    from services.worker.settings import WorkerSettings
+    from shared.logs import setup_logging
+
+    setup_logging("worker")
+    settings = WorkerSettings(
+        engine=engine_args(args), role=args.role, host=args.host, port=args.port,
+        advertise_host=args.advertise_host, scheduler_address=args.scheduler,
+        worker_id=args.worker_id or "", metrics_port=args.metrics_port,
+        drain_timeout_s=args.drain_timeout, ready_file=args.ready_file,
+    )  # fmt: skip
+    asyncio.run(serve(settings))
+
+
+def run_scheduler(args: argparse.Namespace) -> None:
+    from services.global_scheduler.main import serve
+    from services.global_scheduler.settings import SchedulerSettings, load_policy
+    from shared.logs import setup_logging
+
+    setup_logging("scheduler")
+    settings = SchedulerSettings(
+        host=args.host, port=args.port, heartbeat_timeout_s=args.heartbeat_timeout,
+        metrics_port=args.metrics_port, ready_file=args.ready_file,
+        routing_policy=load_policy(args.routing_policy) if args.routing_policy else None,
+    )  # fmt: skip
+    asyncio.run(serve(settings))
+
+
+def run_gateway(args: argparse.Namespace) -> None:
+    from services.gateway.main import serve
+    from services.gateway.settings import GatewaySettings
+    from shared.logs import setup_logging
+
+    setup_logging("gateway")
+    name = args.served_model_name or Path(args.model).name
+    settings = GatewaySettings(
+        scheduler_address=args.scheduler, models={name: args.model}, host=args.host,
+        port=args.port, api_keys=tuple(args.api_key or ()), max_body_bytes=args.max_body_bytes,
+        request_timeout_s=args.request_timeout,
+    )  # fmt: skip
+    serve(settings)
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    from baton.launcher import Cluster
+
+    Cluster(args, engine_flags_argv(args)).run()
+
+
+def add_service_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("worker", help="serve one engine over gRPC (registers with the scheduler)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--role", default="both", choices=["prefill", "decode", "both"])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--advertise-host", default=None)
+    p.add_argument("--scheduler", default=None, help="host:port of the global scheduler")
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--metrics-port", type=int, default=None)
+    p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--ready-file", default=None)
+    add_engine_flags(p)
+    p.set_defaults(func=run_worker)
+
+    p = sub.add_parser("global-scheduler", help="worker registry, prefix directory, routing")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--heartbeat-timeout", type=float, default=1.5)
+    p.add_argument("--metrics-port", type=int, default=None)
+    p.add_argument("--routing-policy", default=None, help="YAML/JSON file (see routing.py)")
+    p.add_argument("--ready-file", default=None)
+    p.set_defaults(func=run_scheduler)
+
+    p = sub.add_parser("gateway", help="the OpenAI-compatible HTTP API")
+    _gateway_flags(p)
+    p.add_argument("--scheduler", required=True, help="host:port of the global scheduler")
+    p.add_argument("--served-model-name", default=None)
+    p.set_defaults(func=run_gateway)
+
+    p = sub.add_parser("serve", help="scheduler + workers + gateway on this machine")
+    _gateway_flags(p)
+    p.add_argument("--workers", type=int, default=1, help="colocated workers (role both)")
+    p.add_argument("--worker-metrics", action="store_true", help="give each worker /metrics")
+    add_engine_flags(p)
+    p.set_defaults(func=run_serve)
+
+
+def _gateway_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", action="append", help="repeatable; none: no authentication")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument("--request-timeout", type=float, default=600.0)

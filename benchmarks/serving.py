@@ -1,0 +1,255 @@
+"""Serving benchmark: Poisson arrivals through the gateway, and the control plane's overhead.
+
+1. Load: ``--num-prompts`` streamed completions, arrivals a Poisson process at
+   ``--request-rate`` req/s (inf: all at once), random token prompts of uniform length in
+   [min-len, max-len], ``--output-len`` tokens each (ignore_eos). Reports request and token
+   throughput, TTFT / TPOT / ITL / E2E percentiles; writes JSON and a PNG plot.
+2. Overhead: TTFT of one request at a time (max_tokens=1) through gateway + scheduler + gRPC +
+   worker, against ``AsyncLLM`` in this process on the same model, interleaved, p50 and p99.
+   Both engines run their core in a background process behind ZMQ, so the difference is the
+   control plane (HTTP, routing, two gRPC hops, the worker front).
+
+    python benchmarks/serving.py --model tiny-model --num-prompts 200 --request-rate 20
+
+Starts its own cluster (``baton serve``'s launcher) unless ``--url`` points at one.
+"""
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+@dataclass
+class Record:
+    prompt_len: int
+    start: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float:
+        return self.chunk_times[0] - self.start
+
+    @property
+    def e2e(self) -> float:
+        return self.chunk_times[-1] - self.start
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {
+        "mean_ms": 1e3 * statistics.fmean(values) if values else float("nan"),
+        **{f"p{q}_ms": 1e3 * pct(values, q) for q in (50, 90, 99)},
+    }
+
+
+async def one_request(
+    http: httpx.AsyncClient, model: str, ids: list[int], output_len: int, rec: Record
+) -> None:
+    body = {"model": model, "prompt": ids, "max_tokens": output_len, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    rec.start = time.perf_counter()
+    try:
+        async with http.stream("POST", "/completions", json=body) as resp:
+            if resp.status_code != 200:
+                rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    rec.error = chunk["error"]["message"]
+                elif chunk.get("usage"):
+                    rec.output_tokens = chunk["usage"]["completion_tokens"]
+                elif chunk["choices"] and chunk["choices"][0]["text"]:
+                    rec.chunk_times.append(time.perf_counter())
+    except httpx.HTTPError as e:
+        rec.error = repr(e)
+
+
+def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(300, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+async def run_load(url: str, model: str, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    prompts = random_prompts(args.num_prompts, args.min_len, args.max_len, vocab, args.seed)
+    records = [Record(len(p)) for p in prompts]
+    rng = random.Random(args.seed + 1)
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+        start = time.perf_counter()
+        tasks = []
+        for ids, rec in zip(prompts, records, strict=True):
+            tasks.append(asyncio.create_task(one_request(http, model, ids, args.output_len, rec)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    ok = [r for r in records if r.error is None and r.chunk_times]
+    itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)]
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    out_tokens = sum(r.output_tokens for r in ok)
+    return {
+        "requests": len(records),
+        "failed": len(records) - len(ok),
+        "errors": sorted({r.error for r in records if r.error})[:5],
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_tokens_per_s": out_tokens / duration,
+        "total_tokens_per_s": (out_tokens + sum(r.prompt_len for r in ok)) / duration,
+        "ttft": summary([r.ttft for r in ok]),
+        "tpot": summary(tpot),
+        "itl": summary(itl),
+        "e2e": summary([r.e2e for r in ok]),
+        "_records": ok,
+    }
+
+
+async def run_overhead(url: str, model_dir: str, model: str, args: argparse.Namespace,
+                       vocab: int) -> dict[str, Any]:  # fmt: skip
+    from baton import AsyncLLM, EngineArgs, SamplingParams
+
+    engine = AsyncLLM.from_engine_args(
+        EngineArgs(model=model_dir, num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len)
+    )
+    prompts = random_prompts(2 * args.overhead_requests + 20, args.overhead_len,
+                             args.overhead_len, vocab, args.seed + 7)  # fmt: skip
+    params = SamplingParams(max_tokens=1, temperature=0)
+    gateway, local = [], []
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        for i in range(args.overhead_requests + 10):  # the first 10 of each warm up
+            rec = Record(args.overhead_len)
+            await one_request(http, model, prompts[2 * i], 1, rec)
+            if rec.error:
+                raise RuntimeError(rec.error)
+            start = time.perf_counter()
+            async for _ in engine.generate({"prompt_token_ids": prompts[2 * i + 1]}, params, f"o{i}"):
+                ttft_local = time.perf_counter() - start
+                break
+            if i >= 10:
+                gateway.append(rec.ttft)
+                local.append(ttft_local)
+    engine.shutdown()
+    added = {q: 1e3 * (pct(gateway, q) - pct(local, q)) for q in (50, 99)}
+    return {
+        "requests": len(gateway),
+        "prompt_len": args.overhead_len,
+        "ttft_gateway": summary(gateway),
+        "ttft_in_process": summary(local),
+        "added_p50_ms": added[50],
+        "added_p99_ms": added[99],
+    }
+
+
+def plot(load: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs: list[Record] = load["_records"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, values, title in (
+        (axes[0], [1e3 * r.ttft for r in recs], "TTFT (ms)"),
+        (axes[1], [1e3 * (b - a) for r in recs
+                   for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)], "ITL (ms)"),
+    ):  # fmt: skip
+        values = sorted(values)
+        ax.plot(values, [i / max(len(values) - 1, 1) for i in range(len(values))])
+        ax.set_xlabel(title)
+        ax.set_ylabel("CDF")
+        ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+    t0 = min(r.start for r in recs)
+    axes[2].scatter([r.start - t0 for r in recs], [1e3 * r.e2e for r in recs], s=6)
+    axes[2].set_xlabel("arrival (s)")
+    axes[2].set_ylabel("end-to-end latency (ms)")
+    axes[2].grid(alpha=0.3)
+    fig.suptitle(f"{load['requests']} requests, {load['output_tokens_per_s']:.0f} output tok/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--url", default=None, help="an already running gateway's /v1 URL")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--request-rate", type=float, default=20.0)
+    p.add_argument("--min-len", type=int, default=32)
+    p.add_argument("--max-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--overhead-requests", type=int, default=200)
+    p.add_argument("--overhead-len", type=int, default=64)
+    p.add_argument("--num-kv-blocks", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-overhead", action="store_true")
+    p.add_argument("--out", default="bench-results")
+    args = p.parse_args()
+
+    from baton.cli import build_parser
+    from baton.launcher import Cluster
+    from baton.service_cli import engine_flags_argv
+    from services.worker.engine.model_config import load_arch_config
+
+    vocab = load_arch_config(args.model).vocab_size
+    name = Path(args.model).name
+    cluster = None
+    url = args.url
+    if url is None:
+        cargs = build_parser().parse_args([
+            "serve", "--model", args.model, "--workers", str(args.workers), "--port", "0",
+            "--num-kv-blocks", str(args.num_kv_blocks), "--max-model-len", str(args.max_model_len),
+        ])  # fmt: skip
+        cargs.port = _free_port()
+        cluster = Cluster(cargs, engine_flags_argv(cargs))
+        url = cluster.start()
+    try:
+        load = asyncio.run(run_load(url, name, args, vocab))
+        overhead = None if args.skip_overhead else asyncio.run(
+            run_overhead(url, args.model, name, args, vocab)
+        )
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plot(load, out / "serving.png")
+    result = {"args": vars(args), "load": {k: v for k, v in load.items() if k != "_records"},
+              "overhead": overhead}  # fmt: skip
+    (out / "serving.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+if __name__ == "__main__":
+    main()

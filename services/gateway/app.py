@@ -1,0 +1,182 @@
+"""The gateway's HTTP face (FastAPI): routes translate HTTP ⇄ ``Handler`` and nothing more.
+
+    POST /v1/completions, /v1/chat/completions   OpenAI, streamed (SSE) or not
+    GET  /v1/models, /health, /metrics
+
+Every error leaves as OpenAI's error JSON with its status (errors.py): 400 bad input (pydantic's
+422 included), 401 bad key, 404 unknown model or path, 413 body too large, 503 no worker,
+504 deadline. An unexpected exception is a logged 500, never a crash. A client that goes away
+cancels its request, which aborts it on the workers.
+"""
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.gateway import errors, metrics
+from services.gateway.catalog import ModelCatalog
+from services.gateway.handler import SSE_DONE, Body, Handler, sse
+from services.gateway.limits import BodySizeLimit
+from services.gateway.orchestrator import Orchestrator, WorkerChannels
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from services.gateway.settings import GatewaySettings
+from shared import rpc
+from shared.logs import REQUEST_ID_HEADER, request_id_var
+from shared.protos.baton.v1 import scheduler_pb2_grpc
+from shared.text.tokenizer import TextTokenizer
+
+logger = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.25
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    tokenizers = {name: TextTokenizer(path) for name, path in settings.models.items()}
+    state: dict[str, Any] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        sched_channel = rpc.channel(settings.scheduler_address)
+        scheduler = scheduler_pb2_grpc.GlobalSchedulerStub(sched_channel)
+        catalog = ModelCatalog(tokenizers, scheduler)
+        workers = WorkerChannels()
+        state["catalog"] = catalog
+        state["handler"] = Handler(
+            Orchestrator(scheduler, catalog, workers), catalog, settings.request_timeout_s
+        )
+        yield
+        await workers.close()
+        await sched_channel.close()
+
+    app = FastAPI(title="Baton", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
+    _install_error_handlers(app)
+
+    @app.middleware("http")
+    async def request_context(request: Request, call_next: Any) -> Response:
+        rid = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        request_id_var.set(rid)
+        needs_key = request.url.path.startswith("/v1/") and settings.api_keys
+        if needs_key and not _authorized(request, settings.api_keys):
+            return _error(errors.unauthorized())
+        response: Response = await call_next(request)
+        response.headers[REQUEST_ID_HEADER] = rid
+        if request.url.path in ("/v1/completions", "/v1/chat/completions"):
+            metrics.REQUESTS.labels(request.url.path, str(response.status_code)).inc()
+        return response
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _serve(state["handler"], body, request, body.stream and body.include_usage)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _serve(state["handler"], body, request, body.stream and body.include_usage)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "baton"}
+                for m in sorted(tokenizers)]  # fmt: skip
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health() -> Response:
+        catalog: ModelCatalog = state["catalog"]
+        ready = {m: (await catalog.limits(m)) is not None for m in sorted(tokenizers)}
+        status = 200 if any(ready.values()) else 503
+        return JSONResponse({"status": "ok" if status == 200 else "no workers", "models": ready},
+                            status_code=status)  # fmt: skip
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _serve(handler: Handler, body: Body, request: Request, include_usage: bool) -> Response:
+    plan = await handler.plan(body, request_id_var.get())
+    if body.stream:
+        lines = handler.stream(plan, include_usage)
+        first = await anext(lines)  # an error before the first chunk keeps its HTTP status
+        return StreamingResponse(
+            _stream_errors_inline(first, lines),
+            media_type="text/event-stream",
+            headers={"cache-control": "no-cache"},
+        )
+    task = asyncio.ensure_future(handler.complete(plan))
+    watcher = asyncio.ensure_future(_watch_disconnect(request))
+    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    watcher.cancel()
+    if task not in done:  # the client went away: cancel, which aborts on the workers
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        metrics.REQUESTS.labels(request.url.path, "disconnected").inc()
+        return Response(status_code=499)
+    return JSONResponse(task.result())
+
+
+async def _stream_errors_inline(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    """After the headers are sent, an error is an ``error`` event, then ``[DONE]``."""
+    yield first
+    try:
+        async for line in rest:
+            yield line
+    except errors.APIError as e:
+        logger.warning("stream failed: %s", e.message)
+        yield sse(e.body())
+        yield SSE_DONE
+
+
+async def _watch_disconnect(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+def _authorized(request: Request, keys: tuple[str, ...]) -> bool:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return any(hmac.compare_digest(token.strip(), key) for key in keys)
+
+
+def _error(e: errors.APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(errors.APIError)
+    async def api_error(request: Request, e: errors.APIError) -> JSONResponse:
+        if e.status >= 500:
+            logger.warning("request failed: %s", e.message)
+        return _error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        message = f"{where}: {first['msg']}" if where else str(first["msg"])
+        return _error(errors.bad_request(message, loc[0] if loc else None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return _error(errors.APIError(e.status_code, str(e.detail), type=kind))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception) -> JSONResponse:
+        logger.exception("unexpected error")
+        return _error(errors.APIError(500, "internal error", type="server_error"))

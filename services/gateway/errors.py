@@ -1,0 +1,77 @@
+"""Errors the gateway returns, in OpenAI's JSON shape, each with its HTTP status. Mapped once:
+routes raise ``APIError``; the app's handlers turn it (and validation errors) into a response.
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens",
+               "code": null}}
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+
+@dataclass
+class APIError(Exception):
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def model_not_found(model: str, served: list[str]) -> APIError:
+    return APIError(
+        404,
+        f"The model {model!r} does not exist; this server serves {served}",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def unauthorized() -> APIError:
+    return APIError(
+        401, "Invalid or missing API key", type="authentication_error", code="invalid_api_key"
+    )
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"Request body exceeds {limit} bytes", code="request_too_large")
+
+
+def no_worker(detail: str) -> APIError:
+    return APIError(503, f"No worker can serve this request: {detail}", type="server_error",
+                    code="no_worker_available")  # fmt: skip
+
+
+def timeout(what: str) -> APIError:
+    return APIError(504, f"Timed out: {what}", type="server_error", code="timeout")
+
+
+def from_grpc(e: grpc.aio.AioRpcError, what: str) -> APIError:
+    """A failed call to the scheduler or a worker, as the client should see it."""
+    code = e.code()
+    detail = e.details() or code.name
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return bad_request(detail)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return APIError(404, detail, param="model", code="model_not_found")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return timeout(what)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
+        return no_worker(f"{what}: {detail}")
+    return APIError(502, f"{what} failed: {detail}", type="server_error", code="upstream_error")

@@ -1,0 +1,220 @@
+"""One OpenAI request end to end, independent of HTTP: validate against the model's limits,
+tokenize (chat template for chat), build one ``Job`` per prompt, run them through the
+orchestrator, and produce the response body or the stream of chunks.
+
+    body ──▶ prompts (token ids) ──▶ Jobs ──▶ Orchestrator.run ×P ──▶ merged ChoiceDeltas
+                                                                      ├─▶ Formatter.response
+                                                                      └─▶ Formatter.chunk (SSE)
+"""
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from services.gateway import errors, metrics
+from services.gateway.catalog import ModelCatalog
+from services.gateway.orchestrator import ChoiceDelta, Job, Orchestrator
+from services.gateway.responses import Choice, Formatter, Usage
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from shared.protos.baton.v1 import common_pb2
+from shared.text.tokenizer import ChatTemplateError
+
+Body = CompletionRequest | ChatCompletionRequest
+
+
+@dataclass
+class Plan:
+    jobs: list[Job]
+    formatter: Formatter
+    num_logprobs: int | None
+    echo: list[str]  # completions with echo: each prompt's text, prepended to its choices
+    n: int
+
+
+class Handler:
+    def __init__(self, orchestrator: Orchestrator, catalog: ModelCatalog, timeout_s: float):
+        self.orchestrator = orchestrator
+        self.catalog = catalog
+        self.timeout_s = timeout_s
+
+    async def plan(self, body: Body, request_id: str) -> Plan:
+        if body.model not in self.catalog.tokenizers:
+            raise errors.model_not_found(body.model, self.catalog.served)
+        tok = self.catalog.tokenizers[body.model]
+        limits = await self.catalog.limits(body.model)
+        if limits is None:
+            raise errors.no_worker(f"no live worker serves model {body.model!r}")
+        chat = isinstance(body, ChatCompletionRequest)
+        if isinstance(body, ChatCompletionRequest):
+            messages = [m.as_template_input() for m in body.messages]
+            try:
+                prompts = [tok.apply_chat_template(messages, body.add_generation_prompt)]
+            except ChatTemplateError as e:
+                raise errors.bad_request(str(e), "messages") from None
+            limit, num_logprobs, echo = body.output_limit, body.num_logprobs, False
+        else:
+            prompts = [p if isinstance(p, list) else tok.encode(p) for p in body.prompts()]
+            limit, num_logprobs, echo = body.max_tokens, body.logprobs, body.echo
+        deadline = time.monotonic() + self.timeout_s
+        params = _params(body, limit, num_logprobs)
+        jobs = []
+        for i, ids in enumerate(prompts):
+            _check_length(ids, limit, limits.max_model_len)
+            jobs.append(
+                Job(
+                    request_id=f"{request_id}-{i}-{uuid.uuid4().hex[:6]}",
+                    model=body.model, prompt_ids=ids, params=params, n=body.n,
+                    stop=body.stop_strings, include_stop=body.include_stop_str_in_output,
+                    skip_special_tokens=body.skip_special_tokens, cache_salt=body.cache_salt,
+                    deadline=deadline,
+                )
+            )  # fmt: skip
+        prefix = "chatcmpl" if chat else "cmpl"
+        formatter = Formatter(f"{prefix}-{request_id}", body.model, chat, tok)
+        echo_texts = [tok.decode(ids) for ids in prompts] if echo else []
+        return Plan(jobs, formatter, num_logprobs, echo_texts, body.n)
+
+    async def complete(self, plan: Plan) -> dict:
+        choices = [Choice(i) for i in range(len(plan.jobs) * plan.n)]
+        usage = _usage(plan)
+        async for p, d in self._merged(plan):
+            choices[p * plan.n + d.index].add(d)
+            _count(usage, d)
+        for p, text in enumerate(plan.echo):
+            for i in range(plan.n):
+                choices[p * plan.n + i].text = text + choices[p * plan.n + i].text
+        return plan.formatter.response(choices, usage)
+
+    async def stream(self, plan: Plan, include_usage: bool) -> AsyncIterator[str]:
+        """SSE lines; raises APIError (the caller turns one before the first line into a
+        status, and a later one into an error event)."""
+        usage = _usage(plan)
+        started: set[int] = set()
+        want_logprobs = plan.num_logprobs is not None
+        async for p, d in self._merged(plan):
+            index = p * plan.n + d.index
+            _count(usage, d)
+            first = index not in started
+            if first and plan.echo:
+                d.text = plan.echo[p] + d.text
+            if not (d.text or d.finish_reason or d.logprobs or first):
+                continue
+            started.add(index)
+            yield sse(plan.formatter.chunk(index, d, first, want_logprobs))
+        if include_usage:
+            yield sse(plan.formatter.usage_chunk(usage))
+        yield SSE_DONE
+
+    async def _merged(self, plan: Plan) -> AsyncIterator[tuple[int, ChoiceDelta]]:
+        """Deltas of every job, tagged with the job's index, with TTFT/ITL/E2E recorded."""
+        start = time.perf_counter()
+        last: float | None = None
+        sources = [self.orchestrator.run(j, plan.num_logprobs) for j in plan.jobs]
+        async for p, d in _merge(sources):
+            now = time.perf_counter()
+            if d.token_ids:
+                if last is None:
+                    metrics.TTFT.observe(now - start)
+                else:
+                    metrics.ITL.observe(now - last)
+                last = now
+            yield p, d
+        metrics.E2E.observe(time.perf_counter() - start)
+
+
+async def _merge(
+    sources: list[AsyncIterator[ChoiceDelta]],
+) -> AsyncIterator[tuple[int, ChoiceDelta]]:
+    if len(sources) == 1:
+        async for d in sources[0]:
+            yield 0, d
+        return
+    queue: asyncio.Queue[tuple[int, ChoiceDelta] | BaseException | None] = asyncio.Queue()
+
+    async def pump(i: int, src: AsyncIterator[ChoiceDelta]) -> None:
+        try:
+            async for d in src:
+                queue.put_nowait((i, d))
+            queue.put_nowait(None)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            queue.put_nowait(e)
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(sources)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _params(body: Body, limit: int | None, num_logprobs: int | None) -> common_pb2.SamplingParams:
+    p = common_pb2.SamplingParams(
+        n=1, top_k=max(body.top_k or 0, 0), min_p=body.min_p,
+        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        min_tokens=body.min_tokens, stop_token_ids=body.stop_token_ids or [],
+        ignore_eos=body.ignore_eos,
+    )  # fmt: skip
+    for name in ("temperature", "top_p", "repetition_penalty", "seed"):
+        value = getattr(body, name)
+        if value is not None:
+            setattr(p, name, value)
+    if limit is not None:
+        p.max_tokens = limit
+    if num_logprobs is not None:
+        p.logprobs = num_logprobs
+    if limit is not None and body.min_tokens > limit:
+        raise errors.bad_request(
+            f"min_tokens ({body.min_tokens}) > max_tokens ({limit})", "min_tokens"
+        )
+    return p
+
+
+def _check_length(ids: list[int], limit: int | None, max_model_len: int) -> None:
+    if not ids:
+        raise errors.bad_request("the prompt is empty", "prompt")
+    if len(ids) >= max_model_len:
+        raise errors.bad_request(
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{len(ids)} tokens, which leaves no room to generate", "prompt",
+        )  # fmt: skip
+    if limit is not None and len(ids) + limit > max_model_len:
+        raise errors.bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {len(ids) + limit} tokens ({len(ids)} in the prompt, {limit} in the "
+            "completion). Please reduce the prompt or max_tokens.", "max_tokens",
+        )  # fmt: skip
+
+
+def _usage(plan: Plan) -> Usage:
+    usage = Usage(prompt_tokens=sum(len(j.prompt_ids) for j in plan.jobs))
+    metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
+    return usage
+
+
+def _count(usage: Usage, d: ChoiceDelta) -> None:
+    usage.completion_tokens += len(d.token_ids)
+    metrics.COMPLETION_TOKENS.inc(len(d.token_ids))
+    if d.num_cached_tokens is not None and d.index == 0:
+        usage.cached_tokens += d.num_cached_tokens
+        metrics.CACHED_TOKENS.inc(d.num_cached_tokens)
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(body: dict) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"

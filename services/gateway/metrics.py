@@ -1,0 +1,23 @@
+"""The gateway's Prometheus metrics (``baton_gateway_*``), served on its own ``/metrics``."""
+
+from prometheus_client import Counter, Histogram
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+
+REQUESTS = Counter(
+    "baton_gateway_requests", "Requests by endpoint and outcome (HTTP status or 'disconnected')",
+    ["endpoint", "outcome"],
+)  # fmt: skip
+TTFT = Histogram("baton_gateway_ttft_seconds", "Arrival to first token", buckets=_LATENCY)
+ITL = Histogram("baton_gateway_itl_seconds", "Time between streamed token deltas", buckets=_FAST)
+E2E = Histogram("baton_gateway_e2e_seconds", "Arrival to the last token", buckets=_LATENCY)
+ROUTE_SECONDS = Histogram("baton_gateway_route_seconds", "Route call latency", buckets=_FAST)
+PROMPT_TOKENS = Counter("baton_gateway_prompt_tokens", "Prompt tokens received")
+COMPLETION_TOKENS = Counter("baton_gateway_completion_tokens", "Tokens generated")
+CACHED_TOKENS = Counter(
+    "baton_gateway_prefix_hit_tokens", "Prompt tokens the engines served from their prefix cache"
+)
+RESUMES = Counter(
+    "baton_gateway_resumes", "Choices resumed on another worker after a worker failed"
+)

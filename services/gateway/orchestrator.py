@@ -1,0 +1,276 @@
+"""Drives one prompt through the cluster and yields what each of its ``n`` choices produced:
+
+    hash the prompt's blocks → Route (scheduler) → n × Generate (worker stream, n = 1 each,
+    seed + i like the engine's own fan-out) → detokenize, apply stop strings → ChoiceDelta
+
+Every call has a deadline. Leaving the iterator (client gone, stop string hit) cancels the
+gRPC streams, which aborts the requests in the worker's engine. When a worker fails before or
+during a stream (UNAVAILABLE: it died or is draining), the choice is resumed on another worker
+with the prompt plus the tokens generated so far (the prefix cache makes that cheap), so the
+client's stream continues. Greedy output is unchanged by a resume; seeded sampling continues
+with a fresh generator state.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from services.gateway import errors, metrics
+from services.gateway.catalog import ModelCatalog
+from shared.block_hash import hash_blocks
+from shared.ids import BlockHash
+from shared.protos.baton.v1 import (
+    common_pb2,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from shared.rpc import channel, metadata
+from shared.text.detokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger(__name__)
+
+ROUTE_TIMEOUT_S = 5.0
+
+
+@dataclass
+class Job:
+    """One prompt of one client request, ready to run."""
+
+    request_id: str
+    model: str
+    prompt_ids: list[int]
+    params: common_pb2.SamplingParams  # n = 1; the per-choice seed is set here
+    n: int
+    stop: list[str]
+    include_stop: bool
+    skip_special_tokens: bool
+    cache_salt: str | None
+    deadline: float  # time.monotonic() by which the request must end
+    max_resumes: int = 2
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the top-N, most likely first
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_cached_tokens: int | None = None  # set on the first delta of a choice
+
+
+class WorkerChannels:
+    """One gRPC channel per worker address, reused across requests."""
+
+    def __init__(self) -> None:
+        self._stubs: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerStub]] = {}
+
+    def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        if address not in self._stubs:
+            ch = channel(address)
+            self._stubs[address] = (ch, worker_pb2_grpc.WorkerStub(ch))
+        return self._stubs[address][1]
+
+    async def close(self) -> None:
+        for ch, _ in self._stubs.values():
+            await ch.close()
+        self._stubs.clear()
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        scheduler: scheduler_pb2_grpc.GlobalSchedulerStub,
+        catalog: ModelCatalog,
+        workers: WorkerChannels,
+    ):
+        self.scheduler = scheduler
+        self.catalog = catalog
+        self.workers = workers
+
+    async def run(self, job: Job, num_logprobs: int | None) -> AsyncIterator[ChoiceDelta]:
+        """Deltas of all n choices, interleaved as they arrive; ends when every choice ends."""
+        limits = await self.catalog.limits(job.model)
+        if limits is None:
+            raise errors.no_worker(f"no live worker serves model {job.model!r}")
+        hashes = hash_blocks(
+            job.prompt_ids, limits.block_size, (job.cache_salt,) if job.cache_salt else ()
+        )
+        route = await self._route(job, hashes, exclude=[])
+        queue: asyncio.Queue[ChoiceDelta | BaseException | None] = asyncio.Queue()
+        tasks = [
+            asyncio.create_task(
+                self._guard(self._choice(job, i, route, hashes, num_logprobs, queue), queue)
+            )
+            for i in range(job.n)
+        ]
+        try:
+            remaining = job.n
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    @staticmethod
+    async def _guard(
+        coro: Coroutine[Any, Any, None], queue: asyncio.Queue[ChoiceDelta | BaseException | None]
+    ) -> None:
+        """Run one choice; its end (None) or its error goes to the consumer's queue."""
+        try:
+            await coro
+            queue.put_nowait(None)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            queue.put_nowait(e)
+
+    async def _route(
+        self, job: Job, hashes: list[BlockHash], exclude: list[str]
+    ) -> scheduler_pb2.RouteResponse:
+        start = time.perf_counter()
+        try:
+            route = await self.scheduler.Route(
+                scheduler_pb2.RouteRequest(
+                    request_id=job.request_id, model=job.model, block_hashes=hashes,
+                    num_prompt_tokens=len(job.prompt_ids), exclude_workers=exclude,
+                ),
+                timeout=min(ROUTE_TIMEOUT_S, max(job.deadline - time.monotonic(), 0.001)),
+                metadata=metadata(job.request_id),
+            )  # fmt: skip
+        except grpc.aio.AioRpcError as e:
+            raise errors.from_grpc(e, "routing") from None
+        metrics.ROUTE_SECONDS.observe(time.perf_counter() - start)
+        return route
+
+    async def _choice(
+        self,
+        job: Job,
+        index: int,
+        route: scheduler_pb2.RouteResponse,
+        hashes: list[BlockHash],
+        num_logprobs: int | None,
+        queue: asyncio.Queue[ChoiceDelta | BaseException | None],
+    ) -> None:
+        """Run choice ``index`` to its end, resuming on another worker if one fails."""
+        state = _ChoiceState(
+            index,
+            IncrementalDetokenizer(
+                self.catalog.tokenizers[job.model].tokenizer, job.prompt_ids, job.stop,
+                job.include_stop, job.skip_special_tokens,
+            ),
+            num_logprobs,
+        )  # fmt: skip
+        params = common_pb2.SamplingParams()
+        params.CopyFrom(job.params)
+        if params.HasField("seed"):
+            params.seed = params.seed + index  # as the engine's own n fan-out does
+        failed: list[str] = []
+        while True:
+            call = self.workers.stub(route.decode.address).Generate(
+                _generate_request(job, index, params, state.generated),
+                timeout=max(job.deadline - time.monotonic(), 0.001),
+                metadata=metadata(job.request_id),
+            )
+            try:
+                async for resp in call:
+                    for delta in state.apply(resp):
+                        queue.put_nowait(delta)
+                        if delta.finish_reason is not None:
+                            return  # (a stop string: cancelling the call aborts it)
+                return
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or len(failed) >= job.max_resumes:
+                    raise errors.from_grpc(e, "generation") from None
+                failed.append(route.decode.worker_id)
+                logger.warning(
+                    "worker %s failed (%s): resuming choice %d after %d tokens",
+                    route.decode.worker_id, e.details(), index, len(state.generated),
+                )  # fmt: skip
+                metrics.RESUMES.inc()
+                route = await self._route(job, hashes, exclude=failed)
+            finally:
+                call.cancel()
+
+
+@dataclass
+class _ChoiceState:
+    """One choice's progress across worker calls: tokens so far, its detokenizer."""
+
+    index: int
+    detok: IncrementalDetokenizer
+    num_logprobs: int | None
+    generated: list[int] = field(default_factory=list)
+    cached: int | None = None
+
+    def apply(self, resp: worker_pb2.GenerateResponse) -> list[ChoiceDelta]:
+        if resp.error:
+            if not self.generated:  # the engine refused the request
+                raise errors.bad_request(resp.error)
+            raise errors.APIError(500, resp.error, type="server_error", code="engine_error")
+        deltas = []
+        for d in resp.deltas:
+            delta = ChoiceDelta(self.index, "", list(d.token_ids))
+            if self.cached is None:
+                self.cached = delta.num_cached_tokens = resp.num_cached_tokens
+            self.generated += d.token_ids
+            delta.logprobs = [_logprob(lp, self.num_logprobs) for lp in d.logprobs]
+            hit = self.detok.update(d.token_ids)
+            delta.finish_reason = "stop" if hit is not None else (d.finish_reason or None)
+            delta.text = self.detok.new_text(delta.finish_reason is not None)
+            deltas.append(delta)
+            if delta.finish_reason is not None:
+                break
+        return deltas
+
+
+def _generate_request(
+    job: Job, index: int, params: common_pb2.SamplingParams, generated: list[int]
+) -> worker_pb2.GenerateRequest:
+    """The request for one choice; after a failure, the prompt plus what was generated."""
+    if generated:
+        params = _remaining(params, len(generated))
+    req = worker_pb2.GenerateRequest(
+        request_id=f"{job.request_id}-{index}" + (f"-r{len(generated)}" if generated else ""),
+        prompt_token_ids=job.prompt_ids + generated,
+        params=params,
+    )
+    if job.cache_salt:
+        req.cache_salt = job.cache_salt
+    return req
+
+
+def _remaining(params: common_pb2.SamplingParams, done: int) -> common_pb2.SamplingParams:
+    rest = common_pb2.SamplingParams()
+    rest.CopyFrom(params)
+    if rest.HasField("max_tokens"):
+        rest.max_tokens = max(rest.max_tokens - done, 1)
+    rest.min_tokens = max(rest.min_tokens - done, 0)
+    return rest
+
+
+def _logprob(lp: common_pb2.TokenLogprobs, n: int | None) -> TokenLogprob:
+    entries = list(zip(lp.token_ids, lp.logprobs, strict=True))
+    top = sorted(entries, key=lambda e: -e[1])[: n or 0]
+    return TokenLogprob(entries[0][0], entries[0][1], top)

@@ -1,0 +1,68 @@
+"""The one place where the scheduler translates between protobuf and its own structs."""
+
+from services.global_scheduler.registry import WorkerLoad, WorkerState
+from shared.ids import BlockHash, WorkerId
+from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
+from shared.protos.baton.v1 import common_pb2, scheduler_pb2
+
+ROLE_NAMES = {
+    common_pb2.WORKER_ROLE_PREFILL: "prefill",
+    common_pb2.WORKER_ROLE_DECODE: "decode",
+    common_pb2.WORKER_ROLE_BOTH: "both",
+}
+
+
+def worker_state(reg: scheduler_pb2.WorkerRegistration) -> WorkerState:
+    if not reg.worker_id or not reg.incarnation or not reg.address or not reg.model:
+        raise ValueError("a registration needs worker_id, incarnation, address and model")
+    if reg.role not in ROLE_NAMES:
+        raise ValueError(f"unknown worker role {reg.role}")
+    if reg.block_size == 0:
+        raise ValueError("block_size must be > 0")
+    return WorkerState(
+        worker_id=WorkerId(reg.worker_id),
+        incarnation=reg.incarnation,
+        role=ROLE_NAMES[reg.role],
+        address=reg.address,
+        model=reg.model,
+        max_model_len=reg.max_model_len,
+        block_size=reg.block_size,
+        num_kv_blocks=reg.num_kv_blocks,
+    )
+
+
+def load(msg: scheduler_pb2.WorkerLoad) -> WorkerLoad:
+    return WorkerLoad(
+        msg.num_running, msg.num_waiting, msg.kv_usage, msg.num_in_flight, msg.draining
+    )
+
+
+def kv_event_batch(msg: common_pb2.KVEventBatch) -> KVEventBatch:
+    events: list[KVEvent] = []
+    for e in msg.events:
+        kind = e.WhichOneof("event")
+        if kind == "stored":
+            parent = BlockHash(e.stored.parent) if e.stored.HasField("parent") else None
+            hashes = [BlockHash(h) for h in e.stored.block_hashes]
+            events.append(BlockStored(hashes, parent, e.stored.block_size))
+        elif kind == "removed":
+            events.append(BlockRemoved([BlockHash(h) for h in e.removed.block_hashes]))
+        elif kind == "cleared":
+            events.append(AllBlocksCleared())
+    return KVEventBatch(seq=msg.seq, events=events)
+
+
+def registration(w: WorkerState) -> scheduler_pb2.WorkerRegistration:
+    role = {v: k for k, v in ROLE_NAMES.items()}[w.role]
+    return scheduler_pb2.WorkerRegistration(
+        worker_id=w.worker_id, incarnation=w.incarnation, role=role, address=w.address,
+        model=w.model, max_model_len=w.max_model_len, block_size=w.block_size,
+        num_kv_blocks=w.num_kv_blocks,
+    )  # fmt: skip
+
+
+def load_msg(load: WorkerLoad) -> scheduler_pb2.WorkerLoad:
+    return scheduler_pb2.WorkerLoad(
+        num_running=load.num_running, num_waiting=load.num_waiting, kv_usage=load.kv_usage,
+        num_in_flight=load.num_in_flight, draining=load.draining,
+    )  # fmt: skip

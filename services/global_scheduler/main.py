@@ -1,0 +1,60 @@
+"""``baton global-scheduler``: lifecycle (shared/lifecycle.py)
+
+start gRPC → sweep silent workers every ``sweep_interval_s`` → SIGTERM → stop gRPC
+"""
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+
+from prometheus_client import start_http_server
+
+from services.global_scheduler.directory import InMemoryDirectory
+from services.global_scheduler.registry import WorkerRegistry
+from services.global_scheduler.routing import RoutingPolicy
+from services.global_scheduler.server import SchedulerServicer
+from services.global_scheduler.settings import SchedulerSettings
+from shared import rpc
+from shared.lifecycle import StopSignal, TaskOwner
+from shared.protos.baton.v1 import scheduler_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+async def serve(settings: SchedulerSettings, stop: StopSignal | None = None) -> None:
+    stop = stop or StopSignal()
+    stop.install()
+    owner = TaskOwner("scheduler")
+    servicer = SchedulerServicer(
+        WorkerRegistry(settings.heartbeat_timeout_s),
+        InMemoryDirectory(),
+        RoutingPolicy(settings.routing_policy),
+    )
+    server = rpc.server()
+    scheduler_pb2_grpc.add_GlobalSchedulerServicer_to_server(servicer, server)
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    await server.start()
+    try:
+        metrics_port = None
+        if settings.metrics_port is not None:
+            http, _ = start_http_server(settings.metrics_port, addr=settings.host)
+            metrics_port = int(http.server_port)
+        owner.spawn(_sweep_forever(servicer, settings.sweep_interval_s), "sweep")
+        address = f"{settings.host}:{port}"
+        logger.info("global scheduler listening on %s", address)
+        if settings.ready_file:
+            tmp = Path(settings.ready_file + ".tmp")
+            tmp.write_text(json.dumps({"address": address, "metrics_port": metrics_port}))
+            tmp.rename(settings.ready_file)
+        await stop.wait()
+    finally:
+        await owner.cancel_all()
+        await server.stop(grace=1.0)
+        logger.info("global scheduler stopped")
+
+
+async def _sweep_forever(servicer: SchedulerServicer, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        await servicer.sweep()

@@ -1,0 +1,91 @@
+"""The live set of workers, fed by heartbeat streams. Pure bookkeeping (no I/O): the server
+calls it, the routing pipeline reads ``candidates``.
+
+A worker is identified by ``worker_id``; each process start brings a new ``incarnation``. A
+registration with a new incarnation replaces the old entry (the old process is gone), and the
+end of an old stream cannot remove its successor.
+"""
+
+import time
+from dataclasses import dataclass, field
+
+from shared.ids import WorkerId
+
+
+@dataclass
+class WorkerLoad:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_in_flight: int = 0
+    draining: bool = False
+
+
+@dataclass
+class WorkerState:
+    worker_id: WorkerId
+    incarnation: str
+    role: str  # prefill | decode | both
+    address: str  # host:port of its Worker service
+    model: str
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+    last_seen: float = field(default_factory=time.monotonic)
+    routed_since_heartbeat: int = 0  # requests sent its way the last load does not show yet
+    num_routed: int = 0  # requests routed to it since it registered
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests ahead of a new one: the engine's queue plus what we just routed there."""
+        return self.load.num_running + self.load.num_waiting + self.routed_since_heartbeat
+
+
+class WorkerRegistry:
+    def __init__(self, heartbeat_timeout_s: float):
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._workers: dict[WorkerId, WorkerState] = {}
+
+    def register(self, state: WorkerState) -> WorkerState | None:
+        """Add a worker; returns the entry it replaced (an older incarnation), if any."""
+        old = self._workers.get(state.worker_id)
+        self._workers[state.worker_id] = state
+        return old
+
+    def heartbeat(self, worker_id: WorkerId, incarnation: str, load: WorkerLoad) -> bool:
+        state = self.get(worker_id, incarnation)
+        if state is None:
+            return False
+        state.load, state.last_seen, state.routed_since_heartbeat = load, time.monotonic(), 0
+        return True
+
+    def remove(self, worker_id: WorkerId, incarnation: str) -> WorkerState | None:
+        """Remove a worker if it is still this incarnation."""
+        state = self.get(worker_id, incarnation)
+        if state is not None:
+            del self._workers[worker_id]
+        return state
+
+    def expire(self, now: float | None = None) -> list[WorkerState]:
+        """Remove and return the workers whose last heartbeat is older than the timeout."""
+        now = time.monotonic() if now is None else now
+        dead = [w for w in self._workers.values() if now - w.last_seen > self.heartbeat_timeout_s]
+        for w in dead:
+            del self._workers[w.worker_id]
+        return dead
+
+    def get(self, worker_id: WorkerId, incarnation: str | None = None) -> WorkerState | None:
+        state = self._workers.get(worker_id)
+        if state is None or (incarnation is not None and state.incarnation != incarnation):
+            return None
+        return state
+
+    def workers(self) -> list[WorkerState]:
+        return list(self._workers.values())
+
+    def models(self) -> dict[str, list[WorkerState]]:
+        by_model: dict[str, list[WorkerState]] = {}
+        for w in self._workers.values():
+            by_model.setdefault(w.model, []).append(w)
+        return by_model

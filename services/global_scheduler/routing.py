@@ -1,0 +1,166 @@
+"""Routing as a pipeline, each stage a pure function of (request, candidate snapshot):
+
+    filters (drop candidates) → scorers (each in [0, 1], weighted) → picker (one winner)
+
+Plugins live in registries keyed by name; a policy is data:
+
+    {"filters": ["role", "healthy", {"name": "capacity", "max_queue": 256}],
+     "scorers": [{"name": "prefix", "weight": 2}, {"name": "queue", "weight": 1},
+                 {"name": "kv_usage", "weight": 1}],
+     "picker": "max"}
+
+Filters
+    role       the worker can run the request's leg (decode leg: role decode or both)
+    healthy    not draining
+    capacity   queue depth (running + waiting + just routed) below ``max_queue``
+Scorers
+    prefix     fraction of the prompt's full blocks the worker already holds
+    queue      1 − depth / (largest depth among the candidates); 1 for every idle worker
+    kv_usage   1 − the worker's fraction of KV blocks in use
+Picker
+    max        highest weighted sum; ties go to the shorter queue, then to the earlier
+               candidate in a rotating order, so equal workers take turns
+"""
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.global_scheduler.registry import WorkerState
+
+DEFAULT_POLICY: dict[str, Any] = {
+    "filters": ["role", "healthy", {"name": "capacity", "max_queue": 1024}],
+    "scorers": [
+        {"name": "prefix", "weight": 2.0},
+        {"name": "queue", "weight": 1.0},
+        {"name": "kv_usage", "weight": 0.5},
+    ],
+    "picker": "max",
+}
+
+
+@dataclass(frozen=True)
+class RouteQuery:
+    model: str
+    num_blocks: int  # full blocks in the prompt
+    leg: str = "decode"  # decode | prefill
+    exclude: frozenset[str] = frozenset()
+
+
+@dataclass
+class Candidate:
+    worker: WorkerState
+    matched_blocks: int  # from the prefix directory
+    scores: dict[str, float] = field(default_factory=dict)
+    total: float = 0.0
+
+
+class NoWorkerError(LookupError):
+    """No live worker passes the filters; the message says which filter emptied the set."""
+
+
+Filter = Callable[[RouteQuery, Candidate], bool]
+Scorer = Callable[[RouteQuery, Candidate, list[Candidate]], float]
+
+_LEG_ROLES = {"decode": ("decode", "both"), "prefill": ("prefill", "both")}
+
+
+def _role(**_: Any) -> Filter:
+    return lambda q, c: c.worker.role in _LEG_ROLES[q.leg]
+
+
+def _healthy(**_: Any) -> Filter:
+    return lambda q, c: not c.worker.load.draining and c.worker.worker_id not in q.exclude
+
+
+def _capacity(max_queue: int = 1024, **_: Any) -> Filter:
+    return lambda q, c: c.worker.queue_depth < max_queue
+
+
+def _prefix(**_: Any) -> Scorer:
+    return lambda q, c, _all: c.matched_blocks / q.num_blocks if q.num_blocks else 0.0
+
+
+def _queue(**_: Any) -> Scorer:
+    def score(q: RouteQuery, c: Candidate, all_: list[Candidate]) -> float:
+        deepest = max(x.worker.queue_depth for x in all_)
+        return 1.0 - c.worker.queue_depth / deepest if deepest else 1.0
+
+    return score
+
+
+def _kv_usage(**_: Any) -> Scorer:
+    return lambda q, c, _all: 1.0 - min(max(c.worker.load.kv_usage, 0.0), 1.0)
+
+
+FILTERS: dict[str, Callable[..., Filter]] = {
+    "role": _role,
+    "healthy": _healthy,
+    "capacity": _capacity,
+}
+SCORERS: dict[str, Callable[..., Scorer]] = {
+    "prefix": _prefix,
+    "queue": _queue,
+    "kv_usage": _kv_usage,
+}
+PICKERS = ("max",)
+
+
+def _spec(item: str | dict[str, Any], kind: str, known: dict[str, Any]) -> tuple[str, dict]:
+    spec = {"name": item} if isinstance(item, str) else dict(item)
+    name = spec.pop("name", None)
+    if name not in known:
+        raise ValueError(f"unknown {kind} {name!r}; known: {', '.join(sorted(known))}")
+    return name, spec
+
+
+class RoutingPolicy:
+    def __init__(self, policy: dict[str, Any] | None = None):
+        policy = DEFAULT_POLICY if policy is None else policy
+        unknown = set(policy) - {"filters", "scorers", "picker"}
+        if unknown:
+            raise ValueError(f"unknown routing policy keys: {sorted(unknown)}")
+        self.filters: list[tuple[str, Filter]] = []
+        for item in policy.get("filters", []):
+            name, kw = _spec(item, "filter", FILTERS)
+            self.filters.append((name, FILTERS[name](**kw)))
+        self.scorers: list[tuple[str, float, Scorer]] = []
+        for item in policy.get("scorers", []):
+            name, kw = _spec(item, "scorer", SCORERS)
+            weight = float(kw.pop("weight", 1.0))
+            if weight < 0:
+                raise ValueError(f"scorer {name}: weight must be >= 0")
+            self.scorers.append((name, weight, SCORERS[name](**kw)))
+        picker = policy.get("picker", "max")
+        if picker not in PICKERS:
+            raise ValueError(f"unknown picker {picker!r}; known: {', '.join(PICKERS)}")
+        self._turn = itertools.count()
+
+    def filter(self, query: RouteQuery, candidates: list[Candidate]) -> list[Candidate]:
+        for name, keep in self.filters:
+            kept = [c for c in candidates if keep(query, c)]
+            if not kept:
+                raise NoWorkerError(
+                    f"no worker for model {query.model!r} passes the {name!r} filter "
+                    f"({len(candidates)} before it)"
+                )
+            candidates = kept
+        return candidates
+
+    def pick(self, query: RouteQuery, candidates: list[Candidate]) -> Candidate:
+        """Filter, score and pick; the winner carries its scores (for the route's reason)."""
+        if not candidates:
+            raise NoWorkerError(f"no live worker serves model {query.model!r}")
+        candidates = self.filter(query, candidates)
+        for c in candidates:
+            c.scores = {name: scorer(query, c, candidates) for name, _, scorer in self.scorers}
+            c.total = sum(w * c.scores[name] for name, w, _ in self.scorers)
+        turn = next(self._turn) % len(candidates)
+        order = {id(c): (i - turn) % len(candidates) for i, c in enumerate(candidates)}
+        return min(candidates, key=lambda c: (-c.total, c.worker.queue_depth, order[id(c)]))
+
+    @staticmethod
+    def reason(c: Candidate) -> str:
+        parts = " ".join(f"{k}={v:.2f}" for k, v in c.scores.items())
+        return f"{c.worker.worker_id}: {parts} total={c.total:.2f}"

@@ -1,0 +1,150 @@
+"""The GlobalScheduler gRPC service: translation only; the registry, the directory and the
+routing policy do the work. Workers leave the registry when their heartbeat stream ends (at
+once) or goes silent (``sweep``, within ``heartbeat_timeout_s`` + one sweep interval)."""
+
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc import aio
+
+from services.global_scheduler import convert, metrics
+from services.global_scheduler.directory import PrefixDirectory
+from services.global_scheduler.registry import WorkerRegistry, WorkerState
+from services.global_scheduler.routing import Candidate, NoWorkerError, RouteQuery, RoutingPolicy
+from shared.ids import BlockHash
+from shared.protos.baton.v1 import scheduler_pb2, scheduler_pb2_grpc
+from shared.rpc import adopt_request_id
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
+    def __init__(self, registry: WorkerRegistry, directory: PrefixDirectory, policy: RoutingPolicy):
+        self.registry = registry
+        self.directory = directory
+        self.policy = policy
+
+    async def Heartbeat(
+        self,
+        request_iterator: AsyncIterator[scheduler_pb2.WorkerHeartbeat],
+        context: aio.ServicerContext,
+    ) -> scheduler_pb2.HeartbeatAck:
+        worker: WorkerState | None = None
+        try:
+            async for msg in request_iterator:
+                if worker is None:
+                    worker = await self._register(msg, context)
+                elif not self.registry.heartbeat(
+                    worker.worker_id, worker.incarnation, convert.load(msg.load)
+                ):
+                    return scheduler_pb2.HeartbeatAck(reason="expired: register again")
+                for batch in msg.kv_events:
+                    await self.directory.apply(
+                        worker.worker_id, worker.incarnation, convert.kv_event_batch(batch)
+                    )
+                    metrics.KV_EVENTS.inc(len(batch.events))
+            return scheduler_pb2.HeartbeatAck(reason="stream closed by the worker")
+        finally:
+            if worker is not None:
+                await self._remove(worker, "stream ended")
+
+    async def Route(
+        self, request: scheduler_pb2.RouteRequest, context: aio.ServicerContext
+    ) -> scheduler_pb2.RouteResponse:
+        adopt_request_id(context)
+        start = time.perf_counter()
+        workers = [w for w in self.registry.workers() if w.model == request.model]
+        if not workers:
+            metrics.ROUTES.labels("no_worker", "model").inc()
+            known = sorted(self.registry.models())
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"no live worker serves model {request.model!r}; served: {known}",
+            )
+        hashes = [BlockHash(h) for h in request.block_hashes]
+        matched = await self.directory.longest_prefix(hashes, [w.worker_id for w in workers])
+        query = RouteQuery(request.model, len(hashes), exclude=frozenset(request.exclude_workers))
+        try:
+            best = self.policy.pick(query, [Candidate(w, matched[w.worker_id]) for w in workers])
+        except NoWorkerError as e:
+            metrics.ROUTES.labels("no_worker", "filters").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            raise  # unreachable: abort raises
+        best.worker.routed_since_heartbeat += 1
+        best.worker.num_routed += 1
+        factor = "prefix" if best.matched_blocks else "load"
+        metrics.ROUTES.labels("routed", factor).inc()
+        metrics.PREDICTED_HIT_TOKENS.inc(best.matched_blocks * best.worker.block_size)
+        metrics.ROUTE_SECONDS.observe(time.perf_counter() - start)
+        reason = self.policy.reason(best)
+        logger.debug("route %s → %s", request.request_id, reason)
+        return scheduler_pb2.RouteResponse(
+            decode=scheduler_pb2.WorkerRef(
+                worker_id=best.worker.worker_id,
+                address=best.worker.address,
+                matched_blocks=best.matched_blocks,
+            ),
+            reason=reason,
+            block_size=best.worker.block_size,
+        )
+
+    async def ListWorkers(
+        self, request: scheduler_pb2.ListWorkersRequest, context: aio.ServicerContext
+    ) -> scheduler_pb2.ListWorkersResponse:
+        now = time.monotonic()
+        return scheduler_pb2.ListWorkersResponse(
+            workers=[
+                scheduler_pb2.WorkerInfo(
+                    registration=convert.registration(w),
+                    load=convert.load_msg(w.load),
+                    seconds_since_heartbeat=now - w.last_seen,
+                    num_cached_blocks=await self.directory.num_blocks(w.worker_id),
+                    num_routed=w.num_routed,
+                )
+                for w in self.registry.workers()
+            ]
+        )
+
+    async def sweep(self) -> None:
+        """Drop workers whose heartbeat went silent (called every sweep interval)."""
+        for w in self.registry.expire():
+            logger.warning("worker %s missed its heartbeats: removed", w.worker_id)
+            await self.directory.forget(w.worker_id)
+            metrics.WORKER_EVENTS.labels("expired").inc()
+        self._update_alive()
+
+    async def _register(
+        self, msg: scheduler_pb2.WorkerHeartbeat, context: aio.ServicerContext
+    ) -> WorkerState:
+        if not msg.HasField("registration"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first message must register")
+        try:
+            worker = convert.worker_state(msg.registration)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise  # unreachable: abort raises
+        worker.load = convert.load(msg.load)
+        old = self.registry.register(worker)
+        if old is not None and old.incarnation != worker.incarnation:
+            await self.directory.forget(old.worker_id)
+        logger.info("worker %s registered: %s at %s (%s)", worker.worker_id, worker.role,
+                    worker.address, worker.model)  # fmt: skip
+        metrics.WORKER_EVENTS.labels("registered").inc()
+        self._update_alive()
+        return worker
+
+    async def _remove(self, worker: WorkerState, why: str) -> None:
+        if self.registry.remove(worker.worker_id, worker.incarnation) is not None:
+            await self.directory.forget(worker.worker_id)
+            logger.info("worker %s removed: %s", worker.worker_id, why)
+            metrics.WORKER_EVENTS.labels("removed").inc()
+        self._update_alive()
+
+    def _update_alive(self) -> None:
+        counts = dict.fromkeys(("prefill", "decode", "both"), 0)
+        for w in self.registry.workers():
+            counts[w.role] += 1
+        for role, n in counts.items():
+            metrics.WORKERS_ALIVE.labels(role).set(n)

@@ -1,0 +1,94 @@
+"""The one place where the worker translates between protobuf and the engine's structs."""
+
+from services.worker.engine.messages import EngineStats
+from services.worker.engine.outputs import CompletionOutput, RequestOutput
+from services.worker.engine.params import RequestOutputKind, SamplingParams
+from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from shared.protos.baton.v1 import common_pb2, scheduler_pb2, worker_pb2
+
+
+def sampling_params(p: common_pb2.SamplingParams) -> SamplingParams:
+    """Engine params for a request from the gateway: token ids out, the gateway decodes.
+    Raises ValueError (named field) for a bad value."""
+    kwargs: dict[str, object] = {
+        "n": p.n or 1,
+        "top_k": p.top_k,
+        "min_p": p.min_p,
+        "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty,
+        "min_tokens": p.min_tokens,
+        "stop_token_ids": list(p.stop_token_ids),
+        "ignore_eos": p.ignore_eos,
+        "max_tokens": p.max_tokens if p.HasField("max_tokens") else None,
+        "seed": p.seed if p.HasField("seed") else None,
+        "logprobs": p.logprobs if p.HasField("logprobs") else None,
+        "detokenize": False,
+        "output_kind": RequestOutputKind.DELTA,
+    }
+    for name in ("temperature", "top_p", "repetition_penalty"):
+        if p.HasField(name):
+            kwargs[name] = getattr(p, name)
+    return SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def generate_response(out: RequestOutput) -> worker_pb2.GenerateResponse:
+    return worker_pb2.GenerateResponse(
+        deltas=[_delta(c) for c in out.outputs],
+        num_prompt_tokens=len(out.prompt_token_ids),
+        num_cached_tokens=out.num_cached_tokens,
+        finished=out.finished,
+        error=out.error or "",
+    )
+
+
+def token_logprobs(c: CompletionOutput) -> list[common_pb2.TokenLogprobs]:
+    result = []
+    for position in c.logprobs or []:
+        ids = list(position)  # the sampled token first, then the top-N (output_processor order)
+        result.append(
+            common_pb2.TokenLogprobs(
+                token_ids=ids,
+                logprobs=[position[t].logprob for t in ids],
+                sampled_rank=position[ids[0]].rank,
+            )
+        )
+    return result
+
+
+def _delta(c: CompletionOutput) -> worker_pb2.CompletionDelta:
+    delta = worker_pb2.CompletionDelta(
+        index=c.index,
+        token_ids=c.token_ids,
+        logprobs=token_logprobs(c),
+        finish_reason=c.finish_reason or "",
+    )
+    if isinstance(c.stop_reason, int):
+        delta.stop_token_id = c.stop_reason
+    return delta
+
+
+def load(stats: EngineStats, in_flight: int, draining: bool) -> scheduler_pb2.WorkerLoad:
+    return scheduler_pb2.WorkerLoad(
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        kv_usage=stats.kv_usage,
+        num_in_flight=in_flight,
+        draining=draining,
+    )
+
+
+def kv_event_batch(batch: KVEventBatch) -> common_pb2.KVEventBatch:
+    events = []
+    for e in batch.events:
+        if isinstance(e, BlockStored):
+            stored = common_pb2.BlockStored(block_hashes=e.block_hashes, block_size=e.block_size)
+            if e.parent is not None:
+                stored.parent = e.parent
+            events.append(common_pb2.KVEvent(stored=stored))
+        elif isinstance(e, BlockRemoved):
+            events.append(
+                common_pb2.KVEvent(removed=common_pb2.BlockRemoved(block_hashes=e.block_hashes))
+            )
+        elif isinstance(e, AllBlocksCleared):
+            events.append(common_pb2.KVEvent(cleared=common_pb2.AllBlocksCleared()))
+    return common_pb2.KVEventBatch(seq=batch.seq, events=events)

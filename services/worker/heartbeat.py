@@ -1,0 +1,88 @@
+"""The worker's life line to the global scheduler: one client stream per connection,
+
+    registration (+ load) → every ``heartbeat_interval_s``: load + the KV events since the last
+
+and a reconnect with backoff when the stream breaks. On every (re)connection the engine is
+asked to re-announce its prefix index (all-cleared, then every cached block), so a restarted
+scheduler converges to the exact picture by applying the events in order.
+"""
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+
+from services.worker import convert
+from services.worker.engine.async_llm import AsyncLLM
+from shared.kv_events import KVEventBatch
+from shared.protos.baton.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from shared.rpc import channel
+
+logger = logging.getLogger(__name__)
+
+MAX_BACKOFF_S = 2.0
+
+
+class Heartbeat:
+    def __init__(
+        self,
+        address: str,
+        registration: scheduler_pb2.WorkerRegistration,
+        engine: AsyncLLM,
+        load: Callable[[], Awaitable[scheduler_pb2.WorkerLoad]],
+        interval_s: float,
+    ):
+        self.address = address
+        self.registration = registration
+        self.engine = engine
+        self.load = load
+        self.interval_s = interval_s
+        self._events: list[common_pb2.KVEventBatch] = []
+        self._wake = asyncio.Event()
+        self._stopped = False
+        self.connected = asyncio.Event()  # set once the scheduler has our registration
+        engine.kv_event_listener = self._on_kv_events
+
+    def _on_kv_events(self, batch: KVEventBatch) -> None:
+        self._events.append(convert.kv_event_batch(batch))
+
+    def wake(self) -> None:
+        """Send a heartbeat now (the worker started draining, say)."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        backoff = 0.1
+        while not self._stopped:
+            try:
+                async with channel(self.address) as ch:
+                    stub = scheduler_pb2_grpc.GlobalSchedulerStub(ch)
+                    ack = await stub.Heartbeat(self._messages())
+                    logger.info("scheduler closed the heartbeat stream: %s", ack.reason)
+                backoff = 0.1
+            except grpc.aio.AioRpcError as e:
+                if self.connected.is_set():
+                    logger.warning("heartbeat to %s broke: %s", self.address, e.code().name)
+                self.connected.clear()
+            if not self._stopped:
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+    def stop(self) -> None:
+        """End the stream after the next message: the scheduler drops this worker at once."""
+        self._stopped = True
+        self._wake.set()
+
+    async def _messages(self) -> AsyncIterator[scheduler_pb2.WorkerHeartbeat]:
+        self._events.clear()  # superseded by the re-announcement below
+        await self.engine.resync_kv_events()
+        yield scheduler_pb2.WorkerHeartbeat(registration=self.registration, load=await self.load())
+        self.connected.set()
+        logger.info("registered with the global scheduler at %s", self.address)
+        while not self._stopped:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+            self._wake.clear()
+            events, self._events = self._events, []
+            yield scheduler_pb2.WorkerHeartbeat(load=await self.load(), kv_events=events)

@@ -1,0 +1,120 @@
+"""``baton worker``: the engine behind the Worker gRPC service, registered with the global
+scheduler. Lifecycle (shared/lifecycle.py):
+
+    start the engine → serve gRPC → register + heartbeat → wait for SIGTERM
+    → drain: refuse new requests, tell the scheduler, let in-flight ones finish (bounded)
+    → close the heartbeat (the scheduler drops us at once) → stop gRPC → stop the engine
+"""
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+
+from prometheus_client import start_http_server
+
+from services.worker import convert, metrics
+from services.worker.engine.async_llm import AsyncLLM
+from services.worker.heartbeat import Heartbeat
+from services.worker.servicer import ROLES, WorkerServicer
+from services.worker.settings import WorkerSettings, new_incarnation
+from shared import rpc
+from shared.lifecycle import StopSignal, TaskOwner, wait_or_forced
+from shared.protos.baton.v1 import scheduler_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+ENGINE_POLL_S = 0.5
+
+
+async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> None:
+    stop = stop or StopSignal()
+    stop.install()
+    owner = TaskOwner("worker")
+    engine = await asyncio.to_thread(AsyncLLM.from_engine_args, settings.engine)
+    server = rpc.server()
+    try:
+        servicer = WorkerServicer(settings, engine)
+        worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+        port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+        await server.start()
+        address = f"{settings.advertise_host or settings.host}:{port}"
+        metrics_port = _start_metrics(settings)
+
+        async def load() -> scheduler_pb2.WorkerLoad:
+            stats = await engine.get_stats()
+            metrics.RUNNING.set(stats.num_running)
+            metrics.WAITING.set(stats.num_waiting)
+            metrics.KV_USAGE.set(stats.kv_usage)
+            metrics.IN_FLIGHT.set(servicer.in_flight)
+            return convert.load(stats, servicer.in_flight, servicer.draining)
+
+        heartbeat = None
+        if settings.scheduler_address:
+            stats = await engine.get_stats()
+            registration = scheduler_pb2.WorkerRegistration(
+                worker_id=settings.worker_id,
+                incarnation=new_incarnation(),
+                role=ROLES[settings.role],
+                address=address,
+                model=engine.model_name,
+                max_model_len=engine.config.model.max_model_len,
+                block_size=engine.config.cache.block_size,
+                num_kv_blocks=stats.num_blocks,
+            )
+            heartbeat = Heartbeat(
+                settings.scheduler_address, registration, engine, load,
+                settings.heartbeat_interval_s,
+            )  # fmt: skip
+            owner.spawn(heartbeat.run(), "heartbeat")
+            await _wait_registered(heartbeat, stop)
+        owner.spawn(_watch_engine(engine, stop), "engine-watch")
+        logger.info("worker %s (%s) serving %s on %s", settings.worker_id, settings.role,
+                    engine.model_name, address)  # fmt: skip
+        if settings.ready_file:
+            _write_ready(settings.ready_file, address, metrics_port)
+        await stop.wait()
+
+        servicer.draining = True
+        if heartbeat is not None:
+            heartbeat.wake()
+        if not await wait_or_forced(servicer.wait_idle(), stop, settings.drain_timeout_s):
+            logger.warning("drain: %d requests still running, cancelling", servicer.in_flight)
+        if heartbeat is not None:
+            heartbeat.stop()
+            await asyncio.sleep(0)  # let the stream end cleanly before the channel closes
+    finally:
+        await server.stop(grace=1.0)
+        await owner.cancel_all()
+        engine.shutdown()
+        logger.info("worker stopped")
+
+
+async def _wait_registered(heartbeat: Heartbeat, stop: StopSignal) -> None:
+    """Serve only once the scheduler knows us (bounded, but never fatal: we keep retrying)."""
+    try:
+        await asyncio.wait_for(heartbeat.connected.wait(), 10.0)
+    except TimeoutError:
+        logger.warning("not registered with the scheduler yet; still trying")
+
+
+async def _watch_engine(engine: AsyncLLM, stop: StopSignal) -> None:
+    """A dead engine core ends the worker (its supervisor restarts it)."""
+    while not engine.dead and not engine.client.core_dead():
+        await asyncio.sleep(ENGINE_POLL_S)
+    logger.error("the engine core died; stopping the worker")
+    stop.trigger()
+    stop.trigger()  # no drain: nothing can finish
+
+
+def _start_metrics(settings: WorkerSettings) -> int | None:
+    if settings.metrics_port is None:
+        return None
+    server, _ = start_http_server(settings.metrics_port, addr=settings.host)
+    return int(server.server_port)
+
+
+def _write_ready(path: str, address: str, metrics_port: int | None) -> None:
+    tmp = Path(path + ".tmp")
+    tmp.write_text(json.dumps({"address": address, "metrics_port": metrics_port}))
+    tmp.rename(path)

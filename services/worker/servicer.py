@@ -1,0 +1,149 @@
+"""The Worker gRPC service: translation between protobuf and ``AsyncLLM`` only.
+
+Errors map once: a bad request is INVALID_ARGUMENT (with the engine's message), a draining
+worker is UNAVAILABLE (the gateway retries elsewhere), a dead engine is UNAVAILABLE and stops
+the worker. Leaving a Generate stream early (the gateway disconnected) aborts the request in the
+engine, so its KV blocks are freed at once.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc import aio
+
+from services.worker import convert, metrics
+from services.worker.engine.async_llm import AsyncLLM
+from services.worker.engine.core_client import EngineDeadError
+from services.worker.engine.outputs import RequestOutput
+from services.worker.engine.params import SamplingParams
+from services.worker.settings import WorkerSettings
+from shared.protos.baton.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from shared.rpc import adopt_request_id
+
+logger = logging.getLogger(__name__)
+
+ROLES = {
+    "prefill": common_pb2.WORKER_ROLE_PREFILL,
+    "decode": common_pb2.WORKER_ROLE_DECODE,
+    "both": common_pb2.WORKER_ROLE_BOTH,
+}
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, settings: WorkerSettings, engine: AsyncLLM):
+        self.settings = settings
+        self.engine = engine
+        self.draining = False
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def Generate(
+        self, request: worker_pb2.GenerateRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        adopt_request_id(context)
+        params = await self._admit(request.params, context)
+        async for out in self._run(request, params, context):
+            yield convert.generate_response(out)
+
+    async def Prefill(
+        self, request: worker_pb2.PrefillRequest, context: aio.ServicerContext
+    ) -> worker_pb2.PrefillResponse:
+        adopt_request_id(context)
+        params = await self._admit(request.params, context)
+        if params.n != 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prefill takes n = 1")
+        params = params.clone(max_tokens=1, min_tokens=0)
+        last: RequestOutput | None = None
+        async for out in self._run(request, params, context):
+            last = out
+        if last is None or not last.outputs or not last.outputs[0].token_ids:
+            await context.abort(grpc.StatusCode.INTERNAL, "prefill produced no token")
+        assert last is not None
+        first = last.outputs[0]
+        reason = first.finish_reason if first.finish_reason != "length" else ""
+        logprobs = convert.token_logprobs(first)
+        return worker_pb2.PrefillResponse(
+            first_token_id=first.token_ids[0],
+            first_logprobs=logprobs[0] if logprobs else None,
+            num_prompt_tokens=len(last.prompt_token_ids),
+            num_cached_tokens=last.num_cached_tokens,
+            finish_reason=reason or "",
+        )
+
+    async def Abort(
+        self, request: worker_pb2.AbortRequest, context: aio.ServicerContext
+    ) -> worker_pb2.AbortResponse:
+        for request_id in request.request_ids:
+            await self.engine.abort(request_id)
+        return worker_pb2.AbortResponse(num_aborted=len(request.request_ids))
+
+    async def Health(
+        self, request: worker_pb2.HealthRequest, context: aio.ServicerContext
+    ) -> worker_pb2.HealthResponse:
+        serving = not self.draining and not self.engine.dead
+        response = worker_pb2.HealthResponse(
+            serving=serving, role=ROLES[self.settings.role], model=self.engine.model_name
+        )
+        if not self.engine.dead:
+            stats = await self.engine.get_stats()
+            response.num_running, response.num_waiting = stats.num_running, stats.num_waiting
+            response.kv_usage = stats.kv_usage
+        return response
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+    async def _admit(
+        self, p: "common_pb2.SamplingParams", context: aio.ServicerContext
+    ) -> SamplingParams:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is draining")
+        if self.engine.dead:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's engine has died")
+        try:
+            return convert.sampling_params(p)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise  # unreachable: abort raises
+
+    async def _run(
+        self,
+        request: worker_pb2.GenerateRequest | worker_pb2.PrefillRequest,
+        params: SamplingParams,
+        context: aio.ServicerContext,
+    ) -> AsyncIterator[RequestOutput]:
+        prompt: dict[str, object] = {"prompt_token_ids": list(request.prompt_token_ids)}
+        if request.HasField("cache_salt"):
+            prompt["cache_salt"] = request.cache_salt
+        self.in_flight += 1
+        self._idle.clear()
+        start, outcome = time.perf_counter(), "error"
+        first = True
+        try:
+            async for out in self.engine.generate(prompt, params, request.request_id):
+                if first:
+                    metrics.TTFT.observe(time.perf_counter() - start)
+                    metrics.QUEUE.observe(out.metrics.get("queued_seconds", 0.0))
+                    metrics.PREFIX_HIT_TOKENS.inc(out.num_cached_tokens)
+                    metrics.PROMPT_TOKENS.inc(len(out.prompt_token_ids))
+                    first = False
+                yield out
+            outcome = "ok"
+        except ValueError as e:
+            outcome = "invalid"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineDeadError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the worker's engine died: {e}")
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"
+            raise
+        finally:
+            metrics.REQUESTS.labels(outcome=outcome).inc()
+            metrics.E2E.observe(time.perf_counter() - start)
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._idle.set()

@@ -1,0 +1,43 @@
+"""``WorkerSettings``: everything ``baton worker`` is configured with, built once and frozen."""
+
+import dataclasses
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from typing import Literal
+
+from services.worker.engine.config import EngineArgs
+
+Role = Literal["prefill", "decode", "both"]
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    engine: EngineArgs
+    role: Role = "both"
+    host: str = "127.0.0.1"  # where the gRPC server listens
+    port: int = 0  # 0: a free port, chosen at start
+    advertise_host: str | None = None  # what the scheduler tells the gateway; default host
+    scheduler_address: str | None = None  # host:port; None runs without registration
+    worker_id: str = ""  # default: hostname-pid
+    metrics_port: int | None = None  # Prometheus /metrics; None: off
+    heartbeat_interval_s: float = 0.5
+    drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may finish
+    ready_file: str | None = None  # written with the bound address once serving (for launchers)
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode", "both"):
+            raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
+        if not self.worker_id:
+            object.__setattr__(self, "worker_id", f"{socket.gethostname()}-{os.getpid()}")
+        if self.heartbeat_interval_s <= 0 or self.drain_timeout_s < 0:
+            raise ValueError("heartbeat_interval_s must be > 0 and drain_timeout_s >= 0")
+
+    def replace(self, **changes: object) -> "WorkerSettings":
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def new_incarnation() -> str:
+    """A fresh id for one process start: KV-event sequence numbers restart with it."""
+    return uuid.uuid4().hex

@@ -1,0 +1,118 @@
+from shared.protos.baton.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WorkerRegistration(_message.Message):
+    __slots__ = ("worker_id", "incarnation", "role", "address", "model", "max_model_len", "block_size", "num_kv_blocks")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    incarnation: str
+    role: _common_pb2.WorkerRole
+    address: str
+    model: str
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ...) -> None: ...
+
+class WorkerLoad(_message.Message):
+    __slots__ = ("num_running", "num_waiting", "kv_usage", "num_in_flight", "draining")
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_in_flight: int
+    draining: bool
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_in_flight: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class WorkerHeartbeat(_message.Message):
+    __slots__ = ("registration", "load", "kv_events")
+    REGISTRATION_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    registration: WorkerRegistration
+    load: WorkerLoad
+    kv_events: _containers.RepeatedCompositeFieldContainer[_common_pb2.KVEventBatch]
+    def __init__(self, registration: _Optional[_Union[WorkerRegistration, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., kv_events: _Optional[_Iterable[_Union[_common_pb2.KVEventBatch, _Mapping]]] = ...) -> None: ...
+
+class HeartbeatAck(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class RouteRequest(_message.Message):
+    __slots__ = ("request_id", "model", "block_hashes", "num_prompt_tokens", "exclude_workers")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    num_prompt_tokens: int
+    exclude_workers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_prompt_tokens: _Optional[int] = ..., exclude_workers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WorkerRef(_message.Message):
+    __slots__ = ("worker_id", "address", "matched_blocks")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    matched_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., matched_blocks: _Optional[int] = ...) -> None: ...
+
+class RouteResponse(_message.Message):
+    __slots__ = ("decode", "prefill", "reason", "block_size")
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    decode: WorkerRef
+    prefill: WorkerRef
+    reason: str
+    block_size: int
+    def __init__(self, decode: _Optional[_Union[WorkerRef, _Mapping]] = ..., prefill: _Optional[_Union[WorkerRef, _Mapping]] = ..., reason: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class ListWorkersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("registration", "load", "seconds_since_heartbeat", "num_cached_blocks", "num_routed")
+    REGISTRATION_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROUTED_FIELD_NUMBER: _ClassVar[int]
+    registration: WorkerRegistration
+    load: WorkerLoad
+    seconds_since_heartbeat: float
+    num_cached_blocks: int
+    num_routed: int
+    def __init__(self, registration: _Optional[_Union[WorkerRegistration, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., seconds_since_heartbeat: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ..., num_routed: _Optional[int] = ...) -> None: ...
+
+class ListWorkersResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,40 @@
+"""gRPC helpers shared by every service: channel/server options, the request id in metadata,
+and the bounded deadlines every call carries."""
+
+import grpc
+from grpc import aio
+
+from shared.logs import REQUEST_ID_HEADER, request_id_var
+
+_OPTIONS = [
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+def channel(address: str) -> aio.Channel:
+    return aio.insecure_channel(address, options=_OPTIONS)
+
+
+def server() -> aio.Server:
+    return aio.server(options=_OPTIONS)
+
+
+def metadata(request_id: str) -> tuple[tuple[str, str], ...]:
+    return ((REQUEST_ID_HEADER, request_id),)
+
+
+def adopt_request_id(context: aio.ServicerContext) -> str:
+    """Take the caller's request id from metadata into this task's logging context."""
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_HEADER:
+            request_id_var.set(str(value))
+            return str(value)
+    return request_id_var.get()
+
+
+UNAVAILABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)

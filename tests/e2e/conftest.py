@@ -1,0 +1,50 @@
+"""A real Baton cluster for end-to-end tests: ``baton serve``'s own launcher starts the global
+scheduler, the workers and the gateway as processes (readiness by ready files and /health,
+never a sleep), and stops them after the tests."""
+
+import contextlib
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from baton.cli import build_parser
+from baton.launcher import Cluster
+from baton.service_cli import engine_flags_argv
+from shared.protos.baton.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+TEST_ENGINE_FLAGS = ["--num-kv-blocks", "512", "--max-num-seqs", "16", "--max-model-len", "1024"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def running_cluster(model: Path, workers: int, *extra: str) -> Iterator[Cluster]:
+    argv = ["serve", "--model", str(model), "--workers", str(workers), "--port", str(free_port()),
+            *TEST_ENGINE_FLAGS, *extra]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    cluster = Cluster(args, engine_flags_argv(args))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def list_workers(cluster: Cluster) -> list[scheduler_pb2.WorkerInfo]:
+    with grpc.insecure_channel(cluster.ready["scheduler"]["address"]) as ch:
+        stub = scheduler_pb2_grpc.GlobalSchedulerStub(ch)
+        return list(stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=5).workers)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model: Path) -> Iterator[Cluster]:
+    """Two colocated workers behind one gateway, shared by a module's tests."""
+    with running_cluster(tiny_model, 2) as c:
+        yield c

@@ -1,0 +1,151 @@
+"""Routing and failure handling of a running cluster: prefix-aware routing with real
+``cached_tokens``, load spreading, a killed worker, a frozen worker, a worker killed in the
+middle of a stream, and a client that disconnects. Waits poll the scheduler with a bound."""
+
+import asyncio
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from baton import LLM, SamplingParams
+from baton.launcher import Cluster
+from shared.protos.baton.v1 import worker_pb2, worker_pb2_grpc
+from shared.text.tokenizer import TextTokenizer
+from tests.e2e.conftest import list_workers, running_cluster
+
+MODEL = "qwen3"
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> float:
+    """Poll until ``cond()``; returns the seconds it took (fails after the bound)."""
+    start = time.monotonic()
+    while not cond():
+        if time.monotonic() - start > timeout_s:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def worker_health(cluster: Cluster, name: str) -> worker_pb2.HealthResponse:
+    with grpc.insecure_channel(cluster.ready[name]["address"]) as ch:
+        return worker_pb2_grpc.WorkerStub(ch).Health(worker_pb2.HealthRequest(), timeout=5)
+
+
+def long_prompt(tiny_model: Path, tokens: int, salt: str) -> str:
+    tok = TextTokenizer(tiny_model)
+    text = f"{salt}: " + " ".join(f"word{i}" for i in range(tokens))
+    ids = tok.encode(text)[:tokens]
+    return tok.decode(ids)
+
+
+def test_shared_prefix_goes_to_the_worker_holding_it(cluster: Cluster, tiny_model: Path) -> None:
+    c = openai.OpenAI(base_url=cluster.url, api_key="x", max_retries=0)
+    prefix = long_prompt(tiny_model, 200, "prefix-routing")
+    before = {w.registration.worker_id: w.num_cached_blocks for w in list_workers(cluster)}
+    first = c.completions.create(model=MODEL, prompt=prefix + " first", max_tokens=4)
+    assert first.usage is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # type: ignore[union-attr]
+    # The directory learns of the new blocks from the next heartbeat.
+    wait_for(
+        lambda: any(w.num_cached_blocks >= before[w.registration.worker_id] + 12
+                    for w in list_workers(cluster)),
+        5.0, "the prompt's KV events to reach the scheduler",
+    )  # fmt: skip
+    for _ in range(4):  # every request sharing the prefix lands on that worker
+        again = c.completions.create(model=MODEL, prompt=prefix + " second", max_tokens=4)
+        assert again.usage is not None
+        cached = again.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+        assert cached >= 12 * 16, cached  # at least the 12 full blocks of the shared prefix
+
+
+def test_load_spreads_when_prefixes_do_not_matter(cluster: Cluster, tiny_model: Path) -> None:
+    before = {w.registration.worker_id: w.num_routed for w in list_workers(cluster)}
+
+    async def burst() -> None:
+        async with openai.AsyncOpenAI(base_url=cluster.url, api_key="x", max_retries=0) as c:
+            await asyncio.gather(*(
+                c.completions.create(model=MODEL, prompt=f"distinct prompt {i}", max_tokens=16)
+                for i in range(12)
+            ))  # fmt: skip
+
+    asyncio.run(burst())
+    routed = {w.registration.worker_id: w.num_routed - before[w.registration.worker_id]
+              for w in list_workers(cluster)}  # fmt: skip
+    assert sum(routed.values()) == 12
+    assert min(routed.values()) >= 3, routed  # both workers took a fair share
+
+
+def test_client_disconnect_aborts_on_the_worker(cluster: Cluster) -> None:
+    body = {"model": MODEL, "prompt": "disconnect me", "max_tokens": 600, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    with httpx.Client(timeout=30) as http, http.stream("POST", f"{cluster.url}/completions",
+                                                       json=body) as resp:  # fmt: skip
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        assert next(lines).startswith("data: ")  # the request is running on some worker
+        busy = [n for n in ("worker-0", "worker-1") if worker_health(cluster, n).num_running]
+        assert busy
+    wait_for(lambda: all(worker_health(cluster, n).num_running == 0 for n in busy), 10.0,
+             "the abort to reach the engine")  # fmt: skip
+
+
+@pytest.fixture()
+def fresh_cluster(tiny_model: Path):  # type: ignore[no-untyped-def]
+    """A cluster of its own: these tests kill or freeze its workers."""
+    with running_cluster(tiny_model, 2) as c:
+        yield c
+
+
+def test_killed_worker_is_dropped_and_requests_succeed(fresh_cluster: Cluster) -> None:
+    c = openai.OpenAI(base_url=fresh_cluster.url, api_key="x", max_retries=0)
+    assert len(list_workers(fresh_cluster)) == 2
+    fresh_cluster.procs["worker-1"].send_signal(signal.SIGKILL)
+    took = wait_for(lambda: len(list_workers(fresh_cluster)) == 1, 5.0, "the dead worker to go")
+    assert took < 2.5
+    for i in range(6):
+        out = c.completions.create(model=MODEL, prompt=f"after the kill {i}", max_tokens=4)
+        assert out.choices[0].finish_reason == "length"
+
+
+def test_frozen_worker_is_dropped_by_heartbeat_timeout(fresh_cluster: Cluster) -> None:
+    proc = fresh_cluster.procs["worker-0"]
+    proc.send_signal(signal.SIGSTOP)  # alive, connection open, but silent
+    try:
+        took = wait_for(lambda: len(list_workers(fresh_cluster)) == 1, 5.0, "the timeout")
+        assert 1.0 < took < 2.5  # heartbeat timeout 1.5 s + one sweep
+        c = openai.OpenAI(base_url=fresh_cluster.url, api_key="x", max_retries=0)
+        assert c.completions.create(model=MODEL, prompt="still served", max_tokens=4).choices
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    # Thawed, it notices the scheduler dropped it and registers again.
+    wait_for(lambda: len(list_workers(fresh_cluster)) == 2, 10.0, "re-registration")
+
+
+def test_stream_survives_its_worker_being_killed(fresh_cluster: Cluster, tiny_model: Path) -> None:
+    prompt, max_tokens = "a long answer", 400
+    llm = LLM(model=str(tiny_model), num_kv_blocks=512, max_model_len=1024)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    expected = llm.generate([prompt], params)[0].outputs[0].text
+    llm.shutdown()
+    c = openai.OpenAI(base_url=fresh_cluster.url, api_key="x", max_retries=0, timeout=60)
+    stream = c.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    text, killed = "", False
+    for chunk in stream:
+        text += chunk.choices[0].text
+        if not killed and len(text) > 20:
+            busy = [n for n in ("worker-0", "worker-1")
+                    if worker_health(fresh_cluster, n).num_running]  # fmt: skip
+            assert len(busy) == 1
+            fresh_cluster.procs[busy[0]].send_signal(signal.SIGKILL)
+            killed = True
+    assert killed
+    assert text == expected  # greedy: resuming elsewhere changes nothing

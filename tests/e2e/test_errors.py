@@ -1,0 +1,148 @@
+"""Bad input gets the right OpenAI error JSON and status, never a 500 or a crash; API keys."""
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from baton.launcher import Cluster
+from tests.e2e.conftest import free_port
+
+MODEL = "qwen3"
+OK_PROMPT = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+# (endpoint, body, status, the field the error names or None)
+BAD_BODIES = [
+    ("completions", {**OK_PROMPT, "max_tokens": "5"}, 400, "max_tokens"),
+    ("completions", {**OK_PROMPT, "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {**OK_PROMPT, "max_tokens": True}, 400, "max_tokens"),
+    ("completions", {**OK_PROMPT, "temperature": -1}, 400, "temperature"),
+    ("completions", {**OK_PROMPT, "temperature": "hot"}, 400, "temperature"),
+    ("completions", {**OK_PROMPT, "top_p": 0}, 400, "top_p"),
+    ("completions", {**OK_PROMPT, "top_p": 1.5}, 400, "top_p"),
+    ("completions", {**OK_PROMPT, "n": 0}, 400, "n"),
+    ("completions", {**OK_PROMPT, "logprobs": 99}, 400, "logprobs"),
+    ("completions", {**OK_PROMPT, "presence_penalty": 3}, 400, "presence_penalty"),
+    ("completions", {**OK_PROMPT, "seed": "x"}, 400, "seed"),
+    ("completions", {**OK_PROMPT, "stop": [""]}, 400, None),
+    ("completions", {**OK_PROMPT, "stop": 5}, 400, "stop"),
+    ("completions", {**OK_PROMPT, "prompt": []}, 400, None),
+    ("completions", {**OK_PROMPT, "prompt": ""}, 400, "prompt"),
+    ("completions", {**OK_PROMPT, "prompt": [1, -2]}, 400, "prompt"),
+    ("completions", {**OK_PROMPT, "prompt": [10**9]}, 400, None),
+    ("completions", {**OK_PROMPT, "prompt": "word " * 2000}, 400, "prompt"),
+    ("completions", {**OK_PROMPT, "max_tokens": 5000}, 400, "max_tokens"),
+    ("completions", {**OK_PROMPT, "logit_bias": {"1": 5}}, 400, None),
+    ("completions", {**OK_PROMPT, "echo": True, "logprobs": 1}, 400, None),
+    ("completions", {**OK_PROMPT, "min_tokens": 5}, 400, "min_tokens"),
+    ("completions", {**OK_PROMPT, "stream_options": {"include_usage": True}}, 400, None),
+    ("completions", {"prompt": "no model"}, 400, "model"),
+    ("completions", {**OK_PROMPT, "model": "gpt-4"}, 404, "model"),
+    ("chat/completions", {**OK_CHAT, "messages": []}, 400, "messages"),
+    ("chat/completions", {**OK_CHAT, "messages": "hi"}, 400, "messages"),
+    (
+        "chat/completions",
+        {**OK_CHAT, "messages": [{"role": "wizard", "content": "x"}]},
+        400,
+        "messages",
+    ),
+    ("chat/completions", {**OK_CHAT, "messages": [{"content": "x"}]}, 400, "messages"),
+    ("chat/completions", {**OK_CHAT, "top_logprobs": 2}, 400, None),
+    ("chat/completions", {**OK_CHAT, "tools": [{"type": "function"}]}, 400, None),
+    ("chat/completions", {**OK_CHAT, "response_format": {"type": "json_object"}}, 400, None),
+    ("chat/completions", {**OK_CHAT, "max_completion_tokens": -1}, 400, "max_completion_tokens"),
+    ("chat/completions", {**OK_CHAT, "model": "unknown"}, 404, "model"),
+]
+
+
+@pytest.fixture(scope="module")
+def http(cluster: Cluster) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=cluster.url or "", timeout=30) as c:
+        yield c
+
+
+@pytest.mark.parametrize(("endpoint", "body", "status", "param"), BAD_BODIES)
+def test_bad_body_gets_openai_error(
+    http: httpx.Client, endpoint: str, body: dict, status: int, param: str | None
+) -> None:
+    resp = http.post(f"/{endpoint}", json=body)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert error["message"] and error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def test_malformed_json_and_wrong_content(http: httpx.Client) -> None:
+    for content in (b"{not json", b"[1, 2]", b"null", b""):
+        resp = http.post("/completions", content=content,
+                         headers={"content-type": "application/json"})  # fmt: skip
+        assert resp.status_code == 400, (content, resp.text)
+        assert resp.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_oversized_body_is_413(http: httpx.Client) -> None:
+    big = json.dumps({**OK_PROMPT, "prompt": "x" * (5 * 1024 * 1024)})
+    resp = http.post("/completions", content=big, headers={"content-type": "application/json"})
+    assert resp.status_code == 413
+    assert resp.json()["error"]["code"] == "request_too_large"
+
+
+def test_unknown_path_and_method_are_json_errors(http: httpx.Client) -> None:
+    assert http.get("/nope").json()["error"]["message"]
+    assert http.get("/completions").status_code == 405
+
+
+def test_the_server_still_serves_after_bad_input(http: httpx.Client) -> None:
+    resp = http.post("/completions", json=OK_PROMPT)
+    assert resp.status_code == 200 and resp.json()["choices"][0]["finish_reason"]
+    assert resp.headers["x-request-id"]
+    assert http.post("/chat/completions", json=OK_CHAT).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def keyed_gateway(cluster: Cluster, tiny_model: Path) -> Iterator[str]:
+    """A second gateway on the same scheduler, with API keys."""
+    port = free_port()
+    proc = subprocess.Popen([
+        sys.executable, "-m", "baton.cli", "gateway", "--model", str(tiny_model), "--port",
+        str(port), "--scheduler", cluster.ready["scheduler"]["address"], "--api-key", "k1",
+        "--api-key", "k2",
+    ])  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(timeout=2) as c:
+            for _ in range(300):
+                try:
+                    if c.get(f"{url}/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    if proc.poll() is not None:
+                        pytest.fail("the keyed gateway exited")
+                    import time
+
+                    time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("header", "status"),
+    [(None, 401), ("Bearer wrong", 401), ("Basic k1", 401), ("Bearer k1", 200), ("Bearer k2", 200)],
+)
+def test_api_keys(keyed_gateway: str, header: str | None, status: int) -> None:
+    headers = {"authorization": header} if header else {}
+    resp = httpx.post(
+        f"{keyed_gateway}/v1/completions", json=OK_PROMPT, headers=headers, timeout=30
+    )
+    assert resp.status_code == status
+    if status == 401:
+        assert resp.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{keyed_gateway}/health").status_code == 200  # health needs no key

@@ -1,0 +1,48 @@
+"""WorkerRegistry: registration, replacement by a new incarnation, heartbeats and expiry."""
+
+from services.global_scheduler.registry import WorkerLoad, WorkerRegistry, WorkerState
+from shared.ids import WorkerId
+
+
+def state(worker: str, incarnation: str = "a", role: str = "both") -> WorkerState:
+    return WorkerState(WorkerId(worker), incarnation, role, f"{worker}:1", "m", 1024, 16, 100)
+
+
+def test_register_heartbeat_and_remove() -> None:
+    reg = WorkerRegistry(heartbeat_timeout_s=1.5)
+    assert reg.register(state("w1")) is None
+    assert reg.heartbeat(WorkerId("w1"), "a", WorkerLoad(num_running=3))
+    assert reg.get(WorkerId("w1")).load.num_running == 3  # type: ignore[union-attr]
+    assert reg.remove(WorkerId("w1"), "a") is not None
+    assert reg.workers() == []
+
+
+def test_new_incarnation_replaces_and_the_old_stream_cannot_remove_it() -> None:
+    reg = WorkerRegistry(heartbeat_timeout_s=1.5)
+    reg.register(state("w1", "old"))
+    replaced = reg.register(state("w1", "new"))
+    assert replaced is not None and replaced.incarnation == "old"
+    assert not reg.heartbeat(WorkerId("w1"), "old", WorkerLoad())
+    assert reg.remove(WorkerId("w1"), "old") is None  # the old stream ending later
+    assert [w.incarnation for w in reg.workers()] == ["new"]
+
+
+def test_expire_drops_only_silent_workers() -> None:
+    reg = WorkerRegistry(heartbeat_timeout_s=1.5)
+    a, b = state("a"), state("b")
+    reg.register(a)
+    reg.register(b)
+    a.last_seen, b.last_seen = 100.0, 101.0
+    assert [w.worker_id for w in reg.expire(now=102.0)] == ["a"]
+    assert [w.worker_id for w in reg.workers()] == ["b"]
+
+
+def test_queue_depth_counts_what_was_just_routed() -> None:
+    w = state("w")
+    w.load = WorkerLoad(num_running=2, num_waiting=1)
+    w.routed_since_heartbeat = 4
+    assert w.queue_depth == 7
+    reg = WorkerRegistry(1.5)
+    reg.register(w)
+    reg.heartbeat(WorkerId("w"), "a", WorkerLoad(num_running=5))
+    assert w.queue_depth == 5  # the new load includes them

@@ -1,0 +1,88 @@
+"""The routing pipeline: filters, scorers, picker, and policies given as data."""
+
+import pytest
+
+from services.global_scheduler.registry import WorkerLoad, WorkerState
+from services.global_scheduler.routing import (
+    Candidate,
+    NoWorkerError,
+    RouteQuery,
+    RoutingPolicy,
+)
+from shared.ids import WorkerId
+
+
+def worker(name: str, role: str = "both", running: int = 0, kv: float = 0.0,
+           draining: bool = False) -> WorkerState:  # fmt: skip
+    w = WorkerState(WorkerId(name), "i", role, f"{name}:1", "m", 1024, 16, 100)
+    w.load = WorkerLoad(num_running=running, kv_usage=kv, draining=draining)
+    return w
+
+
+Q = RouteQuery("m", num_blocks=10)
+
+
+def test_prefix_match_wins_over_a_small_load_difference() -> None:
+    policy = RoutingPolicy()
+    a, b = Candidate(worker("a", running=2), 8), Candidate(worker("b", running=1), 0)
+    best = policy.pick(Q, [a, b])
+    assert best.worker.worker_id == "a"
+    assert "prefix=0.80" in policy.reason(best)
+
+
+def test_without_prefixes_the_shorter_queue_wins() -> None:
+    best = RoutingPolicy().pick(Q, [Candidate(worker("a", running=5), 0),
+                                    Candidate(worker("b", running=1), 0)])  # fmt: skip
+    assert best.worker.worker_id == "b"
+
+
+def test_equal_workers_take_turns() -> None:
+    policy = RoutingPolicy()
+    workers = [worker("a"), worker("b"), worker("c")]
+    picks = [policy.pick(Q, [Candidate(w, 0) for w in workers]).worker.worker_id for _ in range(6)]
+    assert sorted(picks) == ["a", "a", "b", "b", "c", "c"]
+
+
+def test_filters_role_draining_capacity_and_exclusions() -> None:
+    policy = RoutingPolicy({"filters": ["role", "healthy", {"name": "capacity", "max_queue": 4}]})
+    cands = [
+        Candidate(worker("prefill-only", role="prefill"), 10),
+        Candidate(worker("draining", draining=True), 10),
+        Candidate(worker("full", running=4), 10),
+        Candidate(worker("excluded"), 10),
+        Candidate(worker("ok", role="decode"), 0),
+    ]
+    q = RouteQuery("m", 10, exclude=frozenset({"excluded"}))
+    assert policy.pick(q, cands).worker.worker_id == "ok"
+
+
+def test_no_candidate_names_the_filter() -> None:
+    policy = RoutingPolicy()
+    with pytest.raises(NoWorkerError, match="'healthy'"):
+        policy.pick(Q, [Candidate(worker("a", draining=True), 0)])
+    with pytest.raises(NoWorkerError, match="no live worker"):
+        policy.pick(Q, [])
+
+
+def test_weights_are_data() -> None:
+    kv_only = RoutingPolicy({"scorers": [{"name": "kv_usage", "weight": 1}]})
+    a, b = Candidate(worker("a", kv=0.9), 10), Candidate(worker("b", kv=0.1), 0)
+    assert kv_only.pick(Q, [a, b]).worker.worker_id == "b"
+    prefix_only = RoutingPolicy({"scorers": [{"name": "prefix", "weight": 3}]})
+    best = prefix_only.pick(Q, [a, b])
+    assert best.worker.worker_id == "a" and best.total == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize(
+    ("policy", "match"),
+    [
+        ({"filters": ["nope"]}, "unknown filter 'nope'; known: capacity, healthy, role"),
+        ({"scorers": [{"name": "magic"}]}, "unknown scorer"),
+        ({"picker": "random"}, "unknown picker"),
+        ({"scorers": [{"name": "queue", "weight": -1}]}, "weight"),
+        ({"filter": []}, "unknown routing policy keys"),
+    ],
+)
+def test_bad_policies_are_clear_errors(policy: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        RoutingPolicy(policy)

@@ -1,0 +1,69 @@
+"""The gateway's torch-free tokenizer and chat template give exactly the token ids that
+``transformers`` (which the engine and Hugging Face use) gives, on every test checkpoint."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from shared.text.tokenizer import ChatTemplateError, TextTokenizer
+
+TEXTS = ["Hello, world!", "  leading spaces\nand lines\t", "héllo — 日本語 🎉", ""]
+CHATS = [
+    [{"role": "user", "content": "What does the json module do?"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Again — ünïcode"},
+    ],
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_and_decode_match_transformers(tiny_models: dict[str, Path], text: str) -> None:
+    for name, path in tiny_models.items():
+        ours, theirs = TextTokenizer(path), AutoTokenizer.from_pretrained(path)
+        ids = theirs(text)["input_ids"]
+        assert ours.encode(text) == ids, name
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), name
+
+
+@pytest.mark.parametrize("messages", CHATS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(
+    tiny_models: dict[str, Path], messages: list[dict[str, str]], add_generation_prompt: bool
+) -> None:
+    for name, path in tiny_models.items():
+        theirs = AutoTokenizer.from_pretrained(path).apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True
+        )
+        expected = theirs["input_ids"] if not isinstance(theirs, list) else theirs
+        got = TextTokenizer(path).apply_chat_template(messages, add_generation_prompt)
+        assert got == list(expected), name
+
+
+def test_chat_template_errors_are_value_errors(tiny_model: Path) -> None:
+    tok = TextTokenizer(tiny_model)
+    with pytest.raises(ChatTemplateError, match="empty"):
+        tok.apply_chat_template([])
+    tok.chat_template = None
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_missing_tokenizer_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
+        TextTokenizer(tmp_path)
+
+
+def test_does_not_import_torch(tiny_model: Path) -> None:
+    code = (
+        "import sys; from shared.text.tokenizer import TextTokenizer; "
+        f"t = TextTokenizer({str(tiny_model)!r}); t.apply_chat_template([{{'role': 'user', "
+        "'content': 'x'}]); print('torch' in sys.modules, 'transformers' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
