@@ -59,6 +59,14 @@ class Cluster:
         return self.args.served_model_name or Path(self.args.model).name
 
     def start(self) -> str:
+        """Start everything and return the OpenAI base URL; on failure nothing is left running."""
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> str:
         a = self.args
         sched = self._spawn("scheduler", ["global-scheduler", "--port", "0"], ready=True)
         sched_addr = self._wait_ready("scheduler", sched, SCHEDULER_START_S)["address"]
@@ -127,9 +135,16 @@ class Cluster:
             cmd += ["--ready-file", str(ready_file)]
         # Ctrl-C in the terminal reaches the whole process group; children ignore the launcher's
         # SIGINT by running in their own session, and are stopped in order by stop().
+        log = None
+        if self.args.log_dir:  # each service's output in its own file instead of this terminal
+            Path(self.args.log_dir).mkdir(parents=True, exist_ok=True)
+            log = open(Path(self.args.log_dir) / f"{name}.log", "ab")  # noqa: SIM115 (child owns it)
         self.procs[name] = subprocess.Popen(
-            cmd, start_new_session=True, env={**os.environ, **(env or {})}
-        )
+            cmd, start_new_session=True, env={**os.environ, **(env or {})}, stdout=log,
+            stderr=subprocess.STDOUT if log else None,
+        )  # fmt: skip
+        if log is not None:
+            log.close()  # the child has its own descriptor
         return ready_file
 
     def _wait_ready(self, name: str, path: Path, timeout_s: float) -> dict:

@@ -51,7 +51,7 @@ def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     values = sorted(values)
-    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+    return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -64,8 +64,10 @@ def summary(values: list[float]) -> dict[str, float]:
 async def one_request(
     http: httpx.AsyncClient, model: str, ids: list[int], output_len: int, rec: Record
 ) -> None:
-    body = {"model": model, "prompt": ids, "max_tokens": output_len, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": model, "prompt": ids, "max_tokens": output_len, "temperature": 0,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
     rec.start = time.perf_counter()
     try:
         async with http.stream("POST", "/completions", json=body) as resp:
@@ -80,7 +82,7 @@ async def one_request(
                     rec.error = chunk["error"]["message"]
                 elif chunk.get("usage"):
                     rec.output_tokens = chunk["usage"]["completion_tokens"]
-                elif chunk["choices"] and chunk["choices"][0]["text"]:
+                elif chunk["choices"]:  # a token arrived (its text may still be held back)
                     rec.chunk_times.append(time.perf_counter())
     except httpx.HTTPError as e:
         rec.error = repr(e)
@@ -130,7 +132,9 @@ async def run_overhead(url: str, model_dir: str, model: str, args: argparse.Name
     from baton import AsyncLLM, EngineArgs, SamplingParams
 
     engine = AsyncLLM.from_engine_args(
-        EngineArgs(model=model_dir, num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len)
+        EngineArgs(
+            model=model_dir, num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len
+        )
     )
     prompts = random_prompts(2 * args.overhead_requests + 20, args.overhead_len,
                              args.overhead_len, vocab, args.seed + 7)  # fmt: skip
@@ -143,7 +147,9 @@ async def run_overhead(url: str, model_dir: str, model: str, args: argparse.Name
             if rec.error:
                 raise RuntimeError(rec.error)
             start = time.perf_counter()
-            async for _ in engine.generate({"prompt_token_ids": prompts[2 * i + 1]}, params, f"o{i}"):
+            async for _ in engine.generate(
+                {"prompt_token_ids": prompts[2 * i + 1]}, params, f"o{i}"
+            ):
                 ttft_local = time.perf_counter() - start
                 break
             if i >= 10:
@@ -203,7 +209,7 @@ def main() -> None:
     p.add_argument("--overhead-requests", type=int, default=200)
     p.add_argument("--overhead-len", type=int, default=64)
     p.add_argument("--num-kv-blocks", type=int, default=4096)
-    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-overhead", action="store_true")
     p.add_argument("--out", default="bench-results")
@@ -219,17 +225,20 @@ def main() -> None:
     cluster = None
     url = args.url
     if url is None:
-        cargs = build_parser().parse_args([
-            "serve", "--model", args.model, "--workers", str(args.workers), "--port", "0",
-            "--num-kv-blocks", str(args.num_kv_blocks), "--max-model-len", str(args.max_model_len),
-        ])  # fmt: skip
+        argv = ["serve", "--model", args.model, "--workers", str(args.workers),
+                "--num-kv-blocks", str(args.num_kv_blocks)]  # fmt: skip
+        if args.max_model_len:
+            argv += ["--max-model-len", str(args.max_model_len)]
+        cargs = build_parser().parse_args(argv)
         cargs.port = _free_port()
         cluster = Cluster(cargs, engine_flags_argv(cargs))
         url = cluster.start()
     try:
         load = asyncio.run(run_load(url, name, args, vocab))
-        overhead = None if args.skip_overhead else asyncio.run(
-            run_overhead(url, args.model, name, args, vocab)
+        overhead = (
+            None
+            if args.skip_overhead
+            else asyncio.run(run_overhead(url, args.model, name, args, vocab))
         )
     finally:
         if cluster is not None:

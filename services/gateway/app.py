@@ -11,9 +11,7 @@ cancels its request, which aborts it on the workers.
 
 import asyncio
 import contextlib
-import hmac
 import logging
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,12 +24,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.gateway import errors, metrics
 from services.gateway.catalog import ModelCatalog
 from services.gateway.handler import SSE_DONE, Body, Handler, sse
-from services.gateway.limits import BodySizeLimit
+from services.gateway.middleware import BodySizeLimit, RequestContext
 from services.gateway.orchestrator import Orchestrator, WorkerChannels
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.settings import GatewaySettings
 from shared import rpc
-from shared.logs import REQUEST_ID_HEADER, request_id_var
+from shared.lifecycle import TaskOwner
+from shared.logs import request_id_var
 from shared.protos.baton.v1 import scheduler_pb2_grpc
 from shared.text.tokenizer import TextTokenizer
 
@@ -51,29 +50,20 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         catalog = ModelCatalog(tokenizers, scheduler)
         workers = WorkerChannels()
         state["catalog"] = catalog
+        owner = TaskOwner("gateway")
+        owner.spawn(catalog.refresh_forever(), "catalog-refresh")
         state["handler"] = Handler(
             Orchestrator(scheduler, catalog, workers), catalog, settings.request_timeout_s
         )
         yield
+        await owner.cancel_all()
         await workers.close()
         await sched_channel.close()
 
     app = FastAPI(title="Baton", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
+    app.add_middleware(RequestContext, api_keys=settings.api_keys)  # outermost: runs first
     _install_error_handlers(app)
-
-    @app.middleware("http")
-    async def request_context(request: Request, call_next: Any) -> Response:
-        rid = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
-        request_id_var.set(rid)
-        needs_key = request.url.path.startswith("/v1/") and settings.api_keys
-        if needs_key and not _authorized(request, settings.api_keys):
-            return _error(errors.unauthorized())
-        response: Response = await call_next(request)
-        response.headers[REQUEST_ID_HEADER] = rid
-        if request.url.path in ("/v1/completions", "/v1/chat/completions"):
-            metrics.REQUESTS.labels(request.url.path, str(response.status_code)).inc()
-        return response
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -142,14 +132,6 @@ async def _stream_errors_inline(first: str, rest: AsyncIterator[str]) -> AsyncIt
 async def _watch_disconnect(request: Request) -> None:
     while not await request.is_disconnected():
         await asyncio.sleep(DISCONNECT_POLL_S)
-
-
-def _authorized(request: Request, keys: tuple[str, ...]) -> bool:
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    return any(hmac.compare_digest(token.strip(), key) for key in keys)
 
 
 def _error(e: errors.APIError) -> JSONResponse:

@@ -1,6 +1,7 @@
 """What the gateway knows about the cluster: for each served model its tokenizer (loaded here,
 torch-free) and, from the global scheduler's live worker list, its context length and block
-size. The list is refreshed in the background and on demand when a model has no entry."""
+size. The list is refreshed by a background task (``refresh_forever``) and on demand when a
+model has no entry, so a request normally never waits for it."""
 
 import asyncio
 import logging
@@ -42,9 +43,14 @@ class ModelCatalog:
 
     async def limits(self, model: str) -> ModelLimits | None:
         """The model's limits from live workers; None when no worker serves it."""
-        if model not in self._limits or time.monotonic() - self._fetched_at > self.refresh_s:
+        if model not in self._limits:
             await self.refresh()
         return self._limits.get(model)
+
+    async def refresh_forever(self) -> None:
+        while True:
+            await self.refresh()
+            await asyncio.sleep(self.refresh_s)
 
     async def refresh(self) -> None:
         async with self._lock:

@@ -7,8 +7,8 @@ orchestrator, and produce the response body or the stream of chunks.
                                                                       └─▶ Formatter.chunk (SSE)
 """
 
-import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,13 +16,14 @@ from dataclasses import dataclass
 
 from services.gateway import errors, metrics
 from services.gateway.catalog import ModelCatalog
-from services.gateway.orchestrator import ChoiceDelta, Job, Orchestrator
+from services.gateway.orchestrator import ChoiceDelta, Job, Orchestrator, merge
 from services.gateway.responses import Choice, Formatter, Usage
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from shared.protos.baton.v1 import common_pb2
 from shared.text.tokenizer import ChatTemplateError
 
 Body = CompletionRequest | ChatCompletionRequest
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -69,7 +70,7 @@ class Handler:
                     model=body.model, prompt_ids=ids, params=params, n=body.n,
                     stop=body.stop_strings, include_stop=body.include_stop_str_in_output,
                     skip_special_tokens=body.skip_special_tokens, cache_salt=body.cache_salt,
-                    deadline=deadline,
+                    deadline=deadline, trace_id=request_id,
                 )
             )  # fmt: skip
         prefix = "chatcmpl" if chat else "cmpl"
@@ -113,7 +114,7 @@ class Handler:
         start = time.perf_counter()
         last: float | None = None
         sources = [self.orchestrator.run(j, plan.num_logprobs) for j in plan.jobs]
-        async for p, d in _merge(sources):
+        async for p, d in merge(sources):
             now = time.perf_counter()
             if d.token_ids:
                 if last is None:
@@ -122,43 +123,10 @@ class Handler:
                     metrics.ITL.observe(now - last)
                 last = now
             yield p, d
-        metrics.E2E.observe(time.perf_counter() - start)
-
-
-async def _merge(
-    sources: list[AsyncIterator[ChoiceDelta]],
-) -> AsyncIterator[tuple[int, ChoiceDelta]]:
-    if len(sources) == 1:
-        async for d in sources[0]:
-            yield 0, d
-        return
-    queue: asyncio.Queue[tuple[int, ChoiceDelta] | BaseException | None] = asyncio.Queue()
-
-    async def pump(i: int, src: AsyncIterator[ChoiceDelta]) -> None:
-        try:
-            async for d in src:
-                queue.put_nowait((i, d))
-            queue.put_nowait(None)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:
-            queue.put_nowait(e)
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(sources)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        seconds = time.perf_counter() - start
+        metrics.E2E.observe(seconds)
+        logger.info("%s done: %d prompt(s) × n=%d in %.1f ms", plan.formatter.id, len(plan.jobs),
+                    plan.n, 1e3 * seconds)  # fmt: skip
 
 
 def _params(body: Body, limit: int | None, num_logprobs: int | None) -> common_pb2.SamplingParams:

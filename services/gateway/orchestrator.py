@@ -14,9 +14,9 @@ with a fresh generator state.
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeVar
 
 import grpc
 
@@ -37,6 +37,7 @@ from shared.text.detokenizer import IncrementalDetokenizer
 logger = logging.getLogger(__name__)
 
 ROUTE_TIMEOUT_S = 5.0
+T = TypeVar("T")
 
 
 @dataclass
@@ -53,6 +54,7 @@ class Job:
     skip_special_tokens: bool
     cache_salt: str | None
     deadline: float  # time.monotonic() by which the request must end
+    trace_id: str = "-"  # the client's x-request-id: in every service's log lines
     max_resumes: int = 2
 
 
@@ -111,40 +113,9 @@ class Orchestrator:
             job.prompt_ids, limits.block_size, (job.cache_salt,) if job.cache_salt else ()
         )
         route = await self._route(job, hashes, exclude=[])
-        queue: asyncio.Queue[ChoiceDelta | BaseException | None] = asyncio.Queue()
-        tasks = [
-            asyncio.create_task(
-                self._guard(self._choice(job, i, route, hashes, num_logprobs, queue), queue)
-            )
-            for i in range(job.n)
-        ]
-        try:
-            remaining = job.n
-            while remaining:
-                item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    @staticmethod
-    async def _guard(
-        coro: Coroutine[Any, Any, None], queue: asyncio.Queue[ChoiceDelta | BaseException | None]
-    ) -> None:
-        """Run one choice; its end (None) or its error goes to the consumer's queue."""
-        try:
-            await coro
-            queue.put_nowait(None)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:
-            queue.put_nowait(e)
+        choices = [self._choice(job, i, route, hashes, num_logprobs) for i in range(job.n)]
+        async for _, delta in merge(choices):
+            yield delta
 
     async def _route(
         self, job: Job, hashes: list[BlockHash], exclude: list[str]
@@ -157,9 +128,11 @@ class Orchestrator:
                     num_prompt_tokens=len(job.prompt_ids), exclude_workers=exclude,
                 ),
                 timeout=min(ROUTE_TIMEOUT_S, max(job.deadline - time.monotonic(), 0.001)),
-                metadata=metadata(job.request_id),
+                metadata=metadata(job.trace_id),
             )  # fmt: skip
         except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:  # we serve the model; its workers are gone
+                raise errors.no_worker(e.details() or "no live worker") from None
             raise errors.from_grpc(e, "routing") from None
         metrics.ROUTE_SECONDS.observe(time.perf_counter() - start)
         return route
@@ -171,8 +144,7 @@ class Orchestrator:
         route: scheduler_pb2.RouteResponse,
         hashes: list[BlockHash],
         num_logprobs: int | None,
-        queue: asyncio.Queue[ChoiceDelta | BaseException | None],
-    ) -> None:
+    ) -> AsyncIterator[ChoiceDelta]:
         """Run choice ``index`` to its end, resuming on another worker if one fails."""
         state = _ChoiceState(
             index,
@@ -191,12 +163,12 @@ class Orchestrator:
             call = self.workers.stub(route.decode.address).Generate(
                 _generate_request(job, index, params, state.generated),
                 timeout=max(job.deadline - time.monotonic(), 0.001),
-                metadata=metadata(job.request_id),
+                metadata=metadata(job.trace_id),
             )
             try:
                 async for resp in call:
                     for delta in state.apply(resp):
-                        queue.put_nowait(delta)
+                        yield delta
                         if delta.finish_reason is not None:
                             return  # (a stop string: cancelling the call aborts it)
                 return
@@ -274,3 +246,40 @@ def _logprob(lp: common_pb2.TokenLogprobs, n: int | None) -> TokenLogprob:
     entries = list(zip(lp.token_ids, lp.logprobs, strict=True))
     top = sorted(entries, key=lambda e: -e[1])[: n or 0]
     return TokenLogprob(entries[0][0], entries[0][1], top)
+
+
+async def merge(sources: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Items of several async iterators as they come, tagged with the source's index. One
+    source is iterated directly (no task, no queue: the common n = 1 path stays lean); an
+    error in any source is raised here, and leaving early cancels every source."""
+    if len(sources) == 1:
+        async for item in sources[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, T] | BaseException | None] = asyncio.Queue()
+
+    async def pump(i: int, src: AsyncIterator[T]) -> None:
+        try:
+            async for item in src:
+                queue.put_nowait((i, item))
+            queue.put_nowait(None)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            queue.put_nowait(e)
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(sources)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            got = await queue.get()
+            if got is None:
+                remaining -= 1
+            elif isinstance(got, BaseException):
+                raise got
+            else:
+                yield got
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -79,7 +79,7 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
         metrics.PREDICTED_HIT_TOKENS.inc(best.matched_blocks * best.worker.block_size)
         metrics.ROUTE_SECONDS.observe(time.perf_counter() - start)
         reason = self.policy.reason(best)
-        logger.debug("route %s → %s", request.request_id, reason)
+        logger.info("route %s → %s", request.request_id, reason)
         return scheduler_pb2.RouteResponse(
             decode=scheduler_pb2.WorkerRef(
                 worker_id=best.worker.worker_id,

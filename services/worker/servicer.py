@@ -142,8 +142,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             outcome = "cancelled"
             raise
         finally:
+            seconds = time.perf_counter() - start
             metrics.REQUESTS.labels(outcome=outcome).inc()
-            metrics.E2E.observe(time.perf_counter() - start)
+            metrics.E2E.observe(seconds)
+            logger.info("%s %s: %d prompt tokens, %.1f ms", request.request_id, outcome,
+                        len(request.prompt_token_ids), 1e3 * seconds)  # fmt: skip
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()

@@ -149,3 +149,64 @@ def test_stream_survives_its_worker_being_killed(fresh_cluster: Cluster, tiny_mo
             killed = True
     assert killed
     assert text == expected  # greedy: resuming elsewhere changes nothing
+
+
+def test_sigterm_drains_the_worker(fresh_cluster: Cluster, tiny_model: Path) -> None:
+    """A worker told to stop finishes what it is running, takes nothing new, then leaves."""
+    c = openai.OpenAI(base_url=fresh_cluster.url, api_key="x", max_retries=0, timeout=60)
+    stream = c.completions.create(
+        model=MODEL, prompt="drain me", max_tokens=300, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    first = next(iter(stream))
+    busy = [n for n in ("worker-0", "worker-1") if worker_health(fresh_cluster, n).num_running]
+    assert len(busy) == 1
+    proc = fresh_cluster.procs[busy[0]]
+    proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: not worker_health(fresh_cluster, busy[0]).serving, 5.0, "draining")
+    for i in range(4):  # new requests go to the other worker meanwhile
+        assert c.completions.create(model=MODEL, prompt=f"new {i}", max_tokens=4).choices
+    text = first.choices[0].text + "".join(ch.choices[0].text for ch in stream)
+    llm = LLM(model=str(tiny_model), num_kv_blocks=512, max_model_len=1024)
+    params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+    assert text == llm.generate(["drain me"], params)[0].outputs[0].text  # not cut, not resumed
+    llm.shutdown()
+    assert proc.wait(timeout=30) == 0
+    assert [w.registration.worker_id for w in list_workers(fresh_cluster)] != [busy[0]]
+
+
+def test_prefill_rpc_returns_the_first_token(cluster: Cluster, tiny_model: Path) -> None:
+    from shared.protos.baton.v1 import common_pb2
+
+    tok = TextTokenizer(tiny_model)
+    ids = tok.encode("The quick brown fox")
+    llm = LLM(model=str(tiny_model), num_kv_blocks=512, max_model_len=1024)
+    ref = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=1,
+                                                                    logprobs=2))[0]  # fmt: skip
+    llm.shutdown()
+    with grpc.insecure_channel(cluster.ready["worker-0"]["address"]) as ch:
+        got = worker_pb2_grpc.WorkerStub(ch).Prefill(
+            worker_pb2.PrefillRequest(
+                request_id="prefill-test", prompt_token_ids=ids,
+                params=common_pb2.SamplingParams(temperature=0, logprobs=2),
+            ),
+            timeout=10,
+        )  # fmt: skip
+    assert got.first_token_id == ref.outputs[0].token_ids[0]
+    assert got.num_prompt_tokens == len(ids)
+    assert got.first_logprobs.token_ids[0] == got.first_token_id
+    assert got.first_logprobs.logprobs[0] == pytest.approx(
+        ref.outputs[0].logprobs[0][got.first_token_id].logprob, abs=1e-5
+    )
+
+
+def test_one_request_id_in_every_services_logs(tiny_model: Path, tmp_path: Path) -> None:
+    with running_cluster(tiny_model, 1, "--log-dir", str(tmp_path)) as cluster:
+        resp = httpx.post(
+            f"{cluster.url}/completions", headers={"x-request-id": "trace-4242"},
+            json={"model": MODEL, "prompt": "follow me", "max_tokens": 3}, timeout=30,
+        )  # fmt: skip
+        assert resp.status_code == 200 and resp.headers["x-request-id"] == "trace-4242"
+        logs = {name: (tmp_path / f"{name}.log") for name in ("gateway", "scheduler", "worker-0")}
+        wait_for(lambda: all("[trace-4242]" in p.read_text() for p in logs.values()), 5.0,
+                 "the request id in every log")  # fmt: skip
