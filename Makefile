@@ -5,7 +5,9 @@ TINY    := tiny-model
 
 .PHONY: install run demo protos test test-gpu lint format bench bench-serving clean
 
-install:  ## create .venv and install Baton with its pinned dependencies
+install:  ## redis-server (apt) + .venv with Baton and its pinned dependencies
+	command -v redis-server >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q redis-server; }
 	python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
 	# torch first, pinned to the CPU build (a bare `torch` would pull a multi-GB CUDA build)

@@ -68,7 +68,12 @@ class Cluster:
 
     def _start(self) -> str:
         a = self.args
-        sched = self._spawn("scheduler", ["global-scheduler", "--port", "0"], ready=True)
+        argv = ["global-scheduler", "--port", "0", "--metrics-port", "0"]
+        if a.redis_url:
+            argv += ["--redis-url", a.redis_url]
+        if a.routing_policy:
+            argv += ["--routing-policy", a.routing_policy]
+        sched = self._spawn("scheduler", argv, ready=True)
         sched_addr = self._wait_ready("scheduler", sched, SCHEDULER_START_S)["address"]
         workers = []
         for i in range(a.workers):

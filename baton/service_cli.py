@@ -70,7 +70,8 @@ def run_worker(args: argparse.Namespace) -> None:
     setup_logging("worker")
     settings = WorkerSettings(
         engine=engine_args(args), role=args.role, host=args.host, port=args.port,
-        advertise_host=args.advertise_host, scheduler_address=args.scheduler,
+        advertise_host=args.advertise_host,
+        scheduler_addresses=tuple(a for a in (args.scheduler or '').split(',') if a),
         worker_id=args.worker_id or "", metrics_port=args.metrics_port,
         drain_timeout_s=args.drain_timeout, ready_file=args.ready_file,
     )  # fmt: skip
@@ -87,6 +88,7 @@ def run_scheduler(args: argparse.Namespace) -> None:
         host=args.host, port=args.port, heartbeat_timeout_s=args.heartbeat_timeout,
         metrics_port=args.metrics_port, ready_file=args.ready_file,
         routing_policy=load_policy(args.routing_policy) if args.routing_policy else None,
+        redis_url=args.redis_url,
     )  # fmt: skip
     uvloop.run(serve(settings))
 
@@ -119,7 +121,11 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--advertise-host", default=None)
-    p.add_argument("--scheduler", default=None, help="host:port of the global scheduler")
+    p.add_argument(
+        "--scheduler",
+        default=None,
+        help="host:port of the global scheduler (comma-separated: one per replica)",
+    )
     p.add_argument("--worker-id", default=None)
     p.add_argument("--metrics-port", type=int, default=None)
     p.add_argument("--drain-timeout", type=float, default=30.0)
@@ -133,6 +139,7 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--heartbeat-timeout", type=float, default=1.5)
     p.add_argument("--metrics-port", type=int, default=None)
     p.add_argument("--routing-policy", default=None, help="YAML/JSON file (see routing.py)")
+    p.add_argument("--redis-url", default=None, help="share the prefix directory in Redis")
     p.add_argument("--ready-file", default=None)
     p.set_defaults(func=run_scheduler)
 
@@ -147,6 +154,8 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=1, help="colocated workers (role both)")
     p.add_argument("--worker-metrics", action="store_true", help="give each worker /metrics")
     p.add_argument("--log-dir", default=None, help="write each service's log to DIR/<name>.log")
+    p.add_argument("--redis-url", default=None, help="prefix directory in Redis (default: memory)")
+    p.add_argument("--routing-policy", default=None, help="YAML/JSON file (see routing.py)")
     add_engine_flags(p)
     p.set_defaults(func=run_serve)
 

@@ -21,7 +21,9 @@ def channel(address: str) -> aio.Channel:
 
 
 def server() -> aio.Server:
-    return aio.server(options=_OPTIONS)
+    # gRPC sets SO_REUSEPORT by default, so a second service could bind a port that is already
+    # serving and the kernel would split connections between the two: refuse instead.
+    return aio.server(options=[*_OPTIONS, ("grpc.so_reuseport", 0)])
 
 
 def metadata(request_id: str) -> tuple[tuple[str, str], ...]:

@@ -1,7 +1,9 @@
 """Shared fixtures: tiny Hugging Face checkpoints of every supported family, made once per run."""
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -12,6 +14,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from baton.tiny_model import make_tiny_model
+
+if TYPE_CHECKING:
+    from tests.redis_server import RedisServer
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -57,3 +62,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator["RedisServer"]:
+    """A real redis-server on a free port for the whole run (``make install`` installs it)."""
+    from tests.redis_server import RedisServer
+
+    server = RedisServer.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -33,8 +33,9 @@ def worker_state(reg: scheduler_pb2.WorkerRegistration) -> WorkerState:
 
 def load(msg: scheduler_pb2.WorkerLoad) -> WorkerLoad:
     return WorkerLoad(
-        msg.num_running, msg.num_waiting, msg.kv_usage, msg.num_in_flight, msg.draining
-    )
+        msg.num_running, msg.num_waiting, msg.kv_usage, msg.num_in_flight, msg.draining,
+        msg.pending_prefill_tokens, msg.prefill_tokens_per_s,
+    )  # fmt: skip
 
 
 def kv_event_batch(msg: common_pb2.KVEventBatch) -> KVEventBatch:
@@ -65,4 +66,5 @@ def load_msg(load: WorkerLoad) -> scheduler_pb2.WorkerLoad:
     return scheduler_pb2.WorkerLoad(
         num_running=load.num_running, num_waiting=load.num_waiting, kv_usage=load.kv_usage,
         num_in_flight=load.num_in_flight, draining=load.draining,
+        pending_prefill_tokens=load.pending_prefill_tokens, prefill_tokens_per_s=load.tokens_per_s,
     )  # fmt: skip

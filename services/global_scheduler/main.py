@@ -10,8 +10,9 @@ from pathlib import Path
 
 from prometheus_client import start_http_server
 
-from services.global_scheduler.directory import InMemoryDirectory
+from services.global_scheduler.directory import create_directory
 from services.global_scheduler.registry import WorkerRegistry
+from services.global_scheduler.resilient import ResilientDirectory
 from services.global_scheduler.routing import RoutingPolicy
 from services.global_scheduler.server import SchedulerServicer
 from services.global_scheduler.settings import SchedulerSettings
@@ -26,11 +27,17 @@ async def serve(settings: SchedulerSettings, stop: StopSignal | None = None) -> 
     stop = stop or StopSignal()
     stop.install()
     owner = TaskOwner("scheduler")
+    if settings.redis_url:
+        inner = create_directory("redis", url=settings.redis_url)
+    else:
+        inner = create_directory("memory")
+    directory = ResilientDirectory(inner)
     servicer = SchedulerServicer(
         WorkerRegistry(settings.heartbeat_timeout_s),
-        InMemoryDirectory(),
+        directory,
         RoutingPolicy(settings.routing_policy),
     )
+    directory.on_recover = servicer.request_resync
     server = rpc.server()
     scheduler_pb2_grpc.add_GlobalSchedulerServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
@@ -41,6 +48,7 @@ async def serve(settings: SchedulerSettings, stop: StopSignal | None = None) -> 
             http, _ = start_http_server(settings.metrics_port, addr=settings.host)
             metrics_port = int(http.server_port)
         owner.spawn(_sweep_forever(servicer, settings.sweep_interval_s), "sweep")
+        owner.spawn(directory.probe_forever(), "directory-probe")
         address = f"{settings.host}:{port}"
         logger.info("global scheduler listening on %s", address)
         if settings.ready_file:
@@ -51,6 +59,7 @@ async def serve(settings: SchedulerSettings, stop: StopSignal | None = None) -> 
     finally:
         await owner.cancel_all()
         await server.stop(grace=1.0)
+        await directory.close()
         logger.info("global scheduler stopped")
 
 

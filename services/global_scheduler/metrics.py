@@ -19,3 +19,7 @@ WORKER_EVENTS = Counter(
     "baton_scheduler_worker_events", "Worker registrations and removals", ["event"]
 )
 KV_EVENTS = Counter("baton_scheduler_kv_events", "KV events applied to the directory")
+DIRECTORY_DEGRADED = Gauge(
+    "baton_scheduler_directory_degraded",
+    "1 while the prefix directory's backend is unreachable (routing on load alone)",
+)

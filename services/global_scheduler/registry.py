@@ -19,6 +19,8 @@ class WorkerLoad:
     kv_usage: float = 0.0
     num_in_flight: int = 0
     draining: bool = False
+    pending_prefill_tokens: int = 0  # prompt tokens admitted, not yet computed
+    tokens_per_s: float = 0.0  # measured model throughput; 0 until measured
 
 
 @dataclass

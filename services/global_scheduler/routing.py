@@ -17,15 +17,23 @@ Scorers
     prefix     fraction of the prompt's full blocks the worker already holds
     queue      1 − depth / (largest depth among the candidates); 1 for every idle worker
     kv_usage   1 − the worker's fraction of KV blocks in use
-Picker
-    max        highest weighted sum; ties go to the shorter queue, then to the earlier
-               candidate in a rotating order, so equal workers take turns
+    ttft       predicted time to first token, best / this: (prefill backlog + the prompt's
+               uncached tokens) ÷ the worker's measured tokens/s (+ KV transfer time, zero for
+               a colocated worker). One scorer that prices a prefix hit against a queue in
+               seconds, instead of weights tuned by hand; see docs/routing.md for when it wins.
+Pickers
+    max          highest weighted sum; ties go to the shorter queue, then to an order drawn
+                 from a hash of (request id, worker id): replicas that see the same state make
+                 the same choice, and equal workers share the load
+    round_robin  ignore the scores, take turns (a baseline for benchmarks)
 """
 
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import xxhash
 
 from services.global_scheduler.registry import WorkerState
 
@@ -44,6 +52,8 @@ DEFAULT_POLICY: dict[str, Any] = {
 class RouteQuery:
     model: str
     num_blocks: int  # full blocks in the prompt
+    request_id: str = ""  # seeds the tie-break, so replicas agree
+    num_prompt_tokens: int = 0
     leg: str = "decode"  # decode | prefill
     exclude: frozenset[str] = frozenset()
 
@@ -94,6 +104,22 @@ def _kv_usage(**_: Any) -> Scorer:
     return lambda q, c, _all: 1.0 - min(max(c.worker.load.kv_usage, 0.0), 1.0)
 
 
+def predicted_ttft(q: RouteQuery, c: Candidate, default_tokens_per_s: float) -> float:
+    """Seconds until this worker could return the request's first token."""
+    load = c.worker.load
+    rate = load.tokens_per_s if load.tokens_per_s > 0 else default_tokens_per_s
+    uncached = max(q.num_prompt_tokens - c.matched_blocks * c.worker.block_size, 1)
+    return (load.pending_prefill_tokens + uncached) / rate
+
+
+def _ttft(default_tokens_per_s: float = 10_000.0, **_: Any) -> Scorer:
+    def score(q: RouteQuery, c: Candidate, all_: list[Candidate]) -> float:
+        best = min(predicted_ttft(q, x, default_tokens_per_s) for x in all_)
+        return best / predicted_ttft(q, c, default_tokens_per_s)
+
+    return score
+
+
 FILTERS: dict[str, Callable[..., Filter]] = {
     "role": _role,
     "healthy": _healthy,
@@ -103,8 +129,9 @@ SCORERS: dict[str, Callable[..., Scorer]] = {
     "prefix": _prefix,
     "queue": _queue,
     "kv_usage": _kv_usage,
+    "ttft": _ttft,
 }
-PICKERS = ("max",)
+PICKERS = ("max", "round_robin")
 
 
 def _spec(item: str | dict[str, Any], kind: str, known: dict[str, Any]) -> tuple[str, dict]:
@@ -132,9 +159,9 @@ class RoutingPolicy:
             if weight < 0:
                 raise ValueError(f"scorer {name}: weight must be >= 0")
             self.scorers.append((name, weight, SCORERS[name](**kw)))
-        picker = policy.get("picker", "max")
-        if picker not in PICKERS:
-            raise ValueError(f"unknown picker {picker!r}; known: {', '.join(PICKERS)}")
+        self.picker = policy.get("picker", "max")
+        if self.picker not in PICKERS:
+            raise ValueError(f"unknown picker {self.picker!r}; known: {', '.join(PICKERS)}")
         self._turn = itertools.count()
 
     def filter(self, query: RouteQuery, candidates: list[Candidate]) -> list[Candidate]:
@@ -153,12 +180,18 @@ class RoutingPolicy:
         if not candidates:
             raise NoWorkerError(f"no live worker serves model {query.model!r}")
         candidates = self.filter(query, candidates)
+        if self.picker == "round_robin":
+            ordered = sorted(candidates, key=lambda c: c.worker.worker_id)
+            return ordered[next(self._turn) % len(ordered)]
         for c in candidates:
             c.scores = {name: scorer(query, c, candidates) for name, _, scorer in self.scorers}
             c.total = sum(w * c.scores[name] for name, w, _ in self.scorers)
-        turn = next(self._turn) % len(candidates)
-        order = {id(c): (i - turn) % len(candidates) for i, c in enumerate(candidates)}
-        return min(candidates, key=lambda c: (-c.total, c.worker.queue_depth, order[id(c)]))
+
+        def rank(c: Candidate) -> tuple[float, int, bytes]:
+            draw = xxhash.xxh3_64_digest(f"{query.request_id}/{c.worker.worker_id}".encode())
+            return (-c.total, c.worker.queue_depth, draw)
+
+        return min(candidates, key=rank)
 
     @staticmethod
     def reason(c: Candidate) -> str:

@@ -13,7 +13,7 @@ from services.global_scheduler import convert, metrics
 from services.global_scheduler.directory import PrefixDirectory
 from services.global_scheduler.registry import WorkerRegistry, WorkerState
 from services.global_scheduler.routing import Candidate, NoWorkerError, RouteQuery, RoutingPolicy
-from shared.ids import BlockHash
+from shared.ids import BlockHash, WorkerId
 from shared.protos.baton.v1 import scheduler_pb2, scheduler_pb2_grpc
 from shared.rpc import adopt_request_id
 
@@ -25,12 +25,13 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
         self.registry = registry
         self.directory = directory
         self.policy = policy
+        self._resync: set[WorkerId] = set()
 
     async def Heartbeat(
         self,
         request_iterator: AsyncIterator[scheduler_pb2.WorkerHeartbeat],
         context: aio.ServicerContext,
-    ) -> scheduler_pb2.HeartbeatAck:
+    ) -> AsyncIterator[scheduler_pb2.SchedulerCommand]:
         worker: WorkerState | None = None
         try:
             async for msg in request_iterator:
@@ -39,16 +40,24 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
                 elif not self.registry.heartbeat(
                     worker.worker_id, worker.incarnation, convert.load(msg.load)
                 ):
-                    return scheduler_pb2.HeartbeatAck(reason="expired: register again")
+                    return  # expired meanwhile: the worker reconnects and registers again
                 for batch in msg.kv_events:
                     await self.directory.apply(
                         worker.worker_id, worker.incarnation, convert.kv_event_batch(batch)
                     )
                     metrics.KV_EVENTS.inc(len(batch.events))
-            return scheduler_pb2.HeartbeatAck(reason="stream closed by the worker")
+                if worker.worker_id in self._resync:
+                    self._resync.discard(worker.worker_id)
+                    yield scheduler_pb2.SchedulerCommand(
+                        resync_kv_events=True, reason="the prefix directory lost events"
+                    )
         finally:
             if worker is not None:
                 await self._remove(worker, "stream ended")
+
+    def request_resync(self) -> None:
+        """Ask every live worker to re-announce its KV blocks (on its next heartbeat)."""
+        self._resync.update(w.worker_id for w in self.registry.workers())
 
     async def Route(
         self, request: scheduler_pb2.RouteRequest, context: aio.ServicerContext
@@ -64,8 +73,13 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
                 f"no live worker serves model {request.model!r}; served: {known}",
             )
         hashes = [BlockHash(h) for h in request.block_hashes]
-        matched = await self.directory.longest_prefix(hashes, [w.worker_id for w in workers])
-        query = RouteQuery(request.model, len(hashes), exclude=frozenset(request.exclude_workers))
+        live = {w.worker_id: w.incarnation for w in workers}
+        matched = await self.directory.longest_prefix(hashes, live)
+        query = RouteQuery(
+            request.model, len(hashes), request_id=request.request_id,
+            num_prompt_tokens=request.num_prompt_tokens,
+            exclude=frozenset(request.exclude_workers),
+        )  # fmt: skip
         try:
             best = self.policy.pick(query, [Candidate(w, matched[w.worker_id]) for w in workers])
         except NoWorkerError as e:
@@ -100,7 +114,7 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
                     registration=convert.registration(w),
                     load=convert.load_msg(w.load),
                     seconds_since_heartbeat=now - w.last_seen,
-                    num_cached_blocks=await self.directory.num_blocks(w.worker_id),
+                    num_cached_blocks=await self.directory.num_blocks(w.worker_id, w.incarnation),
                     num_routed=w.num_routed,
                 )
                 for w in self.registry.workers()
@@ -111,7 +125,7 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
         """Drop workers whose heartbeat went silent (called every sweep interval)."""
         for w in self.registry.expire():
             logger.warning("worker %s missed its heartbeats: removed", w.worker_id)
-            await self.directory.forget(w.worker_id)
+            await self.directory.forget(w.worker_id, w.incarnation)
             metrics.WORKER_EVENTS.labels("expired").inc()
         self._update_alive()
 
@@ -128,7 +142,7 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
         worker.load = convert.load(msg.load)
         old = self.registry.register(worker)
         if old is not None and old.incarnation != worker.incarnation:
-            await self.directory.forget(old.worker_id)
+            await self.directory.forget(old.worker_id, old.incarnation)
         logger.info("worker %s registered: %s at %s (%s)", worker.worker_id, worker.role,
                     worker.address, worker.model)  # fmt: skip
         metrics.WORKER_EVENTS.labels("registered").inc()
@@ -137,7 +151,7 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
 
     async def _remove(self, worker: WorkerState, why: str) -> None:
         if self.registry.remove(worker.worker_id, worker.incarnation) is not None:
-            await self.directory.forget(worker.worker_id)
+            await self.directory.forget(worker.worker_id, worker.incarnation)
             logger.info("worker %s removed: %s", worker.worker_id, why)
             metrics.WORKER_EVENTS.labels("removed").inc()
         self._update_alive()

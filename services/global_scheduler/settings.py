@@ -16,6 +16,7 @@ class SchedulerSettings:
     sweep_interval_s: float = 0.25
     metrics_port: int | None = None
     routing_policy: dict[str, Any] | None = field(default=None, hash=False)  # None: default
+    redis_url: str | None = None  # the shared prefix directory; None: in this process
     ready_file: str | None = None
 
     def __post_init__(self) -> None:

@@ -67,13 +67,17 @@ def _delta(c: CompletionOutput) -> worker_pb2.CompletionDelta:
     return delta
 
 
-def load(stats: EngineStats, in_flight: int, draining: bool) -> scheduler_pb2.WorkerLoad:
+def load(
+    stats: EngineStats, in_flight: int, draining: bool, tokens_per_s: float
+) -> scheduler_pb2.WorkerLoad:
     return scheduler_pb2.WorkerLoad(
         num_running=stats.num_running,
         num_waiting=stats.num_waiting,
         kv_usage=stats.kv_usage,
         num_in_flight=in_flight,
         draining=draining,
+        pending_prefill_tokens=stats.pending_prefill_tokens,
+        prefill_tokens_per_s=tokens_per_s,
     )
 
 

@@ -1,10 +1,13 @@
-"""The worker's life line to the global scheduler: one client stream per connection,
+"""The worker's life line to one global scheduler replica: one bidirectional stream per
+connection,
 
-    registration (+ load) → every ``heartbeat_interval_s``: load + the KV events since the last
+    worker → registration (+ load), then every ``heartbeat_interval_s``: load + KV events
+    scheduler → commands (re-announce the KV blocks: its directory lost events)
 
 and a reconnect with backoff when the stream breaks. On every (re)connection the engine is
 asked to re-announce its prefix index (all-cleared, then every cached block), so a restarted
-scheduler converges to the exact picture by applying the events in order.
+scheduler converges to the exact picture by applying the events in order. A worker keeps one
+``Heartbeat`` per scheduler replica; ``main`` fans the engine's KV events out to all of them.
 """
 
 import asyncio
@@ -43,9 +46,8 @@ class Heartbeat:
         self._wake = asyncio.Event()
         self._stopped = False
         self.connected = asyncio.Event()  # set once the scheduler has our registration
-        engine.kv_event_listener = self._on_kv_events
 
-    def _on_kv_events(self, batch: KVEventBatch) -> None:
+    def on_kv_events(self, batch: KVEventBatch) -> None:
         self._events.append(convert.kv_event_batch(batch))
 
     def wake(self) -> None:
@@ -58,8 +60,11 @@ class Heartbeat:
             try:
                 async with channel(self.address) as ch:
                     stub = scheduler_pb2_grpc.GlobalSchedulerStub(ch)
-                    ack = await stub.Heartbeat(self._messages())
-                    logger.info("scheduler closed the heartbeat stream: %s", ack.reason)
+                    async for command in stub.Heartbeat(self._messages()):
+                        if command.resync_kv_events:
+                            logger.info("scheduler asks for the KV blocks: %s", command.reason)
+                            await self.engine.resync_kv_events()
+                    logger.info("the scheduler at %s ended the heartbeat stream", self.address)
                 backoff = 0.1
             except grpc.aio.AioRpcError as e:
                 if self.connected.is_set():

@@ -19,6 +19,7 @@ from services.worker.heartbeat import Heartbeat
 from services.worker.servicer import ROLES, WorkerServicer
 from services.worker.settings import WorkerSettings, new_incarnation
 from shared import rpc
+from shared.kv_events import KVEventBatch
 from shared.lifecycle import StopSignal, TaskOwner, wait_or_forced
 from shared.protos.baton.v1 import scheduler_pb2, worker_pb2_grpc
 
@@ -41,16 +42,19 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> Non
         address = f"{settings.advertise_host or settings.host}:{port}"
         metrics_port = _start_metrics(settings)
 
+        rate = ThroughputMeter()
+
         async def load() -> scheduler_pb2.WorkerLoad:
             stats = await engine.get_stats()
             metrics.RUNNING.set(stats.num_running)
             metrics.WAITING.set(stats.num_waiting)
             metrics.KV_USAGE.set(stats.kv_usage)
             metrics.IN_FLIGHT.set(servicer.in_flight)
-            return convert.load(stats, servicer.in_flight, servicer.draining)
+            tokens_per_s = rate.update(stats.computed_tokens, stats.model_seconds)
+            return convert.load(stats, servicer.in_flight, servicer.draining, tokens_per_s)
 
-        heartbeat = None
-        if settings.scheduler_address:
+        heartbeats: list[Heartbeat] = []
+        if settings.scheduler_addresses:
             stats = await engine.get_stats()
             registration = scheduler_pb2.WorkerRegistration(
                 worker_id=settings.worker_id,
@@ -62,12 +66,17 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> Non
                 block_size=engine.config.cache.block_size,
                 num_kv_blocks=stats.num_blocks,
             )
-            heartbeat = Heartbeat(
-                settings.scheduler_address, registration, engine, load,
-                settings.heartbeat_interval_s,
-            )  # fmt: skip
-            owner.spawn(heartbeat.run(), "heartbeat")
-            await _wait_registered(heartbeat, stop)
+            for replica in settings.scheduler_addresses:  # one stream per scheduler replica
+                beat = Heartbeat(replica, registration, engine, load, settings.heartbeat_interval_s)
+                heartbeats.append(beat)
+                owner.spawn(beat.run(), f"heartbeat-{replica}")
+
+            def fan_out(batch: KVEventBatch) -> None:
+                for beat in heartbeats:
+                    beat.on_kv_events(batch)
+
+            engine.kv_event_listener = fan_out
+            await _wait_registered(heartbeats)
         owner.spawn(_watch_engine(engine, stop), "engine-watch")
         logger.info("worker %s (%s) serving %s on %s", settings.worker_id, settings.role,
                     engine.model_name, address)  # fmt: skip
@@ -76,13 +85,13 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> Non
         await stop.wait()
 
         servicer.draining = True
-        if heartbeat is not None:
-            heartbeat.wake()
+        for beat in heartbeats:
+            beat.wake()
         if not await wait_or_forced(servicer.wait_idle(), stop, settings.drain_timeout_s):
             logger.warning("drain: %d requests still running, cancelling", servicer.in_flight)
-        if heartbeat is not None:
-            heartbeat.stop()
-            await asyncio.sleep(0)  # let the stream end cleanly before the channel closes
+        for beat in heartbeats:
+            beat.stop()
+        await asyncio.sleep(0)  # let the streams end cleanly before the channels close
     finally:
         await server.stop(grace=1.0)
         await owner.cancel_all()
@@ -90,12 +99,32 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> Non
         logger.info("worker stopped")
 
 
-async def _wait_registered(heartbeat: Heartbeat, stop: StopSignal) -> None:
-    """Serve only once the scheduler knows us (bounded, but never fatal: we keep retrying)."""
+class ThroughputMeter:
+    """Tokens the model computes per second of model time, smoothed over heartbeats (what the
+    scheduler's TTFT predictor divides a prefill backlog by). 0 until something ran."""
+
+    def __init__(self, smoothing: float = 0.3):
+        self.smoothing = smoothing
+        self.rate = 0.0
+        self._last = (0, 0.0)
+
+    def update(self, computed_tokens: int, model_seconds: float) -> float:
+        tokens, seconds = computed_tokens - self._last[0], model_seconds - self._last[1]
+        self._last = (computed_tokens, model_seconds)
+        if tokens > 0 and seconds > 0:
+            now = tokens / seconds
+            self.rate = (
+                now if self.rate == 0 else (1 - self.smoothing) * self.rate + self.smoothing * now
+            )
+        return self.rate
+
+
+async def _wait_registered(heartbeats: list[Heartbeat]) -> None:
+    """Serve once every scheduler replica knows us (bounded, never fatal: they keep retrying)."""
     try:
-        await asyncio.wait_for(heartbeat.connected.wait(), 10.0)
+        await asyncio.wait_for(asyncio.gather(*(h.connected.wait() for h in heartbeats)), 10.0)
     except TimeoutError:
-        logger.warning("not registered with the scheduler yet; still trying")
+        logger.warning("not registered with every scheduler yet; still trying")
 
 
 async def _watch_engine(engine: AsyncLLM, stop: StopSignal) -> None:

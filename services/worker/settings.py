@@ -19,7 +19,7 @@ class WorkerSettings:
     host: str = "127.0.0.1"  # where the gRPC server listens
     port: int = 0  # 0: a free port, chosen at start
     advertise_host: str | None = None  # what the scheduler tells the gateway; default host
-    scheduler_address: str | None = None  # host:port; None runs without registration
+    scheduler_addresses: tuple[str, ...] = ()  # host:port of each replica; () runs alone
     worker_id: str = ""  # default: hostname-pid
     metrics_port: int | None = None  # Prometheus /metrics; None: off
     heartbeat_interval_s: float = 0.5

@@ -36,11 +36,37 @@ def test_without_prefixes_the_shorter_queue_wins() -> None:
     assert best.worker.worker_id == "b"
 
 
-def test_equal_workers_take_turns() -> None:
-    policy = RoutingPolicy()
+def test_equal_workers_share_the_load_and_replicas_agree() -> None:
     workers = [worker("a"), worker("b"), worker("c")]
-    picks = [policy.pick(Q, [Candidate(w, 0) for w in workers]).worker.worker_id for _ in range(6)]
-    assert sorted(picks) == ["a", "a", "b", "b", "c", "c"]
+    a, b = RoutingPolicy(), RoutingPolicy()  # two scheduler replicas
+    picks = []
+    for i in range(300):
+        q = RouteQuery("m", 10, request_id=f"req-{i}")
+        pick = a.pick(q, [Candidate(w, 0) for w in workers]).worker.worker_id
+        assert b.pick(q, [Candidate(w, 0) for w in workers]).worker.worker_id == pick
+        picks.append(pick)
+    assert all(picks.count(w) > 60 for w in "abc")
+
+
+def test_round_robin_ignores_scores() -> None:
+    policy = RoutingPolicy({"filters": ["role"], "picker": "round_robin"})
+    workers = [worker("a"), worker("b")]
+    picks = [policy.pick(Q, [Candidate(workers[0], 10), Candidate(workers[1], 0)]).worker.worker_id
+             for _ in range(4)]  # fmt: skip
+    assert picks == ["a", "b", "a", "b"]
+
+
+def test_ttft_scorer_prices_a_prefix_hit_against_a_backlog() -> None:
+    policy = RoutingPolicy({"scorers": [{"name": "ttft"}]})
+    q = RouteQuery("m", num_blocks=60, num_prompt_tokens=960)
+    holder, idle = worker("holder"), worker("idle")
+    holder.load.tokens_per_s = idle.load.tokens_per_s = 10_000.0
+    # The holder has 50 of 60 blocks cached; its backlog of 2,000 tokens costs more than the
+    # 800 tokens it saves: the idle worker answers first (0.096 s vs 0.216 s).
+    holder.load.pending_prefill_tokens = 2_000
+    assert policy.pick(q, [Candidate(holder, 50), Candidate(idle, 0)]).worker.worker_id == "idle"
+    holder.load.pending_prefill_tokens = 500  # now the hit wins (0.066 s vs 0.096 s)
+    assert policy.pick(q, [Candidate(holder, 50), Candidate(idle, 0)]).worker.worker_id == "holder"
 
 
 def test_filters_role_draining_capacity_and_exclusions() -> None:
@@ -77,6 +103,7 @@ def test_weights_are_data() -> None:
     ("policy", "match"),
     [
         ({"filters": ["nope"]}, "unknown filter 'nope'; known: capacity, healthy, role"),
+        ({"picker": "random"}, "known: max, round_robin"),
         ({"scorers": [{"name": "magic"}]}, "unknown scorer"),
         ({"picker": "random"}, "unknown picker"),
         ({"scorers": [{"name": "queue", "weight": -1}]}, "weight"),

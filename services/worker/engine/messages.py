@@ -71,6 +71,7 @@ class EngineStats(msgspec.Struct):
     num_steps: int  # steps that ran the model, since start
     context_tokens_read: int  # sum over steps of each scheduled request's context length
     model_seconds: float = 0.0  # wall time inside the executor (model + sampling), since start
+    pending_prefill_tokens: int = 0  # prompt tokens admitted but not computed yet (a backlog)
 
 
 class ModelInfo(msgspec.Struct):

@@ -223,4 +223,8 @@ class Scheduler:
             computed_tokens=self._computed_tokens,
             num_steps=self._num_steps,
             context_tokens_read=self._context_tokens_read,
+            pending_prefill_tokens=sum(
+                max(r.num_prompt_tokens - r.num_computed_tokens, 0)
+                for r in (*self.running, *self.waiting)
+            ),
         )

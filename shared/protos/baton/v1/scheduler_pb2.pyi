@@ -28,18 +28,22 @@ class WorkerRegistration(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_usage", "num_in_flight", "draining")
+    __slots__ = ("num_running", "num_waiting", "kv_usage", "num_in_flight", "draining", "pending_prefill_tokens", "prefill_tokens_per_s")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    PENDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_usage: float
     num_in_flight: int
     draining: bool
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_in_flight: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    pending_prefill_tokens: int
+    prefill_tokens_per_s: float
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_in_flight: _Optional[int] = ..., draining: _Optional[bool] = ..., pending_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class WorkerHeartbeat(_message.Message):
     __slots__ = ("registration", "load", "kv_events")
@@ -51,11 +55,13 @@ class WorkerHeartbeat(_message.Message):
     kv_events: _containers.RepeatedCompositeFieldContainer[_common_pb2.KVEventBatch]
     def __init__(self, registration: _Optional[_Union[WorkerRegistration, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., kv_events: _Optional[_Iterable[_Union[_common_pb2.KVEventBatch, _Mapping]]] = ...) -> None: ...
 
-class HeartbeatAck(_message.Message):
-    __slots__ = ("reason",)
+class SchedulerCommand(_message.Message):
+    __slots__ = ("resync_kv_events", "reason")
+    RESYNC_KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    resync_kv_events: bool
     reason: str
-    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+    def __init__(self, resync_kv_events: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
     __slots__ = ("request_id", "model", "block_hashes", "num_prompt_tokens", "exclude_workers")

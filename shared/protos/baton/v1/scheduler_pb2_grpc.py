@@ -34,10 +34,10 @@ class GlobalSchedulerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Heartbeat = channel.stream_unary(
+        self.Heartbeat = channel.stream_stream(
                 '/baton.v1.GlobalScheduler/Heartbeat',
                 request_serializer=baton_dot_v1_dot_scheduler__pb2.WorkerHeartbeat.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_scheduler__pb2.HeartbeatAck.FromString,
+                response_deserializer=baton_dot_v1_dot_scheduler__pb2.SchedulerCommand.FromString,
                 _registered_method=True)
         self.Route = channel.unary_unary(
                 '/baton.v1.GlobalScheduler/Route',
@@ -57,7 +57,8 @@ class GlobalSchedulerServicer:
     def Heartbeat(self, request_iterator, context):
         """A worker's life line. The first message carries its registration; every later one its
         load and the KV events since the last. The worker is dropped when the stream ends or
-        no message arrives within the scheduler's heartbeat timeout.
+        no message arrives within the scheduler's heartbeat timeout. The scheduler answers with
+        commands (e.g. "re-announce your KV blocks" after its directory lost events).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -80,10 +81,10 @@ class GlobalSchedulerServicer:
 
 def add_GlobalSchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Heartbeat': grpc.stream_unary_rpc_method_handler(
+            'Heartbeat': grpc.stream_stream_rpc_method_handler(
                     servicer.Heartbeat,
                     request_deserializer=baton_dot_v1_dot_scheduler__pb2.WorkerHeartbeat.FromString,
-                    response_serializer=baton_dot_v1_dot_scheduler__pb2.HeartbeatAck.SerializeToString,
+                    response_serializer=baton_dot_v1_dot_scheduler__pb2.SchedulerCommand.SerializeToString,
             ),
             'Route': grpc.unary_unary_rpc_method_handler(
                     servicer.Route,
@@ -117,12 +118,12 @@ class GlobalScheduler:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_unary(
+        return grpc.experimental.stream_stream(
             request_iterator,
             target,
             '/baton.v1.GlobalScheduler/Heartbeat',
             baton_dot_v1_dot_scheduler__pb2.WorkerHeartbeat.SerializeToString,
-            baton_dot_v1_dot_scheduler__pb2.HeartbeatAck.FromString,
+            baton_dot_v1_dot_scheduler__pb2.SchedulerCommand.FromString,
             options,
             channel_credentials,
             insecure,

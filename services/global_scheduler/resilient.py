@@ -1,0 +1,86 @@
+"""``ResilientDirectory``: a directory whose backend may go away (Redis) without failing a
+single request. When a call raises ``DirectoryUnavailable`` it goes *degraded*:
+
+- lookups answer "no worker holds anything", so routing runs on load alone;
+- KV events are dropped (nothing to apply them to), so the picture would be stale later;
+- a metric (``baton_scheduler_directory_degraded``) says so and one log line is written;
+- a probe pings the backend every ``probe_interval_s``; when it answers, the directory is
+  healthy again and ``on_recover`` runs: the server asks every worker to re-announce its
+  blocks, so the directory converges to the exact picture again.
+"""
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from services.global_scheduler import metrics
+from services.global_scheduler.directory import DirectoryUnavailable, PrefixDirectory
+from shared.ids import BlockHash, WorkerId
+from shared.kv_events import KVEventBatch
+
+logger = logging.getLogger(__name__)
+
+
+class ResilientDirectory:
+    def __init__(self, inner: PrefixDirectory, probe_interval_s: float = 0.5):
+        self.inner = inner
+        self.probe_interval_s = probe_interval_s
+        self.degraded = False
+        self.on_recover: Callable[[], None] = lambda: None
+        metrics.DIRECTORY_DEGRADED.set(0)
+
+    async def apply(self, worker: WorkerId, incarnation: str, batch: KVEventBatch) -> None:
+        if not self.degraded:
+            try:
+                await self.inner.apply(worker, incarnation, batch)
+            except DirectoryUnavailable as e:
+                self._degrade(e)
+
+    async def longest_prefix(
+        self, hashes: list[BlockHash], live: dict[WorkerId, str]
+    ) -> dict[WorkerId, int]:
+        if not self.degraded:
+            try:
+                return await self.inner.longest_prefix(hashes, live)
+            except DirectoryUnavailable as e:
+                self._degrade(e)
+        return dict.fromkeys(live, 0)
+
+    async def forget(self, worker: WorkerId, incarnation: str) -> None:
+        if not self.degraded:  # (while degraded its entries stay: they never count again)
+            try:
+                await self.inner.forget(worker, incarnation)
+            except DirectoryUnavailable as e:
+                self._degrade(e)
+
+    async def num_blocks(self, worker: WorkerId, incarnation: str) -> int:
+        if not self.degraded:
+            try:
+                return await self.inner.num_blocks(worker, incarnation)
+            except DirectoryUnavailable as e:
+                self._degrade(e)
+        return 0
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    async def probe_forever(self) -> None:
+        ping = getattr(self.inner, "ping", None)
+        while ping is not None:
+            await asyncio.sleep(self.probe_interval_s)
+            if not self.degraded:
+                continue
+            try:
+                await ping()
+            except DirectoryUnavailable:
+                continue
+            self.degraded = False
+            metrics.DIRECTORY_DEGRADED.set(0)
+            logger.warning("prefix directory is back: cache-aware routing again; resyncing")
+            self.on_recover()
+
+    def _degrade(self, e: Exception) -> None:
+        if not self.degraded:
+            self.degraded = True
+            metrics.DIRECTORY_DEGRADED.set(1)
+            logger.error("prefix directory unreachable (%s): routing on load alone", e)

@@ -1,0 +1,179 @@
+"""The Redis prefix directory in running clusters: two scheduler replicas sharing one Redis
+agree on every route, and Redis dying under load fails no request (routing falls back to
+load, the degraded metric rises and falls, and cache-aware routing comes back)."""
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from baton.launcher import Cluster
+from shared.block_hash import hash_blocks
+from shared.protos.baton.v1 import (
+    common_pb2,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from shared.text.tokenizer import TextTokenizer
+from tests.e2e.conftest import TEST_ENGINE_FLAGS, running_cluster
+from tests.e2e.test_cluster import long_prompt, wait_for
+from tests.redis_server import RedisServer
+
+MODEL = "qwen3"
+
+
+def _spawn(argv: list[str], ready: Path) -> tuple[subprocess.Popen[bytes], dict]:
+    proc = subprocess.Popen([sys.executable, "-m", "baton.cli", *argv, "--ready-file", str(ready)])
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"{argv[0]} did not start")
+        time.sleep(0.05)
+    return proc, json.loads(ready.read_text())
+
+
+@pytest.fixture()
+def replicas(tiny_model: Path, tmp_path: Path, redis_server: RedisServer) -> Iterator[dict]:
+    """Two scheduler replicas on one Redis; two workers heartbeating to both."""
+    procs = []
+    try:
+        addrs = []
+        for i in range(2):
+            p, info = _spawn(["global-scheduler", "--port", "0", "--redis-url", redis_server.url],
+                             tmp_path / f"s{i}.json")  # fmt: skip
+            procs.append(p)
+            addrs.append(info["address"])
+        workers = []
+        for i in range(2):
+            p, info = _spawn(["worker", "--model", str(tiny_model), "--worker-id", f"w{i}",
+                              "--scheduler", ",".join(addrs), *TEST_ENGINE_FLAGS],
+                             tmp_path / f"w{i}.json")  # fmt: skip
+            procs.append(p)
+            workers.append(info["address"])
+        yield {"schedulers": addrs, "workers": workers}
+    finally:
+        for p in reversed(procs):
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def route(address: str, request_id: str, ids: list[int]) -> scheduler_pb2.RouteResponse:
+    with grpc.insecure_channel(address) as ch:
+        return scheduler_pb2_grpc.GlobalSchedulerStub(ch).Route(
+            scheduler_pb2.RouteRequest(
+                request_id=request_id, model=MODEL, block_hashes=hash_blocks(ids, 16),
+                num_prompt_tokens=len(ids),
+            ),
+            timeout=5,
+        )  # fmt: skip
+
+
+def cached_blocks(address: str) -> dict[str, int]:
+    with grpc.insecure_channel(address) as ch:
+        resp = scheduler_pb2_grpc.GlobalSchedulerStub(ch).ListWorkers(
+            scheduler_pb2.ListWorkersRequest(), timeout=5
+        )
+    return {w.registration.worker_id: w.num_cached_blocks for w in resp.workers}
+
+
+def test_two_replicas_sharing_redis_route_alike(replicas: dict, tiny_model: Path) -> None:
+    a, b = replicas["schedulers"]
+    wait_for(lambda: len(cached_blocks(a)) == 2 and len(cached_blocks(b)) == 2, 10.0,
+             "both workers on both replicas")  # fmt: skip
+    ids = TextTokenizer(tiny_model).encode(long_prompt(tiny_model, 160, "replicas"))
+    with grpc.insecure_channel(replicas["workers"][1]) as ch:  # w1 computes the prompt
+        for _ in worker_pb2_grpc.WorkerStub(ch).Generate(
+            worker_pb2.GenerateRequest(request_id="warm", prompt_token_ids=ids,
+                                       params=common_pb2.SamplingParams(max_tokens=1)),
+            timeout=30,
+        ):  # fmt: skip
+            pass
+    wait_for(lambda: cached_blocks(a).get("w1", 0) >= 10, 5.0, "w1's blocks in Redis")
+    assert cached_blocks(b)["w1"] == cached_blocks(a)["w1"]  # one shared picture
+    for i in range(20):  # the prefix holder, and ties broken alike
+        prompt = ids if i % 2 == 0 else [7 + i, *ids[1:]]
+        ra, rb = route(a, f"r{i}", prompt), route(b, f"r{i}", prompt)
+        assert (ra.decode.worker_id, ra.decode.matched_blocks) == (
+            rb.decode.worker_id, rb.decode.matched_blocks)  # fmt: skip
+        if i % 2 == 0:
+            assert ra.decode.worker_id == "w1" and ra.decode.matched_blocks == len(ids) // 16
+
+
+def scheduler_metric(cluster: Cluster, name: str) -> float:
+    port = cluster.ready["scheduler"]["metrics_port"]
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not exported")
+
+
+def test_redis_killed_under_load_fails_nothing(tiny_model: Path) -> None:
+    redis = RedisServer.start()
+    try:
+        with running_cluster(tiny_model, 2, "--redis-url", redis.url) as cluster:
+            c = openai.OpenAI(base_url=cluster.url, api_key="x", max_retries=0, timeout=60)
+            failures: list[BaseException] = []
+            done = 0
+            stop = threading.Event()
+
+            def load() -> None:
+                nonlocal done
+                i = 0
+                while not stop.is_set():
+                    try:
+                        c.completions.create(model=MODEL, prompt=f"load {i}", max_tokens=8)
+                        done += 1
+                    except BaseException as e:
+                        failures.append(e)
+                    i += 1
+
+            threads = [threading.Thread(target=load) for _ in range(4)]
+            for t in threads:
+                t.start()
+            try:
+                wait_for(lambda: done >= 8, 30.0, "load to flow")
+                assert scheduler_metric(cluster, "baton_scheduler_directory_degraded") == 0
+                redis.kill()
+                wait_for(lambda: scheduler_metric(cluster, "baton_scheduler_directory_degraded")
+                         == 1, 10.0, "degraded")  # fmt: skip
+                before = done
+                wait_for(lambda: done >= before + 8, 30.0, "requests while Redis is down")
+                redis.restart()
+                wait_for(lambda: scheduler_metric(cluster, "baton_scheduler_directory_degraded")
+                         == 0, 10.0, "recovered")  # fmt: skip
+                before = done
+                wait_for(lambda: done >= before + 8, 30.0, "requests after recovery")
+            finally:
+                stop.set()
+                for t in threads:
+                    t.join(timeout=60)
+            assert failures == []
+            # Cache-aware again: a shared prefix lands where its blocks are (after the resync).
+            prefix = long_prompt(tiny_model, 200, "after-recovery")
+            c.completions.create(model=MODEL, prompt=prefix + " one", max_tokens=2)
+            time.sleep(0)  # (the next heartbeat carries the blocks; the wait below polls)
+
+            def hit() -> bool:
+                out = c.completions.create(model=MODEL, prompt=prefix + " two", max_tokens=2)
+                return out.usage.prompt_tokens_details.cached_tokens >= 192  # type: ignore[union-attr]
+
+            wait_for(hit, 10.0, "cache-aware routing after recovery")
+    finally:
+        redis.stop()
