@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 PIP     := .venv/bin/pip
 TINY    := tiny-model
 
-.PHONY: install run demo protos test test-gpu lint format bench bench-serving clean
+.PHONY: install run demo protos test test-gpu lint format bench bench-serving bench-prefix clean
 
 install:  ## redis-server (apt) + .venv with Baton and its pinned dependencies
 	command -v redis-server >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
@@ -47,5 +47,11 @@ bench: $(TINY)/config.json  ## offline throughput at a small scale on this machi
 bench-serving: $(TINY)/config.json  ## Poisson arrivals through the gateway + control-plane overhead
 	$(PY) benchmarks/serving.py --model $(TINY) --num-prompts 200 --request-rate 20 --out bench-results
 
+bench-model/config.json:
+	$(PY) -m baton.cli make-tiny-model bench-model --arch qwen3 --hidden-size 256 --layers 4 --heads 4 --kv-heads 2
+
+bench-prefix: bench-model/config.json  ## cache-aware vs round-robin routing, multi-turn, 4 workers
+	$(PY) benchmarks/prefix_routing.py --model bench-model --workers 4 --out bench-results
+
 clean:
-	rm -rf $(TINY) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(TINY) bench-model bench-results .pytest_cache .mypy_cache .ruff_cache

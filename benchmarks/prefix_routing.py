@@ -1,0 +1,198 @@
+"""Prefix-aware routing against round-robin on a multi-turn workload, in one run.
+
+``--conversations`` conversations of ``--turns`` turns share one system prompt; turn t's prompt
+is the system prompt plus every earlier user message and reply plus the new user message (the
+replies are fixed token strings standing in for the model's, so every prompt is known in
+advance). Each policy gets a fresh cluster of ``--workers`` workers; conversations run
+concurrently, turns in order. Reported per policy: prompt tokens the engines served from their
+prefix caches as a fraction of the **oracle** (for each request, the full blocks of its prompt
+that some earlier finished request had computed, capped as the engine caps a hit), and TTFT
+p50/p99. Writes JSON and a PNG.
+
+    python benchmarks/prefix_routing.py --model bench-model --workers 4
+"""
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from shared.block_hash import hash_blocks
+
+POLICIES = {
+    "cache-aware": None,  # the default policy: prefix + queue + kv_usage
+    "round-robin": {"filters": ["role", "healthy"], "picker": "round_robin"},
+}
+
+
+def conversations(args: argparse.Namespace, vocab: int) -> list[list[list[int]]]:
+    """Each conversation's prompts, turn by turn."""
+    rng = random.Random(args.seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(300, vocab) for _ in range(n)]
+
+    system = tokens(args.system_len)
+    convs = []
+    for _ in range(args.conversations):
+        history, prompts = list(system), []
+        for _ in range(args.turns):
+            history += tokens(args.user_len)
+            prompts.append(list(history))
+            history += tokens(args.reply_len)  # the reply, as the next turn's prompt carries it
+        convs.append(prompts)
+    return convs
+
+
+async def run_policy(url: str, model: str, convs: list[list[list[int]]], block: int) -> dict:
+    seen: set[bytes] = set()  # block hashes of every finished request's prompt
+    records: list[dict[str, float]] = []
+
+    async def one(http: httpx.AsyncClient, ids: list[int]) -> None:
+        hashes = hash_blocks(ids, block)
+        matched = 0
+        for h in hashes:
+            if h not in seen:
+                break
+            matched += 1
+        oracle = min(matched, (len(ids) - 1) // block) * block
+        body = {
+            "model": model, "prompt": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True},
+        }  # fmt: skip
+        start, ttft, cached = time.perf_counter(), None, 0
+        async with http.stream("POST", "/completions", json=body) as resp:
+            resp.raise_for_status()
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
+                elif chunk.get("choices") and ttft is None:
+                    ttft = time.perf_counter() - start
+        seen.update(hashes)
+        records.append({"ttft": ttft or float("nan"), "cached": cached, "oracle": oracle,
+                        "prompt": len(ids)})  # fmt: skip
+
+    async def conversation(http: httpx.AsyncClient, prompts: list[list[int]]) -> None:
+        for ids in prompts:
+            await one(http, ids)
+
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(conversation(http, p) for p in convs))
+        duration = time.perf_counter() - start
+    ttfts = sorted(r["ttft"] for r in records)
+    cached, oracle = sum(r["cached"] for r in records), sum(r["oracle"] for r in records)
+    return {
+        "requests": len(records),
+        "duration_s": duration,
+        "prompt_tokens": sum(r["prompt"] for r in records),
+        "cached_tokens": cached,
+        "oracle_tokens": oracle,
+        "fraction_of_oracle": cached / oracle if oracle else float("nan"),
+        "ttft_p50_ms": 1e3 * statistics.median(ttfts),
+        "ttft_p99_ms": 1e3 * ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))],
+        "_ttfts": ttfts,
+    }
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    names = list(results)
+    a.bar(names, [100 * results[n]["fraction_of_oracle"] for n in names])
+    a.set_ylabel("cached tokens, % of the oracle")
+    for n in names:
+        xs = [1e3 * t for t in results[n]["_ttfts"]]
+        b.plot(xs, [i / max(len(xs) - 1, 1) for i in range(len(xs))], label=n)
+    b.set_xscale("log")
+    b.set_xlabel("TTFT (ms)")
+    b.set_ylabel("CDF")
+    b.legend()
+    b.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--conversations", type=int, default=32)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--system-len", type=int, default=256)
+    p.add_argument("--user-len", type=int, default=48)
+    p.add_argument("--reply-len", type=int, default=32)
+    p.add_argument("--num-kv-blocks", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench-results")
+    args = p.parse_args()
+
+    from baton.cli import build_parser
+    from baton.launcher import Cluster
+    from baton.service_cli import engine_flags_argv
+    from services.worker.engine.model_config import load_arch_config
+
+    vocab = load_arch_config(args.model).vocab_size
+    convs = conversations(args, vocab)
+    results: dict[str, Any] = {}
+    for name, policy in POLICIES.items():
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(policy or {}, f)
+        argv = [
+            "serve", "--model", args.model, "--workers", str(args.workers),
+            "--num-kv-blocks", str(args.num_kv_blocks), "--port", str(_free_port()),
+        ]  # fmt: skip
+        if policy is not None:
+            argv += ["--routing-policy", f.name]
+        cargs = build_parser().parse_args(argv)
+        cluster = Cluster(cargs, engine_flags_argv(cargs))
+        url = cluster.start()
+        try:
+            results[name] = asyncio.run(run_policy(url, Path(args.model).name, convs, 16))
+        finally:
+            cluster.stop()
+        print(name, {k: v for k, v in results[name].items() if not k.startswith("_")}, flush=True)
+    aware, rr = results["cache-aware"], results["round-robin"]
+    summary = {
+        "ttft_p50_speedup": rr["ttft_p50_ms"] / aware["ttft_p50_ms"],
+        "cached_fraction_cache_aware": aware["fraction_of_oracle"],
+        "cached_fraction_round_robin": rr["fraction_of_oracle"],
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plot(results, out / "prefix_routing.png")
+    clean = {n: {k: v for k, v in r.items() if k[0] != "_"} for n, r in results.items()}
+    (out / "prefix_routing.json").write_text(
+        json.dumps({"args": vars(args), "results": clean, "summary": summary}, indent=2)
+    )
+    print(json.dumps(summary, indent=2))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+if __name__ == "__main__":
+    main()
