@@ -6,6 +6,7 @@ KV blocks that fit in memory) travel as explicit constructor arguments instead.
 """
 
 import dataclasses
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -64,6 +65,15 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class KVTransferConfig:
+    enabled: bool  # a NIXL agent with the KV cache registered; P/D requests accepted
+    engine_id: str  # this engine's NIXL agent name (unique per process)
+    side_channel_host: str  # where the handshake socket listens (its port is chosen at start)
+    lease_seconds: float  # prefill side: how long finished blocks wait to be pulled
+    recompute_on_failure: bool  # decode side: a failed pull recomputes the prompt locally
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -71,6 +81,7 @@ class EngineConfig:
     parallel: ParallelConfig
     attention: AttentionConfig
     device: DeviceConfig
+    kv_transfer: KVTransferConfig = KVTransferConfig(False, "", "127.0.0.1", 30.0, False)
 
 
 @dataclass
@@ -98,6 +109,10 @@ class EngineArgs:
     enforce_eager: bool = False  # no CUDA graphs
     max_cuda_graph_batch_size: int = 256
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    kv_transfer: bool = False  # disaggregated prefill/decode over NIXL
+    kv_lease_seconds: float = 30.0
+    kv_side_channel_host: str = "127.0.0.1"
+    kv_recompute_on_failure: bool = False
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -156,6 +171,13 @@ class EngineArgs:
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             attention=AttentionConfig(backend=resolve_backend_name(self.attention_backend, device)),
             device=DeviceConfig(device, self._graph_sizes(device)),
+            kv_transfer=KVTransferConfig(
+                enabled=self.kv_transfer,
+                engine_id=f"baton-{uuid.uuid4().hex[:12]}",
+                side_channel_host=self.kv_side_channel_host,
+                lease_seconds=self.kv_lease_seconds,
+                recompute_on_failure=self.kv_recompute_on_failure,
+            ),
         )
 
     def _graph_sizes(self, device: str) -> tuple[int, ...]:

@@ -13,6 +13,8 @@ import msgspec
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.executor.executor import UniprocExecutor
+from services.worker.engine.kv_transfer.params import KVTransferParams
+from services.worker.engine.kv_transfer.scheduler_side import KVTransferBookkeeping
 from services.worker.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -44,7 +46,14 @@ class EngineCore:
         self.executor = UniprocExecutor(config, show_progress)
         self.num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_cache(self.num_blocks)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks)
+        transfer = None
+        if config.kv_transfer.enabled:
+            transfer = KVTransferBookkeeping(
+                config.cache.block_size, config.kv_transfer.lease_seconds,
+                config.kv_transfer.engine_id, self.executor.side_channel,
+            )  # fmt: skip
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, transfer)
+        self.scheduler.recompute_on_failure = config.kv_transfer.recompute_on_failure
         self._rejected: list[EngineCoreOutput] = []
         self._kv_event_seq = 0
         self._model_seconds = 0.0
@@ -54,7 +63,7 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         outputs, self._rejected = self._rejected, []
-        if self.scheduler.has_requests():
+        if self.scheduler.has_requests() or self.scheduler.needs_polling():
             scheduler_output = self.scheduler.schedule()
             start = time.perf_counter()
             model_output = self.executor.execute_model(scheduler_output)
@@ -75,6 +84,10 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return self.scheduler.has_requests() or bool(self._rejected)
+
+    def needs_polling(self) -> bool:
+        """KV pulls in flight or prefill leases held: step now and then even when idle."""
+        return self.scheduler.needs_polling()
 
     def call_utility(self, call: EngineCoreUtility) -> UtilityResult:
         if call.method == "get_stats":
@@ -111,7 +124,7 @@ class EngineCore:
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        return Request(
+        request = Request(
             RequestId(req.request_id),
             list(prompt),
             req.sampling_params,
@@ -120,6 +133,29 @@ class EngineCore:
             cfg.max_model_len,
             req.cache_salt,
         )
+        if req.kv_transfer is not None:
+            self._attach_kv_transfer(request, req.kv_transfer)
+        return request
+
+    def _attach_kv_transfer(self, request: Request, params: KVTransferParams) -> None:
+        if not self.config.kv_transfer.enabled:
+            raise ValueError("this engine was started without KV transfer (kv_transfer=True)")
+        request.kv_transfer = params
+        if params.remote is None:
+            return
+        if params.first_token_id is None:
+            raise ValueError("a decode leg needs the prefill leg's first token")
+        if params.remote.num_tokens != request.num_prompt_tokens:
+            raise ValueError(
+                f"the KV handle covers {params.remote.num_tokens} tokens, the prompt has "
+                f"{request.num_prompt_tokens}"
+            )
+        if len(params.remote.block_ids) != -(
+            -request.num_prompt_tokens // self.config.cache.block_size
+        ):
+            raise ValueError("the KV handle's block count does not match the prompt")
+        request.append_output_token(params.first_token_id)  # sampled there, not again here
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
 
     def _take_kv_events(self) -> KVEventBatch | None:
         events = self.scheduler.take_kv_events()

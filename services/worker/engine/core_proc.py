@@ -25,6 +25,7 @@ from services.worker.engine.messages import (
 )
 
 POLL_MS = 500
+KV_POLL_MS = 2
 logger = logging.getLogger("baton.engine_core")
 
 
@@ -42,18 +43,25 @@ class EngineCoreProc:
         self._send(EngineCoreOutputs(ready=self.core.scheduler.stats()))
 
     def run(self) -> None:
-        while self._handle_inputs(block=not self.core.has_work()):
-            if self.core.has_work():
+        while self._handle_inputs(self._wait_ms()):
+            if self.core.has_work() or self.core.needs_polling():
                 outs = self.core.step()
                 if outs.outputs or outs.kv_events:
                     self._send(outs)
         self.close()
 
-    def _handle_inputs(self, block: bool) -> bool:
+    def _wait_ms(self) -> int:
+        """How long to wait for input: not at all with work, briefly while KV transfers need
+        polling, else up to ``POLL_MS`` (then the parent's liveness is checked)."""
+        if self.core.has_work():
+            return 0
+        return KV_POLL_MS if self.core.needs_polling() else POLL_MS
+
+    def _handle_inputs(self, wait_ms: int) -> bool:
         """Process every queued input; False on shutdown or when the parent is gone (checked
         every step too: an orphaned core must not keep computing for nobody)."""
-        if block:
-            self.input.poll(POLL_MS)
+        if wait_ms:
+            self.input.poll(wait_ms)
         if os.getppid() != self.parent_pid:
             logger.warning("parent process %d is gone; exiting", self.parent_pid)
             return False

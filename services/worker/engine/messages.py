@@ -7,6 +7,7 @@ socket can construct an arbitrary object.
 
 import msgspec
 
+from services.worker.engine.kv_transfer.params import KVTransferParams, RemoteKV
 from services.worker.engine.params import SamplingParams
 from services.worker.engine.request import FinishReason
 from shared.kv_events import KVEventBatch
@@ -18,6 +19,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
     sampling_params: SamplingParams
     arrival_time: float
     cache_salt: str | None = None
+    kv_transfer: KVTransferParams | None = None  # a leg of a disaggregated request
 
 
 class EngineCoreAbort(msgspec.Struct, tag="abort"):
@@ -55,6 +57,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # with finish_reason ERROR
     queued_seconds: float = 0.0  # time it waited in the scheduler before its first step
+    kv_handle: RemoteKV | None = None  # a finished prefill leg: where its KV waits (leased)
 
 
 class EngineStats(msgspec.Struct):

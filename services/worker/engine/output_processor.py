@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
+from services.worker.engine.kv_transfer.params import RemoteKV
 from services.worker.engine.messages import EngineCoreOutput, EngineCoreRequest, SampleLogprobs
 from services.worker.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from services.worker.engine.params import RequestOutputKind, SamplingParams
@@ -61,6 +62,7 @@ class _RequestState:
     num_cached_tokens: int = 0
     queued_seconds: float = 0.0
     error: str | None = None
+    kv_handle: RemoteKV | None = None
 
     @property
     def finished(self) -> bool:
@@ -148,6 +150,8 @@ class OutputProcessor:
         """Fold one core output into a sample; True when a stop string ended it here."""
         state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
         state.queued_seconds = max(state.queued_seconds, out.queued_seconds)
+        if out.kv_handle is not None:
+            state.kv_handle = out.kv_handle
         if out.error is not None:
             state.error = out.error
         sample.token_ids += out.new_token_ids
@@ -187,6 +191,7 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
             error=state.error,
             metrics={"queued_seconds": state.queued_seconds},
+            kv_handle=state.kv_handle,
         )
 
     @staticmethod

@@ -4,6 +4,8 @@ logprobs as one {token_id: Logprob} dict per generated token)."""
 
 from dataclasses import dataclass, field
 
+from services.worker.engine.kv_transfer.params import RemoteKV
+
 
 @dataclass
 class Logprob:
@@ -36,3 +38,4 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    kv_handle: RemoteKV | None = None  # a finished prefill leg: where its KV waits

@@ -7,10 +7,12 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from services.worker.engine.config import ModelConfig
+from services.worker.engine.kv_transfer.params import KVTransferParams
 from services.worker.engine.messages import EngineCoreRequest
 from services.worker.engine.params import SamplingParams
 
-# What ``generate`` accepts as one prompt: text, or {"prompt_token_ids": [...]} (vLLM's form).
+# What ``generate`` accepts as one prompt: text, or {"prompt_token_ids": [...]} (vLLM's form),
+# optionally with "cache_salt" and, for a leg of a disaggregated request, "kv_transfer".
 PromptType = str | dict[str, Any]
 
 
@@ -50,4 +52,7 @@ class InputProcessor:
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-        return text, EngineCoreRequest(request_id, ids, params, time.time(), salt)
+        kv_transfer = prompt.get("kv_transfer") if isinstance(prompt, dict) else None
+        if kv_transfer is not None and not isinstance(kv_transfer, KVTransferParams):
+            raise ValueError("kv_transfer must be a KVTransferParams")
+        return text, EngineCoreRequest(request_id, ids, params, time.time(), salt, kv_transfer)

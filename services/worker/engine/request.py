@@ -6,6 +6,7 @@ with ``num_tokens``. A prompt of 40 with 3 outputs and 42 computed has one token
 
 import enum
 
+from services.worker.engine.kv_transfer.params import KVTransferParams
 from services.worker.engine.params import SamplingParams
 from shared.block_hash import ROOT_HASH, hash_blocks
 from shared.ids import BlockHash, RequestId
@@ -15,11 +16,13 @@ class RequestStatus(enum.IntEnum):
     """Ordered: every status from FINISHED_STOPPED on is final."""
 
     WAITING = 1
-    RUNNING = 2
-    PREEMPTED = 3
-    FINISHED_STOPPED = 4
-    FINISHED_LENGTH_CAPPED = 5
-    FINISHED_ABORTED = 6
+    WAITING_FOR_REMOTE_KV = 2  # decode leg: its prompt's KV is being pulled from a prefill engine
+    RUNNING = 3
+    PREEMPTED = 4
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH_CAPPED = 6
+    FINISHED_ABORTED = 7
+    FINISHED_ERROR = 8  # e.g. its KV pull failed
 
     @property
     def finished(self) -> bool:
@@ -37,6 +40,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
@@ -62,6 +66,8 @@ class Request:
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first scheduling
         self.num_preemptions = 0
         self.admitted_at = 0.0  # time.monotonic() when the scheduler took it
+        self.kv_transfer: KVTransferParams | None = None  # a disaggregated request's leg
+        self.kv_ready = False  # decode leg: the pulled KV is in place
         self.queued_seconds = 0.0  # admitted → first scheduled
         self.stop_reason: int | None = None  # the stop token id that ended it, if any
         limit = max_model_len - len(prompt_token_ids)

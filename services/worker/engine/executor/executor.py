@@ -51,5 +51,10 @@ class UniprocExecutor(Executor):
     def model_info(self) -> ModelInfo:
         return self.worker.runner.model_info()
 
+    @property
+    def side_channel(self) -> str:
+        """The KV-transfer handshake address ("" when KV transfer is off)."""
+        return self.worker.side_channel
+
     def shutdown(self) -> None:
         self.worker.shutdown()

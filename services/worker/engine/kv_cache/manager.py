@@ -66,10 +66,17 @@ class KVCacheManager:
         return KVCacheBlocks(hits), len(hits) * self.block_size
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed: KVCacheBlocks | None = None
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed: KVCacheBlocks | None = None,
+        index: bool = True,
     ) -> KVCacheBlocks | None:
         """Make room for ``num_new_tokens`` more tokens (after any prefix hits). Returns the fresh
         blocks, or None — changing nothing — when the pool cannot supply them.
+
+        ``index=False`` leaves the new full blocks out of the prefix index: their content arrives
+        later (a KV pull), and no other request may hit them before ``index_blocks``.
         """
         hits = new_computed.blocks if new_computed else []
         held = self._blocks.setdefault(request.request_id, [])
@@ -86,8 +93,13 @@ class KVCacheManager:
         held.extend(hits)
         fresh = self.pool.get_new_blocks(needed)
         held.extend(fresh)
-        self._index_full_blocks(request, held, total)
+        if index:
+            self._index_full_blocks(request, held, total)
         return KVCacheBlocks(fresh)
+
+    def index_blocks(self, request: Request, num_tokens: int) -> None:
+        """Index the full blocks among the first ``num_tokens`` (their content is now valid)."""
+        self._index_full_blocks(request, self._blocks.get(request.request_id, []), num_tokens)
 
     def _index_full_blocks(self, request: Request, held: list[KVCacheBlock], total: int) -> None:
         if not self.enable_caching:

@@ -6,6 +6,7 @@ and parameters once (``NewRequestData``) and afterwards only what changed (``Cac
 
 from dataclasses import dataclass, field
 
+from services.worker.engine.kv_transfer.params import KVLoad
 from services.worker.engine.messages import SampleLogprobs
 from services.worker.engine.params import SamplingParams
 
@@ -37,6 +38,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)  # the runner drops their state
     preempted_req_ids: set[str] = field(default_factory=set)
+    kv_loads: list[KVLoad] = field(default_factory=list)  # KV pulls to start (decode side)
 
 
 @dataclass
@@ -44,3 +46,6 @@ class ModelRunnerOutput:
     req_ids: list[str] = field(default_factory=list)  # in the order the runner batched them
     sampled_token_ids: list[list[int]] = field(default_factory=list)  # empty: a prefill chunk
     logprobs: list[SampleLogprobs | None] = field(default_factory=list)
+    finished_loads: list[str] = field(default_factory=list)  # KV pulls complete
+    failed_loads: list[str] = field(default_factory=list)  # KV pulls that failed
+    released: list[str] = field(default_factory=list)  # leased requests a peer has pulled

@@ -14,8 +14,10 @@ from collections.abc import Iterable
 
 from services.worker.engine.config import CacheConfig, SchedulerConfig
 from services.worker.engine.kv_cache.manager import KVCacheBlocks, KVCacheManager
+from services.worker.engine.kv_transfer.params import RemoteKV
+from services.worker.engine.kv_transfer.scheduler_side import KVTransferBookkeeping
 from services.worker.engine.messages import EngineCoreOutput, EngineStats
-from services.worker.engine.request import FINISH_REASONS, Request, RequestStatus
+from services.worker.engine.request import FINISH_REASONS, FinishReason, Request, RequestStatus
 from services.worker.engine.sched.output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -25,10 +27,20 @@ from services.worker.engine.sched.output import (
 from shared.ids import RequestId
 from shared.kv_events import KVEvent
 
+_LEASABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        cache: CacheConfig,
+        num_blocks: int,
+        transfer: KVTransferBookkeeping | None = None,
+    ):
         self.config = config
+        self.transfer = transfer  # None: this engine does no KV transfer
+        self.recompute_on_failure = False
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.requests: dict[RequestId, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -54,6 +66,10 @@ class Scheduler:
         for rid in request_ids:
             request = self.requests.get(RequestId(rid))
             if request is None or request.status.finished:
+                self._end_lease(rid)  # an aborted prefill leg releases its blocks
+                continue
+            if self.transfer is not None and request.request_id in self.transfer.loading:
+                request.status = status  # its pull still writes into its blocks: free later
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
@@ -64,10 +80,17 @@ class Scheduler:
     def has_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def needs_polling(self) -> bool:
+        """KV pulls in flight or leases held: the engine must keep stepping (no tokens)."""
+        return self.transfer is not None and self.transfer.busy
+
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_since_last_step)
         self._finished_since_last_step = set()
+        if self.transfer is not None:
+            for rid in self.transfer.expired():
+                self._end_lease(rid)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted_req_ids:
             self._schedule_waiting(out, budget)
@@ -115,9 +138,16 @@ class Scheduler:
                 return None
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and self._num_admitted < self.config.max_num_seqs:
             request = self.waiting[0]
-            hits, num_hit = self.kv.get_computed_blocks(request)
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KV and not request.kv_ready:
+                if not self._start_pull(request, out):
+                    break
+                continue
+            if request.kv_ready:  # its prompt's KV was pulled: decode on from the first token
+                hits, num_hit = None, request.num_computed_tokens
+            else:
+                hits, num_hit = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
@@ -130,6 +160,7 @@ class Scheduler:
             resumed = request.status == RequestStatus.PREEMPTED
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
+            request.kv_ready = False
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_hit
                 request.queued_seconds = time.monotonic() - request.admitted_at
@@ -144,6 +175,61 @@ class Scheduler:
                 out.new_reqs.append(self._new_request_data(request, block_ids))
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
+
+    @property
+    def _num_admitted(self) -> int:
+        return len(self.running) + (len(self.transfer.loading) if self.transfer else 0)
+
+    def _start_pull(self, request: Request, out: SchedulerOutput) -> bool:
+        """Allocate a decode leg's prompt blocks (reusing local prefix hits, left out of the
+        prefix index until filled) and ask the worker to pull the rest; False: no room yet."""
+        assert self.transfer is not None
+        hits, num_hit = self.kv.get_computed_blocks(request)
+        num_hit = min(num_hit, request.num_prompt_tokens)
+        need = request.num_prompt_tokens - num_hit
+        if self.kv.allocate_slots(request, need, hits, index=False) is None:
+            return False
+        self.waiting.popleft()
+        request.num_cached_tokens = num_hit
+        request.queued_seconds = time.monotonic() - request.admitted_at
+        block_ids = self.kv.get_block_ids(request.request_id)
+        out.kv_loads.append(self.transfer.load_for(request, block_ids, num_hit))
+        return True
+
+    def _finish_pulls(self, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Pulls that ended: decode on, recompute, or fail; an abort meanwhile frees them."""
+        if self.transfer is None:
+            return []
+        outputs = []
+        for rid in result.finished_loads + result.failed_loads:
+            request = self.transfer.loading.pop(RequestId(rid), None)
+            if request is None:
+                continue
+            if request.status.finished:  # aborted while its pull ran
+                self._free(request, request.status)
+            elif rid in result.finished_loads:
+                request.kv_ready = True
+                request.num_computed_tokens = request.num_prompt_tokens
+                self.kv.index_blocks(request, request.num_prompt_tokens)
+                self.waiting.appendleft(request)
+            elif self.recompute_on_failure:
+                self.kv.free(request)
+                request.status, request.num_computed_tokens = RequestStatus.WAITING, 0
+                self.waiting.appendleft(request)
+            else:
+                self._free(request, RequestStatus.FINISHED_ERROR)
+                error = "pulling the prompt's KV cache from the prefill worker failed"
+                outputs.append(
+                    EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR, error=error)
+                )
+        for rid in result.released:
+            self._end_lease(rid)
+        return outputs
+
+    def _end_lease(self, request_id: str) -> None:
+        request = self.transfer.end_lease(request_id) if self.transfer is not None else None
+        if request is not None:
+            self.kv.free(request)
 
     @staticmethod
     def _new_request_data(request: Request, block_ids: list[int]) -> NewRequestData:
@@ -169,7 +255,7 @@ class Scheduler:
     def update_from_output(
         self, sched: SchedulerOutput, result: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        outputs = []
+        outputs = self._finish_pulls(result)
         for rid, tokens, logprobs in zip(
             result.req_ids, result.sampled_token_ids, result.logprobs, strict=True
         ):
@@ -182,9 +268,10 @@ class Scheduler:
                 status = request.check_stop()
                 if status is not None:
                     break
+            handle = None
             if status is not None:
                 self.running.remove(request)
-                self._free(request, status)
+                handle = self._free(request, status)
             outputs.append(
                 EngineCoreOutput(
                     request_id=rid,
@@ -194,15 +281,24 @@ class Scheduler:
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens or 0,
                     queued_seconds=request.queued_seconds,
+                    kv_handle=handle,
                 )
             )
         return outputs
 
-    def _free(self, request: Request, status: RequestStatus) -> None:
+    def _free(self, request: Request, status: RequestStatus) -> RemoteKV | None:
+        """End a request. A prefill leg that finished normally keeps its blocks under a lease
+        and returns the KV handle for the decode side."""
         request.status = status
-        self.kv.free(request)
+        handle = None
+        remote_decode = request.kv_transfer is not None and request.kv_transfer.do_remote_decode
+        if self.transfer is not None and remote_decode and status in _LEASABLE:
+            handle = self.transfer.lease(request, self.kv.get_block_ids(request.request_id))
+        else:
+            self.kv.free(request)
         del self.requests[request.request_id]
         self._finished_since_last_step.add(request.request_id)
+        return handle
 
     # ---- introspection -------------------------------------------------------------------
     def take_kv_events(self) -> list[KVEvent]:

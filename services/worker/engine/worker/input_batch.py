@@ -28,10 +28,21 @@ class CachedRequestState:
         return len(self.token_ids) - self.num_prompt_tokens
 
 
-def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+def make_generator(
+    params: SamplingParams, device: torch.device, done: int = 0, vocab_size: int = 0
+) -> torch.Generator | None:
+    """A seeded request's generator. ``done`` tokens were already sampled elsewhere (the
+    prefill leg of a disaggregated request): skip the draws they used — one exponential draw
+    over the vocabulary per random step (sampler.py) — so the continuation is exactly what one
+    engine would have sampled."""
     if params.seed is None:
         return None
-    return torch.Generator(device=device).manual_seed(params.seed & (2**63 - 1))
+    gen = torch.Generator(device=device).manual_seed(params.seed & (2**63 - 1))
+    if done and not params.greedy:
+        scratch = torch.empty(vocab_size, device=device)
+        for _ in range(done):
+            scratch.exponential_(generator=gen)
+    return gen
 
 
 def build_sampling_metadata(

@@ -181,7 +181,12 @@ class ModelRunner:
                 eos_token_ids=new.eos_token_ids,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
-                generator=make_generator(new.params, self.device),
+                generator=make_generator(
+                    new.params,
+                    self.device,
+                    done=len(new.token_ids) - new.num_prompt_tokens,
+                    vocab_size=self.config.model.arch.vocab_size,
+                ),
             )
         for cached in sched.cached_reqs:
             state = self.requests[cached.req_id]

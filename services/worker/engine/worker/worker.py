@@ -2,6 +2,8 @@
 runs steps through its ModelRunner. The executor talks to one Worker per tensor-parallel rank.
 """
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from services.worker.engine.config import EngineConfig
@@ -11,6 +13,10 @@ from services.worker.engine.worker.model_runner import ModelRunner
 CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on CPU: 1 GiB
 MAX_BLOCKS = 1 << 20  # the block pool keeps a Python object per block: bound its bookkeeping
 CUDA_GRAPH_RESERVE_BYTES = 512 << 20  # decode graphs' private pool (activations of ≤ 512 rows)
+
+
+if TYPE_CHECKING:
+    from services.worker.engine.kv_transfer.nixl_connector import NixlConnector
 
 
 class Worker:
@@ -23,6 +29,8 @@ class Worker:
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.model.seed)
         self.runner = ModelRunner(config, self.device)
+
+    connector: "NixlConnector | None" = None  # KV transfer (worker half), when enabled
 
     def load_model(self, show_progress: bool = True) -> None:
         self.runner.load_model(show_progress)
@@ -67,9 +75,38 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
+        transfer = self.config.kv_transfer
+        if transfer.enabled:
+            from services.worker.engine.kv_transfer.nixl_connector import (
+                NixlConnector,
+                compat_hash,
+            )
+
+            assert self.runner.kv_cache is not None
+            compat = compat_hash(
+                self.config.model.served_model_name, self.config.model.dtype,
+                self.config.cache.block_size, tuple(self.runner.kv_cache.shape),
+            )  # fmt: skip
+            self.connector = NixlConnector(
+                transfer.engine_id, self.runner.kv_cache, compat, transfer.side_channel_host
+            )
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(sched)
+        """One step: start this step's KV pulls, run the model, report transfer progress."""
+        failed = self.connector.start_loads(sched.kv_loads) if self.connector else []
+        out = self.runner.execute_model(sched)
+        if self.connector is not None:
+            results = self.connector.poll()
+            out.finished_loads, out.released = results.finished, results.released
+            out.failed_loads = failed + results.failed
+        return out
+
+    @property
+    def side_channel(self) -> str:
+        return self.connector.side_channel if self.connector is not None else ""
 
     def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.close()
+            self.connector = None
         self.runner.release()

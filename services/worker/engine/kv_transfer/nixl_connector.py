@@ -1,0 +1,210 @@
+"""The worker half of KV transfer: one NIXL agent per engine, the KV cache registered once.
+
+    handshake   a ZMQ REP socket (a daemon thread) answers peers with msgpack metadata: the
+                NIXL agent blob, a compatibility hash (model, dtype, block size, layout,
+                version), the cache's base address, block size in bytes and block count
+    pull        (decode side) per request, one READ of the missing blocks — one descriptor per
+                block, since a block is contiguous across layers (kv_cache/layout.py) — from
+                descriptor lists prepared once per peer; indices computed with numpy
+    release     (decode side) on completion, a NIXL notification "release:<request id>" tells
+                the prefill side its lease can end
+    poll        every engine step: transfer states, and notifications from peers
+
+Single-threaded by contract: every method except the side-channel thread runs on the engine
+core's loop. Agents run without a progress thread (steadier on few cores), so ``poll`` drives
+them.
+"""
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+import torch
+import zmq
+
+from services.worker.engine.kv_transfer.params import KVLoad, RemoteKV
+
+logger = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT_MS = 5_000
+TRANSFER_TIMEOUT_S = 30.0
+PROTOCOL_VERSION = 1
+
+
+class PeerInfo(msgspec.Struct, frozen=True):
+    agent_metadata: bytes
+    compat_hash: str
+    base_address: int
+    block_bytes: int
+    num_blocks: int
+    mem_type: str  # DRAM | VRAM
+    device_id: int
+
+
+class IncompatiblePeer(RuntimeError):
+    """The peer's cache cannot be read into ours (different model, dtype, layout, ...)."""
+
+
+@dataclass
+class _Peer:
+    name: str
+    remote_dlist: object  # a prepped NIXL descriptor-list handle over every remote block
+
+
+@dataclass
+class _Pull:
+    load: KVLoad
+    handle: object
+    peer: str
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class TransferResults:
+    finished: list[str] = field(default_factory=list)  # loads complete: KV is in place
+    failed: list[str] = field(default_factory=list)  # loads that cannot complete
+    released: list[str] = field(default_factory=list)  # leased requests a peer has pulled
+
+
+class NixlConnector:
+    def __init__(self, engine_id: str, kv_cache: torch.Tensor, compat_hash: str, host: str):
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.engine_id = engine_id
+        self.compat_hash = compat_hash
+        self.kv_cache = kv_cache
+        self.agent = nixl_agent(engine_id, nixl_agent_config(enable_prog_thread=False))
+        self.mem_type = "VRAM" if kv_cache.is_cuda else "DRAM"
+        self.device_id = (kv_cache.device.index or 0) if kv_cache.is_cuda else 0
+        self.num_blocks = kv_cache.shape[0]
+        self.block_bytes = kv_cache[0].numel() * kv_cache.element_size()
+        self._reg = self.agent.register_memory(kv_cache)
+        base = kv_cache.data_ptr()
+        blocks = [(base + i * self.block_bytes, self.block_bytes, self.device_id)
+                  for i in range(self.num_blocks)]  # fmt: skip
+        self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", blocks, self.mem_type)
+        self._peers: dict[str, _Peer] = {}  # side channel → peer
+        self._pulls: dict[str, _Pull] = {}
+        self._ctx = zmq.Context()
+        self._rep = self._ctx.socket(zmq.REP)
+        port = self._rep.bind_to_random_port(f"tcp://{host}")
+        self.side_channel = f"tcp://{host}:{port}"
+        self._info = msgspec.msgpack.encode(
+            PeerInfo(self.agent.get_agent_metadata(), compat_hash, base, self.block_bytes,
+                     self.num_blocks, self.mem_type, self.device_id)
+        )  # fmt: skip
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve_handshakes, daemon=True)
+        self._thread.start()
+
+    # ---- decode side ---------------------------------------------------------------------
+    def start_loads(self, loads: list[KVLoad]) -> list[str]:
+        """Start one READ per load; returns the request ids that failed to start."""
+        failed = []
+        for load in loads:
+            if not load.local_block_ids:
+                self._pulls[load.req_id] = _Pull(load, None, "")  # nothing to read: done
+                continue
+            try:
+                peer = self._peer(load.remote)
+                handle = self.agent.make_prepped_xfer(
+                    "READ", self._local, np.asarray(load.local_block_ids, dtype=np.int64),
+                    peer.remote_dlist, np.asarray(load.remote_block_ids, dtype=np.int64),
+                )  # fmt: skip
+                if self.agent.transfer(handle) == "ERR":
+                    raise RuntimeError("NIXL refused the transfer")
+                self._pulls[load.req_id] = _Pull(load, handle, peer.name)
+            except Exception as e:
+                logger.error("KV pull for %s from %s failed: %s", load.req_id,
+                             load.remote.engine_id, e)  # fmt: skip
+                failed.append(load.req_id)
+        return failed
+
+    def poll(self) -> TransferResults:
+        out = TransferResults()
+        for rid, pull in list(self._pulls.items()):
+            state = "DONE" if pull.handle is None else self.agent.check_xfer_state(pull.handle)
+            timed_out = time.monotonic() - pull.started > TRANSFER_TIMEOUT_S
+            if state == "PROC" and not timed_out:
+                continue
+            del self._pulls[rid]
+            if pull.handle is not None:
+                self.agent.release_xfer_handle(pull.handle)
+            if state == "DONE":
+                out.finished.append(rid)
+                if pull.peer:
+                    self.agent.send_notif(pull.peer, f"release:{rid}".encode())
+            else:
+                logger.error("KV pull for %s ended in state %s", rid, state)
+                out.failed.append(rid)
+        for msgs in self.agent.get_new_notifs().values():
+            for msg in msgs:
+                text = msg.decode(errors="replace")
+                if text.startswith("release:"):
+                    out.released.append(text.removeprefix("release:"))
+        return out
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._pulls)
+
+    def _peer(self, remote: RemoteKV) -> _Peer:
+        peer = self._peers.get(remote.side_channel)
+        if peer is not None:
+            return peer
+        req = self._ctx.socket(zmq.REQ)
+        req.setsockopt(zmq.LINGER, 0)
+        req.setsockopt(zmq.RCVTIMEO, HANDSHAKE_TIMEOUT_MS)
+        req.setsockopt(zmq.SNDTIMEO, HANDSHAKE_TIMEOUT_MS)
+        try:
+            req.connect(remote.side_channel)
+            req.send(b"info")
+            info = msgspec.msgpack.decode(req.recv(), type=PeerInfo)
+        except zmq.Again:
+            raise RuntimeError(f"no answer from {remote.side_channel} (handshake)") from None
+        finally:
+            req.close()
+        if info.compat_hash != self.compat_hash:
+            raise IncompatiblePeer(
+                f"peer {remote.engine_id} is incompatible (model, dtype, block size or layout "
+                f"differ: {info.compat_hash} vs {self.compat_hash})"
+            )
+        name = self.agent.add_remote_agent(info.agent_metadata)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        blocks = [(info.base_address + i * info.block_bytes, info.block_bytes, info.device_id)
+                  for i in range(info.num_blocks)]  # fmt: skip
+        dlist = self.agent.prep_xfer_dlist(name, blocks, info.mem_type)
+        peer = self._peers[remote.side_channel] = _Peer(name, dlist)
+        logger.info("KV peer %s at %s: %d blocks of %d bytes", name, remote.side_channel,
+                    info.num_blocks, info.block_bytes)  # fmt: skip
+        return peer
+
+    # ---- prefill side --------------------------------------------------------------------
+    def _serve_handshakes(self) -> None:
+        while not self._stop.is_set():
+            if not self._rep.poll(200):
+                continue
+            try:
+                self._rep.recv()
+                self._rep.send(self._info)
+            except zmq.ZMQError as e:
+                if self._stop.is_set():
+                    return
+                logger.warning("handshake socket: %s", e)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._rep.close(linger=0)
+        self._ctx.term()
+
+
+def compat_hash(model: str, dtype: str, block_size: int, shape: tuple[int, ...]) -> str:
+    """What must agree for one engine to read another's blocks byte for byte."""
+    import hashlib
+
+    text = f"v{PROTOCOL_VERSION}|{model}|{dtype}|{block_size}|{shape[1:]}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

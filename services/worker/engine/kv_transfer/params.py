@@ -1,0 +1,34 @@
+"""What the two halves of a disaggregated request exchange (DESIGN §3b).
+
+    prefill engine  ──EngineCoreOutput.kv_handle (RemoteKV)──▶ gateway ──▶ decode engine
+                                                    EngineCoreRequest.kv_transfer (KVTransferParams)
+
+All msgspec structs: they cross ZMQ (engine ↔ worker front) as msgpack.
+"""
+
+import msgspec
+
+
+class RemoteKV(msgspec.Struct, frozen=True):
+    """Where a prompt's KV cache waits: the prefill engine's NIXL agent and its blocks."""
+
+    engine_id: str  # the NIXL agent name
+    side_channel: str  # tcp://host:port of its handshake socket
+    block_ids: list[int]  # the prompt's blocks, in order
+    num_tokens: int  # tokens whose KV those blocks hold (the prompt)
+    lease_expires_at: float = 0.0  # wall clock (time.time()) when the blocks are released
+
+
+class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    do_remote_decode: bool = False  # prefill leg: keep the blocks under a lease when finished
+    remote: RemoteKV | None = None  # decode leg: pull these blocks instead of prefilling
+    first_token_id: int | None = None  # decode leg: the token the prefill leg sampled
+
+
+class KVLoad(msgspec.Struct, frozen=True):
+    """Scheduler → worker: fill ``local_block_ids`` with ``remote.block_ids`` (same length)."""
+
+    req_id: str
+    local_block_ids: list[int]
+    remote_block_ids: list[int]
+    remote: RemoteKV

@@ -1,0 +1,71 @@
+"""The scheduler half of KV transfer: pure bookkeeping, no I/O (the worker half moves bytes).
+
+Decode leg (a request that arrives with ``KVTransferParams.remote``)::
+
+    WAITING_FOR_REMOTE_KV ──blocks allocated, pull started (KVLoad)──▶ loading
+        loading ──finished──▶ kv_ready, back to the queue's head ──▶ RUNNING (decodes on)
+        loading ──failed──▶ recompute the prompt here (if configured) | FINISHED_ERROR
+
+    prompt blocks:   | hit | hit | pull | pull | pull (partial) |
+                       └ already held here ┘└─ READ from the prefill engine ─┘
+
+Prefill leg (``do_remote_decode``): when it finishes, its blocks are not freed but leased; the
+lease ends when the decode side says it has pulled them, on abort, or at expiry.
+"""
+
+import time
+from dataclasses import dataclass
+
+from services.worker.engine.kv_transfer.params import KVLoad, RemoteKV
+from services.worker.engine.request import Request
+from shared.ids import RequestId
+
+
+@dataclass
+class Lease:
+    request: Request
+    expires_at: float  # time.monotonic()
+
+
+class KVTransferBookkeeping:
+    def __init__(self, block_size: int, lease_seconds: float, engine_id: str, side_channel: str):
+        self.block_size = block_size
+        self.lease_seconds = lease_seconds
+        self.engine_id = engine_id
+        self.side_channel = side_channel
+        self.loading: dict[RequestId, Request] = {}
+        self.leases: dict[RequestId, Lease] = {}
+
+    def load_for(self, request: Request, local_block_ids: list[int], num_hit: int) -> KVLoad:
+        """The pull that fills ``request``'s prompt blocks after its ``num_hit`` local hits."""
+        remote = request.kv_transfer.remote if request.kv_transfer else None
+        if remote is None:
+            raise ValueError("not a decode leg")
+        skip = num_hit // self.block_size
+        n = len(remote.block_ids)
+        self.loading[request.request_id] = request
+        return KVLoad(request.request_id, local_block_ids[skip:n], remote.block_ids[skip:n], remote)
+
+    def lease(self, request: Request, block_ids: list[int]) -> RemoteKV:
+        """Keep a finished prefill leg's blocks for the decode side; returns its KV handle."""
+        self.leases[request.request_id] = Lease(request, time.monotonic() + self.lease_seconds)
+        return RemoteKV(
+            engine_id=self.engine_id,
+            side_channel=self.side_channel,
+            block_ids=block_ids,
+            num_tokens=request.num_prompt_tokens,
+            lease_expires_at=time.time() + self.lease_seconds,
+        )
+
+    def end_lease(self, request_id: str) -> Request | None:
+        lease = self.leases.pop(RequestId(request_id), None)
+        return lease.request if lease is not None else None
+
+    def expired(self, now: float | None = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        return [rid for rid, lease in self.leases.items() if lease.expires_at <= now]
+
+    @property
+    def busy(self) -> bool:
+        """Something needs the engine to keep polling: pulls in flight, or leases to expire."""
+        return bool(self.loading or self.leases)
