@@ -39,10 +39,8 @@ def disaggregated(
     handle = first.kv_handle
     assert handle is not None and handle.num_tokens == len(ids)
     token = first.outputs[0].token_ids[0]
-    rest = decode.generate(
-        [{"prompt_token_ids": ids, "kv_transfer": KVTransferParams(remote=handle, first_token_id=token)}],
-        params,
-    )[0]  # fmt: skip
+    leg = KVTransferParams(remote=handle, first_token_id=token)
+    rest = decode.generate([{"prompt_token_ids": ids, "kv_transfer": leg}], params)[0]
     return first, rest
 
 
@@ -139,8 +137,8 @@ def test_bad_handles_are_clear_errors(engines, tiny_model: Path) -> None:  # typ
     _, _, decode = engines
     ids = prompt(tiny_model, "mismatch")
     handle = RemoteKV("x", "tcp://127.0.0.1:9", [0, 1, 2], len(ids) + 5)
+    leg = KVTransferParams(remote=handle, first_token_id=1)
     out = decode.generate(
-        [{"prompt_token_ids": ids, "kv_transfer": KVTransferParams(remote=handle, first_token_id=1)}],
-        SamplingParams(max_tokens=2),
-    )[0]  # fmt: skip
+        [{"prompt_token_ids": ids, "kv_transfer": leg}], SamplingParams(max_tokens=2)
+    )[0]
     assert out.outputs[0].finish_reason == "error" and "covers" in (out.error or "")
