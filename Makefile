@@ -13,12 +13,14 @@ install:  ## redis-server (apt) + .venv with Baton and its pinned dependencies
 	# torch first, pinned to the CPU build (a bare `torch` would pull a multi-GB CUDA build)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
+	# NIXL for KV transfer; --no-deps: its metadata pulls a CUDA build of torch
+	$(PIP) install -q --no-deps nixl==1.5.1 nixl-cu13==1.5.1
 
 $(TINY)/config.json:
 	$(PY) -m baton.cli make-tiny-model $(TINY) --arch qwen3
 
-run: $(TINY)/config.json  ## the whole system on this machine: scheduler + worker + gateway on :8000
-	$(PY) -m baton.cli serve --model $(TINY) --port 8000
+run: $(TINY)/config.json  ## the system on this machine: scheduler + prefill + decode + gateway, :8000
+	$(PY) -m baton.cli serve --model $(TINY) --port 8000 --prefill-workers 1 --decode-workers 1
 
 demo: $(TINY)/config.json  ## offline: generate text with the engine in this process
 	$(PY) -m baton.cli generate --model $(TINY) --max-tokens 24

@@ -10,6 +10,7 @@ gateway dying stops everything.
 """
 
 import argparse
+import ctypes
 import json
 import os
 import signal
@@ -24,6 +25,18 @@ SCHEDULER_START_S = 30.0
 WORKER_START_S = 600.0
 GATEWAY_START_S = 60.0
 STOP_S = 20.0
+
+
+try:  # loaded here, not in the forked child (no dlopen between fork and exec)
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL("libc.so.6", use_errno=True)
+except OSError:
+    _LIBC = None  # not Linux: Ctrl-C and stop() still stop the children
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the launcher dies, however it dies (Linux)."""
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class Cluster:
@@ -50,6 +63,8 @@ class Cluster:
             print(f"baton serve: {e}", file=sys.stderr)
             failed = True
         finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C cannot cut the stop
+                signal.signal(sig, signal.SIG_IGN)
             self.stop()
         if failed:
             sys.exit(1)
@@ -76,9 +91,9 @@ class Cluster:
         sched = self._spawn("scheduler", argv, ready=True)
         sched_addr = self._wait_ready("scheduler", sched, SCHEDULER_START_S)["address"]
         workers = []
-        for i in range(a.workers):
-            name = f"worker-{i}"
-            argv = ["worker", "--model", a.model, "--scheduler", sched_addr, "--worker-id", name]
+        for name, role in self.worker_roles():
+            argv = ["worker", "--model", a.model, "--scheduler", sched_addr, "--worker-id", name,
+                    "--role", role]  # fmt: skip
             if a.worker_metrics:
                 argv += ["--metrics-port", "0"]
             env = {"OMP_NUM_THREADS": str(self._threads_per_worker())}
@@ -98,15 +113,10 @@ class Cluster:
         return self.url
 
     def stop(self) -> None:
-        """Stop the children in order; further signals are ignored until they are down."""
+        """Stop the children in order: gateway, workers, scheduler (each bounded)."""
         self._stopping = True
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        for group in (
-            ["gateway"],
-            [n for n in self.procs if n.startswith("worker")],
-            ["scheduler"],
-        ):
+        workers = [n for n in self.procs if n not in ("gateway", "scheduler")]
+        for group in (["gateway"], workers, ["scheduler"]):
             procs = [self.procs[n] for n in group if n in self.procs]
             for p in procs:
                 if p.poll() is None:
@@ -121,6 +131,8 @@ class Cluster:
         print("baton serve: stopped", flush=True)
 
     def _interrupt(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # the first signal stops; later ones wait
+            signal.signal(sig, signal.SIG_IGN)
         raise KeyboardInterrupt
 
     def _threads_per_worker(self) -> int:
@@ -129,7 +141,24 @@ class Cluster:
         An explicit OMP_NUM_THREADS wins."""
         if "OMP_NUM_THREADS" in os.environ:
             return int(os.environ["OMP_NUM_THREADS"])
-        return max(1, (os.cpu_count() or 1) // max(1, self.args.workers))
+        return max(1, (os.cpu_count() or 1) // max(1, len(self.worker_roles())))
+
+    def worker_roles(self) -> list[tuple[str, str]]:
+        """(name, role) of every worker: ``--prefill-workers`` P, ``--decode-workers`` D and
+        ``--workers`` N colocated (default 1 when no P/D pool is asked for)."""
+        a = self.args
+        both = (
+            a.workers
+            if a.workers is not None
+            else (0 if a.prefill_workers or a.decode_workers else 1)
+        )
+        roles = [("prefill", a.prefill_workers), ("decode", a.decode_workers), ("both", both)]
+        names = {"prefill": "prefill", "decode": "decode", "both": "worker"}
+        if not both and not a.decode_workers:
+            raise ValueError(
+                "a cluster needs a decode-capable worker (--decode-workers or --workers)"
+            )
+        return [(f"{names[r]}-{i}", r) for r, n in roles for i in range(n)]
 
     def _spawn(
         self, name: str, argv: list[str], ready: bool, env: dict[str, str] | None = None
@@ -146,7 +175,7 @@ class Cluster:
             log = open(Path(self.args.log_dir) / f"{name}.log", "ab")  # noqa: SIM115 (child owns it)
         self.procs[name] = subprocess.Popen(
             cmd, start_new_session=True, env={**os.environ, **(env or {})}, stdout=log,
-            stderr=subprocess.STDOUT if log else None,
+            stderr=subprocess.STDOUT if log else None, preexec_fn=_die_with_parent,
         )  # fmt: skip
         if log is not None:
             log.close()  # the child has its own descriptor

@@ -42,10 +42,14 @@ def engine_args(args: argparse.Namespace) -> "EngineArgs":
         flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
         for flag, _ in ENGINE_FLAGS
     }
+    role = getattr(args, "role", "both")
     return EngineArgs(
         model=args.model,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
+        kv_transfer=role in ("prefill", "decode") or getattr(args, "kv_transfer", False),
+        kv_lease_seconds=getattr(args, "kv_lease_seconds", 30.0),
+        kv_recompute_on_failure=getattr(args, "kv_recompute_on_failure", False),
         **kw,
     )
 
@@ -130,6 +134,11 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-port", type=int, default=None)
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--ready-file", default=None)
+    p.add_argument(
+        "--kv-transfer", action="store_true", help="NIXL KV transfer (on for prefill/decode)"
+    )
+    p.add_argument("--kv-lease-seconds", type=float, default=30.0)
+    p.add_argument("--kv-recompute-on-failure", action="store_true")
     add_engine_flags(p)
     p.set_defaults(func=run_worker)
 
@@ -151,7 +160,9 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("serve", help="scheduler + workers + gateway on this machine")
     _gateway_flags(p)
-    p.add_argument("--workers", type=int, default=1, help="colocated workers (role both)")
+    p.add_argument("--workers", type=int, default=None, help="colocated workers (role both)")
+    p.add_argument("--prefill-workers", type=int, default=0)
+    p.add_argument("--decode-workers", type=int, default=0)
     p.add_argument("--worker-metrics", action="store_true", help="give each worker /metrics")
     p.add_argument("--log-dir", default=None, help="write each service's log to DIR/<name>.log")
     p.add_argument("--redis-url", default=None, help="prefix directory in Redis (default: memory)")

@@ -21,3 +21,7 @@ CACHED_TOKENS = Counter(
 RESUMES = Counter(
     "baton_gateway_resumes", "Choices resumed on another worker after a worker failed"
 )
+PREFILL_SECONDS = Histogram(
+    "baton_gateway_prefill_seconds", "Prefill leg of disaggregated requests (to the KV handle)",
+    buckets=_LATENCY,
+)  # fmt: skip

@@ -12,6 +12,7 @@ with a fresh generator state.
 """
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -103,6 +104,7 @@ class Orchestrator:
         self.scheduler = scheduler
         self.catalog = catalog
         self.workers = workers
+        self._background: set[asyncio.Task[None]] = set()  # lease releases in flight
 
     async def run(self, job: Job, num_logprobs: int | None) -> AsyncIterator[ChoiceDelta]:
         """Deltas of all n choices, interleaved as they arrive; ends when every choice ends."""
@@ -158,10 +160,51 @@ class Orchestrator:
         params.CopyFrom(job.params)
         if params.HasField("seed"):
             params.seed = params.seed + index  # as the engine's own n fan-out does
+        handoff = None
+        if route.HasField("prefill"):  # disaggregated: the prompt runs on the prefill worker
+            handoff = await self._prefill(job, index, params, route.prefill)
+        try:
+            if handoff is not None:
+                delta = state.apply_first(handoff)
+                yield delta
+                if delta.finish_reason is not None:
+                    return
+            async for delta in self._decode(job, index, params, route, hashes, state, handoff):
+                yield delta
+        finally:
+            if handoff is not None and handoff.HasField("kv_handle"):
+                # Ends the lease at once if the decode leg never pulled (client gone, failure);
+                # after a pull it is a no-op.
+                self._release_later(route.prefill.address, handoff.kv_handle.request_id)
+
+    def _release_later(self, address: str, request_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(
+            self._release(address, request_id), name=f"release-{request_id}"
+        )
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _release(self, address: str, request_id: str) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self.workers.stub(address).Abort(
+                worker_pb2.AbortRequest(request_ids=[request_id]), timeout=2.0
+            )
+
+    async def _decode(
+        self,
+        job: Job,
+        index: int,
+        params: common_pb2.SamplingParams,
+        route: scheduler_pb2.RouteResponse,
+        hashes: list[BlockHash],
+        state: "_ChoiceState",
+        handoff: worker_pb2.PrefillResponse | None,
+    ) -> AsyncIterator[ChoiceDelta]:
+        """The decode leg (or the whole request), resumed on another worker if one fails."""
         failed: list[str] = []
         while True:
             call = self.workers.stub(route.decode.address).Generate(
-                _generate_request(job, index, params, state.generated),
+                _generate_request(job, index, params, state.generated, handoff),
                 timeout=max(job.deadline - time.monotonic(), 0.001),
                 metadata=metadata(job.trace_id),
             )
@@ -182,8 +225,39 @@ class Orchestrator:
                 )  # fmt: skip
                 metrics.RESUMES.inc()
                 route = await self._route(job, hashes, exclude=failed)
+                handoff = None  # resumed: the new worker computes prompt + tokens itself
             finally:
                 call.cancel()
+
+    async def _prefill(
+        self,
+        job: Job,
+        index: int,
+        params: common_pb2.SamplingParams,
+        worker: scheduler_pb2.WorkerRef,
+    ) -> worker_pb2.PrefillResponse | None:
+        """The prefill leg: the first token and a KV handle; None falls back to a local prefill
+        on the decode worker (the prefill worker is gone or draining)."""
+        req = worker_pb2.PrefillRequest(
+            request_id=f"{job.request_id}-{index}-p", prompt_token_ids=job.prompt_ids,
+            params=params, keep_kv=True,
+        )  # fmt: skip
+        if job.cache_salt:
+            req.cache_salt = job.cache_salt
+        start = time.perf_counter()
+        try:
+            resp: worker_pb2.PrefillResponse = await self.workers.stub(worker.address).Prefill(
+                req, timeout=max(job.deadline - time.monotonic(), 0.001),
+                metadata=metadata(job.trace_id),
+            )  # fmt: skip
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                raise errors.from_grpc(e, "prefill") from None
+            logger.warning("prefill worker %s failed (%s): prefilling locally",
+                           worker.worker_id, e.details())  # fmt: skip
+            return None
+        metrics.PREFILL_SECONDS.observe(time.perf_counter() - start)
+        return resp
 
 
 @dataclass
@@ -196,8 +270,25 @@ class _ChoiceState:
     generated: list[int] = field(default_factory=list)
     cached: int | None = None
 
+    def apply_first(self, handoff: worker_pb2.PrefillResponse) -> ChoiceDelta:
+        """The prefill leg's first token, as if the decode stream had sent it."""
+        lps = [handoff.first_logprobs] if handoff.HasField("first_logprobs") else []
+        delta = worker_pb2.CompletionDelta(
+            index=self.index, token_ids=[handoff.first_token_id], logprobs=lps,
+            finish_reason=handoff.finish_reason,
+        )  # fmt: skip
+        resp = worker_pb2.GenerateResponse(
+            deltas=[delta], num_prompt_tokens=handoff.num_prompt_tokens,
+            num_cached_tokens=handoff.num_cached_tokens, finished=bool(handoff.finish_reason),
+        )  # fmt: skip
+        return self.apply(resp)[0]
+
     def apply(self, resp: worker_pb2.GenerateResponse) -> list[ChoiceDelta]:
         if resp.error:
+            if "KV cache" in resp.error:
+                raise errors.APIError(
+                    502, resp.error, type="server_error", code="kv_transfer_failed"
+                )
             if not self.generated:  # the engine refused the request
                 raise errors.bad_request(resp.error)
             raise errors.APIError(500, resp.error, type="server_error", code="engine_error")
@@ -218,9 +309,23 @@ class _ChoiceState:
 
 
 def _generate_request(
-    job: Job, index: int, params: common_pb2.SamplingParams, generated: list[int]
+    job: Job,
+    index: int,
+    params: common_pb2.SamplingParams,
+    generated: list[int],
+    handoff: worker_pb2.PrefillResponse | None = None,
 ) -> worker_pb2.GenerateRequest:
-    """The request for one choice; after a failure, the prompt plus what was generated."""
+    """The request for one choice: the decode leg of a hand-off (pull the prompt's KV, go on
+    from its first token); after a failure, the prompt plus what was generated; else the
+    prompt."""
+    if handoff is not None:
+        req = worker_pb2.GenerateRequest(
+            request_id=f"{job.request_id}-{index}", prompt_token_ids=job.prompt_ids,
+            params=params, remote_kv=handoff.kv_handle, first_token_id=handoff.first_token_id,
+        )  # fmt: skip
+        if job.cache_salt:
+            req.cache_salt = job.cache_salt
+        return req
     if generated:
         params = _remaining(params, len(generated))
     req = worker_pb2.GenerateRequest(

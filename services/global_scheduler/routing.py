@@ -21,6 +21,10 @@ Scorers
                uncached tokens) ÷ the worker's measured tokens/s (+ KV transfer time, zero for
                a colocated worker). One scorer that prices a prefix hit against a queue in
                seconds, instead of weights tuned by hand; see docs/routing.md for when it wins.
+Decider (``decider: {min_uncached_tokens: 64}``)
+    when the chosen decode worker would have to compute at least this many prompt tokens
+    and a prefill pool exists, a prefill worker (picked by the same pipeline) runs the prompt
+    and hands its KV over (NIXL); otherwise the decode worker prefills locally
 Pickers
     max          highest weighted sum; ties go to the shorter queue, then to an order drawn
                  from a hash of (request id, worker id): replicas that see the same state make
@@ -144,16 +148,18 @@ def _spec(item: str | dict[str, Any], kind: str, known: dict[str, Any]) -> tuple
 
 class RoutingPolicy:
     def __init__(self, policy: dict[str, Any] | None = None):
-        policy = DEFAULT_POLICY if policy is None else policy
-        unknown = set(policy) - {"filters", "scorers", "picker"}
+        unknown = set(policy or {}) - {"filters", "scorers", "picker", "decider"}
         if unknown:
             raise ValueError(f"unknown routing policy keys: {sorted(unknown)}")
-        self.filters: list[tuple[str, Filter]] = []
-        for item in policy.get("filters", []):
+        policy = {**DEFAULT_POLICY, **(policy or {})}  # a key left out keeps its default
+        # The role filter is not a preference: a leg never goes to a worker that cannot run it.
+        self.filters: list[tuple[str, Filter]] = [("role", _role())]
+        for item in policy["filters"]:
             name, kw = _spec(item, "filter", FILTERS)
-            self.filters.append((name, FILTERS[name](**kw)))
+            if name != "role":
+                self.filters.append((name, FILTERS[name](**kw)))
         self.scorers: list[tuple[str, float, Scorer]] = []
-        for item in policy.get("scorers", []):
+        for item in policy["scorers"]:
             name, kw = _spec(item, "scorer", SCORERS)
             weight = float(kw.pop("weight", 1.0))
             if weight < 0:
@@ -163,6 +169,10 @@ class RoutingPolicy:
         if self.picker not in PICKERS:
             raise ValueError(f"unknown picker {self.picker!r}; known: {', '.join(PICKERS)}")
         self._turn = itertools.count()
+        decider = dict(policy.get("decider", {}))
+        self.min_uncached_tokens = int(decider.pop("min_uncached_tokens", 64))
+        if decider or self.min_uncached_tokens < 0:
+            raise ValueError("decider takes min_uncached_tokens (>= 0) only")
 
     def filter(self, query: RouteQuery, candidates: list[Candidate]) -> list[Candidate]:
         for name, keep in self.filters:

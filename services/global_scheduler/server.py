@@ -2,6 +2,7 @@
 routing policy do the work. Workers leave the registry when their heartbeat stream ends (at
 once) or goes silent (``sweep``, within ``heartbeat_timeout_s`` + one sweep interval)."""
 
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -18,6 +19,12 @@ from shared.protos.baton.v1 import scheduler_pb2, scheduler_pb2_grpc
 from shared.rpc import adopt_request_id
 
 logger = logging.getLogger(__name__)
+
+
+def _ref(c: Candidate) -> scheduler_pb2.WorkerRef:
+    return scheduler_pb2.WorkerRef(
+        worker_id=c.worker.worker_id, address=c.worker.address, matched_blocks=c.matched_blocks
+    )
 
 
 class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
@@ -86,23 +93,44 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
             metrics.ROUTES.labels("no_worker", "filters").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             raise  # unreachable: abort raises
-        best.worker.routed_since_heartbeat += 1
-        best.worker.num_routed += 1
+        prefill = self._decide_prefill(query, best, workers, matched)
+        for chosen in (best, prefill):
+            if chosen is not None:
+                chosen.worker.routed_since_heartbeat += 1
+                chosen.worker.num_routed += 1
         factor = "prefix" if best.matched_blocks else "load"
-        metrics.ROUTES.labels("routed", factor).inc()
+        metrics.ROUTES.labels("disaggregated" if prefill else "routed", factor).inc()
         metrics.PREDICTED_HIT_TOKENS.inc(best.matched_blocks * best.worker.block_size)
         metrics.ROUTE_SECONDS.observe(time.perf_counter() - start)
         reason = self.policy.reason(best)
+        if prefill is not None:
+            reason += f"; prefill on {self.policy.reason(prefill)}"
         logger.info("route %s → %s", request.request_id, reason)
-        return scheduler_pb2.RouteResponse(
-            decode=scheduler_pb2.WorkerRef(
-                worker_id=best.worker.worker_id,
-                address=best.worker.address,
-                matched_blocks=best.matched_blocks,
-            ),
-            reason=reason,
-            block_size=best.worker.block_size,
+        response = scheduler_pb2.RouteResponse(
+            decode=_ref(best), reason=reason, block_size=best.worker.block_size
         )
+        if prefill is not None:
+            response.prefill.CopyFrom(_ref(prefill))
+        return response
+
+    def _decide_prefill(
+        self,
+        query: RouteQuery,
+        decode: Candidate,
+        workers: list[WorkerState],
+        matched: dict[WorkerId, int],
+    ) -> Candidate | None:
+        """The P/D decider: a prefill-pool worker when the decode worker would have to compute
+        at least ``min_uncached_tokens`` of the prompt itself, else None (local prefill)."""
+        uncached = query.num_prompt_tokens - decode.matched_blocks * decode.worker.block_size
+        pool = [w for w in workers if w.role == "prefill"]
+        if uncached < self.policy.min_uncached_tokens or not pool:
+            return None
+        leg = dataclasses.replace(query, leg="prefill")
+        try:
+            return self.policy.pick(leg, [Candidate(w, matched[w.worker_id]) for w in pool])
+        except NoWorkerError:
+            return None  # the prefill pool is busy or draining: prefill locally
 
     async def ListWorkers(
         self, request: scheduler_pb2.ListWorkersRequest, context: aio.ServicerContext

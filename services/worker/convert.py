@@ -1,5 +1,6 @@
 """The one place where the worker translates between protobuf and the engine's structs."""
 
+from services.worker.engine.kv_transfer.params import RemoteKV
 from services.worker.engine.messages import EngineStats
 from services.worker.engine.outputs import CompletionOutput, RequestOutput
 from services.worker.engine.params import RequestOutputKind, SamplingParams
@@ -96,3 +97,17 @@ def kv_event_batch(batch: KVEventBatch) -> common_pb2.KVEventBatch:
         elif isinstance(e, AllBlocksCleared):
             events.append(common_pb2.KVEvent(cleared=common_pb2.AllBlocksCleared()))
     return common_pb2.KVEventBatch(seq=batch.seq, events=events)
+
+
+def kv_handle(h: RemoteKV) -> common_pb2.KVHandle:
+    return common_pb2.KVHandle(
+        engine_id=h.engine_id, side_channel=h.side_channel, block_ids=h.block_ids,
+        num_tokens=h.num_tokens, lease_expires_at=h.lease_expires_at, request_id=h.request_id,
+    )  # fmt: skip
+
+
+def remote_kv(h: common_pb2.KVHandle) -> RemoteKV:
+    return RemoteKV(
+        engine_id=h.engine_id, side_channel=h.side_channel, block_ids=list(h.block_ids),
+        num_tokens=h.num_tokens, lease_expires_at=h.lease_expires_at, request_id=h.request_id,
+    )  # fmt: skip

@@ -43,6 +43,7 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> Non
         metrics_port = _start_metrics(settings)
 
         rate = ThroughputMeter()
+        counters = metrics.EngineCounters()
 
         async def load() -> scheduler_pb2.WorkerLoad:
             stats = await engine.get_stats()
@@ -50,6 +51,7 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> Non
             metrics.WAITING.set(stats.num_waiting)
             metrics.KV_USAGE.set(stats.kv_usage)
             metrics.IN_FLIGHT.set(servicer.in_flight)
+            counters.update(stats)
             tokens_per_s = rate.update(stats.computed_tokens, stats.model_seconds)
             return convert.load(stats, servicer.in_flight, servicer.draining, tokens_per_s)
 

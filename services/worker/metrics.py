@@ -23,3 +23,36 @@ RUNNING = Gauge("baton_worker_running_requests", "Requests the engine is running
 WAITING = Gauge("baton_worker_waiting_requests", "Requests queued in the engine")
 KV_USAGE = Gauge("baton_worker_kv_usage", "Fraction of KV-cache blocks in use")
 IN_FLIGHT = Gauge("baton_worker_in_flight_requests", "Requests the worker service is serving")
+
+# KV transfer (disaggregated prefill/decode), mirrored from the engine's counters
+KV_PULLS = Counter("baton_worker_kv_pulls", "KV pulls completed (decode side)")
+KV_PULL_FAILURES = Counter("baton_worker_kv_pull_failures", "KV pulls that failed")
+KV_PULL_BYTES = Counter("baton_worker_kv_pull_bytes", "Bytes of KV pulled")
+KV_PULL_DESCRIPTORS = Counter("baton_worker_kv_pull_descriptors", "NIXL descriptors pulled")
+KV_PULL_SECONDS = Counter("baton_worker_kv_pull_seconds", "Time from a pull's start to its end")
+KV_LEASES_RELEASED = Counter("baton_worker_kv_leases_released", "Leases ended by a pull or abort")
+KV_LEASES_EXPIRED = Counter("baton_worker_kv_leases_expired", "Leases nobody pulled in time")
+
+_ENGINE_COUNTERS = {
+    "kv_pulls": KV_PULLS,
+    "kv_pull_failures": KV_PULL_FAILURES,
+    "kv_pull_bytes": KV_PULL_BYTES,
+    "kv_pull_descriptors": KV_PULL_DESCRIPTORS,
+    "kv_pull_seconds": KV_PULL_SECONDS,
+    "kv_leases_released": KV_LEASES_RELEASED,
+    "kv_leases_expired": KV_LEASES_EXPIRED,
+}
+
+
+class EngineCounters:
+    """Turns the engine's since-start totals into Prometheus counter increments."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = dict.fromkeys(_ENGINE_COUNTERS, 0.0)
+
+    def update(self, stats: object) -> None:
+        for name, counter in _ENGINE_COUNTERS.items():
+            value = float(getattr(stats, name))
+            if value > self._last[name]:
+                counter.inc(value - self._last[name])
+            self._last[name] = value

@@ -17,6 +17,7 @@ from grpc import aio
 from services.worker import convert, metrics
 from services.worker.engine.async_llm import AsyncLLM
 from services.worker.engine.core_client import EngineDeadError
+from services.worker.engine.kv_transfer.params import KVTransferParams
 from services.worker.engine.outputs import RequestOutput
 from services.worker.engine.params import SamplingParams
 from services.worker.settings import WorkerSettings
@@ -46,7 +47,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> AsyncIterator[worker_pb2.GenerateResponse]:
         adopt_request_id(context)
         params = await self._admit(request.params, context)
-        async for out in self._run(request, params, context):
+        leg = None
+        if request.HasField("remote_kv"):
+            if not self.engine.config.kv_transfer.enabled:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION, "this worker runs without KV transfer"
+                )
+            if not request.HasField("first_token_id"):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, "remote_kv needs first_token_id"
+                )
+            leg = KVTransferParams(
+                remote=convert.remote_kv(request.remote_kv), first_token_id=request.first_token_id
+            )
+        async for out in self._run(request, params, context, leg):
             yield convert.generate_response(out)
 
     async def Prefill(
@@ -56,23 +70,35 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         params = await self._admit(request.params, context)
         if params.n != 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prefill takes n = 1")
+        keep_kv = request.keep_kv
+        if keep_kv and not self.engine.config.kv_transfer.enabled:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "this worker runs without KV transfer"
+            )
         params = params.clone(max_tokens=1, min_tokens=0)
+        leg = KVTransferParams(do_remote_decode=True) if keep_kv else None
         last: RequestOutput | None = None
-        async for out in self._run(request, params, context):
+        async for out in self._run(request, params, context, leg):
             last = out
         if last is None or not last.outputs or not last.outputs[0].token_ids:
             await context.abort(grpc.StatusCode.INTERNAL, "prefill produced no token")
         assert last is not None
         first = last.outputs[0]
+        # max_tokens=1 ends it with "length"; any other reason (eos, a stop id) ends the request
         reason = first.finish_reason if first.finish_reason != "length" else ""
+        if reason and last.kv_handle is not None:  # nothing to decode: end the lease now
+            await self.engine.abort(request.request_id)
         logprobs = convert.token_logprobs(first)
-        return worker_pb2.PrefillResponse(
+        response = worker_pb2.PrefillResponse(
             first_token_id=first.token_ids[0],
             first_logprobs=logprobs[0] if logprobs else None,
             num_prompt_tokens=len(last.prompt_token_ids),
             num_cached_tokens=last.num_cached_tokens,
             finish_reason=reason or "",
         )
+        if last.kv_handle is not None and not reason:
+            response.kv_handle.CopyFrom(convert.kv_handle(last.kv_handle))
+        return response
 
     async def Abort(
         self, request: worker_pb2.AbortRequest, context: aio.ServicerContext
@@ -115,10 +141,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         request: worker_pb2.GenerateRequest | worker_pb2.PrefillRequest,
         params: SamplingParams,
         context: aio.ServicerContext,
+        leg: KVTransferParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         prompt: dict[str, object] = {"prompt_token_ids": list(request.prompt_token_ids)}
         if request.HasField("cache_salt"):
             prompt["cache_salt"] = request.cache_salt
+        if leg is not None:
+            prompt["kv_transfer"] = leg
         self.in_flight += 1
         self._idle.clear()
         start, outcome = time.perf_counter(), "error"

@@ -67,6 +67,9 @@ def test_greedy_disaggregated_equals_colocated(engines, tiny_model: Path, text: 
         for t in a:
             assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4)
     wait_all_free(prefill)  # the decode side's notification ended the lease
+    assert prefill.get_stats().kv_leases_released >= 1
+    stats = decode.get_stats()
+    assert stats.kv_pulls >= 1 and stats.kv_pull_bytes > 0 and stats.kv_pull_failures == 0
 
 
 def test_seeded_sampling_continues_exactly(engines, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
@@ -105,6 +108,7 @@ def test_unpulled_lease_expires(tiny_model: Path) -> None:
         assert out.kv_handle is not None
         assert llm.get_stats().num_free_blocks < llm.get_stats().num_blocks  # leased
         assert 0.1 < wait_all_free(llm) < 3.0
+        assert llm.get_stats().kv_leases_expired == 1
     finally:
         llm.shutdown()
 

@@ -74,7 +74,9 @@ class AsyncLLM:
                 await self._abort_quietly(request_id)
 
     async def abort(self, request_id: str) -> None:
-        core_ids = self.output_processor.abort(request_id)
+        """Abort a request; an id this frontend no longer tracks still goes to the core, which
+        ends a prefill leg's KV lease under that id."""
+        core_ids = self.output_processor.abort(request_id) or [request_id]
         await self.client.abort_requests_async(core_ids)
         queue = self._queues.get(request_id)
         if queue is not None:

@@ -92,7 +92,15 @@ class EngineCore:
     def call_utility(self, call: EngineCoreUtility) -> UtilityResult:
         if call.method == "get_stats":
             stats = self.scheduler.stats()
-            result: object = msgspec.structs.replace(stats, model_seconds=self._model_seconds)
+            extra: dict[str, object] = {"model_seconds": self._model_seconds}
+            connector = self.executor.worker.connector
+            if connector is not None:
+                extra.update(connector.stats)
+            transfer = self.scheduler.transfer
+            if transfer is not None:
+                extra["kv_leases_released"] = transfer.num_released
+                extra["kv_leases_expired"] = transfer.num_expired
+            result: object = msgspec.structs.replace(stats, **extra)
         elif call.method == "get_model_info":
             result = self.executor.model_info()
         elif call.method == "reset_prefix_cache":

@@ -75,6 +75,14 @@ class EngineStats(msgspec.Struct):
     context_tokens_read: int  # sum over steps of each scheduled request's context length
     model_seconds: float = 0.0  # wall time inside the executor (model + sampling), since start
     pending_prefill_tokens: int = 0  # prompt tokens admitted but not computed yet (a backlog)
+    # KV transfer (disaggregated prefill/decode), since start:
+    kv_pulls: int = 0  # decode side: pulls completed
+    kv_pull_failures: int = 0
+    kv_pull_bytes: int = 0
+    kv_pull_descriptors: int = 0
+    kv_pull_seconds: float = 0.0  # summed from start to completion seen
+    kv_leases_released: int = 0  # prefill side: leases ended by the decode side's notification
+    kv_leases_expired: int = 0  # prefill side: leases nobody pulled in time
 
 
 class ModelInfo(msgspec.Struct):

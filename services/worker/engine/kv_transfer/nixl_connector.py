@@ -86,6 +86,8 @@ class NixlConnector:
         blocks = [(base + i * self.block_bytes, self.block_bytes, self.device_id)
                   for i in range(self.num_blocks)]  # fmt: skip
         self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", blocks, self.mem_type)
+        self.stats = {"kv_pulls": 0, "kv_pull_failures": 0, "kv_pull_bytes": 0,
+                      "kv_pull_descriptors": 0, "kv_pull_seconds": 0.0}  # fmt: skip
         self._peers: dict[str, _Peer] = {}  # side channel → peer
         self._pulls: dict[str, _Pull] = {}
         self._ctx = zmq.Context()
@@ -120,10 +122,12 @@ class NixlConnector:
             except Exception as e:
                 logger.error("KV pull for %s from %s failed: %s", load.req_id,
                              load.remote.engine_id, e)  # fmt: skip
+                self.stats["kv_pull_failures"] += 1
                 failed.append(load.req_id)
         return failed
 
-    def poll(self) -> TransferResults:
+    def poll(self, notifications: bool = True) -> TransferResults:
+        """Transfer states, and (unless told not to) peers' release notifications."""
         out = TransferResults()
         for rid, pull in list(self._pulls.items()):
             state = "DONE" if pull.handle is None else self.agent.check_xfer_state(pull.handle)
@@ -134,13 +138,20 @@ class NixlConnector:
             if pull.handle is not None:
                 self.agent.release_xfer_handle(pull.handle)
             if state == "DONE":
+                n = len(pull.load.local_block_ids)
+                self.stats["kv_pulls"] += 1
+                self.stats["kv_pull_bytes"] += n * self.block_bytes
+                self.stats["kv_pull_descriptors"] += n
+                self.stats["kv_pull_seconds"] += time.monotonic() - pull.started
                 out.finished.append(rid)
-                if pull.peer:
-                    self.agent.send_notif(pull.peer, f"release:{rid}".encode())
+                if pull.peer:  # the prefill side may end its lease now
+                    release = f"release:{pull.load.remote.request_id}".encode()
+                    self.agent.send_notif(pull.peer, release)
             else:
                 logger.error("KV pull for %s ended in state %s", rid, state)
+                self.stats["kv_pull_failures"] += 1
                 out.failed.append(rid)
-        for msgs in self.agent.get_new_notifs().values():
+        for msgs in (self.agent.get_new_notifs() if notifications else {}).values():
             for msg in msgs:
                 text = msg.decode(errors="replace")
                 if text.startswith("release:"):

@@ -17,6 +17,7 @@ class RemoteKV(msgspec.Struct, frozen=True):
     block_ids: list[int]  # the prompt's blocks, in order
     num_tokens: int  # tokens whose KV those blocks hold (the prompt)
     lease_expires_at: float = 0.0  # wall clock (time.time()) when the blocks are released
+    request_id: str = ""  # the prefill engine's id for the leased request (to release it)
 
 
 class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):

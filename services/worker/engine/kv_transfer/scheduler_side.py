@@ -35,6 +35,8 @@ class KVTransferBookkeeping:
         self.side_channel = side_channel
         self.loading: dict[RequestId, Request] = {}
         self.leases: dict[RequestId, Lease] = {}
+        self.num_released = 0  # leases ended by the decode side (or an abort)
+        self.num_expired = 0  # leases nobody pulled in time
 
     def load_for(self, request: Request, local_block_ids: list[int], num_hit: int) -> KVLoad:
         """The pull that fills ``request``'s prompt blocks after its ``num_hit`` local hits."""
@@ -55,15 +57,22 @@ class KVTransferBookkeeping:
             block_ids=block_ids,
             num_tokens=request.num_prompt_tokens,
             lease_expires_at=time.time() + self.lease_seconds,
+            request_id=request.request_id,
         )
 
     def end_lease(self, request_id: str) -> Request | None:
         lease = self.leases.pop(RequestId(request_id), None)
-        return lease.request if lease is not None else None
+        if lease is None:
+            return None
+        self.num_released += 1
+        return lease.request
 
     def expired(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now
-        return [rid for rid, lease in self.leases.items() if lease.expires_at <= now]
+        gone: list[str] = [rid for rid, lease in self.leases.items() if lease.expires_at <= now]
+        self.num_expired += len(gone)
+        self.num_released -= len(gone)  # end_lease counts them again
+        return gone
 
     @property
     def busy(self) -> bool:

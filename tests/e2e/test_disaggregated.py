@@ -1,0 +1,135 @@
+"""Disaggregated prefill/decode through the whole system: a prefill worker and a decode
+worker (KV pulled over NIXL/UCX between the two processes), driven with the openai client.
+Output must equal the offline engine's; leases end; a dead prefill worker costs nothing."""
+
+import contextlib
+import json
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from baton import LLM, SamplingParams
+from baton.launcher import Cluster
+from tests.e2e.conftest import running_cluster
+from tests.e2e.test_cluster import long_prompt, wait_for, worker_health
+from tests.e2e.test_redis_routing import scheduler_metric
+
+MODEL = "qwen3"
+
+
+@pytest.fixture(scope="module")
+def pd_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    policy = tmp_path_factory.mktemp("policy") / "policy.json"
+    policy.write_text(json.dumps({"decider": {"min_uncached_tokens": 32}}))
+    with running_cluster(tiny_model, 0, "--prefill-workers", "1", "--decode-workers", "1",
+                         "--routing-policy", str(policy)) as c:  # fmt: skip
+        yield c
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model: Path) -> Iterator[LLM]:
+    llm = LLM(model=str(tiny_model), num_kv_blocks=512, max_model_len=1024)
+    yield llm
+    llm.shutdown()
+
+
+def disaggregated_routes(cluster: Cluster) -> float:
+    text = "baton_scheduler_route_decisions_total"
+    total = 0.0
+    for factor in ("prefix", "load"):
+        with contextlib.suppress(AssertionError):  # not exported until it first counts
+            total += scheduler_metric(
+                cluster, f'{text}{{factor="{factor}",outcome="disaggregated"}}'
+            )
+    return total
+
+
+def test_long_prompts_are_disaggregated_and_equal_offline(
+    pd_cluster: Cluster, offline: LLM, tiny_model: Path
+) -> None:
+    c = openai.OpenAI(base_url=pd_cluster.url, api_key="x", max_retries=0, timeout=60)
+    before = disaggregated_routes(pd_cluster)
+    for i in range(3):
+        prompt = long_prompt(tiny_model, 100 + 40 * i, f"pd-{i}")
+        ref = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=20, logprobs=2))
+        out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0,
+                                   logprobs=2)  # fmt: skip
+        want_out = ref[0].outputs[0]
+        assert out.choices[0].text == want_out.text
+        lps = out.choices[0].logprobs.token_logprobs  # type: ignore[union-attr]
+        want = [lp[t].logprob for lp, t in zip(want_out.logprobs or [], want_out.token_ids,
+                                                 strict=True)]  # fmt: skip
+        assert lps == pytest.approx(want, abs=1e-4)
+        streamed = c.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0,
+                                        stream=True)  # fmt: skip
+        assert "".join(ch.choices[0].text for ch in streamed) == ref[0].outputs[0].text
+    # each prompt's first request is disaggregated; a repeat may prefill locally on the decode
+    # worker once the directory knows it holds the prompt (that depends on heartbeat timing)
+    assert disaggregated_routes(pd_cluster) >= before + 3
+    # every lease ended: the prefill worker holds no blocks for anyone
+    wait_for(lambda: worker_health(pd_cluster, "prefill-0").kv_usage == 0, 5.0, "leases to end")
+
+
+def test_seeded_n_equals_offline(pd_cluster: Cluster, offline: LLM, tiny_model: Path) -> None:
+    c = openai.OpenAI(base_url=pd_cluster.url, api_key="x", max_retries=0, timeout=60)
+    prompt = long_prompt(tiny_model, 120, "pd-seeded")
+    kw = {"temperature": 1.0, "top_p": 0.9, "max_tokens": 10, "seed": 5}
+    ref = offline.generate([prompt], SamplingParams(n=2, **kw))[0]  # type: ignore[arg-type]
+    out = c.completions.create(model=MODEL, prompt=prompt, n=2, **kw)  # type: ignore[arg-type]
+    got = [ch.text for ch in sorted(out.choices, key=lambda ch: ch.index)]
+    assert got == [o.text for o in ref.outputs]
+
+
+def test_short_prompts_prefill_locally(pd_cluster: Cluster, offline: LLM) -> None:
+    c = openai.OpenAI(base_url=pd_cluster.url, api_key="x", max_retries=0, timeout=60)
+    before = disaggregated_routes(pd_cluster)
+    ref = offline.generate(["hi"], SamplingParams(temperature=0, max_tokens=8))[0]
+    out = c.completions.create(model=MODEL, prompt="hi", max_tokens=8, temperature=0)
+    assert out.choices[0].text == ref.outputs[0].text
+    assert disaggregated_routes(pd_cluster) == before
+
+
+def test_dead_prefill_worker_costs_nothing(tiny_model: Path, tmp_path: Path) -> None:
+    policy = tmp_path / "policy.json"
+    policy.write_text(json.dumps({"decider": {"min_uncached_tokens": 32}}))
+    with running_cluster(tiny_model, 0, "--prefill-workers", "1", "--decode-workers", "1",
+                         "--routing-policy", str(policy)) as cluster:  # fmt: skip
+        c = openai.OpenAI(base_url=cluster.url, api_key="x", max_retries=0, timeout=60)
+        prompt = long_prompt(tiny_model, 150, "no-prefill-pool")
+        first = c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+        cluster.procs["prefill-0"].send_signal(signal.SIGKILL)
+        for i in range(3):  # routed to the decode worker, which prefills locally
+            out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+            assert out.choices[0].text == first.choices[0].text, i
+
+
+def test_client_disconnects_leak_no_blocks(pd_cluster: Cluster, tiny_model: Path) -> None:
+    """Disconnect at random points (right after the first token, i.e. around the transfer,
+    or later): both workers end with every block free, long before the 30 s lease."""
+    import random
+
+    import httpx
+
+    rng = random.Random(3)
+    for i in range(8):
+        body = {"model": MODEL, "prompt": long_prompt(tiny_model, 80 + 10 * i, f"gone-{i}"),
+                "max_tokens": 200, "stream": True, "ignore_eos": True}  # fmt: skip
+        with (
+            httpx.Client(timeout=30) as http,
+            http.stream("POST", f"{pd_cluster.url}/completions", json=body) as resp,
+        ):
+            lines = resp.iter_lines()
+            for _ in range(rng.randint(1, 4)):
+                next(lines)
+    for name in ("prefill-0", "decode-0"):
+        wait_for(
+            lambda n=name: (
+                worker_health(pd_cluster, n).kv_usage == 0  # type: ignore[misc]
+                and worker_health(pd_cluster, n).num_running == 0
+            ),
+            10.0,
+            f"{name} to be idle",
+        )
