@@ -14,6 +14,7 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +32,13 @@ try:  # loaded here, not in the forked child (no dlopen between fork and exec)
     _LIBC: ctypes.CDLL | None = ctypes.CDLL("libc.so.6", use_errno=True)
 except OSError:
     _LIBC = None  # not Linux: Ctrl-C and stop() still stop the children
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (for tests and benchmarks that start services)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def _die_with_parent() -> None:

@@ -146,7 +146,7 @@ def main() -> None:
     args = p.parse_args()
 
     from baton.cli import build_parser
-    from baton.launcher import Cluster
+    from baton.launcher import Cluster, free_port
     from baton.service_cli import engine_flags_argv
     from services.worker.engine.model_config import load_arch_config
 
@@ -158,7 +158,7 @@ def main() -> None:
             json.dump(policy or {}, f)
         argv = [
             "serve", "--model", args.model, "--workers", str(args.workers),
-            "--num-kv-blocks", str(args.num_kv_blocks), "--port", str(_free_port()),
+            "--num-kv-blocks", str(args.num_kv_blocks), "--port", str(free_port()),
         ]  # fmt: skip
         if policy is not None:
             argv += ["--routing-policy", f.name]
@@ -184,14 +184,6 @@ def main() -> None:
         json.dumps({"args": vars(args), "results": clean, "summary": summary}, indent=2)
     )
     print(json.dumps(summary, indent=2))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 if __name__ == "__main__":

@@ -216,7 +216,7 @@ def main() -> None:
     args = p.parse_args()
 
     from baton.cli import build_parser
-    from baton.launcher import Cluster
+    from baton.launcher import Cluster, free_port
     from baton.service_cli import engine_flags_argv
     from services.worker.engine.model_config import load_arch_config
 
@@ -230,7 +230,7 @@ def main() -> None:
         if args.max_model_len:
             argv += ["--max-model-len", str(args.max_model_len)]
         cargs = build_parser().parse_args(argv)
-        cargs.port = _free_port()
+        cargs.port = free_port()
         cluster = Cluster(cargs, engine_flags_argv(cargs))
         url = cluster.start()
     try:
@@ -250,14 +250,6 @@ def main() -> None:
               "overhead": overhead}  # fmt: skip
     (out / "serving.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 if __name__ == "__main__":

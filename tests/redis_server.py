@@ -7,13 +7,9 @@ import subprocess
 import time
 from dataclasses import dataclass
 
+from baton.launcher import free_port
+
 START_TIMEOUT_S = 10.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _ping(port: int) -> bool:
@@ -39,7 +35,7 @@ class RedisServer:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed: run `make install`")
-        port = port or _free_port()
+        port = port or free_port()
         proc = subprocess.Popen(
             [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--protected-mode", "no"],

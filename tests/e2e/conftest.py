@@ -3,25 +3,22 @@ scheduler, the workers and the gateway as processes (readiness by ready files an
 never a sleep), and stops them after the tests."""
 
 import contextlib
-import socket
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import pytest
 
 from baton.cli import build_parser
-from baton.launcher import Cluster
+from baton.launcher import Cluster, free_port
 from baton.service_cli import engine_flags_argv
 from shared.protos.baton.v1 import scheduler_pb2, scheduler_pb2_grpc
 
+if TYPE_CHECKING:
+    from baton import LLM
+
 TEST_ENGINE_FLAGS = ["--num-kv-blocks", "512", "--max-num-seqs", "16", "--max-model-len", "1024"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -48,3 +45,13 @@ def cluster(tiny_model: Path) -> Iterator[Cluster]:
     """Two colocated workers behind one gateway, shared by a module's tests."""
     with running_cluster(tiny_model, 2) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model: Path) -> Iterator["LLM"]:
+    """The engine in this process, configured like the cluster's workers: the reference."""
+    from baton import LLM
+
+    llm = LLM(model=str(tiny_model), num_kv_blocks=512, max_model_len=1024)
+    yield llm
+    llm.shutdown()

@@ -29,13 +29,6 @@ def pd_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         yield c
 
 
-@pytest.fixture(scope="module")
-def offline(tiny_model: Path) -> Iterator[LLM]:
-    llm = LLM(model=str(tiny_model), num_kv_blocks=512, max_model_len=1024)
-    yield llm
-    llm.shutdown()
-
-
 def disaggregated_routes(cluster: Cluster) -> float:
     text = "baton_scheduler_route_decisions_total"
     total = 0.0

@@ -2,7 +2,6 @@
 with the official ``openai`` client; greedy output must equal the engine's offline output."""
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import pytest
@@ -18,13 +17,6 @@ MODEL = "qwen3"  # tiny_model's directory name is its served name
 def client(cluster: Cluster) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=cluster.url, api_key="unused", max_retries=0, timeout=60) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_model: Path) -> Iterator[LLM]:
-    llm = LLM(model=str(tiny_model), num_kv_blocks=512, max_model_len=1024)
-    yield llm
-    llm.shutdown()
 
 
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
