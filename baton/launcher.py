@@ -13,6 +13,7 @@ import argparse
 import ctypes
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -35,10 +36,19 @@ except OSError:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (for tests and benchmarks that start services)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port that was free a moment ago, for a service started later (tests, benchmarks).
+    Drawn below Linux's ephemeral range (32768+), where the port-0 binds of the services
+    themselves land, so one of them cannot take it in the meantime."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
 
 
 def _die_with_parent() -> None:
@@ -205,7 +215,8 @@ class Cluster:
             self._check_alive(name)
             try:
                 with urllib.request.urlopen(url, timeout=1.0) as resp:
-                    if resp.status == 200:
+                    # the gateway's own answer, not another server that took the port
+                    if resp.status == 200 and b'"models"' in resp.read():
                         return
             except OSError:
                 pass
