@@ -106,8 +106,8 @@ class Cluster:
             argv += ["--redis-url", a.redis_url]
         if a.routing_policy:
             argv += ["--routing-policy", a.routing_policy]
-        sched = self._spawn("scheduler", argv, ready=True)
-        sched_addr = self._wait_ready("scheduler", sched, SCHEDULER_START_S)["address"]
+        sched = self.spawn("scheduler", argv, ready=True)
+        sched_addr = self.wait_ready("scheduler", sched, SCHEDULER_START_S)["address"]
         workers = []
         for name, role in self.worker_roles():
             argv = ["worker", "--model", a.model, "--scheduler", sched_addr, "--worker-id", name,
@@ -115,18 +115,18 @@ class Cluster:
             if a.worker_metrics:
                 argv += ["--metrics-port", "0"]
             env = {"OMP_NUM_THREADS": str(self._threads_per_worker())}
-            workers.append((name, self._spawn(name, argv + self.engine_argv, True, env)))
+            workers.append((name, self.spawn(name, argv + self.engine_argv, True, env)))
         for name, path in workers:
-            self._wait_ready(name, path, WORKER_START_S)
+            self.wait_ready(name, path, WORKER_START_S)
         argv = ["gateway", "--model", a.model, "--scheduler", sched_addr, "--host", a.host,
                 "--port", str(a.port), "--served-model-name", self.model_name,
                 "--max-body-bytes", str(a.max_body_bytes),
                 "--request-timeout", str(a.request_timeout)]  # fmt: skip
         for key in a.api_key or ():
             argv += ["--api-key", key]
-        self._spawn("gateway", argv, ready=False)
+        self.spawn("gateway", argv, ready=False)
         url = f"http://{a.host}:{a.port}"
-        self._wait_http("gateway", f"{url}/health", GATEWAY_START_S)
+        self.wait_http("gateway", f"{url}/health", GATEWAY_START_S)
         self.url = f"{url}/v1"
         return self.url
 
@@ -178,9 +178,11 @@ class Cluster:
             )
         return [(f"{names[r]}-{i}", r) for r, n in roles for i in range(n)]
 
-    def _spawn(
+    def spawn(
         self, name: str, argv: list[str], ready: bool, env: dict[str, str] | None = None
     ) -> Path:
+        """Start ``baton <argv>`` as the child ``name`` (stopped by ``stop``); with ``ready``,
+        it writes the returned path when it serves (``wait_ready`` reads it)."""
         ready_file = self.tmp / f"{name}.json"
         cmd = [sys.executable, "-m", "baton.cli", *argv]
         if ready:
@@ -199,7 +201,7 @@ class Cluster:
             log.close()  # the child has its own descriptor
         return ready_file
 
-    def _wait_ready(self, name: str, path: Path, timeout_s: float) -> dict:
+    def wait_ready(self, name: str, path: Path, timeout_s: float) -> dict:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self._check_alive(name)
@@ -209,7 +211,7 @@ class Cluster:
             time.sleep(0.05)
         raise TimeoutError(f"{name} did not become ready within {timeout_s:.0f} s")
 
-    def _wait_http(self, name: str, url: str, timeout_s: float) -> None:
+    def wait_http(self, name: str, url: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self._check_alive(name)

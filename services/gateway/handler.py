@@ -70,7 +70,7 @@ class Handler:
                     model=body.model, prompt_ids=ids, params=params, n=body.n,
                     stop=body.stop_strings, include_stop=body.include_stop_str_in_output,
                     skip_special_tokens=body.skip_special_tokens, cache_salt=body.cache_salt,
-                    deadline=deadline, trace_id=request_id,
+                    deadline=deadline, block_size=limits.block_size, trace_id=request_id,
                 )
             )  # fmt: skip
         prefix = "chatcmpl" if chat else "cmpl"

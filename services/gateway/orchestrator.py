@@ -55,6 +55,7 @@ class Job:
     skip_special_tokens: bool
     cache_salt: str | None
     deadline: float  # time.monotonic() by which the request must end
+    block_size: int  # of the model's workers: the prompt is hashed in blocks of this size
     trace_id: str = "-"  # the client's x-request-id: in every service's log lines
     max_resumes: int = 2
 
@@ -108,11 +109,8 @@ class Orchestrator:
 
     async def run(self, job: Job, num_logprobs: int | None) -> AsyncIterator[ChoiceDelta]:
         """Deltas of all n choices, interleaved as they arrive; ends when every choice ends."""
-        limits = await self.catalog.limits(job.model)
-        if limits is None:
-            raise errors.no_worker(f"no live worker serves model {job.model!r}")
         hashes = hash_blocks(
-            job.prompt_ids, limits.block_size, (job.cache_salt,) if job.cache_salt else ()
+            job.prompt_ids, job.block_size, (job.cache_salt,) if job.cache_salt else ()
         )
         route = await self._route(job, hashes, exclude=[])
         choices = [self._choice(job, i, route, hashes, num_logprobs) for i in range(job.n)]

@@ -40,6 +40,9 @@ class PrefixDirectory(Protocol):
 
     async def num_blocks(self, worker: WorkerId, incarnation: str) -> int: ...
 
+    async def ping(self) -> None:
+        """Raise ``DirectoryUnavailable`` unless the backend answers."""
+
     async def close(self) -> None: ...
 
 

@@ -61,17 +61,19 @@ class ResilientDirectory:
                 self._degrade(e)
         return 0
 
+    async def ping(self) -> None:
+        await self.inner.ping()
+
     async def close(self) -> None:
         await self.inner.close()
 
     async def probe_forever(self) -> None:
-        ping = getattr(self.inner, "ping", None)
-        while ping is not None:
+        while True:
             await asyncio.sleep(self.probe_interval_s)
             if not self.degraded:
                 continue
             try:
-                await ping()
+                await self.inner.ping()
             except DirectoryUnavailable:
                 continue
             self.degraded = False

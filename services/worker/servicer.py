@@ -49,10 +49,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         params = await self._admit(request.params, context)
         leg = None
         if request.HasField("remote_kv"):
-            if not self.engine.config.kv_transfer.enabled:
-                await context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION, "this worker runs without KV transfer"
-                )
+            await self._require_kv_transfer(context)
             if not request.HasField("first_token_id"):
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT, "remote_kv needs first_token_id"
@@ -71,10 +68,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if params.n != 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prefill takes n = 1")
         keep_kv = request.keep_kv
-        if keep_kv and not self.engine.config.kv_transfer.enabled:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, "this worker runs without KV transfer"
-            )
+        if keep_kv:
+            await self._require_kv_transfer(context)
         params = params.clone(max_tokens=1, min_tokens=0)
         leg = KVTransferParams(do_remote_decode=True) if keep_kv else None
         last: RequestOutput | None = None
@@ -119,6 +114,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             response.num_running, response.num_waiting = stats.num_running, stats.num_waiting
             response.kv_usage = stats.kv_usage
         return response
+
+    async def _require_kv_transfer(self, context: aio.ServicerContext) -> None:
+        if not self.engine.config.kv_transfer.enabled:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "this worker runs without KV transfer"
+            )
 
     async def wait_idle(self) -> None:
         await self._idle.wait()

@@ -3,17 +3,20 @@ scheduler, the workers and the gateway as processes (readiness by ready files an
 never a sleep), and stops them after the tests."""
 
 import contextlib
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
+import httpx
 import pytest
 
 from baton.cli import build_parser
 from baton.launcher import Cluster, free_port
 from baton.service_cli import engine_flags_argv
-from shared.protos.baton.v1 import scheduler_pb2, scheduler_pb2_grpc
+from shared.protos.baton.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from shared.text.tokenizer import TextTokenizer
 
 if TYPE_CHECKING:
     from baton import LLM
@@ -55,3 +58,40 @@ def offline(tiny_model: Path) -> Iterator["LLM"]:
     llm = LLM(model=str(tiny_model), num_kv_blocks=512, max_model_len=1024)
     yield llm
     llm.shutdown()
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> float:
+    """Poll until ``cond()``; returns the seconds it took (fails after the bound)."""
+    start = time.monotonic()
+    while not cond():
+        if time.monotonic() - start > timeout_s:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def worker_health(cluster: Cluster, name: str) -> worker_pb2.HealthResponse:
+    with grpc.insecure_channel(cluster.ready[name]["address"]) as ch:
+        return worker_pb2_grpc.WorkerStub(ch).Health(worker_pb2.HealthRequest(), timeout=5)
+
+
+def long_prompt(tiny_model: Path, tokens: int, salt: str) -> str:
+    tok = TextTokenizer(tiny_model)
+    text = f"{salt}: " + " ".join(f"word{i}" for i in range(tokens))
+    ids = tok.encode(text)[:tokens]
+    return tok.decode(ids)
+
+
+def scheduler_metric(cluster: Cluster, name: str) -> float:
+    port = cluster.ready["scheduler"]["metrics_port"]
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not exported")
+
+
+def service_group(model: Path) -> Cluster:
+    """An empty launcher: its ``spawn``/``wait_ready``/``wait_http`` start extra services
+    (scheduler replicas, a second gateway) that its ``stop`` stops."""
+    return Cluster(build_parser().parse_args(["serve", "--model", str(model)]), [])

@@ -4,8 +4,6 @@ middle of a stream, and a client that disconnects. Waits poll the scheduler with
 
 import asyncio
 import signal
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -17,31 +15,9 @@ from baton import LLM, SamplingParams
 from baton.launcher import Cluster
 from shared.protos.baton.v1 import worker_pb2, worker_pb2_grpc
 from shared.text.tokenizer import TextTokenizer
-from tests.e2e.conftest import list_workers, running_cluster
+from tests.e2e.conftest import list_workers, long_prompt, running_cluster, wait_for, worker_health
 
 MODEL = "qwen3"
-
-
-def wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> float:
-    """Poll until ``cond()``; returns the seconds it took (fails after the bound)."""
-    start = time.monotonic()
-    while not cond():
-        if time.monotonic() - start > timeout_s:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.02)
-    return time.monotonic() - start
-
-
-def worker_health(cluster: Cluster, name: str) -> worker_pb2.HealthResponse:
-    with grpc.insecure_channel(cluster.ready[name]["address"]) as ch:
-        return worker_pb2_grpc.WorkerStub(ch).Health(worker_pb2.HealthRequest(), timeout=5)
-
-
-def long_prompt(tiny_model: Path, tokens: int, salt: str) -> str:
-    tok = TextTokenizer(tiny_model)
-    text = f"{salt}: " + " ".join(f"word{i}" for i in range(tokens))
-    ids = tok.encode(text)[:tokens]
-    return tok.decode(ids)
 
 
 def test_shared_prefix_goes_to_the_worker_holding_it(cluster: Cluster, tiny_model: Path) -> None:

@@ -13,9 +13,13 @@ import pytest
 
 from baton import LLM, SamplingParams
 from baton.launcher import Cluster
-from tests.e2e.conftest import running_cluster
-from tests.e2e.test_cluster import long_prompt, wait_for, worker_health
-from tests.e2e.test_redis_routing import scheduler_metric
+from tests.e2e.conftest import (
+    long_prompt,
+    running_cluster,
+    scheduler_metric,
+    wait_for,
+    worker_health,
+)
 
 MODEL = "qwen3"
 

@@ -1,8 +1,6 @@
 """Bad input gets the right OpenAI error JSON and status, never a 500 or a crash; API keys."""
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,7 +8,7 @@ import httpx
 import pytest
 
 from baton.launcher import Cluster
-from tests.e2e.conftest import free_port
+from tests.e2e.conftest import free_port, service_group
 
 MODEL = "qwen3"
 OK_PROMPT = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
@@ -108,29 +106,17 @@ def test_the_server_still_serves_after_bad_input(http: httpx.Client) -> None:
 @pytest.fixture(scope="module")
 def keyed_gateway(cluster: Cluster, tiny_model: Path) -> Iterator[str]:
     """A second gateway on the same scheduler, with API keys."""
-    port = free_port()
-    proc = subprocess.Popen([
-        sys.executable, "-m", "baton.cli", "gateway", "--model", str(tiny_model), "--port",
-        str(port), "--scheduler", cluster.ready["scheduler"]["address"], "--api-key", "k1",
-        "--api-key", "k2",
-    ])  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    group, port = service_group(tiny_model), free_port()
     try:
-        with httpx.Client(timeout=2) as c:
-            for _ in range(300):
-                try:
-                    if c.get(f"{url}/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    if proc.poll() is not None:
-                        pytest.fail("the keyed gateway exited")
-                    import time
-
-                    time.sleep(0.1)
+        group.spawn("gateway", [
+            "gateway", "--model", str(tiny_model), "--port", str(port), "--scheduler",
+            cluster.ready["scheduler"]["address"], "--api-key", "k1", "--api-key", "k2",
+        ], ready=False)  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        group.wait_http("gateway", f"{url}/health", 60)
         yield url
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        group.stop()
 
 
 @pytest.mark.parametrize(

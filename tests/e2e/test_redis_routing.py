@@ -2,21 +2,15 @@
 agree on every route, and Redis dying under load fails no request (routing falls back to
 load, the degraded metric rises and falls, and cache-aware routing comes back)."""
 
-import json
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-import httpx
 import openai
 import pytest
 
-from baton.launcher import Cluster
 from shared.block_hash import hash_blocks
 from shared.protos.baton.v1 import (
     common_pb2,
@@ -26,51 +20,40 @@ from shared.protos.baton.v1 import (
     worker_pb2_grpc,
 )
 from shared.text.tokenizer import TextTokenizer
-from tests.e2e.conftest import TEST_ENGINE_FLAGS, running_cluster
-from tests.e2e.test_cluster import long_prompt, wait_for
+from tests.e2e.conftest import (
+    TEST_ENGINE_FLAGS,
+    long_prompt,
+    running_cluster,
+    scheduler_metric,
+    service_group,
+    wait_for,
+)
 from tests.redis_server import RedisServer
 
 MODEL = "qwen3"
 
 
-def _spawn(argv: list[str], ready: Path) -> tuple[subprocess.Popen[bytes], dict]:
-    proc = subprocess.Popen([sys.executable, "-m", "baton.cli", *argv, "--ready-file", str(ready)])
-    deadline = time.monotonic() + 120
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"{argv[0]} did not start")
-        time.sleep(0.05)
-    return proc, json.loads(ready.read_text())
-
-
 @pytest.fixture()
-def replicas(tiny_model: Path, tmp_path: Path, redis_server: RedisServer) -> Iterator[dict]:
+def replicas(tiny_model: Path, redis_server: RedisServer) -> Iterator[dict]:
     """Two scheduler replicas on one Redis; two workers heartbeating to both."""
-    procs = []
+    group = service_group(tiny_model)
     try:
         addrs = []
         for i in range(2):
-            p, info = _spawn(["global-scheduler", "--port", "0", "--redis-url", redis_server.url],
-                             tmp_path / f"s{i}.json")  # fmt: skip
-            procs.append(p)
-            addrs.append(info["address"])
+            ready = group.spawn(
+                f"scheduler-{i}",
+                ["global-scheduler", "--port", "0", "--redis-url", redis_server.url],
+                ready=True,
+            )
+            addrs.append(group.wait_ready(f"scheduler-{i}", ready, 30)["address"])
         workers = []
         for i in range(2):
-            p, info = _spawn(["worker", "--model", str(tiny_model), "--worker-id", f"w{i}",
-                              "--scheduler", ",".join(addrs), *TEST_ENGINE_FLAGS],
-                             tmp_path / f"w{i}.json")  # fmt: skip
-            procs.append(p)
-            workers.append(info["address"])
-        yield {"schedulers": addrs, "workers": workers}
+            argv = ["worker", "--model", str(tiny_model), "--worker-id", f"w{i}",
+                    "--scheduler", ",".join(addrs), *TEST_ENGINE_FLAGS]  # fmt: skip
+            workers.append(group.wait_ready(f"w{i}", group.spawn(f"w{i}", argv, ready=True), 120))
+        yield {"schedulers": addrs, "workers": [w["address"] for w in workers]}
     finally:
-        for p in reversed(procs):
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        group.stop()
 
 
 def route(address: str, request_id: str, ids: list[int]) -> scheduler_pb2.RouteResponse:
@@ -113,15 +96,6 @@ def test_two_replicas_sharing_redis_route_alike(replicas: dict, tiny_model: Path
             rb.decode.worker_id, rb.decode.matched_blocks)  # fmt: skip
         if i % 2 == 0:
             assert ra.decode.worker_id == "w1" and ra.decode.matched_blocks == len(ids) // 16
-
-
-def scheduler_metric(cluster: Cluster, name: str) -> float:
-    port = cluster.ready["scheduler"]["metrics_port"]
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not exported")
 
 
 def test_redis_killed_under_load_fails_nothing(tiny_model: Path) -> None:

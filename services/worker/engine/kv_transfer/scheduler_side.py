@@ -60,19 +60,19 @@ class KVTransferBookkeeping:
             request_id=request.request_id,
         )
 
-    def end_lease(self, request_id: str) -> Request | None:
+    def end_lease(self, request_id: str, expired: bool = False) -> Request | None:
         lease = self.leases.pop(RequestId(request_id), None)
         if lease is None:
             return None
-        self.num_released += 1
+        if expired:
+            self.num_expired += 1
+        else:
+            self.num_released += 1
         return lease.request
 
     def expired(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now
-        gone: list[str] = [rid for rid, lease in self.leases.items() if lease.expires_at <= now]
-        self.num_expired += len(gone)
-        self.num_released -= len(gone)  # end_lease counts them again
-        return gone
+        return [rid for rid, lease in self.leases.items() if lease.expires_at <= now]
 
     @property
     def busy(self) -> bool:

@@ -90,7 +90,7 @@ class Scheduler:
         self._finished_since_last_step = set()
         if self.transfer is not None:
             for rid in self.transfer.expired():
-                self._end_lease(rid)
+                self._end_lease(rid, expired=True)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted_req_ids:
             self._schedule_waiting(out, budget)
@@ -226,8 +226,8 @@ class Scheduler:
             self._end_lease(rid)
         return outputs
 
-    def _end_lease(self, request_id: str) -> None:
-        request = self.transfer.end_lease(request_id) if self.transfer is not None else None
+    def _end_lease(self, request_id: str, expired: bool = False) -> None:
+        request = self.transfer.end_lease(request_id, expired) if self.transfer else None
         if request is not None:
             self.kv.free(request)
 

@@ -29,8 +29,7 @@ class Worker:
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.model.seed)
         self.runner = ModelRunner(config, self.device)
-
-    connector: "NixlConnector | None" = None  # KV transfer (worker half), when enabled
+        self.connector: NixlConnector | None = None  # KV transfer (worker half), when enabled
 
     def load_model(self, show_progress: bool = True) -> None:
         self.runner.load_model(show_progress)
