@@ -25,6 +25,7 @@ ENGINE_FLAGS: list[tuple[str, dict]] = [
     ("--max-num-batched-tokens", {"type": int, "default": None}),
     ("--attention-backend", {"default": "auto"}),
     ("--device", {"default": "auto", "choices": ["auto", "cpu", "cuda"]}),
+    ("--kv-lease-seconds", {"type": float, "default": 30.0}),  # prefill side: unread KV kept
 ]
 
 
@@ -33,6 +34,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, **kw)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument(
+        "--kv-recompute-on-failure",
+        action="store_true",
+        help="decode side: a failed KV pull recomputes the prompt instead of failing",
+    )
 
 
 def engine_args(args: argparse.Namespace) -> "EngineArgs":
@@ -48,8 +54,7 @@ def engine_args(args: argparse.Namespace) -> "EngineArgs":
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
         kv_transfer=role in ("prefill", "decode") or getattr(args, "kv_transfer", False),
-        kv_lease_seconds=getattr(args, "kv_lease_seconds", 30.0),
-        kv_recompute_on_failure=getattr(args, "kv_recompute_on_failure", False),
+        kv_recompute_on_failure=args.kv_recompute_on_failure,
         **kw,
     )
 
@@ -63,6 +68,7 @@ def engine_flags_argv(args: argparse.Namespace) -> list[str]:
             argv += [flag, str(value)]
     argv += ["--no-prefix-caching"] if args.no_prefix_caching else []
     argv += ["--enforce-eager"] if args.enforce_eager else []
+    argv += ["--kv-recompute-on-failure"] if args.kv_recompute_on_failure else []
     return argv
 
 
@@ -137,8 +143,6 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--kv-transfer", action="store_true", help="NIXL KV transfer (on for prefill/decode)"
     )
-    p.add_argument("--kv-lease-seconds", type=float, default=30.0)
-    p.add_argument("--kv-recompute-on-failure", action="store_true")
     add_engine_flags(p)
     p.set_defaults(func=run_worker)
 

@@ -130,3 +130,65 @@ def test_client_disconnects_leak_no_blocks(pd_cluster: Cluster, tiny_model: Path
             10.0,
             f"{name} to be idle",
         )
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["error", "recompute"])
+def test_prefill_worker_killed_during_transfer(
+    tiny_model: Path, tmp_path: Path, offline: LLM, recompute: bool
+) -> None:
+    """The prefill worker dies after handing over its KV handle, before the decode worker has
+    read the blocks. The decode worker is held (SIGSTOP) from the route until the prefill
+    worker is dead, so its READ meets a gone peer. The request ends within its deadline with
+    a typed 502 (``kv_transfer_failed``), or with ``--kv-recompute-on-failure`` with the same
+    text as offline; the decode worker stays healthy, leaks nothing, and serves what follows."""
+    import threading
+    import time
+
+    policy = tmp_path / "policy.json"
+    policy.write_text(json.dumps({"decider": {"min_uncached_tokens": 32}}))
+    extra = ["--kv-recompute-on-failure"] if recompute else []
+    with running_cluster(tiny_model, 0, "--prefill-workers", "1", "--decode-workers", "1",
+                         "--routing-policy", str(policy), *extra) as cluster:  # fmt: skip
+        c = openai.OpenAI(base_url=cluster.url, api_key="x", max_retries=0, timeout=30)
+        warm = long_prompt(tiny_model, 120, "warm")  # the decode worker meets its peer
+        c.completions.create(model=MODEL, prompt=warm, max_tokens=2, temperature=0)
+        prompt = long_prompt(tiny_model, 150, "killed-mid-transfer")
+        ref = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0]
+        result: dict[str, object] = {}
+
+        def request() -> None:
+            start = time.monotonic()
+            try:
+                out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                           temperature=0)  # fmt: skip
+                result["text"] = out.choices[0].text
+            except openai.APIStatusError as e:
+                result["error"] = e
+            result["seconds"] = time.monotonic() - start
+
+        decode, prefill = cluster.procs["decode-0"], cluster.procs["prefill-0"]
+        decode.send_signal(signal.SIGSTOP)
+        try:
+            thread = threading.Thread(target=request)
+            thread.start()
+            # the prefill leg is done when its lease holds the prompt's blocks
+            wait_for(lambda: worker_health(cluster, "prefill-0").kv_usage > 0, 10.0, "a lease")
+            prefill.send_signal(signal.SIGKILL)
+            prefill.wait(timeout=10)
+        finally:
+            decode.send_signal(signal.SIGCONT)
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "the request hung"
+        assert float(result["seconds"]) < 10  # type: ignore[arg-type]
+        if recompute:
+            assert result.get("text") == ref.outputs[0].text, result
+        else:
+            err = result.get("error")
+            assert isinstance(err, openai.APIStatusError), result
+            assert err.status_code == 502
+            assert err.body["code"] == "kv_transfer_failed"  # type: ignore[index]
+        # the decode worker is healthy, holds nothing for the failed pull, and serves on
+        wait_for(lambda: worker_health(cluster, "decode-0").num_running == 0, 5.0, "idle")
+        assert worker_health(cluster, "decode-0").serving
+        out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        assert out.choices[0].text == ref.outputs[0].text

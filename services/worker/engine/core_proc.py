@@ -8,7 +8,9 @@ config arrives as JSON on stdin; messages are msgpack decoded against a fixed ta
 import argparse
 import logging
 import os
+import shutil
 import sys
+from pathlib import Path
 
 import msgspec
 import zmq
@@ -32,6 +34,8 @@ logger = logging.getLogger("baton.engine_core")
 class EngineCoreProc:
     def __init__(self, config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int):
         self.parent_pid = parent_pid
+        self.orphaned = False
+        self.ipc_dir = _ipc_dir(input_addr)
         self.ctx = zmq.Context()
         self.input = self.ctx.socket(zmq.PULL)
         self.input.connect(input_addr)
@@ -64,6 +68,7 @@ class EngineCoreProc:
             self.input.poll(wait_ms)
         if os.getppid() != self.parent_pid:
             logger.warning("parent process %d is gone; exiting", self.parent_pid)
+            self.orphaned = True
             return False
         while True:
             try:
@@ -92,7 +97,15 @@ class EngineCoreProc:
 
     def close(self) -> None:
         self.core.shutdown()
-        self.ctx.destroy(linger=1000)
+        self.ctx.destroy(linger=1000 if not self.orphaned else 0)
+        if self.orphaned and self.ipc_dir is not None:  # nobody else is left to remove it
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def _ipc_dir(addr: str) -> str | None:
+    """The private socket dir ``MPClient`` made (``ipc://<tmp>/baton-core-*/input``)."""
+    path = Path(addr.removeprefix("ipc://")).parent
+    return str(path) if addr.startswith("ipc://") and path.name.startswith("baton-core-") else None
 
 
 def main() -> None:

@@ -18,7 +18,9 @@ them.
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import msgspec
 import numpy as np
@@ -32,6 +34,7 @@ logger = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT_MS = 5_000
 TRANSFER_TIMEOUT_S = 30.0
 PROTOCOL_VERSION = 1
+T = TypeVar("T")
 
 
 class PeerInfo(msgspec.Struct, frozen=True):
@@ -127,16 +130,16 @@ class NixlConnector:
         return failed
 
     def poll(self, notifications: bool = True) -> TransferResults:
-        """Transfer states, and (unless told not to) peers' release notifications."""
+        """Transfer states, and (unless told not to) peers' release notifications. A peer that
+        died mid-transfer fails its pulls here (NIXL raises a disconnect): never the engine."""
         out = TransferResults()
         for rid, pull in list(self._pulls.items()):
-            state = "DONE" if pull.handle is None else self.agent.check_xfer_state(pull.handle)
-            timed_out = time.monotonic() - pull.started > TRANSFER_TIMEOUT_S
-            if state == "PROC" and not timed_out:
+            state = self._state(pull)
+            if state == "PROC" and time.monotonic() - pull.started <= TRANSFER_TIMEOUT_S:
                 continue
             del self._pulls[rid]
             if pull.handle is not None:
-                self.agent.release_xfer_handle(pull.handle)
+                self._quietly(self.agent.release_xfer_handle, pull.handle)
             if state == "DONE":
                 n = len(pull.load.local_block_ids)
                 self.stats["kv_pulls"] += 1
@@ -146,17 +149,46 @@ class NixlConnector:
                 out.finished.append(rid)
                 if pull.peer:  # the prefill side may end its lease now
                     release = f"release:{pull.load.remote.request_id}".encode()
-                    self.agent.send_notif(pull.peer, release)
+                    self._quietly(self.agent.send_notif, pull.peer, release)
             else:
-                logger.error("KV pull for %s ended in state %s", rid, state)
+                logger.error("KV pull for %s from %s ended in state %s", rid,
+                             pull.load.remote.engine_id, state)  # fmt: skip
                 self.stats["kv_pull_failures"] += 1
                 out.failed.append(rid)
-        for msgs in (self.agent.get_new_notifs() if notifications else {}).values():
-            for msg in msgs:
-                text = msg.decode(errors="replace")
-                if text.startswith("release:"):
-                    out.released.append(text.removeprefix("release:"))
+                self._forget(pull.load.remote.side_channel)
+        if notifications:
+            notifs = self._quietly(self.agent.get_new_notifs) or {}
+            for msgs in notifs.values():
+                for msg in msgs:
+                    text = msg.decode(errors="replace")
+                    if text.startswith("release:"):
+                        out.released.append(text.removeprefix("release:"))
         return out
+
+    def _state(self, pull: _Pull) -> str:
+        if pull.handle is None:
+            return "DONE"
+        try:
+            return str(self.agent.check_xfer_state(pull.handle))
+        except Exception as e:  # nixlRemoteDisconnectError: the prefill worker is gone
+            logger.error("KV pull for %s: %s", pull.load.req_id, e)
+            return "ERR"
+
+    def _forget(self, side_channel: str) -> None:
+        """Drop a failed peer: the next request for it handshakes again (or fails fast)."""
+        peer = self._peers.pop(side_channel, None)
+        if peer is not None and not any(p.peer == peer.name for p in self._pulls.values()):
+            self._quietly(self.agent.release_dlist_handle, peer.remote_dlist)
+            self._quietly(self.agent.remove_remote_agent, peer.name)
+
+    @staticmethod
+    def _quietly(fn: Callable[..., T], *args: object) -> T | None:
+        """A NIXL call whose failure (a peer gone) must not stop the engine: logged, None."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            logger.warning("NIXL %s: %s", getattr(fn, "__name__", fn), e)
+            return None
 
     @property
     def busy(self) -> bool:
