@@ -47,7 +47,7 @@ bench: $(TINY)/config.json  ## offline throughput at a small scale on this machi
 	$(PY) benchmarks/throughput.py --model $(TINY) --num-prompts 32 --min-len 32 --max-len 256 --compare-hf
 
 bench-serving: $(TINY)/config.json  ## Poisson arrivals through the gateway + control-plane overhead
-	$(PY) benchmarks/serving.py --model $(TINY) --num-prompts 200 --request-rate 20 --out bench-results
+	$(PY) benchmarks/serving.py --model $(TINY) --num-prompts 200 --request-rate 20 --num-kv-blocks 4096 --out bench-results
 
 bench-model/config.json:
 	$(PY) -m baton.cli make-tiny-model bench-model --arch qwen3 --hidden-size 256 --layers 4 --heads 4 --kv-heads 2

@@ -109,12 +109,15 @@ class Cluster:
         sched = self.spawn("scheduler", argv, ready=True)
         sched_addr = self.wait_ready("scheduler", sched, SCHEDULER_START_S)["address"]
         workers = []
-        for name, role in self.worker_roles():
+        gpus = self.gpus()
+        for i, (name, role) in enumerate(self.worker_roles()):
             argv = ["worker", "--model", a.model, "--scheduler", sched_addr, "--worker-id", name,
                     "--role", role]  # fmt: skip
             if a.worker_metrics:
                 argv += ["--metrics-port", "0"]
             env = {"OMP_NUM_THREADS": str(self._threads_per_worker())}
+            if gpus:  # one GPU each, round robin: P/D pools land on different GPUs
+                env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
             workers.append((name, self.spawn(name, argv + self.engine_argv, True, env)))
         for name, path in workers:
             self.wait_ready(name, path, WORKER_START_S)
@@ -160,6 +163,23 @@ class Cluster:
         if "OMP_NUM_THREADS" in os.environ:
             return int(os.environ["OMP_NUM_THREADS"])
         return max(1, (os.cpu_count() or 1) // max(1, len(self.worker_roles())))
+
+    def gpus(self) -> list[str]:
+        """The GPUs the workers are spread over: ``--gpus``, else CUDA_VISIBLE_DEVICES, else
+        every GPU ``nvidia-smi`` lists; none with ``--device cpu`` or on a machine without."""
+        a = self.args
+        if getattr(a, "device", "auto") == "cpu":
+            return []
+        spec = getattr(a, "gpus", None)
+        spec = os.environ.get("CUDA_VISIBLE_DEVICES") if spec is None else spec
+        if spec is not None:
+            return [g for g in spec.split(",") if g.strip()]
+        try:
+            out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
+                                 timeout=10, check=True).stdout  # fmt: skip
+        except (OSError, subprocess.SubprocessError):
+            return []
+        return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
 
     def worker_roles(self) -> list[tuple[str, str]]:
         """(name, role) of every worker: ``--prefill-workers`` P, ``--decode-workers`` D and

@@ -171,6 +171,12 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-dir", default=None, help="write each service's log to DIR/<name>.log")
     p.add_argument("--redis-url", default=None, help="prefix directory in Redis (default: memory)")
     p.add_argument("--routing-policy", default=None, help="YAML/JSON file (see routing.py)")
+    p.add_argument(
+        "--gpus",
+        default=None,
+        help="comma-separated GPU ids; worker i gets GPU i mod their number "
+        "(default: CUDA_VISIBLE_DEVICES, else every GPU nvidia-smi lists)",
+    )
     add_engine_flags(p)
     p.set_defaults(func=run_serve)
 

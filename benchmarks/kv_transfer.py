@@ -15,6 +15,7 @@ On GPUs run with ``UCX_PROTO_INFO=y`` to see which transport UCX chose (``cuda_i
 import argparse
 import json
 import multiprocessing as mp
+import random
 import statistics
 import sys
 import time
@@ -38,18 +39,81 @@ def device_for(args: argparse.Namespace, rank: int) -> str:
     return f"cuda:{rank}" if args.device == "cuda" else "cpu"
 
 
+def expected(args: argparse.Namespace) -> torch.Tensor:
+    """The prefill side's cache contents (on the CPU: both sides can compute them)."""
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(cache_shape(args), generator=gen).to(torch.bfloat16)
+
+
 def prefill_side(args: argparse.Namespace, conn: "mp.connection.Connection") -> None:
     device = device_for(args, 0)
     if args.device == "cuda":
         torch.cuda.set_device(device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    kv = torch.randn(cache_shape(args), dtype=torch.bfloat16, device=device, generator=gen)
+    kv = expected(args).to(device)
     c = NixlConnector("bench-prefill", kv, "bench", "127.0.0.1")
     conn.send((c.side_channel, float(kv[: args.num_blocks - 1].float().sum().item())))
-    while not conn.poll(0.001):
-        c.poll()  # no progress thread: the passive side must be polled
-    conn.recv()
+    while True:
+        while not conn.poll(0.001):
+            c.poll()  # no progress thread: the passive side must be polled
+        msg = conn.recv()
+        if msg[0] == "write":  # push our blocks into the decode side's cache, timed here
+            _, side_channel, src, dst = msg
+            conn.send(timed_pulls(c, "WRITE", side_channel, src, dst, args.repeats))
+        else:
+            break
     c.close()
+
+
+def timed_pulls(
+    c: NixlConnector,
+    op: str,
+    side_channel: str,
+    local: list[int],
+    remote: list[int],
+    repeats: int,
+    merged: bool = False,
+) -> dict[str, list[float]]:
+    """``repeats`` + 1 transfers straight on the connector's agent (the first, which pays the
+    connection set-up, is dropped), each timed in three parts: make the request, post it,
+    wait for DONE. ``merged``: one descriptor per run of consecutive blocks, built with numpy
+    per request, instead of the prepared one-per-block lists."""
+    import numpy as np
+
+    peer = c._peer(RemoteKV("peer", side_channel, remote, 0))
+    info = peer.info
+    times: dict[str, list[float]] = {"make": [], "post": [], "wait": [], "total": []}
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        if merged:
+            lo, ro = np.asarray(local), np.asarray(remote)
+            starts = np.flatnonzero(np.r_[True, (np.diff(lo) != 1) | (np.diff(ro) != 1)])
+            lens = np.diff(np.r_[starts, len(lo)]) * c.block_bytes
+            ldesc = np.stack([c.kv_cache.data_ptr() + lo[starts] * c.block_bytes, lens,
+                              np.full_like(lens, c.device_id)], axis=1)  # fmt: skip
+            rdesc = np.stack([info.base_address + ro[starts] * info.block_bytes, lens,
+                              np.full_like(lens, info.device_id)], axis=1)  # fmt: skip
+            handle = c.agent.initialize_xfer(
+                op, c.agent.get_xfer_descs(ldesc, c.mem_type),
+                c.agent.get_xfer_descs(rdesc, info.mem_type), peer.name,
+            )  # fmt: skip
+        else:
+            handle = c.agent.make_prepped_xfer(
+                op, c._local, np.asarray(local, dtype=np.int64), peer.remote_dlist,
+                np.asarray(remote, dtype=np.int64),
+            )  # fmt: skip
+        t1 = time.perf_counter()
+        state = c.agent.transfer(handle)
+        t2 = time.perf_counter()
+        while state == "PROC":
+            state = c.agent.check_xfer_state(handle)
+        t3 = time.perf_counter()
+        assert state == "DONE", state
+        c.agent.release_xfer_handle(handle)
+        if i:
+            for k, v in (("make", t1 - t0), ("post", t2 - t1), ("wait", t3 - t2),
+                         ("total", t3 - t0)):  # fmt: skip
+                times[k].append(v)
+    return times
 
 
 def main() -> None:
@@ -74,12 +138,12 @@ def main() -> None:
         for k, v in SHAPES[args.shape].items():
             setattr(args, k, v)
     nblocks = -(-args.tokens // args.block_size)
-    args.num_blocks = nblocks + 1
+    args.num_blocks = 2 * nblocks + 1  # room for a scattered placement too
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=prefill_side, args=(args, child), daemon=True)
     proc.start()
-    side_channel, checksum = parent.recv()
+    side_channel, _ = parent.recv()
     device = device_for(args, 1)
     if args.device == "cuda":
         torch.cuda.set_device(device)
@@ -87,14 +151,20 @@ def main() -> None:
     c = NixlConnector("bench-decode", kv, "bench", "127.0.0.1")
     block_bytes = kv[0].numel() * kv.element_size()
     nbytes = nblocks * block_bytes
-    remote = RemoteKV("bench-prefill", side_channel, list(range(nblocks)), args.tokens)
+    blocks = list(range(nblocks))
+    # what a busy engine's free queue hands out: every other block, in a shuffled order
+    scattered = random.Random(0).sample(range(0, 2 * nblocks, 2), nblocks)
+    result: dict = {"device": args.device, "tokens": args.tokens, "blocks": nblocks,
+                    "bytes": nbytes, "block_bytes": block_bytes}  # fmt: skip
+
+    # 1. the engine's own path: NixlConnector.start_loads + poll, bytes checked
+    remote = RemoteKV("bench-prefill", side_channel, blocks, args.tokens)
     times = []
     for i in range(args.repeats + 1):
         kv.zero_()
         if args.device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        blocks = list(range(nblocks))
         assert not c.start_loads([KVLoad(f"r{i}", blocks, blocks, remote)])
         while True:
             res = c.poll(notifications=args.engine_poll)
@@ -104,11 +174,29 @@ def main() -> None:
         assert res.finished, "the pull failed"
         if i:  # the first pull pays the connection set-up
             times.append(elapsed)
-    got = float(kv[:nblocks].float().sum().item())
-    copy = []
+    result["bytes_match"] = bool(torch.equal(kv[:nblocks].cpu(), expected(args)[:nblocks]))
+    result["connector_read_ms"] = 1e3 * statistics.median(times)
+
+    # 2. variants on the bare agent, each timed as make / post / wait
+    variants = {
+        "read_prepped": ("READ", blocks, blocks, False),
+        "read_merged": ("READ", blocks, blocks, True),
+        "read_prepped_scattered": ("READ", scattered, blocks, False),
+    }
+    for name, (op, local, rem, merged) in variants.items():
+        t = timed_pulls(c, op, side_channel, local, rem, args.repeats, merged)
+        result[name] = {f"{k}_ms": 1e3 * statistics.median(v) for k, v in t.items()}
+    parent.send(("write", c.side_channel, blocks, blocks))
+    while not parent.poll(0.001):
+        c.poll()  # the passive side, polled as the child was
+    t = parent.recv()
+    result["write_prepped"] = {f"{k}_ms": 1e3 * statistics.median(v) for k, v in t.items()}
+
+    # 3. the same bytes copied by torch, GPU 0 → GPU 1
     if args.device == "cuda":
         src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
         dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+        copy = []
         for i in range(args.repeats + 1):
             torch.cuda.synchronize("cuda:0")
             torch.cuda.synchronize("cuda:1")
@@ -117,25 +205,21 @@ def main() -> None:
             torch.cuda.synchronize("cuda:1")
             if i:
                 copy.append(time.perf_counter() - start)
-    parent.send("done")
+        result["torch_copy_ms"] = 1e3 * statistics.median(copy)
+        result["torch_copy_gb_s"] = nbytes / statistics.median(copy) / 1e9
+    parent.send(("stop",))
     proc.join(timeout=10)
     c.close()
-    med = statistics.median(times)
-    result = {
-        "device": args.device,
-        "tokens": args.tokens,
-        "blocks": nblocks,
-        "bytes": nbytes,
-        "descriptors": nblocks,
-        "nixl_read_ms_median": 1e3 * med,
-        "nixl_read_gb_s": nbytes / med / 1e9,
-        "bytes_match": abs(got - checksum) < 1e-3 * max(1.0, abs(checksum)),
-    }
-    if copy:
-        cmed = statistics.median(copy)
-        result["torch_copy_ms_median"] = 1e3 * cmed
-        result["torch_copy_gb_s"] = nbytes / cmed / 1e9
-        result["fraction_of_copy"] = cmed / med
+    base = result.get("torch_copy_ms")
+    for key in ("connector_read_ms", *variants, "write_prepped"):
+        ms = result[key] if key.endswith("_ms") else result[key]["total_ms"]
+        line = f"{key:24s} {ms:8.3f} ms  {nbytes / ms / 1e6:7.1f} GB/s"
+        if base:
+            line += f"  {base / ms:6.1%} of the copy"
+        print(line)
+    if base:
+        print(f"{'torch copy':24s} {base:8.3f} ms  {result['torch_copy_gb_s']:7.1f} GB/s")
+        result["fraction_of_copy"] = base / result["connector_read_ms"]
     print(json.dumps(result, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -93,7 +93,10 @@ def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list
     return [[rng.randrange(300, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-async def run_load(url: str, model: str, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+async def run_load(
+    url: str, model: str, args: argparse.Namespace, vocab: int, rate: float | None = None
+) -> dict[str, Any]:
+    rate = args.request_rate if rate is None else rate
     prompts = random_prompts(args.num_prompts, args.min_len, args.max_len, vocab, args.seed)
     records = [Record(len(p)) for p in prompts]
     rng = random.Random(args.seed + 1)
@@ -103,20 +106,25 @@ async def run_load(url: str, model: str, args: argparse.Namespace, vocab: int) -
         tasks = []
         for ids, rec in zip(prompts, records, strict=True):
             tasks.append(asyncio.create_task(one_request(http, model, ids, args.output_len, rec)))
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(rate))
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     ok = [r for r in records if r.error is None and r.chunk_times]
     itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)]
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     out_tokens = sum(r.output_tokens for r in ok)
+    good = [r for r in ok if r.ttft <= args.slo_ttft_ms / 1e3 and r.output_tokens > 1
+            and (r.e2e - r.ttft) / (r.output_tokens - 1) <= args.slo_tpot_ms / 1e3]  # fmt: skip
     return {
+        "request_rate": rate,
         "requests": len(records),
         "failed": len(records) - len(ok),
         "errors": sorted({r.error for r in records if r.error})[:5],
         "duration_s": duration,
         "request_throughput": len(ok) / duration,
+        "slo_attainment": len(good) / len(records),
+        "goodput_req_s": len(good) / duration,  # requests that met both SLOs, per second
         "output_tokens_per_s": out_tokens / duration,
         "total_tokens_per_s": (out_tokens + sum(r.prompt_len for r in ok)) / duration,
         "ttft": summary([r.ttft for r in ok]),
@@ -196,9 +204,128 @@ def plot(load: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def plot_pd(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for label, loads in runs.items():
+        rates = [ld["request_rate"] for ld in loads]
+        axes[0].plot(rates, [ld["goodput_req_s"] for ld in loads], "o-", label=label)
+        axes[1].plot(rates, [ld["ttft"]["p90_ms"] for ld in loads], "o-", label=label)
+        axes[2].plot(rates, [ld["tpot"]["p90_ms"] for ld in loads], "o-", label=label)
+    axes[1].axhline(args.slo_ttft_ms, color="grey", ls="--", lw=1)
+    axes[2].axhline(args.slo_tpot_ms, color="grey", ls="--", lw=1)
+    for ax, title in zip(axes, ("goodput (req/s meeting both SLOs)", "TTFT p90 (ms)",
+                                "TPOT p90 (ms)"), strict=True):  # fmt: skip
+        ax.set_xlabel("offered load (req/s)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{args.shape or Path(args.model).name}: {args.min_len}-{args.max_len} in / "
+                 f"{args.output_len} out, SLO TTFT ≤ {args.slo_ttft_ms:.0f} ms, "
+                 f"TPOT ≤ {args.slo_tpot_ms:.0f} ms")  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+LAYOUTS = {  # name → ``baton serve`` flags: the same number of workers (GPUs) in both
+    "colocated": ["--workers", "2"],
+    "disaggregated": ["--prefill-workers", "1", "--decode-workers", "1"],
+}
+
+
+def start_cluster(args: argparse.Namespace, layout: list[str]) -> Any:
+    from baton.cli import build_parser
+    from baton.launcher import Cluster, free_port
+    from baton.service_cli import engine_flags_argv
+
+    argv = ["serve", "--model", args.model, *layout]
+    for flag in ("num_kv_blocks", "max_model_len", "max_num_batched_tokens",
+                 "gpu_memory_utilization", "load_format"):  # fmt: skip
+        value = getattr(args, flag)
+        if value is not None:
+            argv += [f"--{flag.replace('_', '-')}", str(value)]
+    cargs = build_parser().parse_args(argv)
+    cargs.port = free_port()
+    cargs.log_dir = args.log_dir
+    cargs.worker_metrics = True
+    cluster = Cluster(cargs, engine_flags_argv(cargs))
+    cluster.start()
+    return cluster
+
+
+async def warm_up(url: str, model: str, args: argparse.Namespace, vocab: int) -> None:
+    """A few requests of the workload's shape first: kernels compiled, graphs warm."""
+    prompts = random_prompts(args.warmup, args.min_len, args.max_len, vocab, args.seed + 99)
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        recs = [Record(len(p)) for p in prompts]
+        await asyncio.gather(*(one_request(http, model, p, 8, r)
+                               for p, r in zip(prompts, recs, strict=True)))  # fmt: skip
+        errors = {r.error for r in recs if r.error}
+        if errors:
+            raise RuntimeError(f"warm-up failed: {errors}")
+
+
+def compare_pd(args: argparse.Namespace, name: str, vocab: int) -> dict[str, Any]:
+    """Each layout in turn, at each offered load: goodput under the SLOs, side by side."""
+    rates = [float(r) for r in args.request_rates.split(",")]
+    runs: dict[str, list[dict[str, Any]]] = {}
+    transfer: dict[str, float] = {}
+    for label, layout in LAYOUTS.items():
+        cluster = start_cluster(args, layout)
+        try:
+            asyncio.run(warm_up(cluster.url, name, args, vocab))
+            runs[label] = []
+            for rate in rates:
+                load = asyncio.run(run_load(cluster.url, name, args, vocab, rate))
+                load["per_request_ttft_tpot_ms"] = [  # to recompute goodput at other SLOs
+                    [round(1e3 * r.ttft, 2),
+                     round(1e3 * (r.e2e - r.ttft) / max(r.output_tokens - 1, 1), 3)]
+                    for r in load.pop("_records")
+                ]  # fmt: skip
+                runs[label].append(load)
+                print(f"{label:14s} {rate:5.1f} req/s: goodput {load['goodput_req_s']:5.2f} "
+                      f"req/s, SLO met {load['slo_attainment']:.0%}, TTFT p50 "
+                      f"{load['ttft']['p50_ms']:.0f} ms, TPOT p50 {load['tpot']['p50_ms']:.1f} "
+                      f"ms, failed {load['failed']}", flush=True)  # fmt: skip
+            if label == "disaggregated":
+                transfer = worker_counters(cluster, "decode-0", "baton_worker_kv_pull")
+        finally:
+            cluster.stop()
+    best = {label: max(ld["goodput_req_s"] for ld in loads) for label, loads in runs.items()}
+    return {
+        "runs": runs,
+        "max_goodput_req_s": best,
+        "goodput_ratio": best["disaggregated"] / best["colocated"] if best["colocated"] else None,
+        "kv_transfer": transfer,
+    }
+
+
+def worker_counters(cluster: Any, worker: str, prefix: str) -> dict[str, float]:
+    """The worker's Prometheus counters starting with ``prefix`` (the KV pulls' totals), and
+    the mean pull's size, time and rate."""
+    port = cluster.ready[worker]["metrics_port"]
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    got = {}
+    for line in text.splitlines():
+        if line.startswith(prefix) and "_total " in line:
+            name, value = line.split()
+            got[name.removesuffix("_total")] = float(value)
+    pulls = got.get(f"{prefix}s", 0.0)
+    if pulls:
+        got["mean_pull_mb"] = got[f"{prefix}_bytes"] / pulls / 1e6
+        got["mean_pull_ms"] = 1e3 * got[f"{prefix}_seconds"] / pulls
+        got["pull_gb_s"] = got[f"{prefix}_bytes"] / got[f"{prefix}_seconds"] / 1e9
+    return got
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--model", default=None, help="checkpoint directory")
+    p.add_argument("--shape", default=None, help="a benchmarks/shapes.py shape, dummy weights")
     p.add_argument("--url", default=None, help="an already running gateway's /v1 URL")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--num-prompts", type=int, default=200)
@@ -208,31 +335,59 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--overhead-requests", type=int, default=200)
     p.add_argument("--overhead-len", type=int, default=64)
-    p.add_argument("--num-kv-blocks", type=int, default=4096)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized by memory")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=None)
+    p.add_argument("--load-format", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-overhead", action="store_true")
+    p.add_argument(
+        "--compare-pd",
+        action="store_true",
+        help="2 colocated workers vs 1 prefill + 1 decode, at each --request-rates",
+    )
+    p.add_argument("--request-rates", default="1,2,4,6,8")
+    p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=30.0)
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--log-dir", default=None)
     p.add_argument("--out", default="bench-results")
+    p.add_argument("--replot", default=None, help="only redraw serving_pd.png from this JSON")
     args = p.parse_args()
+    if args.replot:
+        saved = json.loads(Path(args.replot).read_text())
+        plot_pd(saved["runs"], argparse.Namespace(**saved["args"]),
+                Path(args.replot).with_suffix(".png"))  # fmt: skip
+        return
+    if args.shape:
+        from benchmarks.shapes import write_shape
 
-    from baton.cli import build_parser
-    from baton.launcher import Cluster, free_port
-    from baton.service_cli import engine_flags_argv
+        args.model = str(write_shape(args.shape, Path(args.out) / f"shape-{args.shape}"))
+        args.load_format = "dummy"
+    if not args.model:
+        p.error("--model or --shape is required")
+
     from services.worker.engine.model_config import load_arch_config
 
     vocab = load_arch_config(args.model).vocab_size
     name = Path(args.model).name
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.compare_pd:
+        result = {"args": vars(args), **compare_pd(args, name, vocab)}
+        (out / "serving_pd.json").write_text(json.dumps(result, indent=2))
+        try:
+            plot_pd(result["runs"], args, out / "serving_pd.png")
+        except ImportError:  # a GPU host without matplotlib: --replot the JSON elsewhere
+            print("matplotlib is missing: no plot (redraw with --replot serving_pd.json)")
+        print(json.dumps({k: v for k, v in result.items() if k not in ("runs", "args")}, indent=2))
+        return
     cluster = None
     url = args.url
     if url is None:
-        argv = ["serve", "--model", args.model, "--workers", str(args.workers),
-                "--num-kv-blocks", str(args.num_kv_blocks)]  # fmt: skip
-        if args.max_model_len:
-            argv += ["--max-model-len", str(args.max_model_len)]
-        cargs = build_parser().parse_args(argv)
-        cargs.port = free_port()
-        cluster = Cluster(cargs, engine_flags_argv(cargs))
-        url = cluster.start()
+        cluster = start_cluster(args, ["--workers", str(args.workers)])
+        url = cluster.url
     try:
         load = asyncio.run(run_load(url, name, args, vocab))
         overhead = (
@@ -243,8 +398,6 @@ def main() -> None:
     finally:
         if cluster is not None:
             cluster.stop()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     plot(load, out / "serving.png")
     result = {"args": vars(args), "load": {k: v for k, v in load.items() if k != "_records"},
               "overhead": overhead}  # fmt: skip

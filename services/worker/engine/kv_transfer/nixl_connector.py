@@ -55,6 +55,7 @@ class IncompatiblePeer(RuntimeError):
 class _Peer:
     name: str
     remote_dlist: object  # a prepped NIXL descriptor-list handle over every remote block
+    info: PeerInfo
 
 
 @dataclass
@@ -220,7 +221,7 @@ class NixlConnector:
         blocks = [(info.base_address + i * info.block_bytes, info.block_bytes, info.device_id)
                   for i in range(info.num_blocks)]  # fmt: skip
         dlist = self.agent.prep_xfer_dlist(name, blocks, info.mem_type)
-        peer = self._peers[remote.side_channel] = _Peer(name, dlist)
+        peer = self._peers[remote.side_channel] = _Peer(name, dlist, info)
         logger.info("KV peer %s at %s: %d blocks of %d bytes", name, remote.side_channel,
                     info.num_blocks, info.block_bytes)  # fmt: skip
         return peer

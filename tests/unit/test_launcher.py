@@ -1,0 +1,34 @@
+"""``baton serve``'s launcher, without starting anything: worker roles and GPU placement."""
+
+import pytest
+
+from baton.cli import build_parser
+from baton.launcher import Cluster
+
+
+def cluster(*argv: str) -> Cluster:
+    return Cluster(build_parser().parse_args(["serve", "--model", "m", *argv]), [])
+
+
+def test_worker_roles() -> None:
+    assert cluster().worker_roles() == [("worker-0", "both")]
+    assert cluster("--prefill-workers", "2", "--decode-workers", "1").worker_roles() == [
+        ("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode"),
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="decode-capable"):
+        cluster("--prefill-workers", "1").worker_roles()
+
+
+def test_gpus_from_the_flag_then_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert cluster("--gpus", "0,1").gpus() == ["0", "1"]
+    assert cluster().gpus() == ["3", "5"]
+    assert cluster("--device", "cpu").gpus() == []
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # GPUs hidden on purpose: none
+    assert cluster().gpus() == []
+
+
+def test_gpus_without_nvidia_smi(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert cluster().gpus() == []
