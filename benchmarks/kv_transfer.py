@@ -15,6 +15,7 @@ On GPUs run with ``UCX_PROTO_INFO=y`` to see which transport UCX chose (``cuda_i
 import argparse
 import json
 import multiprocessing as mp
+import os
 import random
 import statistics
 import sys
@@ -36,7 +37,9 @@ def cache_shape(args: argparse.Namespace) -> tuple[int, ...]:
 
 
 def device_for(args: argparse.Namespace, rank: int) -> str:
-    return f"cuda:{rank}" if args.device == "cuda" else "cpu"
+    if args.device != "cuda":
+        return "cpu"
+    return "cuda:0" if args.isolate else f"cuda:{rank}"
 
 
 def expected(args: argparse.Namespace) -> torch.Tensor:
@@ -46,6 +49,8 @@ def expected(args: argparse.Namespace) -> torch.Tensor:
 
 
 def prefill_side(args: argparse.Namespace, conn: "mp.connection.Connection") -> None:
+    if args.isolate:
+        os.environ["CUDA_VISIBLE_DEVICES"] = "0"
     device = device_for(args, 0)
     if args.device == "cuda":
         torch.cuda.set_device(device)
@@ -53,7 +58,7 @@ def prefill_side(args: argparse.Namespace, conn: "mp.connection.Connection") -> 
     c = NixlConnector("bench-prefill", kv, "bench", "127.0.0.1")
     conn.send((c.side_channel, float(kv[: args.num_blocks - 1].float().sum().item())))
     while True:
-        while not conn.poll(0.001):
+        while not conn.poll(args.peer_poll_ms / 1e3):
             c.poll()  # no progress thread: the passive side must be polled
         msg = conn.recv()
         if msg[0] == "write":  # push our blocks into the decode side's cache, timed here
@@ -72,11 +77,14 @@ def timed_pulls(
     remote: list[int],
     repeats: int,
     merged: bool = False,
+    notify: str = "",
 ) -> dict[str, list[float]]:
     """``repeats`` + 1 transfers straight on the connector's agent (the first, which pays the
     connection set-up, is dropped), each timed in three parts: make the request, post it,
     wait for DONE. ``merged``: one descriptor per run of consecutive blocks, built with numpy
-    per request, instead of the prepared one-per-block lists."""
+    per request, instead of the prepared one-per-block lists. ``notify``: "xfer" attaches
+    the release notification to the transfer (NIXL sends it on completion), "send" sends it
+    after DONE (a separate message)."""
     import numpy as np
 
     peer = c._peer(RemoteKV("peer", side_channel, remote, 0))
@@ -100,6 +108,7 @@ def timed_pulls(
             handle = c.agent.make_prepped_xfer(
                 op, c._local, np.asarray(local, dtype=np.int64), peer.remote_dlist,
                 np.asarray(remote, dtype=np.int64),
+                notif_msg=f"bench:{i}".encode() if notify == "xfer" else b"",
             )  # fmt: skip
         t1 = time.perf_counter()
         state = c.agent.transfer(handle)
@@ -108,6 +117,9 @@ def timed_pulls(
             state = c.agent.check_xfer_state(handle)
         t3 = time.perf_counter()
         assert state == "DONE", state
+        if notify == "send":
+            c.agent.send_notif(peer.name, f"bench:{i}".encode())
+            t3 = time.perf_counter()
         c.agent.release_xfer_handle(handle)
         if i:
             for k, v in (("make", t1 - t0), ("post", t2 - t1), ("wait", t3 - t2),
@@ -117,6 +129,8 @@ def timed_pulls(
 
 
 def main() -> None:
+    if "--isolate" in sys.argv:  # before anything here initialises CUDA (argparse's default does)
+        os.environ["CUDA_VISIBLE_DEVICES"] = "1"
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default=None)
     p.add_argument("--layers", type=int, default=2)
@@ -132,6 +146,13 @@ def main() -> None:
         "--engine-poll",
         action="store_true",
         help="poll as an engine step does (transfer states + notifications)",
+    )
+    p.add_argument("--step-ms", type=float, default=0.0, help="also: one poll per step of this")
+    p.add_argument("--peer-poll-ms", type=float, default=1.0, help="the prefill side's poll period")
+    p.add_argument(
+        "--isolate",
+        action="store_true",
+        help="each side sees only its own GPU (CUDA_VISIBLE_DEVICES), as baton serve runs them",
     )
     args = p.parse_args()
     if args.shape:
@@ -176,15 +197,37 @@ def main() -> None:
             times.append(elapsed)
     result["bytes_match"] = bool(torch.equal(kv[:nblocks].cpu(), expected(args)[:nblocks]))
     result["connector_read_ms"] = 1e3 * statistics.median(times)
+    if args.step_ms:  # polled once per engine step, into scattered blocks: as in serving
+        steps = []
+        for i in range(args.repeats):
+            start = time.perf_counter()
+            assert not c.start_loads([KVLoad(f"s{i}", scattered, blocks, remote)])
+            n = 0
+            while True:
+                time.sleep(args.step_ms / 1e3)  # the model's forward
+                n += 1
+                res = c.poll()
+                if res.finished or res.failed:
+                    break
+            assert res.finished
+            steps.append((time.perf_counter() - start, n))
+        result["engine_cadence"] = {
+            "step_ms": args.step_ms,
+            "pull_ms": 1e3 * statistics.median(t for t, _ in steps),
+            "steps": statistics.median(n for _, n in steps),
+            "UCX_CUDA_IPC_MAX_POLL": os.environ.get("UCX_CUDA_IPC_MAX_POLL"),
+        }
 
     # 2. variants on the bare agent, each timed as make / post / wait
-    variants = {
+    variants: dict[str, tuple] = {
         "read_prepped": ("READ", blocks, blocks, False),
         "read_merged": ("READ", blocks, blocks, True),
         "read_prepped_scattered": ("READ", scattered, blocks, False),
+        "read_prepped_notif_on_xfer": ("READ", blocks, blocks, False, "xfer"),
+        "read_prepped_then_send_notif": ("READ", blocks, blocks, False, "send"),
     }
-    for name, (op, local, rem, merged) in variants.items():
-        t = timed_pulls(c, op, side_channel, local, rem, args.repeats, merged)
+    for name, (op, local, rem, merged, *notify) in variants.items():
+        t = timed_pulls(c, op, side_channel, local, rem, args.repeats, merged, *notify)
         result[name] = {f"{k}_ms": 1e3 * statistics.median(v) for k, v in t.items()}
     parent.send(("write", c.side_channel, blocks, blocks))
     while not parent.poll(0.001):
@@ -193,7 +236,7 @@ def main() -> None:
     result["write_prepped"] = {f"{k}_ms": 1e3 * statistics.median(v) for k, v in t.items()}
 
     # 3. the same bytes copied by torch, GPU 0 → GPU 1
-    if args.device == "cuda":
+    if args.device == "cuda" and not args.isolate:
         src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
         dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
         copy = []
@@ -213,12 +256,12 @@ def main() -> None:
     base = result.get("torch_copy_ms")
     for key in ("connector_read_ms", *variants, "write_prepped"):
         ms = result[key] if key.endswith("_ms") else result[key]["total_ms"]
-        line = f"{key:24s} {ms:8.3f} ms  {nbytes / ms / 1e6:7.1f} GB/s"
+        line = f"{key:30s} {ms:8.3f} ms  {nbytes / ms / 1e6:7.1f} GB/s"
         if base:
             line += f"  {base / ms:6.1%} of the copy"
         print(line)
     if base:
-        print(f"{'torch copy':24s} {base:8.3f} ms  {result['torch_copy_gb_s']:7.1f} GB/s")
+        print(f"{'torch copy':30s} {base:8.3f} ms  {result['torch_copy_gb_s']:7.1f} GB/s")
         result["fraction_of_copy"] = base / result["connector_read_ms"]
     print(json.dumps(result, indent=2))
     if args.out:

@@ -97,9 +97,10 @@ async def run_load(
     url: str, model: str, args: argparse.Namespace, vocab: int, rate: float | None = None
 ) -> dict[str, Any]:
     rate = args.request_rate if rate is None else rate
-    prompts = random_prompts(args.num_prompts, args.min_len, args.max_len, vocab, args.seed)
+    seed = args.seed + round(1000 * rate)  # fresh prompts at each rate: no prefix-cache hits
+    prompts = random_prompts(args.num_prompts, args.min_len, args.max_len, vocab, seed)
     records = [Record(len(p)) for p in prompts]
-    rng = random.Random(args.seed + 1)
+    rng = random.Random(seed + 1)
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
         start = time.perf_counter()
@@ -274,7 +275,8 @@ def compare_pd(args: argparse.Namespace, name: str, vocab: int) -> dict[str, Any
     rates = [float(r) for r in args.request_rates.split(",")]
     runs: dict[str, list[dict[str, Any]]] = {}
     transfer: dict[str, float] = {}
-    for label, layout in LAYOUTS.items():
+    for label in args.layouts.split(","):
+        layout = LAYOUTS[label]
         cluster = start_cluster(args, layout)
         try:
             asyncio.run(warm_up(cluster.url, name, args, vocab))
@@ -292,33 +294,42 @@ def compare_pd(args: argparse.Namespace, name: str, vocab: int) -> dict[str, Any
                       f"{load['ttft']['p50_ms']:.0f} ms, TPOT p50 {load['tpot']['p50_ms']:.1f} "
                       f"ms, failed {load['failed']}", flush=True)  # fmt: skip
             if label == "disaggregated":
-                transfer = worker_counters(cluster, "decode-0", "baton_worker_kv_pull")
+                transfer = worker_counters(cluster, "decode-0")
         finally:
             cluster.stop()
     best = {label: max(ld["goodput_req_s"] for ld in loads) for label, loads in runs.items()}
+    if len(runs) < 2:
+        return {"runs": runs, "max_goodput_req_s": best, "kv_transfer": transfer}
+    # DistServe's goodput: the highest offered load at which 90 % of requests meet both SLOs
+    knee = {
+        label: max([ld["request_rate"] for ld in loads if ld["slo_attainment"] >= 0.9] or [0.0])
+        for label, loads in runs.items()
+    }
     return {
         "runs": runs,
         "max_goodput_req_s": best,
         "goodput_ratio": best["disaggregated"] / best["colocated"] if best["colocated"] else None,
+        "max_rate_at_90pct_slo": knee,
+        "rate_ratio": knee["disaggregated"] / knee["colocated"] if knee["colocated"] else None,
         "kv_transfer": transfer,
     }
 
 
-def worker_counters(cluster: Any, worker: str, prefix: str) -> dict[str, float]:
-    """The worker's Prometheus counters starting with ``prefix`` (the KV pulls' totals), and
-    the mean pull's size, time and rate."""
+def worker_counters(cluster: Any, worker: str) -> dict[str, float]:
+    """The decode worker's KV-transfer counters, and the mean pull's size, time and rate."""
     port = cluster.ready[worker]["metrics_port"]
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
     got = {}
     for line in text.splitlines():
-        if line.startswith(prefix) and "_total " in line:
+        if line.startswith("baton_worker_kv_") and "_total " in line:
             name, value = line.split()
-            got[name.removesuffix("_total")] = float(value)
-    pulls = got.get(f"{prefix}s", 0.0)
+            got[name.removeprefix("baton_worker_").removesuffix("_total")] = float(value)
+    pulls = got.get("kv_pulls", 0.0)
     if pulls:
-        got["mean_pull_mb"] = got[f"{prefix}_bytes"] / pulls / 1e6
-        got["mean_pull_ms"] = 1e3 * got[f"{prefix}_seconds"] / pulls
-        got["pull_gb_s"] = got[f"{prefix}_bytes"] / got[f"{prefix}_seconds"] / 1e9
+        got["mean_pull_mb"] = got["kv_pull_bytes"] / pulls / 1e6
+        got["mean_pull_ms"] = 1e3 * got["kv_pull_seconds"] / pulls
+        got["mean_notify_ms"] = 1e3 * got.get("kv_notify_seconds", 0.0) / pulls
+        got["pull_gb_s"] = got["kv_pull_bytes"] / got["kv_pull_seconds"] / 1e9
     return got
 
 
@@ -348,6 +359,7 @@ def main() -> None:
         help="2 colocated workers vs 1 prefill + 1 decode, at each --request-rates",
     )
     p.add_argument("--request-rates", default="1,2,4,6,8")
+    p.add_argument("--layouts", default="colocated,disaggregated")
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=30.0)
     p.add_argument("--warmup", type=int, default=8)

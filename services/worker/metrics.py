@@ -30,6 +30,9 @@ KV_PULL_FAILURES = Counter("baton_worker_kv_pull_failures", "KV pulls that faile
 KV_PULL_BYTES = Counter("baton_worker_kv_pull_bytes", "Bytes of KV pulled")
 KV_PULL_DESCRIPTORS = Counter("baton_worker_kv_pull_descriptors", "NIXL descriptors pulled")
 KV_PULL_SECONDS = Counter("baton_worker_kv_pull_seconds", "Time from a pull's start to its end")
+KV_NOTIFY_SECONDS = Counter(
+    "baton_worker_kv_notify_seconds", "Time the engine spent sending release notifications"
+)
 KV_LEASES_RELEASED = Counter("baton_worker_kv_leases_released", "Leases ended by a pull or abort")
 KV_LEASES_EXPIRED = Counter("baton_worker_kv_leases_expired", "Leases nobody pulled in time")
 
@@ -39,6 +42,7 @@ _ENGINE_COUNTERS = {
     "kv_pull_bytes": KV_PULL_BYTES,
     "kv_pull_descriptors": KV_PULL_DESCRIPTORS,
     "kv_pull_seconds": KV_PULL_SECONDS,
+    "kv_notify_seconds": KV_NOTIFY_SECONDS,
     "kv_leases_released": KV_LEASES_RELEASED,
     "kv_leases_expired": KV_LEASES_EXPIRED,
 }

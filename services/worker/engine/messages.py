@@ -81,6 +81,7 @@ class EngineStats(msgspec.Struct):
     kv_pull_bytes: int = 0
     kv_pull_descriptors: int = 0
     kv_pull_seconds: float = 0.0  # summed from start to completion seen
+    kv_notify_seconds: float = 0.0  # decode side: time spent sending release notifications
     kv_leases_released: int = 0  # prefill side: leases ended by the decode side's notification
     kv_leases_expired: int = 0  # prefill side: leases nobody pulled in time
 

@@ -11,11 +11,13 @@
     poll        every engine step: transfer states, and notifications from peers
 
 Single-threaded by contract: every method except the side-channel thread runs on the engine
-core's loop. Agents run without a progress thread (steadier on few cores), so ``poll`` drives
-them.
+core's loop. On a GPU the agent has NIXL's progress thread (a peer's notification must not wait
+for our next engine step); on the CPU it has none (steadier on few cores) and ``poll`` drives
+it.
 """
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +36,7 @@ logger = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT_MS = 5_000
 TRANSFER_TIMEOUT_S = 30.0
 PROTOCOL_VERSION = 1
+UCX_MAX_POLL = 4096  # copies one progress call may complete (a 64k-token pull: 4,096 blocks)
 T = TypeVar("T")
 
 
@@ -80,7 +83,16 @@ class NixlConnector:
         self.engine_id = engine_id
         self.compat_hash = compat_hash
         self.kv_cache = kv_cache
-        self.agent = nixl_agent(engine_id, nixl_agent_config(enable_prog_thread=False))
+        # UCX's cuda_ipc completes at most MAX_POLL (default 16) copies per progress call:
+        # one call per engine step must be able to finish a whole pull.
+        os.environ.setdefault("UCX_CUDA_IPC_MAX_POLL", str(UCX_MAX_POLL))
+        # A notification's sender waits until the receiver's agent progresses. Without a
+        # progress thread that is once per engine step on the receiving side (a prefill step
+        # of a long prompt: 100+ ms), and the decode engine sending "release" stalled that
+        # long (measured: benchmarks/kv_transfer.py --peer-poll-ms). On a GPU host the thread
+        # costs a core per engine; on a CPU engine (few cores, the model shares them) the
+        # engine's own polling does it.
+        self.agent = nixl_agent(engine_id, nixl_agent_config(enable_prog_thread=kv_cache.is_cuda))
         self.mem_type = "VRAM" if kv_cache.is_cuda else "DRAM"
         self.device_id = (kv_cache.device.index or 0) if kv_cache.is_cuda else 0
         self.num_blocks = kv_cache.shape[0]
@@ -91,7 +103,8 @@ class NixlConnector:
                   for i in range(self.num_blocks)]  # fmt: skip
         self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", blocks, self.mem_type)
         self.stats = {"kv_pulls": 0, "kv_pull_failures": 0, "kv_pull_bytes": 0,
-                      "kv_pull_descriptors": 0, "kv_pull_seconds": 0.0}  # fmt: skip
+                      "kv_pull_descriptors": 0, "kv_pull_seconds": 0.0,
+                      "kv_notify_seconds": 0.0}  # fmt: skip
         self._peers: dict[str, _Peer] = {}  # side channel → peer
         self._pulls: dict[str, _Pull] = {}
         self._ctx = zmq.Context()
@@ -150,7 +163,9 @@ class NixlConnector:
                 out.finished.append(rid)
                 if pull.peer:  # the prefill side may end its lease now
                     release = f"release:{pull.load.remote.request_id}".encode()
+                    sent = time.monotonic()
                     self._quietly(self.agent.send_notif, pull.peer, release)
+                    self.stats["kv_notify_seconds"] += time.monotonic() - sent
             else:
                 logger.error("KV pull for %s from %s ended in state %s", rid,
                              pull.load.remote.engine_id, state)  # fmt: skip
