@@ -50,10 +50,12 @@ bench-serving: $(TINY)/config.json  ## Poisson arrivals through the gateway + co
 	$(PY) benchmarks/serving.py --model $(TINY) --num-prompts 200 --request-rate 20 --num-kv-blocks 4096 --out bench-results
 
 bench-model/config.json:
-	$(PY) -m baton.cli make-tiny-model bench-model --arch qwen3 --hidden-size 256 --layers 4 --heads 4 --kv-heads 2
+	$(PY) -m baton.cli make-tiny-model bench-model --arch qwen3 --hidden-size 256 --layers 4 --heads 4 --kv-heads 2 \
+		--max-position-embeddings 4096
 
 bench-prefix: bench-model/config.json  ## cache-aware vs round-robin routing, multi-turn, 4 workers
-	$(PY) benchmarks/prefix_routing.py --model bench-model --workers 4 --out bench-results
+	$(PY) benchmarks/prefix_routing.py --model bench-model --workers 4 --doc-len 1024 \
+		--conversation-rate 1 --think-ms 1000 --num-kv-blocks 2048 --out bench-results
 
 clean:
 	rm -rf $(TINY) bench-model bench-results .pytest_cache .mypy_cache .ruff_cache

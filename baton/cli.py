@@ -17,6 +17,7 @@ def _make_tiny_model(args: argparse.Namespace) -> None:
         num_layers=args.layers,
         num_heads=args.heads,
         num_kv_heads=args.kv_heads,
+        max_position_embeddings=args.max_position_embeddings,
     )
     print(f"wrote a tiny {args.arch} checkpoint to {path}")
 
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--max-position-embeddings", type=int, default=1024)
     p.set_defaults(func=_make_tiny_model)
 
     p = sub.add_parser("generate", help="offline generation with a checkpoint")

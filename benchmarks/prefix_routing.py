@@ -9,7 +9,12 @@ prefix caches as a fraction of the **oracle** (for each request, the full blocks
 that some earlier finished request had computed, capped as the engine caps a hit), and TTFT
 p50/p99. Writes JSON and a PNG.
 
-    python benchmarks/prefix_routing.py --model bench-model --workers 4
+``--doc-len`` gives each conversation's first message a document of its own (what makes a
+conversation's prefix worth following); ``--conversation-rate`` and ``--think-ms`` spread the
+load over time (default: all conversations at once, no pause).
+
+    python benchmarks/prefix_routing.py --model bench-model --workers 4 --doc-len 1024 \
+        --conversation-rate 1 --think-ms 1000 --num-kv-blocks 2048          # make bench-prefix
 """
 
 import argparse
@@ -45,7 +50,7 @@ def conversations(args: argparse.Namespace, vocab: int) -> list[list[list[int]]]
     system = tokens(args.system_len)
     convs = []
     for _ in range(args.conversations):
-        history, prompts = list(system), []
+        history, prompts = system + tokens(args.doc_len), []
         for _ in range(args.turns):
             history += tokens(args.user_len)
             prompts.append(list(history))
@@ -54,7 +59,9 @@ def conversations(args: argparse.Namespace, vocab: int) -> list[list[list[int]]]
     return convs
 
 
-async def run_policy(url: str, model: str, convs: list[list[list[int]]], block: int) -> dict:
+async def run_policy(
+    url: str, model: str, convs: list[list[list[int]]], block: int, args: argparse.Namespace
+) -> dict:
     seen: set[bytes] = set()  # block hashes of every finished request's prompt
     records: list[dict[str, float]] = []
 
@@ -85,14 +92,26 @@ async def run_policy(url: str, model: str, convs: list[list[list[int]]], block: 
         records.append({"ttft": ttft or float("nan"), "cached": cached, "oracle": oracle,
                         "prompt": len(ids)})  # fmt: skip
 
-    async def conversation(http: httpx.AsyncClient, prompts: list[list[int]]) -> None:
-        for ids in prompts:
+    async def conversation(http: httpx.AsyncClient, prompts: list[list[int]], at: float) -> None:
+        await asyncio.sleep(at)
+        for turn, ids in enumerate(prompts):
+            if turn:
+                await asyncio.sleep(args.think_ms / 1e3)  # the user reads, then types
             await one(http, ids)
+
+    rng = random.Random(args.seed + 1)
+    starts, t = [], 0.0
+    for _ in convs:  # conversations arrive as a Poisson process (all at once: inf)
+        starts.append(t)
+        if args.conversation_rate != float("inf"):
+            t += rng.expovariate(args.conversation_rate)
 
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
         start = time.perf_counter()
-        await asyncio.gather(*(conversation(http, p) for p in convs))
+        await asyncio.gather(
+            *(conversation(http, p, at) for p, at in zip(convs, starts, strict=True))
+        )
         duration = time.perf_counter() - start
     ttfts = sorted(r["ttft"] for r in records)
     cached, oracle = sum(r["cached"] for r in records), sum(r["oracle"] for r in records)
@@ -138,6 +157,14 @@ def main() -> None:
     p.add_argument("--conversations", type=int, default=32)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--system-len", type=int, default=256)
+    p.add_argument("--doc-len", type=int, default=0, help="a per-conversation context at turn 1")
+    p.add_argument(
+        "--conversation-rate",
+        type=float,
+        default=float("inf"),
+        help="conversations start as a Poisson process at this rate (per second)",
+    )
+    p.add_argument("--think-ms", type=float, default=0.0, help="pause before each next turn")
     p.add_argument("--user-len", type=int, default=48)
     p.add_argument("--reply-len", type=int, default=32)
     p.add_argument("--num-kv-blocks", type=int, default=1024)
@@ -166,7 +193,7 @@ def main() -> None:
         cluster = Cluster(cargs, engine_flags_argv(cargs))
         url = cluster.start()
         try:
-            results[name] = asyncio.run(run_policy(url, Path(args.model).name, convs, 16))
+            results[name] = asyncio.run(run_policy(url, Path(args.model).name, convs, 16, args))
         finally:
             cluster.stop()
         print(name, {k: v for k, v in results[name].items() if not k.startswith("_")}, flush=True)
