@@ -8,6 +8,7 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -192,3 +193,46 @@ def test_prefill_worker_killed_during_transfer(
         assert worker_health(cluster, "decode-0").serving
         out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
         assert out.choices[0].text == ref.outputs[0].text
+
+
+def test_every_length_disaggregated_equals_offline(
+    tiny_model: Path, tmp_path: Path, offline: LLM
+) -> None:
+    """With the decider's threshold at 0 every request takes the P/D path: prompts shorter
+    than a block (nothing to pull), exactly one block, several, and one that extends a prompt
+    the decode worker already holds (it reuses its own blocks and reads only the rest)."""
+    policy = tmp_path / "policy.json"
+    policy.write_text(json.dumps({"decider": {"min_uncached_tokens": 0}}))
+    pd = ["--prefill-workers", "1", "--decode-workers", "1", "--worker-metrics"]
+    with running_cluster(tiny_model, 0, *pd, "--routing-policy", str(policy)) as cluster:
+        c = openai.OpenAI(base_url=cluster.url, api_key="x", max_retries=0, timeout=60)
+        base = long_prompt(tiny_model, 70, "held")
+        prompts = [long_prompt(tiny_model, n, f"len-{n}") for n in (3, 16, 33, 150)]
+        prompts += [base, base + " and then some more words to extend it further"]
+        before = disaggregated_routes(cluster)
+        pulled = 0.0
+        for prompt in prompts:
+            ref = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0]
+            out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+            assert out.choices[0].text == ref.outputs[0].text, prompt
+            last, pulled = pulled, wait_for_counter(cluster, "decode-0", pulled)
+        assert disaggregated_routes(cluster) == before + len(prompts)
+        # the extension's first 4 blocks were the held prompt's: the decode worker read only
+        # the rest (its whole prompt is 6 blocks)
+        tokens = out.usage.prompt_tokens  # type: ignore[union-attr]
+        assert 0 < pulled - last <= -(-tokens // 16) - 4
+        wait_for(lambda: worker_health(cluster, "prefill-0").kv_usage == 0, 5.0, "leases to end")
+
+
+def wait_for_counter(cluster: Cluster, worker: str, previous: float) -> float:
+    """The decode worker's pulled-descriptor total, once it has moved past ``previous``."""
+    port = cluster.ready[worker]["metrics_port"]
+    name = "baton_worker_kv_pull_descriptors_total"
+
+    def value() -> float:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        return next((float(ln.split()[1]) for ln in text.splitlines()
+                     if ln.startswith(name + " ")), 0.0)  # fmt: skip
+
+    wait_for(lambda: value() > previous, 5.0, "the decode worker's pull counters")
+    return value()
