@@ -11,6 +11,11 @@ ROUTE_SECONDS = Histogram(
     "baton_scheduler_route_seconds", "Time to answer one Route call",
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05),
 )  # fmt: skip
+PREFILL_DECISIONS = Counter(
+    "baton_scheduler_prefill_decisions",
+    "The P/D decider (with a prefill pool): where the prompt runs, and why",
+    ["decision", "reason"],  # remote | local; long_prompt | short_prompt | pool_busy
+)
 PREDICTED_HIT_TOKENS = Counter(
     "baton_scheduler_predicted_prefix_hit_tokens",
     "Prompt tokens the directory says the chosen worker already holds",

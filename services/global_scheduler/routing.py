@@ -21,10 +21,12 @@ Scorers
                uncached tokens) ÷ the worker's measured tokens/s (+ KV transfer time, zero for
                a colocated worker). One scorer that prices a prefix hit against a queue in
                seconds, instead of weights tuned by hand; see docs/routing.md for when it wins.
-Decider (``decider: {min_uncached_tokens: 64}``)
-    when the chosen decode worker would have to compute at least this many prompt tokens
-    and a prefill pool exists, a prefill worker (picked by the same pipeline) runs the prompt
-    and hands its KV over (NIXL); otherwise the decode worker prefills locally
+Decider (``decider: {min_uncached_tokens: 64, max_prefill_queue: 4}``)
+    when the chosen decode worker would have to compute at least ``min_uncached_tokens`` of
+    the prompt and a prefill worker has fewer than ``max_prefill_queue`` requests queued, that
+    worker (picked by the same pipeline) runs the prompt and hands its KV over (NIXL);
+    otherwise the decode worker prefills locally (a saturated prefill pool overflows onto
+    the decode pool instead of queueing without bound)
 Pickers
     max          highest weighted sum; ties go to the shorter queue, then to an order drawn
                  from a hash of (request id, worker id): replicas that see the same state make
@@ -171,8 +173,11 @@ class RoutingPolicy:
         self._turn = itertools.count()
         decider = dict(policy.get("decider", {}))
         self.min_uncached_tokens = int(decider.pop("min_uncached_tokens", 64))
-        if decider or self.min_uncached_tokens < 0:
-            raise ValueError("decider takes min_uncached_tokens (>= 0) only")
+        self.max_prefill_queue = int(decider.pop("max_prefill_queue", 4))
+        if decider or self.min_uncached_tokens < 0 or self.max_prefill_queue < 1:
+            raise ValueError(
+                "decider takes min_uncached_tokens (>= 0) and max_prefill_queue (>= 1) only"
+            )
 
     def filter(self, query: RouteQuery, candidates: list[Candidate]) -> list[Candidate]:
         for name, keep in self.filters:

@@ -121,16 +121,24 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
         matched: dict[WorkerId, int],
     ) -> Candidate | None:
         """The P/D decider: a prefill-pool worker when the decode worker would have to compute
-        at least ``min_uncached_tokens`` of the prompt itself, else None (local prefill)."""
+        at least ``min_uncached_tokens`` of the prompt itself and the pool has room (a worker
+        with fewer than ``max_prefill_queue`` requests), else None (local prefill)."""
         uncached = query.num_prompt_tokens - decode.matched_blocks * decode.worker.block_size
         pool = [w for w in workers if w.role == "prefill"]
-        if uncached < self.policy.min_uncached_tokens or not pool:
+        if not pool:
             return None
+        if uncached < self.policy.min_uncached_tokens:
+            metrics.PREFILL_DECISIONS.labels("local", "short_prompt").inc()
+            return None
+        room = [w for w in pool if w.queue_depth < self.policy.max_prefill_queue]
         leg = dataclasses.replace(query, leg="prefill")
         try:
-            return self.policy.pick(leg, [Candidate(w, matched[w.worker_id]) for w in pool])
-        except NoWorkerError:
-            return None  # the prefill pool is busy or draining: prefill locally
+            chosen = self.policy.pick(leg, [Candidate(w, matched[w.worker_id]) for w in room])
+        except NoWorkerError:  # every prefill worker is full, draining or gone
+            metrics.PREFILL_DECISIONS.labels("local", "pool_busy").inc()
+            return None
+        metrics.PREFILL_DECISIONS.labels("remote", "long_prompt").inc()
+        return chosen
 
     async def ListWorkers(
         self, request: scheduler_pb2.ListWorkersRequest, context: aio.ServicerContext
