@@ -28,7 +28,7 @@ from services.gateway.middleware import BodySizeLimit, RequestContext
 from services.gateway.orchestrator import Orchestrator, WorkerChannels
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.settings import GatewaySettings
-from shared import rpc
+from shared import hop_trace, rpc
 from shared.lifecycle import TaskOwner
 from shared.logs import request_id_var
 from shared.protos.baton.v1 import scheduler_pb2_grpc
@@ -95,10 +95,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
 
 async def _serve(handler: Handler, body: Body, request: Request, include_usage: bool) -> Response:
+    hop_trace.mark("gateway.app")
     plan = await handler.plan(body, request_id_var.get())
     if body.stream:
         lines = handler.stream(plan, include_usage)
         first = await anext(lines)  # an error before the first chunk keeps its HTTP status
+        hop_trace.mark("gateway.first_chunk")
         return StreamingResponse(
             _stream_errors_inline(first, lines),
             media_type="text/event-stream",

@@ -13,6 +13,7 @@ import uuid
 from typing import Any
 
 from services.gateway import errors, metrics
+from shared import hop_trace
 from shared.logs import REQUEST_ID_HEADER, request_id_var
 
 _COUNTED = ("/v1/completions", "/v1/chat/completions")
@@ -91,6 +92,7 @@ class RequestContext:
         headers = dict(scope.get("headers", []))
         rid = headers.get(REQUEST_ID_HEADER.encode(), b"").decode("latin-1") or uuid.uuid4().hex
         request_id_var.set(rid)
+        hop_trace.mark("gateway.asgi")
         rid_header = (REQUEST_ID_HEADER.encode(), rid.encode("latin-1"))
         path = scope.get("path", "")
         if self.api_keys and path.startswith("/v1/") and not self._authorized(headers):

@@ -23,6 +23,7 @@ import grpc
 
 from services.gateway import errors, metrics
 from services.gateway.catalog import ModelCatalog
+from shared import hop_trace
 from shared.block_hash import hash_blocks
 from shared.ids import BlockHash
 from shared.protos.baton.v1 import (
@@ -112,7 +113,9 @@ class Orchestrator:
         hashes = hash_blocks(
             job.prompt_ids, job.block_size, (job.cache_salt,) if job.cache_salt else ()
         )
+        hop_trace.mark("gateway.route_call")
         route = await self._route(job, hashes, exclude=[])
+        hop_trace.mark("gateway.routed")
         choices = [self._choice(job, i, route, hashes, num_logprobs) for i in range(job.n)]
         async for _, delta in merge(choices):
             yield delta
@@ -207,7 +210,9 @@ class Orchestrator:
                 metadata=metadata(job.trace_id),
             )
             try:
+                hop_trace.mark("gateway.generate_call")
                 async for resp in call:
+                    hop_trace.mark("gateway.generate_response")
                     for delta in state.apply(resp):
                         yield delta
                         if delta.finish_reason is not None:

@@ -14,6 +14,7 @@ from services.global_scheduler import convert, metrics
 from services.global_scheduler.directory import PrefixDirectory
 from services.global_scheduler.registry import WorkerRegistry, WorkerState
 from services.global_scheduler.routing import Candidate, NoWorkerError, RouteQuery, RoutingPolicy
+from shared import hop_trace
 from shared.ids import BlockHash, WorkerId
 from shared.protos.baton.v1 import scheduler_pb2, scheduler_pb2_grpc
 from shared.rpc import adopt_request_id
@@ -70,6 +71,7 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
         self, request: scheduler_pb2.RouteRequest, context: aio.ServicerContext
     ) -> scheduler_pb2.RouteResponse:
         adopt_request_id(context)
+        hop_trace.mark("scheduler.route_in")
         start = time.perf_counter()
         workers = [w for w in self.registry.workers() if w.model == request.model]
         if not workers:
@@ -111,6 +113,7 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
         )
         if prefill is not None:
             response.prefill.CopyFrom(_ref(prefill))
+        hop_trace.mark("scheduler.route_out")
         return response
 
     def _decide_prefill(

@@ -21,6 +21,7 @@ from services.worker.engine.kv_transfer.params import KVTransferParams
 from services.worker.engine.outputs import RequestOutput
 from services.worker.engine.params import SamplingParams
 from services.worker.settings import WorkerSettings
+from shared import hop_trace
 from shared.protos.baton.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from shared.rpc import adopt_request_id
 
@@ -46,6 +47,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.GenerateRequest, context: aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.GenerateResponse]:
         adopt_request_id(context)
+        hop_trace.mark("worker.generate_in")
         params = await self._admit(request.params, context)
         leg = None
         if request.HasField("remote_kv"):
@@ -58,6 +60,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 remote=convert.remote_kv(request.remote_kv), first_token_id=request.first_token_id
             )
         async for out in self._run(request, params, context, leg):
+            hop_trace.mark("worker.output")
             yield convert.generate_response(out)
 
     async def Prefill(

@@ -25,6 +25,7 @@ from services.worker.engine.messages import (
     EngineCoreShutdown,
     EngineCoreUtility,
 )
+from shared import hop_trace
 
 POLL_MS = 500
 KV_POLL_MS = 2
@@ -86,6 +87,7 @@ class EngineCoreProc:
 
     def _dispatch(self, msg: EngineCoreInput) -> None:
         if isinstance(msg, EngineCoreRequest):
+            hop_trace.mark("core.request_in", msg.request_id)
             self.core.add_request(msg)
         elif isinstance(msg, EngineCoreAbort):
             self.core.abort_requests(msg.request_ids)
@@ -93,6 +95,9 @@ class EngineCoreProc:
             self._send(EngineCoreOutputs(utility_results=[self.core.call_utility(msg)]))
 
     def _send(self, outs: EngineCoreOutputs) -> None:
+        if hop_trace.ENABLED:
+            for out in outs.outputs:
+                hop_trace.mark("core.output", out.request_id)
         self.output.send(self.encoder.encode(outs), copy=False)
 
     def close(self) -> None:
