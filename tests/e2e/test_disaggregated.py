@@ -15,6 +15,7 @@ import pytest
 from baton import LLM, SamplingParams
 from baton.launcher import Cluster
 from tests.e2e.conftest import (
+    list_workers,
     long_prompt,
     running_cluster,
     scheduler_metric,
@@ -191,6 +192,12 @@ def test_prefill_worker_killed_during_transfer(
         # the decode worker is healthy, holds nothing for the failed pull, and serves on
         wait_for(lambda: worker_health(cluster, "decode-0").num_running == 0, 5.0, "idle")
         assert worker_health(cluster, "decode-0").serving
+        # (held > 1.5 s on a slow machine, the scheduler drops it until its heartbeat resumes)
+        wait_for(
+            lambda: any(w.registration.worker_id == "decode-0" for w in list_workers(cluster)),
+            10.0,
+            "decode-0 registered",
+        )
         out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
         assert out.choices[0].text == ref.outputs[0].text
 
