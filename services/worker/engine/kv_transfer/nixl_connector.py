@@ -191,11 +191,14 @@ class NixlConnector:
             return "ERR"
 
     def _forget(self, side_channel: str) -> None:
-        """Drop a failed peer: the next request for it handshakes again (or fails fast)."""
-        peer = self._peers.pop(side_channel, None)
-        if peer is not None and not any(p.peer == peer.name for p in self._pulls.values()):
-            self._quietly(self.agent.release_dlist_handle, peer.remote_dlist)
-            self._quietly(self.agent.remove_remote_agent, peer.name)
+        """Drop a failed peer once none of its pulls is in flight (they fail too, and the
+        last one drops it): the next request for it handshakes again, or fails fast."""
+        peer = self._peers.get(side_channel)
+        if peer is None or any(p.peer == peer.name for p in self._pulls.values()):
+            return
+        del self._peers[side_channel]
+        self._quietly(self.agent.release_dlist_handle, peer.remote_dlist)
+        self._quietly(self.agent.remove_remote_agent, peer.name)
 
     @staticmethod
     def _quietly(fn: Callable[..., T], *args: object) -> T | None:
