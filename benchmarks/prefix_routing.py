@@ -177,8 +177,13 @@ def main() -> None:
     from baton.service_cli import engine_flags_argv
     from services.worker.engine.model_config import load_arch_config
 
-    vocab = load_arch_config(args.model).vocab_size
-    convs = conversations(args, vocab)
+    arch = load_arch_config(args.model)
+    convs = conversations(args, arch.vocab_size)
+    longest = max(len(c[-1]) for c in convs) + 4
+    if longest > arch.max_position_embeddings:
+        limit = arch.max_position_embeddings
+        p.error(f"prompts reach {longest} tokens but {args.model} takes {limit}: remake it "
+                "(make clean; make bench-prefix)")  # fmt: skip
     results: dict[str, Any] = {}
     for name, policy in POLICIES.items():
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
