@@ -110,7 +110,12 @@ class Cluster:
         sched_addr = self.wait_ready("scheduler", sched, SCHEDULER_START_S)["address"]
         workers = []
         gpus = self.gpus()
-        for i, (name, role) in enumerate(self.worker_roles()):
+        roles = self.worker_roles()
+        if gpus and len(roles) > len(gpus) and not (a.num_kv_blocks or a.kv_cache_memory_bytes):
+            print(f"baton serve: {len(roles)} workers share {len(gpus)} GPU(s), and each sizes "
+                  "its KV cache from the memory it finds free: give each a size "
+                  "(--kv-cache-memory-bytes or --num-kv-blocks)", file=sys.stderr)  # fmt: skip
+        for i, (name, role) in enumerate(roles):
             argv = ["worker", "--model", a.model, "--scheduler", sched_addr, "--worker-id", name,
                     "--role", role]  # fmt: skip
             if a.worker_metrics:
