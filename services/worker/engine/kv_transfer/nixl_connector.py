@@ -83,9 +83,10 @@ class NixlConnector:
         self.engine_id = engine_id
         self.compat_hash = compat_hash
         self.kv_cache = kv_cache
-        # UCX's cuda_ipc completes at most MAX_POLL (default 16) copies per progress call:
-        # one call per engine step must be able to finish a whole pull.
-        os.environ.setdefault("UCX_CUDA_IPC_MAX_POLL", str(UCX_MAX_POLL))
+        if kv_cache.is_cuda:  # (UCX warns about the variable where cuda_ipc is not loaded)
+            # UCX's cuda_ipc completes at most MAX_POLL (default 16) copies per progress
+            # call: one call per engine step must be able to finish a whole pull.
+            os.environ.setdefault("UCX_CUDA_IPC_MAX_POLL", str(UCX_MAX_POLL))
         # A notification's sender waits until the receiver's agent progresses. Without a
         # progress thread that is once per engine step on the receiving side (a prefill step
         # of a long prompt: 100+ ms), and the decode engine sending "release" stalled that
