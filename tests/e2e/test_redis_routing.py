@@ -2,6 +2,7 @@
 agree on every route, and Redis dying under load fails no request (routing falls back to
 load, the degraded metric rises and falls, and cache-aware routing comes back)."""
 
+import functools
 import threading
 import time
 from collections.abc import Iterator
@@ -75,9 +76,9 @@ def cached_blocks(address: str) -> dict[str, int]:
     return {w.registration.worker_id: w.num_cached_blocks for w in resp.workers}
 
 
-def same_fresh_loads(a: str, b: str, fresh_s: float = 0.2) -> bool:
-    """Both replicas heard every worker's heartbeat within ``fresh_s`` (which also zeroes
-    what they routed since), and with the same load."""
+def heard_since(a: str, b: str, since: float) -> bool:
+    """Both replicas heard every worker's heartbeat after ``since`` (time.monotonic() here),
+    which zeroes what each routed to it before, and hold the same load for each."""
     views = []
     for address in (a, b):
         with grpc.insecure_channel(address) as ch:
@@ -86,7 +87,8 @@ def same_fresh_loads(a: str, b: str, fresh_s: float = 0.2) -> bool:
                 .ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=5)
                 .workers
             )
-        if any(w.seconds_since_heartbeat > fresh_s for w in workers):
+        elapsed = time.monotonic() - since
+        if any(w.seconds_since_heartbeat >= elapsed for w in workers):
             return False
         views.append({w.registration.worker_id: w.load.SerializeToString() for w in workers})
     return views[0] == views[1]
@@ -106,12 +108,14 @@ def test_two_replicas_sharing_redis_route_alike(replicas: dict, tiny_model: Path
             pass
     wait_for(lambda: cached_blocks(a).get("w1", 0) >= 10, 5.0, "w1's blocks in Redis")
     assert cached_blocks(b)["w1"] == cached_blocks(a)["w1"]  # one shared picture
+    last = time.monotonic()
     for i in range(12):  # the prefix holder, and ties broken alike
         prompt = ids if i % 2 == 0 else [7 + i, *ids[1:]]
-        # Loads reach each replica on its own heartbeat stream: compare decisions made from
-        # the same inputs, i.e. just after both replicas heard from both workers alike.
-        wait_for(lambda: same_fresh_loads(a, b), 5.0, "both replicas to hold the same loads")
+        # Loads reach each replica on its own heartbeat streams: compare decisions made from
+        # the same inputs, i.e. once both replicas heard from every worker since the last pair.
+        wait_for(functools.partial(heard_since, a, b, last), 5.0, "replicas to hear workers")
         ra, rb = route(a, f"r{i}", prompt), route(b, f"r{i}", prompt)
+        last = time.monotonic()
         assert (ra.decode.worker_id, ra.decode.matched_blocks) == (
             rb.decode.worker_id, rb.decode.matched_blocks)  # fmt: skip
         if i % 2 == 0:
