@@ -11,7 +11,8 @@ single request. When a call raises ``DirectoryUnavailable`` it goes *degraded*:
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from services.global_scheduler import metrics
 from services.global_scheduler.directory import DirectoryUnavailable, PrefixDirectory
@@ -19,6 +20,7 @@ from shared.ids import BlockHash, WorkerId
 from shared.kv_events import KVEventBatch
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class ResilientDirectory:
@@ -30,36 +32,30 @@ class ResilientDirectory:
         metrics.DIRECTORY_DEGRADED.set(0)
 
     async def apply(self, worker: WorkerId, incarnation: str, batch: KVEventBatch) -> None:
-        if not self.degraded:
-            try:
-                await self.inner.apply(worker, incarnation, batch)
-            except DirectoryUnavailable as e:
-                self._degrade(e)
+        await self._guarded(lambda: self.inner.apply(worker, incarnation, batch), None)
 
     async def longest_prefix(
         self, hashes: list[BlockHash], live: dict[WorkerId, str]
     ) -> dict[WorkerId, int]:
-        if not self.degraded:
-            try:
-                return await self.inner.longest_prefix(hashes, live)
-            except DirectoryUnavailable as e:
-                self._degrade(e)
-        return dict.fromkeys(live, 0)
+        no_hits = dict.fromkeys(live, 0)
+        return await self._guarded(lambda: self.inner.longest_prefix(hashes, live), no_hits)
 
     async def forget(self, worker: WorkerId, incarnation: str) -> None:
-        if not self.degraded:  # (while degraded its entries stay: they never count again)
-            try:
-                await self.inner.forget(worker, incarnation)
-            except DirectoryUnavailable as e:
-                self._degrade(e)
+        # (while degraded its entries stay: they never count again, being of no live worker)
+        await self._guarded(lambda: self.inner.forget(worker, incarnation), None)
 
     async def num_blocks(self, worker: WorkerId, incarnation: str) -> int:
+        return await self._guarded(lambda: self.inner.num_blocks(worker, incarnation), 0)
+
+    async def _guarded(self, call: Callable[[], Awaitable[T]], fallback: T) -> T:
+        """``call()`` unless degraded; its failure degrades the directory. Either way the
+        caller gets ``fallback`` instead of an error."""
         if not self.degraded:
             try:
-                return await self.inner.num_blocks(worker, incarnation)
+                return await call()
             except DirectoryUnavailable as e:
                 self._degrade(e)
-        return 0
+        return fallback
 
     async def ping(self) -> None:
         await self.inner.ping()
