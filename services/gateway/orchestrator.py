@@ -288,11 +288,9 @@ class _ChoiceState:
 
     def apply(self, resp: worker_pb2.GenerateResponse) -> list[ChoiceDelta]:
         if resp.error:
-            if "KV cache" in resp.error:
-                raise errors.APIError(
-                    502, resp.error, type="server_error", code="kv_transfer_failed"
-                )
-            if not self.generated:  # the engine refused the request
+            if resp.error_code == "kv_transfer_failed":
+                raise errors.APIError(502, resp.error, type="server_error", code=resp.error_code)
+            if resp.error_code == "invalid_request":
                 raise errors.bad_request(resp.error)
             raise errors.APIError(500, resp.error, type="server_error", code="engine_error")
         deltas = []

@@ -39,6 +39,7 @@ def generate_response(out: RequestOutput) -> worker_pb2.GenerateResponse:
         num_cached_tokens=out.num_cached_tokens,
         finished=out.finished,
         error=out.error or "",
+        error_code=out.error_code or "",
     )
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from baton import LLM, RequestOutput, SamplingParams
 from services.worker.engine.kv_transfer.params import KVTransferParams, RemoteKV
+from services.worker.engine.messages import ERROR_KV_TRANSFER
 from shared.text.tokenizer import TextTokenizer
 
 KW = {"num_kv_blocks": 128, "max_model_len": 1024}
@@ -123,15 +124,17 @@ def test_failed_pull_is_an_error_or_a_recompute(tiny_model: Path, engines) -> No
         llm = LLM(model=str(tiny_model), multiprocess=True, kv_transfer=True,
                   kv_recompute_on_failure=recompute, **KW)  # fmt: skip
         try:
-            out = llm.generate(
+            res = llm.generate(
                 [{"prompt_token_ids": ids,
                   "kv_transfer": KVTransferParams(remote=bogus, first_token_id=want[0])}],
                 params,
-            )[0].outputs[0]  # fmt: skip
+            )[0]  # fmt: skip
+            out = res.outputs[0]
             if recompute:
                 assert [want[0], *out.token_ids] == want
             else:
                 assert out.finish_reason == "error" and out.token_ids == []
+                assert res.error_code == ERROR_KV_TRANSFER  # the gateway's 502 comes from it
             assert llm.get_stats().num_free_blocks == llm.get_stats().num_blocks
         finally:
             llm.shutdown()

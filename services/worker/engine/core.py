@@ -16,6 +16,7 @@ from services.worker.engine.executor.executor import UniprocExecutor
 from services.worker.engine.kv_transfer.params import KVTransferParams
 from services.worker.engine.kv_transfer.scheduler_side import KVTransferBookkeeping
 from services.worker.engine.messages import (
+    ERROR_INVALID_REQUEST,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -76,8 +77,11 @@ class EngineCore:
             self.scheduler.add_request(self._make_request(req))
         except ValueError as e:
             self._rejected.append(
-                EngineCoreOutput(req.request_id, [], finish_reason=FinishReason.ERROR, error=str(e))
-            )
+                EngineCoreOutput(
+                    req.request_id, [], finish_reason=FinishReason.ERROR, error=str(e),
+                    error_code=ERROR_INVALID_REQUEST,
+                )
+            )  # fmt: skip
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

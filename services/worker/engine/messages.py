@@ -48,6 +48,12 @@ class SampleLogprobs(msgspec.Struct, array_like=True):
     sampled_rank: int  # 1 = the most likely token
 
 
+# Why a request ended in error (EngineCoreOutput.error_code; the worker's GenerateResponse
+# carries it to the gateway, which picks the HTTP status from it).
+ERROR_INVALID_REQUEST = "invalid_request"  # refused on admission: the client's fault
+ERROR_KV_TRANSFER = "kv_transfer_failed"  # a decode leg could not pull its prompt's KV
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     new_token_ids: list[int]
@@ -58,6 +64,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None  # with finish_reason ERROR
     queued_seconds: float = 0.0  # time it waited in the scheduler before its first step
     kv_handle: RemoteKV | None = None  # a finished prefill leg: where its KV waits (leased)
+    error_code: str | None = None  # with error: one of the ERROR_* codes above
 
 
 class EngineStats(msgspec.Struct):

@@ -62,6 +62,7 @@ class _RequestState:
     num_cached_tokens: int = 0
     queued_seconds: float = 0.0
     error: str | None = None
+    error_code: str | None = None
     kv_handle: RemoteKV | None = None
 
     @property
@@ -153,7 +154,7 @@ class OutputProcessor:
         if out.kv_handle is not None:
             state.kv_handle = out.kv_handle
         if out.error is not None:
-            state.error = out.error
+            state.error, state.error_code = out.error, out.error_code
         sample.token_ids += out.new_token_ids
         if sample.logprobs is not None and out.new_logprobs:
             decode = sample.detok is not None
@@ -190,6 +191,7 @@ class OutputProcessor:
             finished=finished,
             num_cached_tokens=state.num_cached_tokens,
             error=state.error,
+            error_code=state.error_code,
             metrics={"queued_seconds": state.queued_seconds},
             kv_handle=state.kv_handle,
         )

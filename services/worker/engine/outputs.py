@@ -37,5 +37,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None
+    error_code: str | None = None  # messages.ERROR_*: why it ended in error
     metrics: dict[str, float] = field(default_factory=dict)
     kv_handle: RemoteKV | None = None  # a finished prefill leg: where its KV waits

@@ -16,7 +16,7 @@ from services.worker.engine.config import CacheConfig, SchedulerConfig
 from services.worker.engine.kv_cache.manager import KVCacheBlocks, KVCacheManager
 from services.worker.engine.kv_transfer.params import RemoteKV
 from services.worker.engine.kv_transfer.scheduler_side import KVTransferBookkeeping
-from services.worker.engine.messages import EngineCoreOutput, EngineStats
+from services.worker.engine.messages import ERROR_KV_TRANSFER, EngineCoreOutput, EngineStats
 from services.worker.engine.request import FINISH_REASONS, FinishReason, Request, RequestStatus
 from services.worker.engine.sched.output import (
     CachedRequestData,
@@ -220,8 +220,11 @@ class Scheduler:
                 self._free(request, RequestStatus.FINISHED_ERROR)
                 error = "pulling the prompt's KV cache from the prefill worker failed"
                 outputs.append(
-                    EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR, error=error)
-                )
+                    EngineCoreOutput(
+                        rid, [], finish_reason=FinishReason.ERROR, error=error,
+                        error_code=ERROR_KV_TRANSFER,
+                    )
+                )  # fmt: skip
         for rid in result.released:
             self._end_lease(rid)
         return outputs

@@ -38,18 +38,20 @@ class CompletionDelta(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("deltas", "num_prompt_tokens", "num_cached_tokens", "finished", "error")
+    __slots__ = ("deltas", "num_prompt_tokens", "num_cached_tokens", "finished", "error", "error_code")
     DELTAS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     deltas: _containers.RepeatedCompositeFieldContainer[CompletionDelta]
     num_prompt_tokens: int
     num_cached_tokens: int
     finished: bool
     error: str
-    def __init__(self, deltas: _Optional[_Iterable[_Union[CompletionDelta, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., finished: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    error_code: str
+    def __init__(self, deltas: _Optional[_Iterable[_Union[CompletionDelta, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., finished: _Optional[bool] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "keep_kv")
