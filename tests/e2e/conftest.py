@@ -82,8 +82,10 @@ def long_prompt(tiny_model: Path, tokens: int, salt: str) -> str:
     return tok.decode(ids)
 
 
-def scheduler_metric(cluster: Cluster, name: str) -> float:
-    port = cluster.ready["scheduler"]["metrics_port"]
+def scheduler_metric(cluster: Cluster, name: str, service: str = "scheduler") -> float:
+    """A sample from a service's /metrics (the scheduler's, or a worker started with
+    ``--worker-metrics``); fails if it is not exported yet."""
+    port = cluster.ready[service]["metrics_port"]
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
     for line in text.splitlines():
         if line.startswith(name + " "):
