@@ -162,9 +162,10 @@ class Orchestrator:
         if params.HasField("seed"):
             params.seed = params.seed + index  # as the engine's own n fan-out does
         handoff = None
-        if route.HasField("prefill"):  # disaggregated: the prompt runs on the prefill worker
-            handoff = await self._prefill(job, index, params, route.prefill)
+        prefill_id = f"{job.request_id}-{index}-p"
         try:
+            if route.HasField("prefill"):  # disaggregated: the prompt runs on the prefill worker
+                handoff = await self._prefill(job, params, route.prefill, prefill_id)
             if handoff is not None:
                 delta = state.apply_first(handoff)
                 yield delta
@@ -173,10 +174,11 @@ class Orchestrator:
             async for delta in self._decode(job, index, params, route, hashes, state, handoff):
                 yield delta
         finally:
-            if handoff is not None and handoff.HasField("kv_handle"):
-                # Ends the lease at once if the decode leg never pulled (client gone, failure);
-                # after a pull it is a no-op.
-                self._release_later(route.prefill.address, handoff.kv_handle.request_id)
+            if route.HasField("prefill") and (handoff is None or handoff.HasField("kv_handle")):
+                # Ends the lease at once if the decode leg never pulled (client gone, failure),
+                # also when the client left during the prefill leg: its lease may exist
+                # though no handle came back. After a pull it is a no-op.
+                self._release_later(route.prefill.address, prefill_id)
 
     def _release_later(self, address: str, request_id: str) -> None:
         task = asyncio.get_running_loop().create_task(
@@ -235,16 +237,15 @@ class Orchestrator:
     async def _prefill(
         self,
         job: Job,
-        index: int,
         params: common_pb2.SamplingParams,
         worker: scheduler_pb2.WorkerRef,
+        request_id: str,
     ) -> worker_pb2.PrefillResponse | None:
         """The prefill leg: the first token and a KV handle; None falls back to a local prefill
         on the decode worker (the prefill worker is gone or draining)."""
         req = worker_pb2.PrefillRequest(
-            request_id=f"{job.request_id}-{index}-p", prompt_token_ids=job.prompt_ids,
-            params=params, keep_kv=True,
-        )  # fmt: skip
+            request_id=request_id, prompt_token_ids=job.prompt_ids, params=params, keep_kv=True
+        )
         if job.cache_salt:
             req.cache_salt = job.cache_salt
         start = time.perf_counter()

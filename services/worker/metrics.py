@@ -35,6 +35,9 @@ KV_NOTIFY_SECONDS = Counter(
 )
 KV_LEASES_RELEASED = Counter("baton_worker_kv_leases_released", "Leases ended by a pull or abort")
 KV_LEASES_EXPIRED = Counter("baton_worker_kv_leases_expired", "Leases nobody pulled in time")
+KV_STALE_HANDLES = Counter(
+    "baton_worker_kv_stale_handles", "Decode legs whose KV handle's lease had expired (not read)"
+)
 
 _ENGINE_COUNTERS = {
     "kv_pulls": KV_PULLS,
@@ -45,6 +48,7 @@ _ENGINE_COUNTERS = {
     "kv_notify_seconds": KV_NOTIFY_SECONDS,
     "kv_leases_released": KV_LEASES_RELEASED,
     "kv_leases_expired": KV_LEASES_EXPIRED,
+    "kv_stale_handles": KV_STALE_HANDLES,
 }
 
 

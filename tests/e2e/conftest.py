@@ -60,12 +60,19 @@ def offline(tiny_model: Path) -> Iterator["LLM"]:
     llm.shutdown()
 
 
-def wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> float:
-    """Poll until ``cond()``; returns the seconds it took (fails after the bound)."""
+def wait_for(
+    cond: Callable[[], bool],
+    timeout_s: float,
+    what: str,
+    state: Callable[[], object] | None = None,
+) -> float:
+    """Poll until ``cond()``; returns the seconds it took (fails after the bound, with what
+    ``state()`` says then)."""
     start = time.monotonic()
     while not cond():
         if time.monotonic() - start > timeout_s:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+            seen = f"; state: {state()}" if state is not None else ""
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}{seen}")
         time.sleep(0.02)
     return time.monotonic() - start
 

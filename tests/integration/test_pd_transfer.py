@@ -96,20 +96,57 @@ def test_decode_reuses_its_own_prefix_blocks(engines, tiny_model: Path) -> None:
     assert rest.num_cached_tokens >= (len(ids) - 1) // 16 * 16  # pulled only the rest
 
 
-def test_unpulled_lease_expires(tiny_model: Path) -> None:
+def test_a_pull_after_an_aborted_lease_still_ends(engines, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+    """The gateway ends a lease (Abort) when its client leaves, while the decode engine may
+    already be reading. The prefill engine is idle then; without a progress thread (CPU) it
+    must still progress its NIXL agent, or the READ waits for its next request (seen: the
+    full 30 s transfer timeout, with the decode engine's blocks held all along)."""
+    _, prefill, decode = engines
+    ids = prompt(tiny_model, "the client left while its KV cache was moving " * 3)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    first = prefill.generate(
+        [{"prompt_token_ids": ids, "kv_transfer": KVTransferParams(do_remote_decode=True)}],
+        params.clone(max_tokens=1),
+    )[0]
+    assert first.kv_handle is not None
+    prefill.client.abort_requests([first.kv_handle.request_id])  # what the worker's Abort does
+    wait_all_free(prefill)
+    time.sleep(0.2)  # the prefill engine is idle now
+    leg = KVTransferParams(remote=first.kv_handle, first_token_id=first.outputs[0].token_ids[0])
+    start = time.monotonic()
+    decode.generate([{"prompt_token_ids": ids, "kv_transfer": leg}], params)
+    assert time.monotonic() - start < 5.0
+    wait_all_free(decode)
+
+
+def test_unpulled_lease_expires(tiny_model: Path, engines) -> None:  # type: ignore[no-untyped-def]
+    """An unread lease frees its blocks; a decode leg that comes with its handle later fails
+    without reading them (the prefill engine may have reused them: wrong text, silently)."""
+    _, _, decode = engines
     llm = LLM(
         model=str(tiny_model), multiprocess=True, kv_transfer=True, kv_lease_seconds=0.3, **KW
     )
     try:
+        ids = prompt(tiny_model, "nobody pulls this " * 3)
         out = llm.generate(
-            [{"prompt_token_ids": prompt(tiny_model, "nobody pulls this " * 3),
-              "kv_transfer": KVTransferParams(do_remote_decode=True)}],
+            [{"prompt_token_ids": ids, "kv_transfer": KVTransferParams(do_remote_decode=True)}],
             SamplingParams(max_tokens=1),
-        )[0]  # fmt: skip
+        )[0]
         assert out.kv_handle is not None
         assert llm.get_stats().num_free_blocks < llm.get_stats().num_blocks  # leased
         assert 0.1 < wait_all_free(llm) < 3.0
         assert llm.get_stats().kv_leases_expired == 1
+        before = decode.get_stats()
+        leg = KVTransferParams(remote=out.kv_handle, first_token_id=out.outputs[0].token_ids[0])
+        late = decode.generate(
+            [{"prompt_token_ids": ids, "kv_transfer": leg}], SamplingParams(max_tokens=4)
+        )[0]
+        assert late.outputs[0].finish_reason == "error" and "expired" in (late.error or "")
+        assert late.error_code == ERROR_KV_TRANSFER
+        after = decode.get_stats()
+        assert after.kv_stale_handles == before.kv_stale_handles + 1
+        assert after.kv_pulls == before.kv_pulls  # nothing was read
+        assert after.num_free_blocks == after.num_blocks
     finally:
         llm.shutdown()
 

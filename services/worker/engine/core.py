@@ -93,6 +93,21 @@ class EngineCore:
         """KV pulls in flight or prefill leases held: step now and then even when idle."""
         return self.scheduler.needs_polling()
 
+    def needs_idle_progress(self) -> bool:
+        """A NIXL agent without a progress thread (CPU): it must be progressed even when this
+        engine is idle, or a peer's READ or notification waits for our next request."""
+        connector = self.executor.worker.connector
+        return connector is not None and not connector.progress_thread
+
+    def progress_transfers(self) -> None:
+        """Idle: let the agent answer its peers. A decode engine may still be reading blocks
+        whose lease an abort has just ended (its request was aborted too, but the pull must
+        end before its blocks are free); a late release notification ends nothing."""
+        connector = self.executor.worker.connector
+        if connector is not None:
+            for rid in connector.poll().released:
+                self.scheduler.end_lease(rid)
+
     def call_utility(self, call: EngineCoreUtility) -> UtilityResult:
         if call.method == "get_stats":
             stats = self.scheduler.stats()
@@ -104,6 +119,7 @@ class EngineCore:
             if transfer is not None:
                 extra["kv_leases_released"] = transfer.num_released
                 extra["kv_leases_expired"] = transfer.num_expired
+                extra["kv_stale_handles"] = transfer.num_stale
             result: object = msgspec.structs.replace(stats, **extra)
         elif call.method == "get_model_info":
             result = self.executor.model_info()

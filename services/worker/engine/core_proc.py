@@ -1,7 +1,8 @@
 """``EngineCoreProc``: the engine core in its own process, behind two ZMQ sockets.
 
 The loop drains every pending input, runs one step when there is work, and sends the outputs;
-idle, it blocks on the input socket for at most ``POLL_MS`` so it notices a dead parent. The
+idle, it blocks on the input socket for at most ``POLL_MS`` so it notices a dead parent (for
+``IDLE_KV_POLL_MS`` when its NIXL agent has no progress thread: it progresses the agent then). The
 config arrives as JSON on stdin; messages are msgpack decoded against a fixed tagged union.
 """
 
@@ -29,6 +30,7 @@ from shared import hop_trace
 
 POLL_MS = 500
 KV_POLL_MS = 2
+IDLE_KV_POLL_MS = 10
 logger = logging.getLogger("baton.engine_core")
 
 
@@ -45,6 +47,7 @@ class EngineCoreProc:
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(EngineCoreInput)
         self.core = EngineCore(config, show_progress=False)
+        self._idle_progress = self.core.needs_idle_progress()
         self._send(EngineCoreOutputs(ready=self.core.scheduler.stats()))
 
     def run(self) -> None:
@@ -53,14 +56,19 @@ class EngineCoreProc:
                 outs = self.core.step()
                 if outs.outputs or outs.kv_events:
                     self._send(outs)
+            elif self._idle_progress:
+                self.core.progress_transfers()
         self.close()
 
     def _wait_ms(self) -> int:
         """How long to wait for input: not at all with work, briefly while KV transfers need
-        polling, else up to ``POLL_MS`` (then the parent's liveness is checked)."""
+        polling, ``IDLE_KV_POLL_MS`` when idle with a NIXL agent that has no progress thread,
+        else up to ``POLL_MS`` (then the parent's liveness is checked)."""
         if self.core.has_work():
             return 0
-        return KV_POLL_MS if self.core.needs_polling() else POLL_MS
+        if self.core.needs_polling():
+            return KV_POLL_MS
+        return IDLE_KV_POLL_MS if self._idle_progress else POLL_MS
 
     def _handle_inputs(self, wait_ms: int) -> bool:
         """Process every queued input; False on shutdown or when the parent is gone (checked

@@ -91,6 +91,7 @@ class EngineStats(msgspec.Struct):
     kv_notify_seconds: float = 0.0  # decode side: time spent sending release notifications
     kv_leases_released: int = 0  # prefill side: leases ended by the decode side's notification
     kv_leases_expired: int = 0  # prefill side: leases nobody pulled in time
+    kv_stale_handles: int = 0  # decode side: handles whose lease had expired (not read)
 
 
 class ModelInfo(msgspec.Struct):

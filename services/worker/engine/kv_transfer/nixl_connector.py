@@ -93,7 +93,10 @@ class NixlConnector:
         # long (measured: benchmarks/kv_transfer.py --peer-poll-ms). On a GPU host the thread
         # costs a core per engine; on a CPU engine (few cores, the model shares them) the
         # engine's own polling does it.
-        self.agent = nixl_agent(engine_id, nixl_agent_config(enable_prog_thread=kv_cache.is_cuda))
+        self.progress_thread = kv_cache.is_cuda
+        self.agent = nixl_agent(
+            engine_id, nixl_agent_config(enable_prog_thread=self.progress_thread)
+        )
         self.mem_type = "VRAM" if kv_cache.is_cuda else "DRAM"
         self.device_id = (kv_cache.device.index or 0) if kv_cache.is_cuda else 0
         self.num_blocks = kv_cache.shape[0]

@@ -37,6 +37,7 @@ class KVTransferBookkeeping:
         self.leases: dict[RequestId, Lease] = {}
         self.num_released = 0  # leases ended by the decode side (or an abort)
         self.num_expired = 0  # leases nobody pulled in time
+        self.num_stale = 0  # decode legs whose handle's lease had expired: not read
 
     def load_for(self, request: Request, local_block_ids: list[int], num_hit: int) -> KVLoad:
         """The pull that fills ``request``'s prompt blocks after its ``num_hit`` local hits."""
@@ -47,6 +48,17 @@ class KVTransferBookkeeping:
         n = len(remote.block_ids)
         self.loading[request.request_id] = request
         return KVLoad(request.request_id, local_block_ids[skip:n], remote.block_ids[skip:n], remote)
+
+    def lease_expired(self, request: Request, now: float | None = None) -> bool:
+        """Whether a decode leg's handle has outlived its lease (the prefill engine's wall
+        clock: hosts are assumed to keep time, as they must for any deadline)."""
+        remote = request.kv_transfer.remote if request.kv_transfer else None
+        if remote is None or not remote.lease_expires_at:
+            return False
+        if (time.time() if now is None else now) < remote.lease_expires_at:
+            return False
+        self.num_stale += 1
+        return True
 
     def lease(self, request: Request, block_ids: list[int]) -> RemoteKV:
         """Keep a finished prefill leg's blocks for the decode side; returns its KV handle."""

@@ -46,6 +46,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_since_last_step: set[str] = set()
+        self._stale_pulls: list[str] = []  # decode legs that came after their lease expired
         self._num_preemptions = 0
         self._prompt_tokens = 0
         self._prefix_hit_tokens = 0
@@ -66,7 +67,7 @@ class Scheduler:
         for rid in request_ids:
             request = self.requests.get(RequestId(rid))
             if request is None or request.status.finished:
-                self._end_lease(rid)  # an aborted prefill leg releases its blocks
+                self.end_lease(rid)  # an aborted prefill leg releases its blocks
                 continue
             if self.transfer is not None and request.request_id in self.transfer.loading:
                 request.status = status  # its pull still writes into its blocks: free later
@@ -90,7 +91,7 @@ class Scheduler:
         self._finished_since_last_step = set()
         if self.transfer is not None:
             for rid in self.transfer.expired():
-                self._end_lease(rid, expired=True)
+                self.end_lease(rid, expired=True)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted_req_ids:
             self._schedule_waiting(out, budget)
@@ -182,8 +183,15 @@ class Scheduler:
 
     def _start_pull(self, request: Request, out: SchedulerOutput) -> bool:
         """Allocate a decode leg's prompt blocks (reusing local prefix hits, left out of the
-        prefix index until filled) and ask the worker to pull the rest; False: no room yet."""
+        prefix index until filled) and ask the worker to pull the rest; False: no room yet.
+        A lease that has expired meanwhile fails the pull unread: the prefill engine may have
+        reused those blocks."""
         assert self.transfer is not None
+        if self.transfer.lease_expired(request):
+            self.waiting.popleft()
+            self.transfer.loading[request.request_id] = request
+            self._stale_pulls.append(request.request_id)
+            return True
         hits, num_hit = self.kv.get_computed_blocks(request)
         num_hit = min(num_hit, request.num_prompt_tokens)
         need = request.num_prompt_tokens - num_hit
@@ -201,7 +209,8 @@ class Scheduler:
         if self.transfer is None:
             return []
         outputs = []
-        for rid in result.finished_loads + result.failed_loads:
+        stale, self._stale_pulls = self._stale_pulls, []
+        for rid in result.finished_loads + result.failed_loads + stale:
             request = self.transfer.loading.pop(RequestId(rid), None)
             if request is None:
                 continue
@@ -218,7 +227,11 @@ class Scheduler:
                 self.waiting.appendleft(request)
             else:
                 self._free(request, RequestStatus.FINISHED_ERROR)
-                error = "pulling the prompt's KV cache from the prefill worker failed"
+                error = (
+                    "the prefill worker's lease on the prompt's KV cache expired before this "
+                    "worker could read it" if rid in stale
+                    else "pulling the prompt's KV cache from the prefill worker failed"
+                )  # fmt: skip
                 outputs.append(
                     EngineCoreOutput(
                         rid, [], finish_reason=FinishReason.ERROR, error=error,
@@ -226,10 +239,10 @@ class Scheduler:
                     )
                 )  # fmt: skip
         for rid in result.released:
-            self._end_lease(rid)
+            self.end_lease(rid)
         return outputs
 
-    def _end_lease(self, request_id: str, expired: bool = False) -> None:
+    def end_lease(self, request_id: str, expired: bool = False) -> None:
         request = self.transfer.end_lease(request_id, expired) if self.transfer else None
         if request is not None:
             self.kv.free(request)
