@@ -23,7 +23,16 @@ def channel(address: str) -> aio.Channel:
 def server() -> aio.Server:
     # gRPC sets SO_REUSEPORT by default, so a second service could bind a port that is already
     # serving and the kernel would split connections between the two: refuse instead.
-    return aio.server(options=[*_OPTIONS, ("grpc.so_reuseport", 0)])
+    # Our channels ping every 10 s even between calls (a dead peer is noticed); a server at
+    # gRPC's default (pings without data at most every 5 min) counts those as strikes and
+    # sends GOAWAY "too_many_pings" (seen in a gateway's log), dropping the connection.
+    return aio.server(
+        options=[
+            *_OPTIONS,
+            ("grpc.so_reuseport", 0),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ]
+    )
 
 
 def metadata(request_id: str) -> tuple[tuple[str, str], ...]:
