@@ -7,11 +7,13 @@ run in the same process so their ratios are side by side.
 """
 
 import argparse
+import contextlib
 import gc
 import json
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,25 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "graphs": {},  # the default: CUDA graphs + fused kernels + Triton attention
     "eager": {"enforce_eager": True},
     "unfused": {"fused_ops": False},
+    "cublas_gemv": {},  # the default, but one-token linear layers through cuBLAS (F.linear)
 }
+
+
+@contextlib.contextmanager
+def _variant_patches(variant: str) -> Iterator[None]:
+    """``cublas_gemv``: the linear layers' Triton GEMV swapped for F.linear while the engine
+    is built (its CUDA graphs capture whichever is in place) and used."""
+    if variant != "cublas_gemv":
+        yield
+        return
+    from services.worker.engine.models.layers import gemv
+
+    original = gemv.gemv
+    gemv.gemv = lambda x, w, b=None: torch.nn.functional.linear(x, w, b)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        gemv.gemv = original
 
 
 def _timed(llm: LLM, ids: list[int], max_tokens: int) -> float:
@@ -134,7 +154,10 @@ def main() -> None:
     device = torch.device("cuda")
     model = str(write_shape(args.shape, Path(tempfile.mkdtemp()) / args.shape))
     results: dict[str, Any] = {"shape": args.shape, "args": vars(args)}
-    results["variants"] = [measure(model, v, args) for v in args.variants]
+    results["variants"] = []
+    for v in args.variants:
+        with _variant_patches(v):
+            results["variants"].append(measure(model, v, args))
     bandwidth = copy_bandwidth(device)
     peak = matmul_peak(device, getattr(torch, args.dtype))
     roofline_ms = results["variants"][0]["weight_bytes"] / bandwidth * 1e3

@@ -67,3 +67,40 @@ def test_rotary_in_place(rope: RopeConfig, dtype: torch.dtype) -> None:
     torch.testing.assert_close(q, q_ref, atol=TOL[dtype], rtol=TOL[dtype])
     torch.testing.assert_close(k, k_ref, atol=TOL[dtype], rtol=TOL[dtype])
     assert torch.equal(fused_qkv[:, 6 * 32 :], qkv[:, 6 * 32 :])  # v untouched
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,k", [(37, 70), (64, 256), (5, 1030)])
+def test_gemv_equals_linear(n: int, k: int, dtype: torch.dtype, bias: bool) -> None:
+    """One token through the Triton GEMV equals F.linear (sizes off the tiles: masked edges)."""
+    import torch.nn.functional as F
+
+    from services.worker.engine.models.layers.gemv import gemv
+
+    w = torch.randn(n, k, device=DEVICE, dtype=dtype) / k**0.5
+    b = torch.randn(n, device=DEVICE, dtype=dtype) if bias else None
+    x = torch.randn(1, k, device=DEVICE, dtype=dtype)
+    got = gemv(x, w, b)
+    assert got.shape == (1, n) and got.dtype == dtype
+    torch.testing.assert_close(got, F.linear(x, w, b), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_linear_layers_take_the_gemv_for_one_token_on_a_gpu_only() -> None:
+    """The fused flag routes a one-token GPU input through the GEMV; anything else (several
+    tokens, or CPU tensors) stays on F.linear, so CPU engines are unchanged."""
+    from unittest import mock
+
+    from services.worker.engine.models.layers import gemv as gemv_mod
+    from services.worker.engine.models.layers.linear import RowParallelLinear
+
+    layer = RowParallelLinear(8, 4, fused=True)
+    layer.weight.data.normal_()
+    with mock.patch.object(gemv_mod, "gemv", wraps=gemv_mod.gemv) as spy:
+        layer(torch.randn(1, 8))
+        layer(torch.randn(3, 8))
+        assert spy.call_count == 0  # CPU tensors: F.linear
+        if DEVICE == "cuda":
+            layer.cuda()(torch.randn(1, 8, device="cuda"))
+            layer(torch.randn(3, 8, device="cuda"))
+            assert spy.call_count == 1

@@ -38,12 +38,12 @@ class LlamaAttention(nn.Module):
         super().__init__()
         d = arch.head_dim
         self.qkv_proj = QKVParallelLinear(
-            arch.hidden_size, d, arch.num_heads, arch.num_kv_heads, bias=arch.attention_bias
+            arch.hidden_size, d, arch.num_heads, arch.num_kv_heads, arch.attention_bias, fused
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.head_dim = d
-        self.o_proj = RowParallelLinear(arch.num_heads * d, arch.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(arch.num_heads * d, arch.hidden_size, False, fused)
         self.rotary = RotaryEmbedding(d, max_positions, arch.rope, fused)
         self.q_norm = RMSNorm(d, arch.rms_norm_eps, fused) if arch.qk_norm else None
         self.k_norm = RMSNorm(d, arch.rms_norm_eps, fused) if arch.qk_norm else None
@@ -73,9 +73,9 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"unsupported hidden_act {arch.hidden_act!r}; supported: silu")
         inter = arch.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            arch.hidden_size, [inter, inter], bias=arch.mlp_bias
+            arch.hidden_size, [inter, inter], arch.mlp_bias, fused
         )
-        self.down_proj = RowParallelLinear(inter, arch.hidden_size, bias=arch.mlp_bias)
+        self.down_proj = RowParallelLinear(inter, arch.hidden_size, arch.mlp_bias, fused)
         self.act = SiluAndMul(fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -18,10 +18,18 @@ from services.worker.engine.distributed import all_reduce, tp_rank, tp_size
 
 
 class _LinearBase(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, split_dim: int | None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        split_dim: int | None,
+        fused: bool = False,
+    ):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.split_dim = split_dim
+        self.fused = fused  # one token on a GPU: the Triton GEMV (layers/gemv.py), not cuBLAS
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias: nn.Parameter | None = None
         if bias:
@@ -36,7 +44,14 @@ class _LinearBase(nn.Module):
         copy_weight(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._linear(x, self.bias)
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.fused and x.is_cuda and x.shape[0] == 1:
+            from services.worker.engine.models.layers.gemv import gemv
+
+            return gemv(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
 
 
 def copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -47,13 +62,17 @@ def copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 class ColumnParallelLinear(_LinearBase):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__(in_features, out_features // tp_size(), bias, split_dim=0)
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, fused: bool = False
+    ):
+        super().__init__(in_features, out_features // tp_size(), bias, split_dim=0, fused=fused)
 
 
 class RowParallelLinear(_LinearBase):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__(in_features // tp_size(), out_features, bias, split_dim=1)
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, fused: bool = False
+    ):
+        super().__init__(in_features // tp_size(), out_features, bias, split_dim=1, fused=fused)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
@@ -64,16 +83,17 @@ class RowParallelLinear(_LinearBase):
         super().weight_loader(param, loaded, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        return all_reduce(out)
+        return all_reduce(self._linear(x, self.bias if self.tp_rank == 0 else None))
 
 
 class MergedColumnParallelLinear(_LinearBase):
     """Several column-parallel projections of one input stacked in one matmul (gate ‖ up)."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False):
+    def __init__(
+        self, in_features: int, out_sizes: list[int], bias: bool = False, fused: bool = False
+    ):
         self.out_sizes = [s // tp_size() for s in out_sizes]
-        super().__init__(in_features, sum(self.out_sizes), bias, split_dim=0)
+        super().__init__(in_features, sum(self.out_sizes), bias, split_dim=0, fused=fused)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
@@ -88,7 +108,13 @@ class QKVParallelLinear(_LinearBase):
     """q, k and v projections stacked: [q heads | k heads | v heads] × head_dim rows per rank."""
 
     def __init__(
-        self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False
+        self,
+        hidden: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        fused: bool = False,
     ):
         tp = tp_size()
         self.head_dim = head_dim
@@ -96,7 +122,7 @@ class QKVParallelLinear(_LinearBase):
         self.num_heads = num_heads // tp
         self.num_kv_heads = max(1, num_kv_heads // tp)  # kv heads replicate when tp > kv heads
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        super().__init__(hidden, out, bias, split_dim=0)
+        super().__init__(hidden, out, bias, split_dim=0, fused=fused)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None

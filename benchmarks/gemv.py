@@ -1,0 +1,106 @@
+"""One-token linear layers (batch-1 decode) on a GPU: cuBLAS, cuBLASLt and the engine's Triton
+GEMV (models/layers/gemv.py) per projection shape, as achieved weight-read bandwidth next to
+the copy bandwidth measured in the same run.
+
+Each timing replays a CUDA graph of back-to-back calls (as a decode step does, no launch gaps)
+cycling through enough weight copies that none is read from L2 twice.
+
+    python benchmarks/gemv.py --shape llama-3.1-8b --output gemv.json
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.roofline import copy_bandwidth
+from benchmarks.shapes import SHAPES
+from services.worker.engine.models.layers.gemv import gemv
+
+
+def projections(shape: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """(N, K) of each linear layer of one decoder layer, tensor-parallel size 1."""
+    h, d = shape["hidden_size"], shape["head_dim"]
+    q, kv, inter = (
+        shape["num_attention_heads"] * d,
+        shape["num_key_value_heads"] * d,
+        shape["intermediate_size"],
+    )
+    return {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * inter, h), "down": (h, inter)}
+
+
+def time_calls(fn, weights: list[torch.Tensor], x: torch.Tensor, reps: int) -> float:  # type: ignore[no-untyped-def]
+    """Seconds per call: a graph of ``len(weights)`` calls, replayed ``reps`` times."""
+    for w in weights:  # warm-up (and the Triton autotune) outside the capture
+        fn(x, w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(x, w)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3 / len(weights))
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--output")
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    bandwidth = copy_bandwidth(dev)
+    result: dict[str, Any] = {"shape": args.shape, "copy_bandwidth_tbs": bandwidth / 1e12,
+                              "device": torch.cuda.get_device_name(), "layers": {}}  # fmt: skip
+    backends = {
+        "cublas": ("cublas", lambda x, w: F.linear(x, w)),
+        "cublaslt": ("cublaslt", lambda x, w: F.linear(x, w)),
+        "triton_gemv": ("cublas", lambda x, w: gemv(x, w)),
+    }
+    for name, (n, k) in projections(SHAPES[args.shape]).items():
+        nbytes = n * k * 2
+        copies = max(2, -(-(512 << 20) // nbytes))  # ≥ 512 MiB in all: nothing stays in L2
+        weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
+        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        ref = F.linear(x, weights[0])
+        row: dict[str, Any] = {"n": n, "k": k, "mbytes": nbytes / 1e6}
+        for backend, (library, fn) in backends.items():
+            torch.backends.cuda.preferred_blas_library(library)
+            torch.testing.assert_close(fn(x, weights[0]), ref, atol=2e-2, rtol=2e-2)
+            seconds = time_calls(fn, weights, x, args.reps)
+            row[backend] = {"us": seconds * 1e6, "tbs": nbytes / seconds / 1e12,
+                            "of_copy": nbytes / seconds / bandwidth}  # fmt: skip
+        torch.backends.cuda.preferred_blas_library("cublas")
+        result["layers"][name] = row
+        del weights
+        torch.cuda.empty_cache()
+        print(f"{name:8s} {n:6d}x{k:<6d} " + "  ".join(
+            f"{b} {row[b]['us']:7.1f} us {row[b]['tbs']:.2f} TB/s ({100 * row[b]['of_copy']:.0f} %)"
+            for b in backends
+        ), flush=True)  # fmt: skip
+    layers = SHAPES[args.shape]["num_hidden_layers"]
+    for backend in backends:
+        per_layer = sum(r[backend]["us"] for r in result["layers"].values())
+        result[f"{backend}_us_per_step"] = per_layer * layers
+    print(json.dumps({k: v for k, v in result.items() if k != "layers"}, indent=2))
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

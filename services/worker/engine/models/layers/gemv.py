@@ -1,0 +1,63 @@
+"""Matrix-vector product for one token (batch-1 decode): ``y = x Wᵀ (+ b)``, x: [1, K].
+
+At one token a linear layer is a weight read: cuBLAS reaches ≈ 4.1 TB/s on the large MLP
+projections of an 8B model but ≈ 3.1 TB/s on the smaller qkv and o projections, and splits K
+over a second reduction kernel (measured: docs/performance.md). Here each program reads
+``BLOCK_N`` whole rows in ``BLOCK_K`` chunks, accumulates in float32 and rounds once, as a
+bf16 GEMM does; the tile sizes are tuned per (N, K) on first use (before CUDA graph capture:
+the capture's warm-up forwards run it eagerly). ``benchmarks/gemv.py`` compares it with cuBLAS
+and cuBLASLt per shape.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gemv_kernel(
+    X, W, B, Y, N, K, stride_wn,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    w_rows = W + rows[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_ok = cols < K
+        w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        x = tl.load(X + cols, mask=col_ok, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
+
+
+_CONFIGS = [
+    triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+    for n, k, w, s in [
+        (2, 1024, 4, 3), (4, 512, 4, 3), (4, 1024, 4, 3), (4, 1024, 8, 3), (8, 512, 4, 3),
+        (8, 512, 8, 4), (8, 1024, 8, 3), (16, 256, 4, 4), (16, 512, 8, 3), (32, 256, 8, 3),
+    ]
+]  # fmt: skip
+_gemv_tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "HAS_BIAS"])(_gemv_kernel)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [1, K]; weight: [N, K] (rows contiguous); returns [1, N] in x's dtype."""
+    assert x.shape[0] == 1 and weight.stride(1) == 1, "one token, row-major weight"
+    x = x.contiguous()
+    n, k = weight.shape
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    b = bias if bias is not None else y  # (unused without HAS_BIAS)
+    if x.is_cuda:
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+        _gemv_tuned[grid](x, weight, b, y, n, k, weight.stride(0), HAS_BIAS=bias is not None)
+    else:  # Triton's interpreter (tests on CPU): one fixed tile, nothing to tune
+        _gemv_kernel[(triton.cdiv(n, 4),)](
+            x, weight, b, y, n, k, weight.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_N=4, BLOCK_K=64,
+        )  # fmt: skip
+    return y
