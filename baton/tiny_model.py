@@ -5,6 +5,7 @@ download), loadable by both Baton and ``transformers``. For tests, the demo and 
 
 import importlib
 import json
+import types
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +44,14 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def corpus() -> list[str]:
+    """The same text in every process: submodules are skipped, because which ones a package
+    has as attributes depends on what else the process imported (``email.utils`` appears
+    once some library imports it), and that made the tokenizer, and so the model, vary."""
     texts = []
     for name in _CORPUS_MODULES:
         module = importlib.import_module(name)
-        for obj in [module, *vars(module).values()]:
+        own = [v for v in vars(module).values() if not isinstance(v, types.ModuleType)]
+        for obj in [module, *own]:
             doc = getattr(obj, "__doc__", None)
             if isinstance(doc, str) and len(doc) > 40:
                 texts.append(doc)

@@ -100,9 +100,18 @@ class Formatter:
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{self.tok.token_text(t): v for t, v in lp.top} for lp in lps],
+            "top_logprobs": [self._top_by_text(lp) for lp in lps],
             "text_offset": offsets,
         }
+
+    def _top_by_text(self, lp: TokenLogprob) -> dict[str, float]:
+        """The legacy format keys alternatives by text. Distinct tokens can share one (two
+        partial UTF-8 sequences both print as '�'): the most probable keeps the key, so the
+        sampled greedy token is still the entry with the largest value."""
+        top: dict[str, float] = {}
+        for token_id, value in sorted(lp.top, key=lambda tv: -tv[1]):
+            top.setdefault(self.tok.token_text(token_id), value)
+        return top
 
     def _chat_entry(self, lp: TokenLogprob) -> dict[str, Any]:
         def one(token_id: int, value: float) -> dict[str, Any]:

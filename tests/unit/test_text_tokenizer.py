@@ -67,3 +67,21 @@ def test_does_not_import_torch(tiny_model: Path) -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_tiny_model_corpus_does_not_depend_on_what_the_process_imported() -> None:
+    """The tokenizer (and so the tiny model every test uses) is trained on this corpus: it
+    changed with the packages a process had imported (a submodule such as email.utils is an
+    attribute of its package only once imported), and a test's expectations with it."""
+    import subprocess
+    import sys
+
+    show = ("from baton.tiny_model import corpus; import hashlib; "
+            "print(hashlib.sha1(chr(10).join(corpus()).encode()).hexdigest())")  # fmt: skip
+    plain = subprocess.run([sys.executable, "-c", show], capture_output=True, text=True)
+    more = subprocess.run(
+        [sys.executable, "-c", "import email.mime.text, logging.handlers, http.server; " + show],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert plain.returncode == more.returncode == 0, plain.stderr + more.stderr
+    assert plain.stdout == more.stdout
