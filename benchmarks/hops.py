@@ -24,9 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.serving import client
 
 ORDER = [
     "gateway.asgi", "gateway.app", "gateway.route_call", "scheduler.route_in",
@@ -39,16 +39,16 @@ ORDER = [
 async def drive(url: str, model: str, args: argparse.Namespace, vocab: int) -> dict:
     rng = random.Random(args.seed)
     sent: dict[str, tuple[int, int]] = {}
-    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+    async with client(60) as http:
         for i in range(args.requests + args.warmup):
             ids = [rng.randrange(300, vocab) for _ in range(args.prompt_len)]
             body = {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0,
                     "stream": True}  # fmt: skip
             rid, start, first = f"hop{i}", time.monotonic_ns(), 0
-            async with http.stream("POST", "/completions", json=body,
-                                   headers={"x-request-id": rid}) as resp:  # fmt: skip
-                async for line in resp.aiter_lines():  # to the end: the connection is reused
-                    if line.startswith("data: ") and not first:
+            async with http.post(f"{url}/completions", json=body,
+                                 headers={"x-request-id": rid}) as resp:  # fmt: skip
+                async for line in resp.content:  # to the end: the connection is reused
+                    if line.startswith(b"data: ") and not first:
                         first = time.monotonic_ns()
             if i >= args.warmup and first:
                 sent[rid] = (start, first)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -61,20 +62,31 @@ def summary(values: list[float]) -> dict[str, float]:
     }
 
 
+def client(timeout_s: float = 600) -> aiohttp.ClientSession:
+    """The load generator's HTTP client: aiohttp, as vLLM's serving benchmark uses. httpx
+    costs ~0.9 ms more per streamed request here (benchmarks/rpc_floor.py times both), which
+    would be counted as the server's."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=timeout_s)
+    )
+
+
 async def one_request(
-    http: httpx.AsyncClient, model: str, ids: list[int], output_len: int, rec: Record
-) -> None:
+    http: aiohttp.ClientSession, url: str, model: str, ids: list[int], output_len: int,
+    rec: Record,
+) -> None:  # fmt: skip
     body = {
         "model": model, "prompt": ids, "max_tokens": output_len, "temperature": 0,
         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
     }  # fmt: skip
     rec.start = time.perf_counter()
     try:
-        async with http.stream("POST", "/completions", json=body) as resp:
-            if resp.status_code != 200:
-                rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+        async with http.post(f"{url}/completions", json=body) as resp:
+            if resp.status != 200:
+                rec.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
                 return
-            async for line in resp.aiter_lines():
+            async for raw in resp.content:  # to the end: the connection is reused
+                line = raw.decode().rstrip("\r\n")
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
@@ -84,7 +96,7 @@ async def one_request(
                     rec.output_tokens = chunk["usage"]["completion_tokens"]
                 elif chunk["choices"]:  # a token arrived (its text may still be held back)
                     rec.chunk_times.append(time.perf_counter())
-    except httpx.HTTPError as e:
+    except (TimeoutError, aiohttp.ClientError) as e:
         rec.error = repr(e)
 
 
@@ -101,12 +113,13 @@ async def run_load(
     prompts = random_prompts(args.num_prompts, args.min_len, args.max_len, vocab, seed)
     records = [Record(len(p)) for p in prompts]
     rng = random.Random(seed + 1)
-    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+    async with client() as http:
         start = time.perf_counter()
         tasks = []
         for ids, rec in zip(prompts, records, strict=True):
-            tasks.append(asyncio.create_task(one_request(http, model, ids, args.output_len, rec)))
+            tasks.append(
+                asyncio.create_task(one_request(http, url, model, ids, args.output_len, rec))
+            )
             if rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(rate))
         await asyncio.gather(*tasks)
@@ -149,10 +162,10 @@ async def run_overhead(url: str, model_dir: str, model: str, args: argparse.Name
                              args.overhead_len, vocab, args.seed + 7)  # fmt: skip
     params = SamplingParams(max_tokens=1, temperature=0)
     gateway, local = [], []
-    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+    async with client(60) as http:
         for i in range(args.overhead_requests + 10):  # the first 10 of each warm up
             rec = Record(args.overhead_len)
-            await one_request(http, model, prompts[2 * i], 1, rec)
+            await one_request(http, url, model, prompts[2 * i], 1, rec)
             if rec.error:
                 raise RuntimeError(rec.error)
             start = time.perf_counter()
@@ -261,9 +274,9 @@ def start_cluster(args: argparse.Namespace, layout: list[str]) -> Any:
 async def warm_up(url: str, model: str, args: argparse.Namespace, vocab: int) -> None:
     """A few requests of the workload's shape first: kernels compiled, graphs warm."""
     prompts = random_prompts(args.warmup, args.min_len, args.max_len, vocab, args.seed + 99)
-    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+    async with client() as http:
         recs = [Record(len(p)) for p in prompts]
-        await asyncio.gather(*(one_request(http, model, p, 8, r)
+        await asyncio.gather(*(one_request(http, url, model, p, 8, r)
                                for p, r in zip(prompts, recs, strict=True)))  # fmt: skip
         errors = {r.error for r in recs if r.error}
         if errors:
