@@ -3,9 +3,12 @@ machine, with nothing behind them. Each server runs in its own process (uvloop, 
 services do); one client request at a time; p50 of ``--requests``.
 
     http  a FastAPI/uvicorn endpoint that validates a 64-token completion body and streams one
-          SSE chunk back, timed by httpx to the first ``data:`` line (the gateway's in + out)
+          SSE chunk back, timed to the first ``data:`` line (the gateway's in + out) by two
+          clients: httpx and aiohttp (the serving benchmark's)
     grpc  a unary call (``Route``'s shape) and one message each way on an open bidirectional
           stream, grpc.aio
+    route the real scheduler servicer (two idle workers): the gateway's Route as a unary
+          call and over its RouteStream (services/gateway/route_client.py), alternating
 
     python benchmarks/rpc_floor.py
 """
@@ -78,18 +81,38 @@ def grpc_server(port: int) -> None:
     uvloop.run(serve())
 
 
+BODY = {"model": "m", "prompt": list(range(64)), "max_tokens": 1, "stream": True}
+
+
 async def time_http(port: int, n: int) -> list[float]:
+    """With httpx as the client (the e2e tests' and the openai package's)."""
     import httpx
 
-    body = {"model": "m", "prompt": list(range(64)), "max_tokens": 1, "stream": True}
     out = []
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
         for _ in range(n + 20):
             start = time.perf_counter()
-            async with http.stream("POST", "/v1/completions", json=body) as resp:
+            async with http.stream("POST", "/v1/completions", json=BODY) as resp:
                 first = 0.0
                 async for line in resp.aiter_lines():  # to the end: the connection is reused
                     if line.startswith("data: ") and not first:
+                        first = time.perf_counter() - start
+                out.append(first)
+    return out[20:]
+
+
+async def time_aiohttp(port: int, n: int) -> list[float]:
+    """With aiohttp as the client (the serving benchmark's, as in vLLM's)."""
+    from benchmarks.serving import client
+
+    out = []
+    async with client(60) as http:
+        for _ in range(n + 20):
+            start = time.perf_counter()
+            async with http.post(f"http://127.0.0.1:{port}/v1/completions", json=BODY) as resp:
+                first = 0.0
+                async for line in resp.content:  # to the end: the connection is reused
+                    if line.startswith(b"data: ") and not first:
                         first = time.perf_counter() - start
                 out.append(first)
     return out[20:]
@@ -121,6 +144,59 @@ async def time_grpc(port: int, n: int) -> tuple[list[float], list[float]]:
     return unary[20:], stream[20:]
 
 
+def scheduler_server(port: int) -> None:
+    """The real scheduler servicer with two idle workers (capacity never binds)."""
+    import uvloop
+
+    from services.global_scheduler.directory import InMemoryDirectory
+    from services.global_scheduler.registry import WorkerLoad, WorkerRegistry, WorkerState
+    from services.global_scheduler.routing import RoutingPolicy
+    from services.global_scheduler.server import SchedulerServicer
+    from shared.ids import WorkerId
+    from shared.protos.baton.v1 import scheduler_pb2_grpc
+    from shared.rpc import server
+
+    registry = WorkerRegistry(3600.0)
+    for name in ("w0", "w1"):
+        w = WorkerState(WorkerId(name), "i", "both", f"{name}:1", "m", 1024, 16, 10**9)
+        w.load = WorkerLoad()
+        registry.register(w)
+
+    async def serve() -> None:
+        s = server()
+        impl = SchedulerServicer(registry, InMemoryDirectory(), RoutingPolicy())
+        scheduler_pb2_grpc.add_GlobalSchedulerServicer_to_server(impl, s)
+        s.add_insecure_port(f"127.0.0.1:{port}")
+        await s.start()
+        await s.wait_for_termination()
+
+    uvloop.run(serve())
+
+
+async def time_route(port: int, n: int) -> tuple[list[float], list[float]]:
+    """The gateway's Route: a unary call, and the same over its RouteStream, alternating."""
+    from services.gateway.route_client import RouteClient
+    from shared.protos.baton.v1 import scheduler_pb2, scheduler_pb2_grpc
+    from shared.rpc import channel, metadata
+
+    ch = channel(f"127.0.0.1:{port}")
+    stub = scheduler_pb2_grpc.GlobalSchedulerStub(ch)
+    client = RouteClient(stub)
+    unary, stream = [], []
+    for i in range(n + 20):
+        req = scheduler_pb2.RouteRequest(request_id=f"r{i}", model="m", num_prompt_tokens=64,
+                                         block_hashes=[bytes(16)] * 4)  # fmt: skip
+        start = time.perf_counter()
+        await stub.Route(req, timeout=5, metadata=metadata("t"))
+        unary.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        await client.route(req, 5.0, "t")
+        stream.append(time.perf_counter() - start)
+    await client.close()
+    await ch.close()
+    return unary[20:], stream[20:]
+
+
 def wait_listening(port: int, timeout_s: float) -> None:
     import socket
 
@@ -136,33 +212,40 @@ def wait_listening(port: int, timeout_s: float) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--requests", type=int, default=500)
-    p.add_argument("--serve", choices=["http", "grpc"], help=argparse.SUPPRESS)
+    p.add_argument("--serve", choices=["http", "grpc", "scheduler"], help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
-        (http_server if args.serve == "http" else grpc_server)(args.port)
+        {"http": http_server, "grpc": grpc_server, "scheduler": scheduler_server}[args.serve](
+            args.port
+        )
         return
 
     import uvloop
 
     from baton.launcher import free_port
 
-    ports = {"http": free_port(), "grpc": free_port()}
+    ports = {"http": free_port(), "grpc": free_port(), "scheduler": free_port()}
     servers = [subprocess.Popen([sys.executable, __file__, "--serve", kind, "--port", str(port)])
                for kind, port in ports.items()]  # fmt: skip
     try:
         for port in ports.values():
             wait_listening(port, 30.0)
         http = uvloop.run(time_http(ports["http"], args.requests))
+        aio = uvloop.run(time_aiohttp(ports["http"], args.requests))
         unary, stream = uvloop.run(time_grpc(ports["grpc"], args.requests))
+        route_unary, route_stream = uvloop.run(time_route(ports["scheduler"], args.requests))
     finally:
         for s in servers:
             s.terminate()
             s.wait(timeout=10)
     p50 = {
-        "http_streamed_first_chunk_ms": 1e3 * statistics.median(http),
+        "http_streamed_first_chunk_httpx_ms": 1e3 * statistics.median(http),
+        "http_streamed_first_chunk_aiohttp_ms": 1e3 * statistics.median(aio),
         "grpc_unary_ms": 1e3 * statistics.median(unary),
         "grpc_stream_round_trip_ms": 1e3 * statistics.median(stream),
+        "route_unary_ms": 1e3 * statistics.median(route_unary),
+        "route_stream_ms": 1e3 * statistics.median(route_stream),
     }
     print(json.dumps(p50, indent=2))
 

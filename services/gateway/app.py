@@ -52,11 +52,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         state["catalog"] = catalog
         owner = TaskOwner("gateway")
         owner.spawn(catalog.refresh_forever(), "catalog-refresh")
-        state["handler"] = Handler(
-            Orchestrator(scheduler, catalog, workers), catalog, settings.request_timeout_s
-        )
+        orchestrator = Orchestrator(scheduler, catalog, workers)
+        state["handler"] = Handler(orchestrator, catalog, settings.request_timeout_s)
         yield
         await owner.cancel_all()
+        await orchestrator.close()
         await workers.close()
         await sched_channel.close()
 

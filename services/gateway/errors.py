@@ -64,8 +64,10 @@ def timeout(what: str) -> APIError:
 
 def from_grpc(e: grpc.aio.AioRpcError, what: str) -> APIError:
     """A failed call to the scheduler or a worker, as the client should see it."""
-    code = e.code()
-    detail = e.details() or code.name
+    return from_status(e.code(), e.details() or e.code().name, what)
+
+
+def from_status(code: grpc.StatusCode, detail: str, what: str) -> APIError:
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return bad_request(detail)
     if code == grpc.StatusCode.NOT_FOUND:

@@ -13,6 +13,10 @@ TTFT = Histogram("baton_gateway_ttft_seconds", "Arrival to first token", buckets
 ITL = Histogram("baton_gateway_itl_seconds", "Time between streamed token deltas", buckets=_FAST)
 E2E = Histogram("baton_gateway_e2e_seconds", "Arrival to the last token", buckets=_LATENCY)
 ROUTE_SECONDS = Histogram("baton_gateway_route_seconds", "Route call latency", buckets=_FAST)
+ROUTE_CALLS = Counter(
+    "baton_gateway_route_calls", "Route calls by transport (the long-lived stream, or unary)",
+    ["transport"],
+)  # fmt: skip
 PROMPT_TOKENS = Counter("baton_gateway_prompt_tokens", "Prompt tokens received")
 COMPLETION_TOKENS = Counter("baton_gateway_completion_tokens", "Tokens generated")
 CACHED_TOKENS = Counter(

@@ -23,6 +23,7 @@ import grpc
 
 from services.gateway import errors, metrics
 from services.gateway.catalog import ModelCatalog
+from services.gateway.route_client import RouteClient, RouteFailed
 from shared import hop_trace
 from shared.block_hash import hash_blocks
 from shared.ids import BlockHash
@@ -103,10 +104,13 @@ class Orchestrator:
         catalog: ModelCatalog,
         workers: WorkerChannels,
     ):
-        self.scheduler = scheduler
+        self.routes = RouteClient(scheduler)
         self.catalog = catalog
         self.workers = workers
         self._background: set[asyncio.Task[None]] = set()  # lease releases in flight
+
+    async def close(self) -> None:
+        await self.routes.close()
 
     async def run(self, job: Job, num_logprobs: int | None) -> AsyncIterator[ChoiceDelta]:
         """Deltas of all n choices, interleaved as they arrive; ends when every choice ends."""
@@ -125,18 +129,23 @@ class Orchestrator:
     ) -> scheduler_pb2.RouteResponse:
         start = time.perf_counter()
         try:
-            route = await self.scheduler.Route(
+            route = await self.routes.route(
                 scheduler_pb2.RouteRequest(
                     request_id=job.request_id, model=job.model, block_hashes=hashes,
                     num_prompt_tokens=len(job.prompt_ids), exclude_workers=exclude,
                 ),
                 timeout=min(ROUTE_TIMEOUT_S, max(job.deadline - time.monotonic(), 0.001)),
-                metadata=metadata(job.trace_id),
+                trace_id=job.trace_id,
             )  # fmt: skip
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.NOT_FOUND:  # we serve the model; its workers are gone
-                raise errors.no_worker(e.details() or "no live worker") from None
-            raise errors.from_grpc(e, "routing") from None
+        except (RouteFailed, grpc.aio.AioRpcError) as e:
+            code, details = (e.code, e.details) if isinstance(e, RouteFailed) else (
+                e.code(), e.details() or e.code().name
+            )  # fmt: skip
+            if code == grpc.StatusCode.NOT_FOUND:  # we serve the model; its workers are gone
+                raise errors.no_worker(details or "no live worker") from None
+            raise errors.from_status(code, details, "routing") from None
+        except TimeoutError:
+            raise errors.timeout("routing") from None
         metrics.ROUTE_SECONDS.observe(time.perf_counter() - start)
         return route
 

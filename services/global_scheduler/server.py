@@ -2,6 +2,7 @@
 routing policy do the work. Workers leave the registry when their heartbeat stream ends (at
 once) or goes silent (``sweep``, within ``heartbeat_timeout_s`` + one sweep interval)."""
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -16,10 +17,19 @@ from services.global_scheduler.registry import WorkerRegistry, WorkerState
 from services.global_scheduler.routing import Candidate, NoWorkerError, RouteQuery, RoutingPolicy
 from shared import hop_trace
 from shared.ids import BlockHash, WorkerId
+from shared.logs import request_id_var
 from shared.protos.baton.v1 import scheduler_pb2, scheduler_pb2_grpc
 from shared.rpc import adopt_request_id
 
 logger = logging.getLogger(__name__)
+
+
+class RouteFailed(Exception):
+    """No route: the status a unary Route ends with, or a RouteStream call's failure."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
 
 
 def _ref(c: Candidate) -> scheduler_pb2.WorkerRef:
@@ -71,13 +81,56 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
         self, request: scheduler_pb2.RouteRequest, context: aio.ServicerContext
     ) -> scheduler_pb2.RouteResponse:
         adopt_request_id(context)
+        try:
+            return await self._route(request)
+        except RouteFailed as e:
+            await context.abort(e.code, e.message)
+            raise  # unreachable: abort raises
+
+    async def RouteStream(
+        self, calls: AsyncIterator[scheduler_pb2.RouteCall], context: aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb2.RouteReply]:
+        """Route each call as it arrives (concurrently: a Redis directory lookup must not hold
+        up the calls behind it) and reply in completion order; a failure answers its call."""
+        replies: asyncio.Queue[scheduler_pb2.RouteReply | None] = asyncio.Queue()
+        routing: set[asyncio.Task[None]] = set()
+
+        async def one(call: scheduler_pb2.RouteCall) -> None:
+            request_id_var.set(call.trace_id or call.request.request_id)
+            reply = scheduler_pb2.RouteReply(call_id=call.call_id)
+            try:
+                reply.route.CopyFrom(await self._route(call.request))
+            except RouteFailed as e:
+                reply.failure.code, reply.failure.message = e.code.value[0], e.message
+            replies.put_nowait(reply)
+
+        async def read() -> None:
+            try:
+                async for call in calls:
+                    task = asyncio.get_running_loop().create_task(one(call))
+                    routing.add(task)
+                    task.add_done_callback(routing.discard)
+                await asyncio.gather(*routing)  # the gateway closed its side: finish what it asked
+            finally:
+                replies.put_nowait(None)
+
+        reader = asyncio.get_running_loop().create_task(read())
+        try:
+            while (reply := await replies.get()) is not None:
+                yield reply
+        finally:
+            reader.cancel()
+            for task in list(routing):
+                task.cancel()
+
+    async def _route(self, request: scheduler_pb2.RouteRequest) -> scheduler_pb2.RouteResponse:
         hop_trace.mark("scheduler.route_in")
         start = time.perf_counter()
         workers = [w for w in self.registry.workers() if w.model == request.model]
         if not workers:
             metrics.ROUTES.labels("no_worker", "model").inc()
             known = sorted(self.registry.models())
-            await context.abort(
+            raise RouteFailed(
                 grpc.StatusCode.NOT_FOUND,
                 f"no live worker serves model {request.model!r}; served: {known}",
             )
@@ -93,8 +146,7 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
             best = self.policy.pick(query, [Candidate(w, matched[w.worker_id]) for w in workers])
         except NoWorkerError as e:
             metrics.ROUTES.labels("no_worker", "filters").inc()
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-            raise  # unreachable: abort raises
+            raise RouteFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         prefill = self._decide_prefill(query, best, workers, matched)
         for chosen in (best, prefill):
             if chosen is not None:

@@ -99,6 +99,34 @@ class RouteResponse(_message.Message):
     block_size: int
     def __init__(self, decode: _Optional[_Union[WorkerRef, _Mapping]] = ..., prefill: _Optional[_Union[WorkerRef, _Mapping]] = ..., reason: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
 
+class RouteCall(_message.Message):
+    __slots__ = ("call_id", "request", "trace_id")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    request: RouteRequest
+    trace_id: str
+    def __init__(self, call_id: _Optional[int] = ..., request: _Optional[_Union[RouteRequest, _Mapping]] = ..., trace_id: _Optional[str] = ...) -> None: ...
+
+class RouteReply(_message.Message):
+    __slots__ = ("call_id", "route", "failure")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    route: RouteResponse
+    failure: RouteFailure
+    def __init__(self, call_id: _Optional[int] = ..., route: _Optional[_Union[RouteResponse, _Mapping]] = ..., failure: _Optional[_Union[RouteFailure, _Mapping]] = ...) -> None: ...
+
+class RouteFailure(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
 class ListWorkersRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -44,6 +44,11 @@ class GlobalSchedulerStub:
                 request_serializer=baton_dot_v1_dot_scheduler__pb2.RouteRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_scheduler__pb2.RouteResponse.FromString,
                 _registered_method=True)
+        self.RouteStream = channel.stream_stream(
+                '/baton.v1.GlobalScheduler/RouteStream',
+                request_serializer=baton_dot_v1_dot_scheduler__pb2.RouteCall.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_scheduler__pb2.RouteReply.FromString,
+                _registered_method=True)
         self.ListWorkers = channel.unary_unary(
                 '/baton.v1.GlobalScheduler/ListWorkers',
                 request_serializer=baton_dot_v1_dot_scheduler__pb2.ListWorkersRequest.SerializeToString,
@@ -71,6 +76,15 @@ class GlobalSchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RouteStream(self, request_iterator, context):
+        """The same, many requests over one long-lived stream per gateway (a unary call sets up a
+        stream each time: ~0.9 ms here, against ~0.3 ms for a message each way on an open one).
+        Replies come in completion order, matched by call_id; a failure answers one call only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListWorkers(self, request, context):
         """The live workers and the models they serve.
         """
@@ -90,6 +104,11 @@ def add_GlobalSchedulerServicer_to_server(servicer, server):
                     servicer.Route,
                     request_deserializer=baton_dot_v1_dot_scheduler__pb2.RouteRequest.FromString,
                     response_serializer=baton_dot_v1_dot_scheduler__pb2.RouteResponse.SerializeToString,
+            ),
+            'RouteStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.RouteStream,
+                    request_deserializer=baton_dot_v1_dot_scheduler__pb2.RouteCall.FromString,
+                    response_serializer=baton_dot_v1_dot_scheduler__pb2.RouteReply.SerializeToString,
             ),
             'ListWorkers': grpc.unary_unary_rpc_method_handler(
                     servicer.ListWorkers,
@@ -151,6 +170,33 @@ class GlobalScheduler:
             '/baton.v1.GlobalScheduler/Route',
             baton_dot_v1_dot_scheduler__pb2.RouteRequest.SerializeToString,
             baton_dot_v1_dot_scheduler__pb2.RouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RouteStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/baton.v1.GlobalScheduler/RouteStream',
+            baton_dot_v1_dot_scheduler__pb2.RouteCall.SerializeToString,
+            baton_dot_v1_dot_scheduler__pb2.RouteReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,112 @@
+"""Route calls over the gateway's long-lived RouteStream (services/gateway/route_client.py)
+against the real scheduler servicer in this process: concurrent calls share one stream and
+each gets its own answer, a failure ends only its call, and a lost or missing stream falls
+back to unary Route calls."""
+
+import asyncio
+
+import grpc
+import pytest
+from grpc import aio
+
+from services.gateway.route_client import RouteClient, RouteFailed
+from services.global_scheduler.directory import InMemoryDirectory
+from services.global_scheduler.registry import WorkerLoad, WorkerRegistry, WorkerState
+from services.global_scheduler.routing import RoutingPolicy
+from services.global_scheduler.server import SchedulerServicer
+from shared.ids import WorkerId
+from shared.protos.baton.v1 import scheduler_pb2, scheduler_pb2_grpc
+from shared.rpc import channel, server
+
+
+def servicer() -> SchedulerServicer:
+    registry = WorkerRegistry(60.0)
+    for name in ("w0", "w1"):
+        w = WorkerState(WorkerId(name), "i", "both", f"{name}:1", "m", 1024, 16, 100)
+        w.load = WorkerLoad()
+        registry.register(w)
+    return SchedulerServicer(registry, InMemoryDirectory(), RoutingPolicy())
+
+
+class UnaryOnly(scheduler_pb2_grpc.GlobalSchedulerServicer):
+    """A scheduler from before RouteStream: Route only."""
+
+    def __init__(self) -> None:
+        self.inner = servicer()
+
+    async def Route(self, request, context):  # type: ignore[no-untyped-def]
+        return await self.inner.Route(request, context)
+
+
+async def start(
+    impl: scheduler_pb2_grpc.GlobalSchedulerServicer, port: int = 0
+) -> tuple[aio.Server, int]:
+    s = server()
+    scheduler_pb2_grpc.add_GlobalSchedulerServicer_to_server(impl, s)
+    port = s.add_insecure_port(f"127.0.0.1:{port}")
+    await s.start()
+    return s, port
+
+
+def request(i: int, model: str = "m") -> scheduler_pb2.RouteRequest:
+    return scheduler_pb2.RouteRequest(request_id=f"r{i}", model=model, num_prompt_tokens=8)
+
+
+async def test_concurrent_calls_share_one_stream_and_get_their_own_answers() -> None:
+    impl = servicer()
+    s, port = await start(impl)
+    ch = channel(f"127.0.0.1:{port}")
+    client = RouteClient(scheduler_pb2_grpc.GlobalSchedulerStub(ch))
+    try:
+        routes = await asyncio.gather(*(client.route(request(i), 5.0, "t") for i in range(40)))
+        stream = client._call
+        assert stream is not None and client._streaming
+        assert {r.decode.worker_id for r in routes} == {"w0", "w1"}  # load spreads
+        routed = sum(w.num_routed for w in impl.registry.workers())
+        assert routed == 40  # every call routed exactly once
+        with pytest.raises(RouteFailed) as e:
+            await client.route(request(99, model="nope"), 5.0, "t")
+        assert e.value.code == grpc.StatusCode.NOT_FOUND and "nope" in e.value.details
+        again = await client.route(request(100), 5.0, "t")  # the failure ended one call only
+        assert again.decode.worker_id in ("w0", "w1") and client._call is stream
+    finally:
+        await client.close()
+        await ch.close()
+        await s.stop(0)
+
+
+async def test_a_restarted_scheduler_gets_a_new_stream() -> None:
+    s, port = await start(servicer())
+    ch = channel(f"127.0.0.1:{port}")
+    client = RouteClient(scheduler_pb2_grpc.GlobalSchedulerStub(ch))
+    try:
+        await client.route(request(0), 5.0, "t")
+        first = client._call
+        await s.stop(0)
+        s, _ = await start(servicer(), port)
+        route = await client.route(request(1), 10.0, "t")  # unary fallback or a new stream
+        assert route.decode.worker_id in ("w0", "w1")
+        await client.route(request(2), 10.0, "t")
+        assert client._call is not None and client._call is not first
+    finally:
+        await client.close()
+        await ch.close()
+        await s.stop(0)
+
+
+async def test_a_scheduler_without_route_stream_is_used_through_unary_calls() -> None:
+    s, port = await start(UnaryOnly())
+    ch = channel(f"127.0.0.1:{port}")
+    client = RouteClient(scheduler_pb2_grpc.GlobalSchedulerStub(ch))
+    try:
+        for i in range(3):
+            route = await client.route(request(i), 5.0, "t")
+            assert route.decode.worker_id in ("w0", "w1")
+        assert not client._streaming
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await client.route(request(9, model="nope"), 5.0, "t")
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        await client.close()
+        await ch.close()
+        await s.stop(0)
