@@ -145,7 +145,7 @@ async def time_grpc(port: int, n: int) -> tuple[list[float], list[float]]:
 
 
 def scheduler_server(port: int) -> None:
-    """The real scheduler servicer with two idle workers (capacity never binds)."""
+    """The real scheduler servicer with two idle workers."""
     import uvloop
 
     from services.global_scheduler.directory import InMemoryDirectory
@@ -164,7 +164,9 @@ def scheduler_server(port: int) -> None:
 
     async def serve() -> None:
         s = server()
-        impl = SchedulerServicer(registry, InMemoryDirectory(), RoutingPolicy())
+        # no heartbeats here: a capacity filter would count every routed call as queued
+        policy = RoutingPolicy({"filters": ["role", "healthy"]})
+        impl = SchedulerServicer(registry, InMemoryDirectory(), policy)
         scheduler_pb2_grpc.add_GlobalSchedulerServicer_to_server(impl, s)
         s.add_insecure_port(f"127.0.0.1:{port}")
         await s.start()
