@@ -7,6 +7,7 @@ end of an old stream cannot remove its successor.
 """
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from shared.ids import WorkerId
@@ -21,6 +22,12 @@ class WorkerLoad:
     draining: bool = False
     pending_prefill_tokens: int = 0  # prompt tokens admitted, not yet computed
     tokens_per_s: float = 0.0  # measured model throughput; 0 until measured
+    num_received: int = 0  # Prefill/Generate calls the worker has received since it started
+
+
+# A route the worker has not reported receiving after this long was never sent (the client
+# left first, or the gateway failed): it stops counting.
+IN_TRANSIT_S = 5.0
 
 
 @dataclass
@@ -35,13 +42,38 @@ class WorkerState:
     num_kv_blocks: int
     load: WorkerLoad = field(default_factory=WorkerLoad)
     last_seen: float = field(default_factory=time.monotonic)
-    routed_since_heartbeat: int = 0  # requests sent its way the last load does not show yet
     num_routed: int = 0  # requests routed to it since it registered
+    # When each request routed here that the worker had not received at its last heartbeat
+    # was routed: the requests its reported load cannot show yet.
+    routed_at: deque[float] = field(default_factory=deque)
 
     @property
     def queue_depth(self) -> int:
-        """Requests ahead of a new one: the engine's queue plus what we just routed there."""
-        return self.load.num_running + self.load.num_waiting + self.routed_since_heartbeat
+        """Requests ahead of a new one: the engine's queue plus what is on its way there."""
+        return self.load.num_running + self.load.num_waiting + self.in_transit
+
+    @property
+    def in_transit(self) -> int:
+        cutoff = time.monotonic() - IN_TRANSIT_S
+        while self.routed_at and self.routed_at[0] < cutoff:
+            self.routed_at.popleft()
+        return len(self.routed_at)
+
+    def routed(self) -> None:
+        self.routed_at.append(time.monotonic())
+        self.num_routed += 1
+
+    def heard(self, load: WorkerLoad) -> None:
+        """A heartbeat: the requests it received since the last one are in its load now (or
+        done), so as many of the oldest routes stop counting as in transit. A worker that
+        does not count receipts (0) shows everything routed before its heartbeat."""
+        received = load.num_received - self.load.num_received
+        if load.num_received == 0 or received < 0:
+            self.routed_at.clear()
+        else:
+            for _ in range(min(received, len(self.routed_at))):
+                self.routed_at.popleft()
+        self.load, self.last_seen = load, time.monotonic()
 
 
 class WorkerRegistry:
@@ -59,7 +91,7 @@ class WorkerRegistry:
         state = self.get(worker_id, incarnation)
         if state is None:
             return False
-        state.load, state.last_seen, state.routed_since_heartbeat = load, time.monotonic(), 0
+        state.heard(load)
         return True
 
     def remove(self, worker_id: WorkerId, incarnation: str) -> WorkerState | None:

@@ -150,8 +150,7 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
         prefill = self._decide_prefill(query, best, workers, matched)
         for chosen in (best, prefill):
             if chosen is not None:
-                chosen.worker.routed_since_heartbeat += 1
-                chosen.worker.num_routed += 1
+                chosen.worker.routed()
         factor = "prefix" if best.matched_blocks else "load"
         metrics.ROUTES.labels("disaggregated" if prefill else "routed", factor).inc()
         metrics.PREDICTED_HIT_TOKENS.inc(best.matched_blocks * best.worker.block_size)

@@ -70,7 +70,7 @@ def _delta(c: CompletionOutput) -> worker_pb2.CompletionDelta:
 
 
 def load(
-    stats: EngineStats, in_flight: int, draining: bool, tokens_per_s: float
+    stats: EngineStats, in_flight: int, draining: bool, tokens_per_s: float, received: int
 ) -> scheduler_pb2.WorkerLoad:
     return scheduler_pb2.WorkerLoad(
         num_running=stats.num_running,
@@ -80,6 +80,7 @@ def load(
         draining=draining,
         pending_prefill_tokens=stats.pending_prefill_tokens,
         prefill_tokens_per_s=tokens_per_s,
+        num_received=received,
     )
 
 

@@ -53,7 +53,9 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> Non
             metrics.IN_FLIGHT.set(servicer.in_flight)
             counters.update(stats)
             tokens_per_s = rate.update(stats.computed_tokens, stats.model_seconds)
-            return convert.load(stats, servicer.in_flight, servicer.draining, tokens_per_s)
+            return convert.load(
+                stats, servicer.in_flight, servicer.draining, tokens_per_s, servicer.num_received
+            )
 
         heartbeats: list[Heartbeat] = []
         if settings.scheduler_addresses:

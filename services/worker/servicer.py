@@ -40,6 +40,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.engine = engine
         self.draining = False
         self.in_flight = 0
+        self.num_received = 0  # Prefill + Generate calls since start (heartbeats carry it)
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -153,6 +154,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if leg is not None:
             prompt["kv_transfer"] = leg
         self.in_flight += 1
+        self.num_received += 1
         self._idle.clear()
         start, outcome = time.perf_counter(), "error"
         first = True

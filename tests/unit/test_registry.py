@@ -1,6 +1,11 @@
 """WorkerRegistry: registration, replacement by a new incarnation, heartbeats and expiry."""
 
-from services.global_scheduler.registry import WorkerLoad, WorkerRegistry, WorkerState
+from services.global_scheduler.registry import (
+    IN_TRANSIT_S,
+    WorkerLoad,
+    WorkerRegistry,
+    WorkerState,
+)
 from shared.ids import WorkerId
 
 
@@ -40,9 +45,39 @@ def test_expire_drops_only_silent_workers() -> None:
 def test_queue_depth_counts_what_was_just_routed() -> None:
     w = state("w")
     w.load = WorkerLoad(num_running=2, num_waiting=1)
-    w.routed_since_heartbeat = 4
+    for _ in range(4):
+        w.routed()
     assert w.queue_depth == 7
     reg = WorkerRegistry(1.5)
     reg.register(w)
     reg.heartbeat(WorkerId("w"), "a", WorkerLoad(num_running=5))
-    assert w.queue_depth == 5  # the new load includes them
+    assert w.queue_depth == 5  # a worker that does not count receipts: the load includes them
+
+
+def test_only_requests_the_worker_has_not_received_stay_in_transit() -> None:
+    """Short requests routed and finished between two heartbeats are not queued there: the
+    heartbeat's receipt count retires them (they used to count until the next heartbeat, so
+    a burst of quick sequential requests made a worker look several deep)."""
+    reg = WorkerRegistry(1.5)
+    w = state("w")
+    reg.register(w)
+    reg.heartbeat(WorkerId("w"), "a", WorkerLoad(num_received=10))
+    for _ in range(7):
+        w.routed()
+    assert w.queue_depth == 7
+    # it received 5 of them, all done by now; 2 are still on their way
+    reg.heartbeat(WorkerId("w"), "a", WorkerLoad(num_received=15))
+    assert w.in_transit == 2 and w.queue_depth == 2
+    reg.heartbeat(WorkerId("w"), "a", WorkerLoad(num_received=17, num_running=2))
+    assert w.in_transit == 0 and w.queue_depth == 2
+
+
+def test_a_route_never_delivered_stops_counting() -> None:
+    """A routed request the worker never receives (its client left first) does not count
+    for ever: after IN_TRANSIT_S it is dropped."""
+    w = state("w")
+    w.routed()
+    w.routed()
+    assert w.in_transit == 2
+    w.routed_at[0] -= IN_TRANSIT_S + 0.1  # routed that long ago
+    assert w.in_transit == 1

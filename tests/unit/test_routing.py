@@ -142,7 +142,8 @@ def test_the_decider_sends_long_prompts_to_a_prefill_worker_with_room() -> None:
     assert decide(400) in (p0, p1)
     p0.load.num_waiting = 2  # full
     assert decide(400) is p1
-    p1.routed_since_heartbeat = 2  # full too: the decode worker prefills it
+    p1.routed()  # full too: the decode worker prefills it
+    p1.routed()
     assert decide(400) is None
     p0.load.num_waiting = 1
     assert decide(400) is p0
