@@ -121,8 +121,11 @@ class Orchestrator:
         route = await self._route(job, hashes, exclude=[])
         hop_trace.mark("gateway.routed")
         choices = [self._choice(job, i, route, hashes, num_logprobs) for i in range(job.n)]
-        async for _, delta in merge(choices):
-            yield delta
+        try:
+            async for _, delta in merge(choices):
+                yield delta
+        finally:
+            self.routes.finished(job.request_id)
 
     async def _route(
         self, job: Job, hashes: list[BlockHash], exclude: list[str]

@@ -40,6 +40,7 @@ class _StreamBroken(Exception):
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+MAX_FINISHED = 4096  # beyond this between two routes, the heartbeats catch up instead
 
 
 class RouteClient:
@@ -51,6 +52,13 @@ class RouteClient:
         self._ids = itertools.count(1)
         self._write_lock = asyncio.Lock()
         self._streaming = True  # False once the scheduler says it has no RouteStream
+        self._finished: list[str] = []  # told to the scheduler with the next call
+
+    def finished(self, request_id: str) -> None:
+        """A routed request is over; the scheduler hears it with the next Route call (a
+        quiet gateway leaves it to the workers' heartbeats)."""
+        if len(self._finished) < MAX_FINISHED:
+            self._finished.append(request_id)
 
     async def route(
         self, request: scheduler_pb2.RouteRequest, timeout: float, trace_id: str
@@ -59,6 +67,9 @@ class RouteClient:
         after ``timeout`` seconds."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        if self._finished:
+            request.finished_request_ids.extend(self._finished)
+            self._finished.clear()
         if self._streaming:
             try:
                 reply = await self._over_stream(request, timeout, trace_id)

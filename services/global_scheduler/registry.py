@@ -7,7 +7,7 @@ end of an old stream cannot remove its successor.
 """
 
 import time
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from shared.ids import WorkerId
@@ -31,6 +31,12 @@ IN_TRANSIT_S = 5.0
 
 
 @dataclass
+class Route:
+    at: float  # time.monotonic() when routed
+    finished: bool = False  # the gateway said it is over
+
+
+@dataclass
 class WorkerState:
     worker_id: WorkerId
     incarnation: str
@@ -43,9 +49,9 @@ class WorkerState:
     load: WorkerLoad = field(default_factory=WorkerLoad)
     last_seen: float = field(default_factory=time.monotonic)
     num_routed: int = 0  # requests routed to it since it registered
-    # When each request routed here that the worker had not received at its last heartbeat
-    # was routed: the requests its reported load cannot show yet.
-    routed_at: deque[float] = field(default_factory=deque)
+    # Requests routed here that the worker had not received at its last heartbeat, oldest
+    # first: its reported load cannot show them yet.
+    routes: OrderedDict[str, Route] = field(default_factory=OrderedDict)
 
     @property
     def queue_depth(self) -> int:
@@ -54,25 +60,36 @@ class WorkerState:
 
     @property
     def in_transit(self) -> int:
+        """Routed since the last heartbeat showed them, not finished, not older than
+        IN_TRANSIT_S."""
         cutoff = time.monotonic() - IN_TRANSIT_S
-        while self.routed_at and self.routed_at[0] < cutoff:
-            self.routed_at.popleft()
-        return len(self.routed_at)
+        while self.routes and next(iter(self.routes.values())).at < cutoff:
+            self.routes.popitem(last=False)
+        return sum(not r.finished for r in self.routes.values())
 
-    def routed(self) -> None:
-        self.routed_at.append(time.monotonic())
+    def routed(self, request_id: str) -> None:
+        self.routes[request_id] = Route(time.monotonic())
+        self.routes.move_to_end(request_id)
         self.num_routed += 1
+
+    def finished(self, request_id: str) -> None:
+        """The gateway says the request is over: no longer ahead of anyone. Its entry stays
+        (finished) until a heartbeat's receipt count retires it, so that count keeps lining up
+        with the routes in order."""
+        route = self.routes.get(request_id)
+        if route is not None:
+            route.finished = True
 
     def heard(self, load: WorkerLoad) -> None:
         """A heartbeat: the requests it received since the last one are in its load now (or
-        done), so as many of the oldest routes stop counting as in transit. A worker that
-        does not count receipts (0) shows everything routed before its heartbeat."""
+        over), so as many of the oldest routes leave the in-transit set. A worker that does
+        not count receipts (0) shows everything routed before its heartbeat."""
         received = load.num_received - self.load.num_received
         if load.num_received == 0 or received < 0:
-            self.routed_at.clear()
+            self.routes.clear()
         else:
-            for _ in range(min(received, len(self.routed_at))):
-                self.routed_at.popleft()
+            for _ in range(min(received, len(self.routes))):
+                self.routes.popitem(last=False)
         self.load, self.last_seen = load, time.monotonic()
 
 

@@ -126,6 +126,10 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
     async def _route(self, request: scheduler_pb2.RouteRequest) -> scheduler_pb2.RouteResponse:
         hop_trace.mark("scheduler.route_in")
         start = time.perf_counter()
+        if request.finished_request_ids:
+            for w in self.registry.workers():
+                for rid in request.finished_request_ids:
+                    w.finished(rid)
         workers = [w for w in self.registry.workers() if w.model == request.model]
         if not workers:
             metrics.ROUTES.labels("no_worker", "model").inc()
@@ -150,7 +154,7 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
         prefill = self._decide_prefill(query, best, workers, matched)
         for chosen in (best, prefill):
             if chosen is not None:
-                chosen.worker.routed()
+                chosen.worker.routed(request.request_id)
         factor = "prefix" if best.matched_blocks else "load"
         metrics.ROUTES.labels("disaggregated" if prefill else "routed", factor).inc()
         metrics.PREDICTED_HIT_TOKENS.inc(best.matched_blocks * best.worker.block_size)

@@ -73,6 +73,30 @@ def test_long_prompts_are_disaggregated_and_equal_offline(
     wait_for(lambda: worker_health(pd_cluster, "prefill-0").kv_usage == 0, 5.0, "leases to end")
 
 
+def test_sequential_requests_do_not_fill_the_prefill_queue(
+    pd_cluster: Cluster, tiny_model: Path
+) -> None:
+    """One request at a time never queues on the prefill worker, so none may overflow to a
+    local prefill (``pool_busy``): the scheduler must learn that each finished, not count
+    every route until the worker's next heartbeat (it did: the fifth of a quick run overflowed)."""
+    c = openai.OpenAI(base_url=pd_cluster.url, api_key="x", max_retries=0, timeout=60)
+    name = "baton_scheduler_prefill_decisions_total"
+
+    def decisions(decision: str, reason: str) -> float:
+        with contextlib.suppress(AssertionError):  # not exported until it first counts
+            return scheduler_metric(
+                pd_cluster, f'{name}{{decision="{decision}",reason="{reason}"}}'
+            )
+        return 0.0
+
+    busy, remote = decisions("local", "pool_busy"), decisions("remote", "long_prompt")
+    for i in range(10):
+        prompt = long_prompt(tiny_model, 120, f"one-at-a-time-{i}")
+        c.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert decisions("local", "pool_busy") == busy
+    assert decisions("remote", "long_prompt") == remote + 10
+
+
 def test_seeded_n_equals_offline(pd_cluster: Cluster, offline: LLM, tiny_model: Path) -> None:
     c = openai.OpenAI(base_url=pd_cluster.url, api_key="x", max_retries=0, timeout=60)
     prompt = long_prompt(tiny_model, 120, "pd-seeded")

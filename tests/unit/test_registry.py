@@ -45,8 +45,8 @@ def test_expire_drops_only_silent_workers() -> None:
 def test_queue_depth_counts_what_was_just_routed() -> None:
     w = state("w")
     w.load = WorkerLoad(num_running=2, num_waiting=1)
-    for _ in range(4):
-        w.routed()
+    for i in range(4):
+        w.routed(f"r{i}")
     assert w.queue_depth == 7
     reg = WorkerRegistry(1.5)
     reg.register(w)
@@ -62,8 +62,8 @@ def test_only_requests_the_worker_has_not_received_stay_in_transit() -> None:
     w = state("w")
     reg.register(w)
     reg.heartbeat(WorkerId("w"), "a", WorkerLoad(num_received=10))
-    for _ in range(7):
-        w.routed()
+    for i in range(7):
+        w.routed(f"r{i}")
     assert w.queue_depth == 7
     # it received 5 of them, all done by now; 2 are still on their way
     reg.heartbeat(WorkerId("w"), "a", WorkerLoad(num_received=15))
@@ -76,8 +76,24 @@ def test_a_route_never_delivered_stops_counting() -> None:
     """A routed request the worker never receives (its client left first) does not count
     for ever: after IN_TRANSIT_S it is dropped."""
     w = state("w")
-    w.routed()
-    w.routed()
+    w.routed("a")
+    w.routed("b")
     assert w.in_transit == 2
-    w.routed_at[0] -= IN_TRANSIT_S + 0.1  # routed that long ago
+    w.routes["a"].at -= IN_TRANSIT_S + 0.1  # routed that long ago
     assert w.in_transit == 1
+
+
+def test_a_finished_request_stops_counting_at_once() -> None:
+    """The gateway's finished notice (with its next Route call) retires a route before any
+    heartbeat; the receipt count then still lines up with the routes in order."""
+    reg = WorkerRegistry(1.5)
+    w = state("w")
+    reg.register(w)
+    reg.heartbeat(WorkerId("w"), "a", WorkerLoad(num_received=1))
+    for rid in ("a", "b", "c"):
+        w.routed(rid)
+    w.finished("a")
+    w.finished("unknown")  # routed elsewhere: ignored
+    assert w.in_transit == 2
+    reg.heartbeat(WorkerId("w"), "a", WorkerLoad(num_received=3, num_running=1))  # got a, b
+    assert list(w.routes) == ["c"] and w.queue_depth == 2

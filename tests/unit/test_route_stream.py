@@ -69,6 +69,12 @@ async def test_concurrent_calls_share_one_stream_and_get_their_own_answers() -> 
         assert e.value.code == grpc.StatusCode.NOT_FOUND and "nope" in e.value.details
         again = await client.route(request(100), 5.0, "t")  # the failure ended one call only
         assert again.decode.worker_id in ("w0", "w1") and client._call is stream
+        # no heartbeats here: all 41 routes are in transit until the gateway says they finished
+        assert sum(w.in_transit for w in impl.registry.workers()) == 41
+        for i in [*range(40), 100]:
+            client.finished(f"r{i}")
+        await client.route(request(101), 5.0, "t")  # carries the notices
+        assert sum(w.in_transit for w in impl.registry.workers()) == 1
     finally:
         await client.close()
         await ch.close()

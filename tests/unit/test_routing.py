@@ -142,8 +142,8 @@ def test_the_decider_sends_long_prompts_to_a_prefill_worker_with_room() -> None:
     assert decide(400) in (p0, p1)
     p0.load.num_waiting = 2  # full
     assert decide(400) is p1
-    p1.routed()  # full too: the decode worker prefills it
-    p1.routed()
+    p1.routed("x")  # full too: the decode worker prefills it
+    p1.routed("y")
     assert decide(400) is None
     p0.load.num_waiting = 1
     assert decide(400) is p0

@@ -66,18 +66,20 @@ class SchedulerCommand(_message.Message):
     def __init__(self, resync_kv_events: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "model", "block_hashes", "num_prompt_tokens", "exclude_workers")
+    __slots__ = ("request_id", "model", "block_hashes", "num_prompt_tokens", "exclude_workers", "finished_request_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     num_prompt_tokens: int
     exclude_workers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_prompt_tokens: _Optional[int] = ..., exclude_workers: _Optional[_Iterable[str]] = ...) -> None: ...
+    finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_prompt_tokens: _Optional[int] = ..., exclude_workers: _Optional[_Iterable[str]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WorkerRef(_message.Message):
     __slots__ = ("worker_id", "address", "matched_blocks")
