@@ -52,12 +52,32 @@ def request(i: int, model: str = "m") -> scheduler_pb2.RouteRequest:
     return scheduler_pb2.RouteRequest(request_id=f"r{i}", model=model, num_prompt_tokens=8)
 
 
+class Setup:
+    """A scheduler server on a free port and a gateway RouteClient talking to it."""
+
+    def __init__(self, impl: scheduler_pb2_grpc.GlobalSchedulerServicer):
+        self.impl = impl
+
+    async def __aenter__(self) -> "Setup":
+        self.server, self.port = await start(self.impl)
+        self.channel = channel(f"127.0.0.1:{self.port}")
+        self.client = RouteClient(scheduler_pb2_grpc.GlobalSchedulerStub(self.channel))
+        return self
+
+    async def restart(self, impl: scheduler_pb2_grpc.GlobalSchedulerServicer) -> None:
+        await self.server.stop(0)
+        self.server, _ = await start(impl, self.port)
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.client.close()
+        await self.channel.close()
+        await self.server.stop(0)
+
+
 async def test_concurrent_calls_share_one_stream_and_get_their_own_answers() -> None:
     impl = servicer()
-    s, port = await start(impl)
-    ch = channel(f"127.0.0.1:{port}")
-    client = RouteClient(scheduler_pb2_grpc.GlobalSchedulerStub(ch))
-    try:
+    async with Setup(impl) as setup:
+        client = setup.client
         routes = await asyncio.gather(*(client.route(request(i), 5.0, "t") for i in range(40)))
         stream = client._call
         assert stream is not None and client._streaming
@@ -75,36 +95,23 @@ async def test_concurrent_calls_share_one_stream_and_get_their_own_answers() -> 
             client.finished(f"r{i}")
         await client.route(request(101), 5.0, "t")  # carries the notices
         assert sum(w.in_transit for w in impl.registry.workers()) == 1
-    finally:
-        await client.close()
-        await ch.close()
-        await s.stop(0)
 
 
 async def test_a_restarted_scheduler_gets_a_new_stream() -> None:
-    s, port = await start(servicer())
-    ch = channel(f"127.0.0.1:{port}")
-    client = RouteClient(scheduler_pb2_grpc.GlobalSchedulerStub(ch))
-    try:
+    async with Setup(servicer()) as setup:
+        client = setup.client
         await client.route(request(0), 5.0, "t")
         first = client._call
-        await s.stop(0)
-        s, _ = await start(servicer(), port)
+        await setup.restart(servicer())
         route = await client.route(request(1), 10.0, "t")  # unary fallback or a new stream
         assert route.decode.worker_id in ("w0", "w1")
         await client.route(request(2), 10.0, "t")
         assert client._call is not None and client._call is not first
-    finally:
-        await client.close()
-        await ch.close()
-        await s.stop(0)
 
 
 async def test_a_scheduler_without_route_stream_is_used_through_unary_calls() -> None:
-    s, port = await start(UnaryOnly())
-    ch = channel(f"127.0.0.1:{port}")
-    client = RouteClient(scheduler_pb2_grpc.GlobalSchedulerStub(ch))
-    try:
+    async with Setup(UnaryOnly()) as setup:
+        client = setup.client
         for i in range(3):
             route = await client.route(request(i), 5.0, "t")
             assert route.decode.worker_id in ("w0", "w1")
@@ -112,7 +119,3 @@ async def test_a_scheduler_without_route_stream_is_used_through_unary_calls() ->
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await client.route(request(9, model="nope"), 5.0, "t")
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
-    finally:
-        await client.close()
-        await ch.close()
-        await s.stop(0)
