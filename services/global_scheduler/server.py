@@ -102,6 +102,10 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
                 reply.route.CopyFrom(await self._route(call.request))
             except RouteFailed as e:
                 reply.failure.code, reply.failure.message = e.code.value[0], e.message
+            except Exception as e:  # a bug must answer its call, as a unary call would
+                logger.exception("routing %s failed", call.request.request_id)
+                reply.failure.code = grpc.StatusCode.INTERNAL.value[0]
+                reply.failure.message = f"routing failed: {e}"
             replies.put_nowait(reply)
 
         async def read() -> None:

@@ -30,7 +30,7 @@ from shared import hop_trace
 
 POLL_MS = 500
 KV_POLL_MS = 2
-IDLE_KV_POLL_MS = 10
+IDLE_KV_POLL_MS = 20  # idle, measured: 1.2-1.6 % of a core per engine core (2.2-2.4 % at 10 ms)
 logger = logging.getLogger("baton.engine_core")
 
 
