@@ -116,7 +116,7 @@ class Formatter:
     def _chat_entry(self, lp: TokenLogprob) -> dict[str, Any]:
         def one(token_id: int, value: float) -> dict[str, Any]:
             text = self.tok.token_text(token_id)
-            return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+            return {"token": text, "logprob": value, "bytes": list(self.tok.token_bytes(token_id))}
 
         entry = one(lp.token_id, lp.logprob)
         entry["top_logprobs"] = [one(t, v) for t, v in lp.top]

@@ -11,6 +11,7 @@ tests check both give the same token ids on every test checkpoint.
 """
 
 import json
+import re
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,20 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): printable Latin-1 bytes stand for themselves, every
+    other byte for the next unused code point from 256 up, in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    chars = {chr(b): b for b in printable}
+    chars.update({chr(256 + i): b for i, b in enumerate(others)})
+    return chars
+
+
+_BYTE_OF_CHAR = _byte_level_chars()
 
 
 class ChatTemplateError(ValueError):
@@ -52,6 +67,28 @@ class TextTokenizer:
     def token_text(self, token_id: int) -> str:
         """One token as text, for logprobs (may be part of a multi-byte character)."""
         return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token adds to the text (OpenAI's logprob ``bytes``). Its text cannot
+        say: a token that is part of a multi-byte character decodes to U+FFFD alone, and
+        SentencePiece drops a leading space when a token is decoded by itself."""
+        piece = self.tokenizer.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._decoder == "ByteLevel":  # GPT-2 style: each byte stored as one character
+            raw = [_BYTE_OF_CHAR.get(c) for c in piece]
+            if all(b is not None for b in raw):
+                return bytes(raw)  # type: ignore[arg-type]
+        elif (m := _BYTE_FALLBACK.fullmatch(piece)) is not None:  # SentencePiece: <0xE2>
+            return bytes([int(m.group(1), 16)])
+        elif self._decoder in ("Metaspace", "Sequence") and "\u2581" in piece:
+            return piece.replace("\u2581", " ").encode()
+        return self.token_text(token_id).encode()  # added and special tokens: plain text
+
+    @cached_property
+    def _decoder(self) -> str:
+        decoder = json.loads(self.tokenizer.to_str()).get("decoder") or {}
+        return str(decoder.get("type", ""))
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True

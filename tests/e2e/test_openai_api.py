@@ -134,6 +134,9 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
     for entry in content:
         assert len(entry.top_logprobs) == 2
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+    # each token's own bytes: joined they are the text, also where a character spans tokens
+    joined = b"".join(bytes(entry.bytes or []) for entry in content)
+    assert joined.decode("utf-8", errors="replace") == out.choices[0].message.content
 
 
 def test_penalties_and_sampling_knobs_are_accepted(client: openai.OpenAI) -> None:

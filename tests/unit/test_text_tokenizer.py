@@ -85,3 +85,36 @@ def test_tiny_model_corpus_does_not_depend_on_what_the_process_imported() -> Non
     )  # fmt: skip
     assert plain.returncode == more.returncode == 0, plain.stderr + more.stderr
     assert plain.stdout == more.stdout
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_bytes_add_up_to_the_text(tiny_models: dict[str, Path], text: str) -> None:
+    """Logprobs' ``bytes``: each token's own bytes, so a client can join them into the text
+    even where one character spans several tokens (each of which alone prints as U+FFFD)."""
+    for name, path in tiny_models.items():
+        tok = TextTokenizer(path)
+        ids = tok.encode(text, add_special_tokens=False)
+        assert b"".join(tok.token_bytes(i) for i in ids) == text.encode(), name
+    partial = [i for i in ids if tok.token_text(i) == "\ufffd"]
+    if text == TEXTS[2]:  # this text's characters are split across tokens here
+        assert partial and all(tok.token_bytes(i) != "\ufffd".encode() for i in partial)
+
+
+def test_token_bytes_of_a_sentencepiece_tokenizer(tmp_path: Path) -> None:
+    """SentencePiece style (Llama 2, Mistral): '▁' is a space, and unknown characters fall
+    back to byte tokens such as <0xE2>."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    words = ["<unk>", "▁", "h", "i", "▁h", "▁hi"]
+    vocab = {w: i for i, w in enumerate(words)} | {f"<0x{b:02X}>": 6 + b for b in range(256)}
+    merges = [("▁", "h"), ("▁h", "i")]
+    sp = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    sp.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    sp.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+         decoders.Strip(" ", 1, 0)]
+    )  # fmt: skip
+    sp.save(str(tmp_path / "tokenizer.json"))
+    tok = TextTokenizer(tmp_path)
+    ids = tok.encode("hi ✓", add_special_tokens=False)
+    assert [tok.token_bytes(i) for i in ids] == [b" hi", b" ", b"\xe2", b"\x9c", b"\x93"]
