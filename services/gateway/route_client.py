@@ -2,8 +2,9 @@
 
 A unary ``Route`` sets up an HTTP/2 stream per request; on this machine that is ~0.9 ms,
 against ~0.3 ms for one message each way on a stream that is already open
-(``benchmarks/rpc_floor.py``). The gateway therefore keeps one stream open, writes each call
-with its own ``call_id`` and matches the replies, which come in completion order, to waiting
+(``benchmarks/rpc_floor.py``). The gateway therefore keeps one stream open; one writer task
+sends each call with its own ``call_id`` (a caller cancelled mid-write would otherwise end the
+call for everyone), and the replies, which come in completion order, are matched to waiting
 futures. A failure reply (no worker for the model, none left by the filters) ends only its own
 call, as the unary status would.
 
@@ -14,7 +15,6 @@ upgrade) is used through unary calls from then on.
 """
 
 import asyncio
-import contextlib
 import itertools
 import logging
 
@@ -36,7 +36,7 @@ class RouteFailed(Exception):
 
 
 class _StreamBroken(Exception):
-    pass
+    """The stream broke before this call's reply came: the call goes unary."""
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -46,11 +46,9 @@ MAX_FINISHED = 4096  # beyond this between two routes, the heartbeats catch up i
 class RouteClient:
     def __init__(self, stub: scheduler_pb2_grpc.GlobalSchedulerStub):
         self.stub = stub
-        self._call: grpc.aio.StreamStreamCall | None = None
-        self._reader: asyncio.Task[None] | None = None
-        self._pending: dict[int, asyncio.Future[scheduler_pb2.RouteReply]] = {}
+        self._stream: _Stream | None = None
+        self._pending: dict[int, asyncio.Future[scheduler_pb2.RouteReply | None]] = {}
         self._ids = itertools.count(1)
-        self._write_lock = asyncio.Lock()
         self._streaming = True  # False once the scheduler says it has no RouteStream
         self._finished: list[str] = []  # told to the scheduler with the next call
 
@@ -96,67 +94,88 @@ class RouteClient:
     async def _over_stream(
         self, request: scheduler_pb2.RouteRequest, timeout: float, trace_id: str
     ) -> scheduler_pb2.RouteReply:
-        call = self._open()
+        stream = self._open()
         call_id = next(self._ids)
-        future: asyncio.Future[scheduler_pb2.RouteReply] = (
+        future: asyncio.Future[scheduler_pb2.RouteReply | None] = (
             asyncio.get_running_loop().create_future()
         )
         self._pending[call_id] = future
         try:
-            try:
-                async with self._write_lock:
-                    await call.write(
-                        scheduler_pb2.RouteCall(call_id=call_id, request=request, trace_id=trace_id)
-                    )
-            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
-                self._broken(call, e)
-                raise _StreamBroken from None
-            return await asyncio.wait_for(future, timeout)
+            stream.outbox.put_nowait(
+                scheduler_pb2.RouteCall(call_id=call_id, request=request, trace_id=trace_id)
+            )
+            reply = await asyncio.wait_for(future, timeout)
         finally:
             self._pending.pop(call_id, None)
+        if reply is None:  # the stream broke before the reply came
+            raise _StreamBroken
+        return reply
 
-    def _open(self) -> grpc.aio.StreamStreamCall:
-        if self._call is None:
-            self._call = self.stub.RouteStream()
-            self._reader = asyncio.get_running_loop().create_task(
-                self._read(self._call), name="route-stream-reader"
-            )
-        return self._call
+    def _open(self) -> "_Stream":
+        if self._stream is None:
+            self._stream = _Stream(self.stub.RouteStream())
+            loop = asyncio.get_running_loop()
+            self._stream.tasks = [
+                loop.create_task(self._write(self._stream), name="route-stream-writer"),
+                loop.create_task(self._read(self._stream), name="route-stream-reader"),
+            ]
+        return self._stream
 
-    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+    async def _write(self, stream: "_Stream") -> None:
+        """The stream's one writer: a caller that gives up (its client left) never interrupts
+        a write, which would end the call for every request on it."""
         try:
-            async for reply in call:
+            while True:
+                await stream.call.write(await stream.outbox.get())
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
+            self._broken(stream, e)
+
+    async def _read(self, stream: "_Stream") -> None:
+        try:
+            async for reply in stream.call:
                 future = self._pending.get(reply.call_id)
                 if future is not None and not future.done():
                     future.set_result(reply)
-            self._broken(call, None)
+            self._broken(stream, None)
         except grpc.aio.AioRpcError as e:
-            self._broken(call, e)
+            self._broken(stream, e)
 
-    def _broken(self, call: grpc.aio.StreamStreamCall, error: BaseException | None) -> None:
+    def _broken(self, stream: "_Stream", error: BaseException | None) -> None:
         """The stream is gone: its waiting calls go unary, the next call opens a new one."""
-        stream = call  # (the identity test below narrows ``call`` to an Optional)
-        if self._call is not call:
+        if self._stream is not stream:
             return
-        self._call = None
+        self._stream = None
         if (
             isinstance(error, grpc.aio.AioRpcError)
             and error.code() == grpc.StatusCode.UNIMPLEMENTED
         ):
             logger.warning("the scheduler has no RouteStream: routing with unary calls")
             self._streaming = False
-        elif not isinstance(error, asyncio.CancelledError):
+        else:
             logger.warning("route stream ended (%s): reopening on the next request", error)
         for future in self._pending.values():
             if not future.done():
-                future.set_exception(_StreamBroken())
-        stream.cancel()
+                future.set_result(None)
+        stream.close()
 
     async def close(self) -> None:
-        if self._call is not None:
-            self._call.cancel()
-            self._call = None
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
+            await asyncio.gather(*stream.tasks, return_exceptions=True)
+
+
+class _Stream:
+    """One open RouteStream: the call, the messages waiting for its writer, its two tasks."""
+
+    def __init__(self, call: grpc.aio.StreamStreamCall):
+        self.call = call
+        self.outbox: asyncio.Queue[scheduler_pb2.RouteCall] = asyncio.Queue()
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def close(self) -> None:
+        self.call.cancel()
+        current = asyncio.current_task()
+        for task in self.tasks:
+            if task is not current:
+                task.cancel()
