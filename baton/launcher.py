@@ -10,6 +10,7 @@ gateway dying stops everything.
 """
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -21,6 +22,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 SCHEDULER_START_S = 30.0
@@ -268,3 +270,20 @@ class Cluster:
                       file=sys.stderr, flush=True)  # fmt: skip
                 reported.add(name)
             time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def serving(*flags: str) -> Iterator[Cluster]:
+    """``baton serve FLAGS`` run and stopped from this process (tests, benchmarks): the whole
+    cluster, ready, on a free port unless FLAGS name one."""
+    from baton.cli import build_parser
+    from baton.service_cli import engine_flags_argv
+
+    port = [] if "--port" in flags else ["--port", str(free_port())]
+    args = build_parser().parse_args(["serve", *flags, *port])
+    cluster = Cluster(args, engine_flags_argv(args))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()

@@ -86,24 +86,15 @@ def main() -> None:
     p.add_argument("--out", default=None, help="write the p50s as JSON here")
     args = p.parse_args()
 
-    from baton.cli import build_parser
-    from baton.launcher import Cluster, free_port
-    from baton.service_cli import engine_flags_argv
+    from baton.launcher import serving
     from services.worker.engine.model_config import load_arch_config
 
     os.environ["BATON_HOP_TRACE"] = "1"  # the services inherit it
     log_dir = Path(tempfile.mkdtemp(prefix="baton-hops-"))
-    argv = ["serve", "--model", args.model, "--workers", "1", "--num-kv-blocks", "4096",
-            "--log-dir", str(log_dir)]  # fmt: skip
-    cargs = build_parser().parse_args(argv)
-    cargs.port = free_port()
-    cluster = Cluster(cargs, engine_flags_argv(cargs))
-    url = cluster.start()
-    try:
+    with serving("--model", args.model, "--workers", "1", "--num-kv-blocks", "4096",
+                 "--log-dir", str(log_dir)) as cluster:  # fmt: skip
         vocab = load_arch_config(args.model).vocab_size
-        sent = asyncio.run(drive(url, Path(args.model).name, args, vocab))
-    finally:
-        cluster.stop()
+        sent = asyncio.run(drive(cluster.url, Path(args.model).name, args, vocab))
     p50 = breakdown(log_dir, sent)
     for hop, ms in p50.items():
         print(f"{hop:55s} {ms:7.3f} ms")

@@ -172,9 +172,7 @@ def main() -> None:
     p.add_argument("--out", default="bench-results")
     args = p.parse_args()
 
-    from baton.cli import build_parser
-    from baton.launcher import Cluster, free_port
-    from baton.service_cli import engine_flags_argv
+    from baton.launcher import serving
     from services.worker.engine.model_config import load_arch_config
 
     arch = load_arch_config(args.model)
@@ -188,19 +186,14 @@ def main() -> None:
     for name, policy in POLICIES.items():
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump(policy or {}, f)
-        argv = [
-            "serve", "--model", args.model, "--workers", str(args.workers),
-            "--num-kv-blocks", str(args.num_kv_blocks), "--port", str(free_port()),
-        ]  # fmt: skip
+        flags = ["--model", args.model, "--workers", str(args.workers),
+                 "--num-kv-blocks", str(args.num_kv_blocks)]  # fmt: skip
         if policy is not None:
-            argv += ["--routing-policy", f.name]
-        cargs = build_parser().parse_args(argv)
-        cluster = Cluster(cargs, engine_flags_argv(cargs))
-        url = cluster.start()
-        try:
-            results[name] = asyncio.run(run_policy(url, Path(args.model).name, convs, 16, args))
-        finally:
-            cluster.stop()
+            flags += ["--routing-policy", f.name]
+        with serving(*flags) as cluster:
+            results[name] = asyncio.run(
+                run_policy(cluster.url, Path(args.model).name, convs, 16, args)
+            )
         print(name, {k: v for k, v in results[name].items() if not k.startswith("_")}, flush=True)
     aware, rr = results["cache-aware"], results["round-robin"]
     summary = {

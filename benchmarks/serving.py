@@ -16,6 +16,7 @@ Starts its own cluster (``baton serve``'s launcher) unless ``--url`` points at o
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
@@ -29,6 +30,8 @@ import aiohttp
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from baton.launcher import serving
 
 
 @dataclass
@@ -251,24 +254,15 @@ LAYOUTS = {  # name → ``baton serve`` flags: the same number of workers (GPUs)
 }
 
 
-def start_cluster(args: argparse.Namespace, layout: list[str]) -> Any:
-    from baton.cli import build_parser
-    from baton.launcher import Cluster, free_port
-    from baton.service_cli import engine_flags_argv
-
-    argv = ["serve", "--model", args.model, *layout]
+def serve_flags(args: argparse.Namespace, layout: list[str]) -> list[str]:
+    """``baton serve`` flags for this benchmark's cluster in ``layout``."""
+    flags = ["--model", args.model, "--worker-metrics", *layout]
     for flag in ("num_kv_blocks", "max_model_len", "max_num_batched_tokens",
-                 "gpu_memory_utilization", "load_format"):  # fmt: skip
+                 "gpu_memory_utilization", "load_format", "log_dir"):  # fmt: skip
         value = getattr(args, flag)
         if value is not None:
-            argv += [f"--{flag.replace('_', '-')}", str(value)]
-    cargs = build_parser().parse_args(argv)
-    cargs.port = free_port()
-    cargs.log_dir = args.log_dir
-    cargs.worker_metrics = True
-    cluster = Cluster(cargs, engine_flags_argv(cargs))
-    cluster.start()
-    return cluster
+            flags += [f"--{flag.replace('_', '-')}", str(value)]
+    return flags
 
 
 async def warm_up(url: str, model: str, args: argparse.Namespace, vocab: int) -> None:
@@ -290,8 +284,7 @@ def compare_pd(args: argparse.Namespace, name: str, vocab: int) -> dict[str, Any
     transfer: dict[str, float] = {}
     for label in args.layouts.split(","):
         layout = LAYOUTS[label]
-        cluster = start_cluster(args, layout)
-        try:
+        with serving(*serve_flags(args, layout)) as cluster:
             asyncio.run(warm_up(cluster.url, name, args, vocab))
             runs[label] = []
             for rate in rates:
@@ -308,8 +301,6 @@ def compare_pd(args: argparse.Namespace, name: str, vocab: int) -> dict[str, Any
                       f"ms, failed {load['failed']}", flush=True)  # fmt: skip
             if label == "disaggregated":
                 transfer = worker_counters(cluster, "decode-0")
-        finally:
-            cluster.stop()
     best = {label: max(ld["goodput_req_s"] for ld in loads) for label, loads in runs.items()}
     if len(runs) < 2:
         return {"runs": runs, "max_goodput_req_s": best, "kv_transfer": transfer}
@@ -408,21 +399,18 @@ def main() -> None:
             print("matplotlib is missing: no plot (redraw with --replot serving_pd.json)")
         print(json.dumps({k: v for k, v in result.items() if k not in ("runs", "args")}, indent=2))
         return
-    cluster = None
-    url = args.url
-    if url is None:
-        cluster = start_cluster(args, ["--workers", str(args.workers)])
-        url = cluster.url
-    try:
+    with contextlib.ExitStack() as stack:
+        url = args.url
+        if url is None:
+            url = stack.enter_context(
+                serving(*serve_flags(args, ["--workers", str(args.workers)]))
+            ).url
         load = asyncio.run(run_load(url, name, args, vocab))
         overhead = (
             None
             if args.skip_overhead
             else asyncio.run(run_overhead(url, args.model, name, args, vocab))
         )
-    finally:
-        if cluster is not None:
-            cluster.stop()
     plot(load, out / "serving.png")
     result = {"args": vars(args), "load": {k: v for k, v in load.items() if k != "_records"},
               "overhead": overhead}  # fmt: skip

@@ -106,10 +106,10 @@ class Formatter:
 
     def _top_by_text(self, lp: TokenLogprob) -> dict[str, float]:
         """The legacy format keys alternatives by text. Distinct tokens can share one (two
-        partial UTF-8 sequences both print as '�'): the most probable keeps the key, so the
-        sampled greedy token is still the entry with the largest value."""
+        partial UTF-8 sequences both print as '�'): the most probable (``lp.top`` comes most
+        likely first) keeps the key, so the sampled greedy token still has the largest value."""
         top: dict[str, float] = {}
-        for token_id, value in sorted(lp.top, key=lambda tv: -tv[1]):
+        for token_id, value in lp.top:
             top.setdefault(self.tok.token_text(token_id), value)
         return top
 

@@ -52,6 +52,7 @@ class WorkerState:
     # Requests routed here that the worker had not received at its last heartbeat, oldest
     # first: its reported load cannot show them yet.
     routes: OrderedDict[str, Route] = field(default_factory=OrderedDict)
+    _unfinished: int = 0  # routes not marked finished (queue_depth runs for every candidate)
 
     @property
     def queue_depth(self) -> int:
@@ -64,12 +65,13 @@ class WorkerState:
         IN_TRANSIT_S."""
         cutoff = time.monotonic() - IN_TRANSIT_S
         while self.routes and next(iter(self.routes.values())).at < cutoff:
-            self.routes.popitem(last=False)
-        return sum(not r.finished for r in self.routes.values())
+            self._drop_oldest()
+        return self._unfinished
 
     def routed(self, request_id: str) -> None:
+        old = self.routes.pop(request_id, None)
+        self._unfinished += old is None or old.finished
         self.routes[request_id] = Route(time.monotonic())
-        self.routes.move_to_end(request_id)
         self.num_routed += 1
 
     def finished(self, request_id: str) -> None:
@@ -77,8 +79,9 @@ class WorkerState:
         (finished) until a heartbeat's receipt count retires it, so that count keeps lining up
         with the routes in order."""
         route = self.routes.get(request_id)
-        if route is not None:
+        if route is not None and not route.finished:
             route.finished = True
+            self._unfinished -= 1
 
     def heard(self, load: WorkerLoad) -> None:
         """A heartbeat: the requests it received since the last one are in its load now (or
@@ -87,10 +90,15 @@ class WorkerState:
         received = load.num_received - self.load.num_received
         if load.num_received == 0 or received < 0:
             self.routes.clear()
+            self._unfinished = 0
         else:
             for _ in range(min(received, len(self.routes))):
-                self.routes.popitem(last=False)
+                self._drop_oldest()
         self.load, self.last_seen = load, time.monotonic()
+
+    def _drop_oldest(self) -> None:
+        _, route = self.routes.popitem(last=False)
+        self._unfinished -= not route.finished
 
 
 class WorkerRegistry:

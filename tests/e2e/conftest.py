@@ -13,8 +13,7 @@ import httpx
 import pytest
 
 from baton.cli import build_parser
-from baton.launcher import Cluster, free_port
-from baton.service_cli import engine_flags_argv
+from baton.launcher import Cluster, serving
 from shared.protos.baton.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from shared.text.tokenizer import TextTokenizer
 
@@ -26,15 +25,9 @@ TEST_ENGINE_FLAGS = ["--num-kv-blocks", "512", "--max-num-seqs", "16", "--max-mo
 
 @contextlib.contextmanager
 def running_cluster(model: Path, workers: int, *extra: str) -> Iterator[Cluster]:
-    argv = ["serve", "--model", str(model), "--workers", str(workers), "--port", str(free_port()),
-            *TEST_ENGINE_FLAGS, *extra]  # fmt: skip
-    args = build_parser().parse_args(argv)
-    cluster = Cluster(args, engine_flags_argv(args))
-    try:
-        cluster.start()
+    with serving("--model", str(model), "--workers", str(workers), *TEST_ENGINE_FLAGS,
+                 *extra) as cluster:  # fmt: skip
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def list_workers(cluster: Cluster) -> list[scheduler_pb2.WorkerInfo]:

@@ -7,8 +7,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from baton.launcher import Cluster
-from tests.e2e.conftest import free_port, service_group
+from baton.launcher import Cluster, free_port
+from tests.e2e.conftest import service_group
 
 MODEL = "qwen3"
 OK_PROMPT = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
