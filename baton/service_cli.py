@@ -35,6 +35,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule the next step while the device runs this one (default: on for CUDA)",
+    )
+    p.add_argument(
         "--kv-recompute-on-failure",
         action="store_true",
         help="decode side: a failed KV pull recomputes the prompt instead of failing",
@@ -53,6 +59,7 @@ def engine_args(args: argparse.Namespace) -> "EngineArgs":
         model=args.model,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         kv_transfer=role in ("prefill", "decode") or getattr(args, "kv_transfer", False),
         kv_recompute_on_failure=args.kv_recompute_on_failure,
         **kw,
@@ -68,6 +75,8 @@ def engine_flags_argv(args: argparse.Namespace) -> list[str]:
             argv += [flag, str(value)]
     argv += ["--no-prefix-caching"] if args.no_prefix_caching else []
     argv += ["--enforce-eager"] if args.enforce_eager else []
+    if args.async_scheduling is not None:
+        argv += ["--async-scheduling" if args.async_scheduling else "--no-async-scheduling"]
     argv += ["--kv-recompute-on-failure"] if args.kv_recompute_on_failure else []
     return argv
 

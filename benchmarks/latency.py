@@ -26,7 +26,8 @@ from benchmarks.roofline import copy_bandwidth, matmul_peak
 from benchmarks.shapes import write_shape
 
 VARIANTS: dict[str, dict[str, Any]] = {
-    "graphs": {},  # the default: CUDA graphs + fused kernels + Triton attention
+    "graphs": {},  # the default: CUDA graphs + fused kernels + Triton attention, async scheduling
+    "sync": {"async_scheduling": False},  # the default, but the host waits for each step
     "eager": {"enforce_eager": True},
     "unfused": {"fused_ops": False},
     "cublas_gemv": {},  # the default, but one-token linear layers through cuBLAS (F.linear)

@@ -37,8 +37,11 @@ def make_workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]]
     return prompts, outputs
 
 
-def run_baton(args: argparse.Namespace) -> tuple[dict[str, Any], list[list[int]], list[int]]:
+def run_baton(
+    args: argparse.Namespace, async_scheduling: bool | None = None
+) -> tuple[dict[str, Any], list[list[int]], list[int]]:
     llm = LLM(
+        async_scheduling=async_scheduling,
         model=args.model,
         load_format=args.load_format,
         dtype=args.dtype,
@@ -164,6 +167,11 @@ def main() -> None:
         help="run HF on the first N of the same prompts only (its rate is per batch; a GPU "
         "run of all 256 takes many minutes)",
     )
+    p.add_argument(
+        "--compare-sync",
+        action="store_true",
+        help="also run the engine one step at a time (async scheduling off), in this process",
+    )
     p.add_argument("--shape", help="a model shape from benchmarks/shapes.py instead of --model")
     p.add_argument("--output", help="write the results as JSON here")
     args = p.parse_args()
@@ -180,6 +188,12 @@ def main() -> None:
     baton, prompts, out_lens = run_baton(args)
     results = {"workload": vars(args), "baton": baton, "torch_threads": torch.get_num_threads()}
     print(json.dumps(baton))
+    if args.compare_sync:
+        sync, _, _ = run_baton(args, async_scheduling=False)
+        results["baton_sync"] = sync
+        print(json.dumps({"async_scheduling": False, **sync}))
+        results["ratio_async_over_sync"] = round(baton["output_tok_s"] / sync["output_tok_s"], 3)
+        print(f"async / sync scheduling output tokens/s: {results['ratio_async_over_sync']}x")
     if args.compare_hf:
         k = args.hf_num_prompts or len(prompts)
         hf = run_hf(args, prompts[:k], out_lens[:k])

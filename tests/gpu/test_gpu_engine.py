@@ -2,6 +2,7 @@
 attention / fused-kernel unit tests also run on the GPU there; these cover what only a GPU has:
 CUDA graphs against eager execution, bfloat16, and KV sizing from free memory."""
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,43 @@ def test_kv_cache_is_sized_from_free_memory(tmp_path: Path) -> None:
     assert kv > 0.2 * total  # most of the allowance went to the cache
     assert used < 0.3 * total  # and the engine stayed inside it
     del llm
+
+
+def test_async_scheduling_never_waits_for_the_device_but_for_its_tokens(tiny_model: Path) -> None:
+    """On a GPU the host schedules step N+1 while N runs. Any synchronizing call inside a step
+    (a copy from pageable memory, ``.item()``, a boolean mask) would make it wait for N and undo
+    that: the whole generation runs under CUDA's sync check, and must equal the one-step-at-a-
+    time engine's output for greedy, seeded, penalized, logprob and min_tokens requests."""
+    path = str(tiny_model)
+    prompts = PROMPTS + [f"prompt number {i}" for i in range(7)]
+    kinds = [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=3, max_tokens=20),
+        SamplingParams(temperature=0, max_tokens=16, logprobs=3, ignore_eos=True),
+        SamplingParams(
+            temperature=0.8,
+            seed=5,
+            presence_penalty=0.5,
+            frequency_penalty=0.3,
+            repetition_penalty=1.2,
+            max_tokens=18,
+        ),
+        SamplingParams(temperature=0, max_tokens=12, min_tokens=8, stop_token_ids=[1, 2, 3]),
+    ]
+    params = [kinds[i % len(kinds)] for i in range(len(prompts))]
+
+    def tokens(llm: LLM) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+    want = tokens(LLM(model=path, dtype="float32", async_scheduling=False, show_progress=False))
+    llm = LLM(model=path, dtype="float32", show_progress=False)
+    assert llm.config.scheduler.async_scheduling  # the default on CUDA
+    tokens(llm)  # warm: first-use allocations may sync
+    with warnings.catch_warnings():  # "a prototype feature", says torch: we know
+        warnings.simplefilter("ignore", UserWarning)
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = tokens(llm)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert got == want

@@ -96,7 +96,7 @@ async def test_async_stream_deltas_add_up_to_the_offline_result(
 async def test_async_concurrent_requests_and_n(engine: AsyncLLM) -> None:
     async def run(i: int) -> list[int]:
         final = None
-        params = SamplingParams(temperature=0.8, max_tokens=8, seed=i, n=2)
+        params = SamplingParams(temperature=0.8, max_tokens=8, seed=i, n=2, ignore_eos=True)
         async for out in engine.generate(f"prompt {i}", params, f"c{i}"):
             final = out
         assert final is not None and final.finished and len(final.outputs) == 2

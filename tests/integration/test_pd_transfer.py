@@ -16,11 +16,14 @@ from shared.text.tokenizer import TextTokenizer
 KW = {"num_kv_blocks": 128, "max_model_len": 1024}
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_model: Path) -> Iterator[tuple[LLM, LLM, LLM]]:
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
+def engines(tiny_model: Path, request: pytest.FixtureRequest) -> Iterator[tuple[LLM, LLM, LLM]]:
+    """A colocated reference, a prefill and a decode engine; the P/D pair once one step at a
+    time and once with async scheduling (the GPU default), which must change nothing."""
     ref = LLM(model=str(tiny_model), **KW)
-    prefill = LLM(model=str(tiny_model), multiprocess=True, kv_transfer=True, **KW)
-    decode = LLM(model=str(tiny_model), multiprocess=True, kv_transfer=True, **KW)
+    pd = {"multiprocess": True, "kv_transfer": True, "async_scheduling": request.param, **KW}
+    prefill = LLM(model=str(tiny_model), **pd)  # type: ignore[arg-type]
+    decode = LLM(model=str(tiny_model), **pd)  # type: ignore[arg-type]
     yield ref, prefill, decode
     for e in (ref, prefill, decode):
         e.shutdown()

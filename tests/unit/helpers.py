@@ -33,10 +33,12 @@ def make_scheduler(
 
 
 def fake_run(sched: Scheduler, out: SchedulerOutput, token: int = 7) -> ModelRunnerOutput:
-    """What a model runner would report: a token for every request whose tokens are all computed."""
+    """What a model runner would report for the step just scheduled: a token for every request
+    the step computes up to its end (the scheduler counted it as a placeholder)."""
     ids = [r.req_id for r in out.new_reqs] + [r.req_id for r in out.cached_reqs]
     sampled = []
     for rid in ids:
         req = sched.requests[RequestId(rid)]
-        sampled.append([token] if req.num_computed_tokens == req.num_tokens else [])
+        samples = req.num_computed_tokens == req.num_tokens_with_placeholders - 1
+        sampled.append([token] if req.num_output_placeholders and samples else [])
     return ModelRunnerOutput(ids, sampled, [None] * len(ids))

@@ -69,6 +69,40 @@ def test_rotary_in_place(rope: RopeConfig, dtype: torch.dtype) -> None:
     assert torch.equal(fused_qkv[:, 6 * 32 :], qkv[:, 6 * 32 :])  # v untouched
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_qk_norm_fused_into_rotary(dtype: torch.dtype) -> None:
+    """Qwen3's per-head q/k norms inside the rotary kernel: the same numbers as the PyTorch
+    layers and as the two fused kernels it replaces (bit for bit in the interpreter; on a GPU
+    the two kernels' float32 sums may associate differently, so within a unit in the last
+    place)."""
+    from services.worker.engine.models.layers.fused_ops import rms_norm
+
+    ref, fused = pair(RotaryEmbedding, 32, 256, RopeConfig(1e6))
+    norms = []
+    for _ in range(2):
+        nref, nfused = pair(RMSNorm, 32, 1e-6)
+        nref.weight.data = torch.rand(32, device=DEVICE) + 0.5
+        nfused.weight.data = nref.weight.data.clone()
+        norms.append((nref.to(dtype), nfused.to(dtype)))
+    qkv = torch.randn(7, (4 + 2 + 2) * 32, device=DEVICE, dtype=dtype) * 3
+    positions = torch.tensor([0, 1, 9, 50, 51, 200, 255], device=DEVICE)
+
+    def split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return t[:, : 4 * 32].view(7, 4, 32), t[:, 4 * 32 : 6 * 32].view(7, 2, 32)
+
+    q_ref, k_ref = ref(positions, *split(qkv.clone()), (norms[0][0], norms[1][0]))
+    q, k = fused(positions, *split(qkv.clone()), (norms[0][1], norms[1][1]))
+    torch.testing.assert_close(q, q_ref, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(k, k_ref, atol=TOL[dtype], rtol=TOL[dtype])
+    q2, k2 = split(qkv.clone())
+    q2, k2 = rms_norm(q2, norms[0][1].weight, 1e-6), rms_norm(k2, norms[1][1].weight, 1e-6)
+    q2, k2 = fused(positions, q2, k2)
+    if DEVICE == "cpu":
+        assert torch.equal(q, q2) and torch.equal(k, k2)
+    torch.testing.assert_close(q, q2, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(k, k2, atol=TOL[dtype], rtol=TOL[dtype])
+
+
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n,k", [(37, 70), (64, 256), (5, 1030)])

@@ -7,27 +7,14 @@ import torch
 
 from services.worker.engine.params import SamplingParams
 from services.worker.engine.sample.sampler import Sampler, apply_penalties, apply_top_k_top_p
-from services.worker.engine.worker.input_batch import (
-    CachedRequestState,
-    build_sampling_metadata,
-    make_generator,
-)
+from services.worker.engine.worker.input_batch import CachedRequestState, build_sampling_metadata
 
 VOCAB = 8
 
 
 def state(prompt: list[int], output: list[int] = (), **params: object) -> CachedRequestState:  # type: ignore[assignment]
     sp = SamplingParams(**params)  # type: ignore[arg-type]
-    return CachedRequestState(
-        "r",
-        [*prompt, *output],
-        len(prompt),
-        sp,
-        (0,),
-        [],
-        0,
-        make_generator(sp, torch.device("cpu")),
-    )
+    return CachedRequestState("r", [*prompt, *output], len(prompt), sp, (0,), [], 0)
 
 
 def sample(logits: torch.Tensor, states: list[CachedRequestState]) -> list[int]:
@@ -75,10 +62,14 @@ def test_seeded_sampling_does_not_depend_on_the_batch() -> None:
         batch, [state([1]), state([1], temperature=0), state([1], seed=42), state([1], seed=7)]
     )
     assert mixed[2] == alone[0]
-    # and the same seed twice gives the same sequence of draws
-    s1, s2 = state([1], seed=3), state([1], seed=3)
+    # the same seed gives the same sequence of draws: token k's noise is keyed by (seed, k)
     wide = torch.zeros(1, VOCAB)
-    assert [sample(wide, [s1])[0] for _ in range(10)] == [sample(wide, [s2])[0] for _ in range(10)]
+
+    def draws(seed: int) -> list[int]:
+        return [sample(wide, [state([1], [5] * k, seed=seed)])[0] for k in range(12)]
+
+    assert draws(3) == draws(3)
+    assert len(set(draws(3))) > 2 and draws(3) != draws(4)
 
 
 def test_penalties_follow_their_definitions() -> None:

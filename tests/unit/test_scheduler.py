@@ -145,3 +145,63 @@ def test_finish_reasons(
             break
     assert finish == reason
     assert not sched.has_requests()
+
+
+def test_async_scheduling_schedules_a_step_ahead_of_the_tokens() -> None:
+    """Step N+1 is scheduled before N's token is known: the request decodes on a placeholder,
+    stops being scheduled once its last token is in flight, and ends when that token lands."""
+    sched = make_scheduler(budget=32)
+    sched.add_request(make_request("a", 6, max_tokens=3))
+    s1 = sched.schedule()
+    r1 = fake_run(sched, s1)
+    s2 = sched.schedule()  # s1 has not reported yet
+    r2 = fake_run(sched, s2)
+    assert s1.num_scheduled_tokens == {"a": 6} and s2.num_scheduled_tokens == {"a": 1}
+    [out] = sched.update_from_output(s1, r1)
+    assert out.new_token_ids == [7] and out.finish_reason is None
+    s3 = sched.schedule()
+    r3 = fake_run(sched, s3)
+    assert s3.num_scheduled_tokens == {"a": 1}  # its third and last token
+    sched.update_from_output(s2, r2)
+    assert sched.schedule().num_scheduled_tokens == {}  # 2 known + 1 in flight = max_tokens
+    [last] = sched.update_from_output(s3, r3)
+    assert last.finish_reason == FinishReason.LENGTH and not sched.has_requests()
+    assert sched.kv.num_free_blocks == 64
+
+
+def test_async_scheduling_drops_the_token_after_a_stop() -> None:
+    sched = make_scheduler(budget=32)
+    sched.add_request(make_request("a", 5, max_tokens=10))
+    s1 = sched.schedule()
+    r1 = fake_run(sched, s1, token=EOS)
+    s2 = sched.schedule()
+    r2 = fake_run(sched, s2)
+    assert s2.num_scheduled_tokens == {"a": 1}
+    [out] = sched.update_from_output(s1, r1)
+    assert out.finish_reason == FinishReason.STOP
+    assert sched.update_from_output(s2, r2) == []  # computed in vain, reported to nobody
+    assert sched.kv.num_free_blocks == 64
+    assert sched.schedule().finished_req_ids == {"a"}  # the runner drops its state
+
+
+def test_async_scheduling_preempted_with_a_token_in_flight() -> None:
+    """A request preempted while its token is in flight gets the token while waiting, and is
+    not re-admitted before it lands."""
+    sched = make_scheduler(num_blocks=4, budget=32)  # 16 tokens of KV
+    sched.add_request(make_request("a", 7, max_tokens=6))
+    sched.add_request(make_request("b", 7, max_tokens=6))
+    pending, tokens, reasons = [], {"a": 0, "b": 0}, {}
+    for _ in range(40):
+        so = sched.schedule()
+        pending.append((so, fake_run(sched, so)))
+        if len(pending) == 2:
+            so_done, run_done = pending.pop(0)
+            for out in sched.update_from_output(so_done, run_done):
+                tokens[out.request_id] += len(out.new_token_ids)
+                reasons[out.request_id] = out.finish_reason
+        if not sched.has_requests():
+            break
+    assert tokens == {"a": 6, "b": 6}
+    assert reasons == {"a": FinishReason.LENGTH, "b": FinishReason.LENGTH}
+    assert sched.stats().num_preemptions > 0
+    assert sched.kv.num_free_blocks == 4

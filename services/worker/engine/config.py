@@ -46,6 +46,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int  # token budget per step
     enable_chunked_prefill: bool  # split long prompts across steps
     max_model_len: int
+    async_scheduling: bool = False  # schedule step N+1 while step N runs (core.py)
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,7 @@ class EngineArgs:
     fused_ops: bool | None = None  # None: on for CUDA, off for CPU
     enforce_eager: bool = False  # no CUDA graphs
     max_cuda_graph_batch_size: int = 256
+    async_scheduling: bool | None = None  # None: on for CUDA (hides host work), off for CPU
     device: Literal["auto", "cpu", "cuda"] = "auto"
     kv_transfer: bool = False  # disaggregated prefill/decode over NIXL
     kv_lease_seconds: float = 30.0
@@ -167,6 +169,9 @@ class EngineArgs:
                 max_num_batched_tokens=budget,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 max_model_len=max_model_len,
+                async_scheduling=(
+                    device == "cuda" if self.async_scheduling is None else self.async_scheduling
+                ),
             ),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             attention=AttentionConfig(backend=resolve_backend_name(self.attention_backend, device)),

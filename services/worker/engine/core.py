@@ -2,6 +2,15 @@
 
     step():  schedule → execute → update → emit outputs
 
+With async scheduling (the default on a GPU) the host runs one step ahead of the device:
+
+    step():  schedule N+1 → submit N+1 (queued behind N) → wait for N's tokens → update N → emit
+
+so scheduling, input building and output handling overlap the device's work instead of leaving
+it idle between steps. The scheduler counts the tokens of steps in flight as placeholders
+(``Request.num_output_placeholders``) and the runner feeds them to the next step on the device.
+A request that stops at step N has already been scheduled in N+1: that token is dropped.
+
 It validates what it is given (a request it cannot run ends at once with finish reason "error"
 instead of raising into the loop) and answers a small set of named utility calls.
 """
@@ -12,7 +21,7 @@ import time
 import msgspec
 
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.executor.executor import UniprocExecutor
+from services.worker.engine.executor.executor import StepResult, UniprocExecutor
 from services.worker.engine.kv_transfer.params import KVTransferParams
 from services.worker.engine.kv_transfer.scheduler_side import KVTransferBookkeeping
 from services.worker.engine.messages import (
@@ -26,6 +35,7 @@ from services.worker.engine.messages import (
     UtilityResult,
 )
 from services.worker.engine.request import FinishReason, Request, RequestStatus
+from services.worker.engine.sched.output import SchedulerOutput
 from services.worker.engine.sched.scheduler import Scheduler
 from shared.ids import RequestId
 from shared.kv_events import KVEventBatch
@@ -56,6 +66,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, transfer)
         self.scheduler.recompute_on_failure = config.kv_transfer.recompute_on_failure
         self._rejected: list[EngineCoreOutput] = []
+        self.async_scheduling = config.scheduler.async_scheduling
+        self._in_flight: tuple[SchedulerOutput, StepResult] | None = None  # submitted, not done
         self._kv_event_seq = 0
         self._model_seconds = 0.0
         logger.info(
@@ -64,13 +76,37 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         outputs, self._rejected = self._rejected, []
-        if self.scheduler.has_requests() or self.scheduler.needs_polling():
+        busy = self.scheduler.has_requests() or self.scheduler.needs_polling()
+        if self.async_scheduling:
+            outputs += self._step_ahead(busy)
+        elif busy:
             scheduler_output = self.scheduler.schedule()
             start = time.perf_counter()
             model_output = self.executor.execute_model(scheduler_output)
             self._model_seconds += time.perf_counter() - start
             outputs += self.scheduler.update_from_output(scheduler_output, model_output)
         return EngineCoreOutputs(outputs=outputs, kv_events=self._take_kv_events())
+
+    def _step_ahead(self, busy: bool) -> list[EngineCoreOutput]:
+        """Submit the next step, then finish the one in flight (at most two are ever out)."""
+        if self._in_flight is None:
+            if not busy:
+                return []
+            self._in_flight = self._submit()
+        following = self._submit() if busy else None
+        sched, pending = self._in_flight
+        self._in_flight = following
+        start = time.perf_counter()
+        result = pending.result()
+        self._model_seconds += time.perf_counter() - start
+        return self.scheduler.update_from_output(sched, result)
+
+    def _submit(self) -> tuple[SchedulerOutput, StepResult]:
+        sched = self.scheduler.schedule()
+        start = time.perf_counter()
+        pending = self.executor.submit(sched)
+        self._model_seconds += time.perf_counter() - start
+        return sched, pending
 
     def add_request(self, req: EngineCoreRequest) -> None:
         try:
@@ -87,7 +123,7 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_requests() or bool(self._rejected)
+        return self.scheduler.has_requests() or bool(self._rejected) or self._in_flight is not None
 
     def needs_polling(self) -> bool:
         """KV pulls in flight or prefill leases held: step now and then even when idle."""

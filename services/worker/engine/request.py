@@ -63,6 +63,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens sampled by steps still in flight (async scheduling): their ids are not known
+        # here yet, but the next step already computes them (the runner feeds them on device).
+        self.num_output_placeholders = 0
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first scheduling
         self.num_preemptions = 0
         self.admitted_at = 0.0  # time.monotonic() when the scheduler took it
@@ -81,6 +84,15 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.all_token_ids) + self.num_output_placeholders
+
+    @property
+    def length_reached(self) -> bool:
+        """Its last token is already sampled, if not yet known: nothing more to schedule."""
+        return len(self.output_token_ids) + self.num_output_placeholders >= self.max_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -5,11 +5,16 @@ executor for tensor parallelism keeps the same four calls, broadcasting the sche
 """
 
 from abc import ABC, abstractmethod
+from typing import Protocol
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.messages import ModelInfo
 from services.worker.engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from services.worker.engine.worker.worker import Worker
+
+
+class StepResult(Protocol):
+    def result(self) -> ModelRunnerOutput: ...
 
 
 class Executor(ABC):
@@ -24,6 +29,10 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; returns rank 0's sampled tokens."""
+
+    @abstractmethod
+    def submit(self, sched: SchedulerOutput) -> StepResult:
+        """Start one step without waiting for it; ``result()`` waits (async scheduling)."""
 
     @abstractmethod
     def model_info(self) -> ModelInfo:
@@ -47,6 +56,9 @@ class UniprocExecutor(Executor):
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(sched)
+
+    def submit(self, sched: SchedulerOutput) -> StepResult:
+        return self.worker.submit(sched)
 
     def model_info(self) -> ModelInfo:
         return self.worker.runner.model_info()

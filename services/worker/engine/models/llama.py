@@ -58,9 +58,8 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        norms = (self.q_norm, self.k_norm) if self.q_norm and self.k_norm else None
+        q, k = self.rotary(positions, q, k, norms)
         assert self.kv_cache is not None, "KV cache not bound"
         out = self.attn.forward(q, k, v, self.kv_cache, meta)
         return self.o_proj(out.reshape(-1, self.q_size))

@@ -19,13 +19,12 @@ class Penalties:
 
 @dataclass
 class SamplingMetadata:
-    all_greedy: bool  # then greedy and temperature are None: one argmax, nothing else
-    greedy: torch.Tensor | None  # bool [rows]
-    temperature: torch.Tensor | None  # float32 [rows]; 1.0 on greedy rows (never divides by 0)
+    all_greedy: bool  # then inv_temperature and keys are None: one argmax, nothing else
+    inv_temperature: torch.Tensor | None  # float32 [rows]: 1 / temperature; 0 on greedy rows
     top_k: torch.Tensor | None  # int64 [rows]; vocab size where disabled
     top_p: torch.Tensor | None  # float32 [rows]; 1.0 where disabled
     min_p: torch.Tensor | None  # float32 [rows]; 0.0 where disabled
-    generators: dict[int, torch.Generator]  # row → the request's own generator (seeded rows)
+    keys: torch.Tensor | None  # int64 [rows]: each row's noise key (gumbel.row_keys)
     penalties: Penalties | None
-    banned: list[tuple[int, list[int]]]  # (row, token ids) masked this step (min_tokens)
+    banned: torch.Tensor | None  # int64, row * vocab + token: masked this step (min_tokens)
     max_num_logprobs: int | None  # largest top-N requested among the rows; None: no logprobs

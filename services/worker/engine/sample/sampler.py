@@ -1,15 +1,16 @@
 """The sampler. Order, as in vLLM: logprobs of the raw model output → min_tokens ban →
 penalties → greedy argmax | (temperature → top-k/top-p → min-p → random draw).
 
-Random rows draw with the exponential race (argmax of p / q, q ~ Exp(1)), which needs no sort
-and no host sync. A seeded request draws its q from its own generator, so its tokens do not
-depend on which other requests share the batch.
+Random rows draw by the Gumbel-max race (``gumbel.py``): one pass over the logits in the model's
+dtype on a GPU, with noise hashed from the request's seed and token index, so a seeded request's
+tokens do not depend on which other requests share the batch. Nothing here waits for the device.
 """
 
 from dataclasses import dataclass
 
 import torch
 
+from services.worker.engine.sample.gumbel import gumbel_argmax
 from services.worker.engine.sample.metadata import Penalties, SamplingMetadata
 
 
@@ -24,32 +25,36 @@ class SamplerOutput:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        logits = logits.float()
-        raw_logprobs = logits.log_softmax(-1) if meta.max_num_logprobs is not None else None
-        for row, token_ids in meta.banned:
-            logits[row, token_ids] = float("-inf")
+        wanted = meta.max_num_logprobs is not None
+        raw_logprobs = logits.float().log_softmax(-1) if wanted else None
+        if meta.banned is not None or meta.penalties is not None:
+            logits = logits.float()
+        if meta.banned is not None:  # flat: a (rows, tokens) index would wait for the device
+            logits.view(-1).index_fill_(0, meta.banned, float("-inf"))
         if meta.penalties is not None:
             logits = apply_penalties(logits, meta.penalties)
-        sampled = logits.argmax(-1)
-        if not meta.all_greedy:
-            assert meta.greedy is not None  # built whenever a row samples randomly
-            random = self._sample_random(logits, meta)
-            sampled = torch.where(meta.greedy, sampled, random)
+        if meta.all_greedy:
+            sampled = logits.argmax(-1)
+        else:
+            sampled = self._sample_random(logits, meta)
         return _with_logprobs(sampled, raw_logprobs, meta.max_num_logprobs)
 
     def _sample_random(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        assert meta.temperature is not None
-        logits = logits / meta.temperature.unsqueeze(1)
-        if meta.top_k is not None or meta.top_p is not None:
-            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-        probs = logits.softmax(-1)
-        if meta.min_p is not None:
-            keep = probs >= meta.min_p.unsqueeze(1) * probs.max(-1, keepdim=True).values
-            probs = probs * keep
-        q = torch.empty_like(probs).exponential_()
-        for row, gen in meta.generators.items():
-            q[row].exponential_(generator=gen)
-        return probs.div(q).argmax(-1)
+        """Greedy rows (inverse temperature 0) take their argmax in the same pass."""
+        inv_t, keys = meta.inv_temperature, meta.keys
+        assert inv_t is not None and keys is not None  # built whenever a row samples randomly
+        if meta.top_k is not None or meta.top_p is not None or meta.min_p is not None:
+            # the truncations work on the scaled logits; greedy rows keep scale 1 (their argmax
+            # survives every truncation)
+            greedy = inv_t == 0
+            logits = logits.float() * torch.where(greedy, 1.0, inv_t).unsqueeze(1)
+            if meta.top_k is not None or meta.top_p is not None:
+                logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+            if meta.min_p is not None:  # p >= min_p * p_max, in logits: l >= l_max + log(min_p)
+                floor = logits.max(-1, keepdim=True).values + meta.min_p.log().unsqueeze(1)
+                logits = logits.masked_fill(logits < floor, float("-inf"))
+            inv_t = (~greedy).to(torch.float32)
+        return gumbel_argmax(logits, inv_t, keys)
 
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:

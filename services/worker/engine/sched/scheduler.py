@@ -99,6 +99,8 @@ class Scheduler:
             request = self.requests[RequestId(rid)]
             request.num_computed_tokens += n
             self._context_tokens_read += request.num_computed_tokens
+            if request.num_computed_tokens == request.num_tokens_with_placeholders:
+                request.num_output_placeholders += 1  # this step samples its next token
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         self._computed_tokens += out.total_num_scheduled_tokens
         self._num_steps += out.total_num_scheduled_tokens > 0
@@ -108,7 +110,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.length_reached:  # a step in flight samples its last token
+                i += 1
+                continue
+            num_new = min(
+                request.num_tokens_with_placeholders - request.num_computed_tokens, budget
+            )
             blocks = self._allocate_or_preempt(request, num_new, out)
             if blocks is None:  # it preempted itself: nothing after it can run either
                 break
@@ -141,6 +148,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and self._num_admitted < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_output_placeholders:  # preempted while its last step ran: wait for it
+                break
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KV and not request.kv_ready:
                 if not self._start_pull(request, out):
                     break
@@ -278,6 +287,7 @@ class Scheduler:
             request = self.requests.get(RequestId(rid))
             if request is None or not tokens:  # finished meanwhile, or a prefill chunk
                 continue
+            request.num_output_placeholders -= 1
             status = None
             for token in tokens:
                 request.append_output_token(token)
@@ -286,7 +296,9 @@ class Scheduler:
                     break
             handle = None
             if status is not None:
-                self.running.remove(request)
+                # a later step may have preempted it already (async scheduling)
+                queue = self.running if request.status == RequestStatus.RUNNING else self.waiting
+                queue.remove(request)
                 handle = self._free(request, status)
             outputs.append(
                 EngineCoreOutput(

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from services.worker.engine.attention.backend import AttentionMetadata
-from services.worker.engine.worker.step_inputs import StepInputs
+from services.worker.engine.worker.input_batch import host_tensor
+from services.worker.engine.worker.step_inputs import StepInputs, TokenFill
 
 
 class CudaGraphRunner:
@@ -61,16 +62,22 @@ class CudaGraphRunner:
             self.graphs[size] = graph
         torch.cuda.synchronize()
 
-    def run(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits [B, vocab] for a decode batch of B requests (one token each)."""
+    def run(self, inputs: StepInputs, fill: TokenFill | None = None) -> torch.Tensor:
+        """Logits [B, vocab] for a decode batch of B requests (one token each). ``fill``
+        writes tokens the previous step sampled on the device into their rows' inputs."""
         b = len(inputs.req_ids)
         size = self.sizes[bisect.bisect_left(self.sizes, b)]
-        self.input_ids[:b].copy_(torch.from_numpy(inputs.input_ids))
-        self.positions[:b].copy_(torch.from_numpy(inputs.positions))
-        self.slot_mapping[:b].copy_(torch.from_numpy(inputs.slot_mapping))
-        self.seq_lens[:b].copy_(torch.tensor(inputs.seq_lens, dtype=torch.int32))
+        dev, i32, i64 = self.input_ids.device, torch.int32, torch.int64
+        # from pinned memory, without blocking: the previous step may still be running
+        self.input_ids[:b].copy_(host_tensor(inputs.input_ids, i64, dev), non_blocking=True)
+        if fill is not None:
+            fill.apply(self.input_ids)
+        self.positions[:b].copy_(host_tensor(inputs.positions, i64, dev), non_blocking=True)
+        self.slot_mapping[:b].copy_(host_tensor(inputs.slot_mapping, i64, dev), non_blocking=True)
+        self.seq_lens[:b].copy_(host_tensor(inputs.seq_lens, i32, dev), non_blocking=True)
         width = inputs.block_table.shape[1]
-        self.block_tables[:b, :width].copy_(torch.from_numpy(inputs.block_table))
+        table = host_tensor(inputs.block_table, i32, dev)
+        self.block_tables[:b, :width].copy_(table, non_blocking=True)
         if size > b:  # padding rows: harmless single-token requests on the spare block
             self.input_ids[b:size].zero_()
             self.positions[b:size].zero_()

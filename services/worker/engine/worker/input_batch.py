@@ -4,11 +4,13 @@ send what it changed.
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from services.worker.engine.params import SamplingParams
+from services.worker.engine.sample.gumbel import row_keys
 from services.worker.engine.sample.metadata import Penalties, SamplingMetadata
 
 
@@ -21,89 +23,141 @@ class CachedRequestState:
     eos_token_ids: tuple[int, ...]
     block_ids: list[int]
     num_computed_tokens: int
-    generator: torch.Generator | None = field(default=None, repr=False)
+    # sampled by a step still in flight, not yet in token_ids (async scheduling; at most one
+    # when a step's inputs are built: the engine resolves a step before it submits the next but one)
+    num_pending: int = 0
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return len(self.token_ids) - self.num_prompt_tokens + self.num_pending
+
+    @property
+    def needs_output_ids(self) -> bool:
+        """Its sampling reads the ids of its earlier outputs (penalties)."""
+        p = self.params
+        return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
 
 
-def make_generator(
-    params: SamplingParams, device: torch.device, done: int = 0, vocab_size: int = 0
-) -> torch.Generator | None:
-    """A seeded request's generator. ``done`` tokens were already sampled elsewhere (the
-    prefill leg of a disaggregated request): skip the draws they used — one exponential draw
-    over the vocabulary per random step (sampler.py) — so the continuation is exactly what one
-    engine would have sampled."""
-    if params.seed is None:
-        return None
-    gen = torch.Generator(device=device).manual_seed(params.seed & (2**63 - 1))
-    if done and not params.greedy:
-        scratch = torch.empty(vocab_size, device=device)
-        for _ in range(done):
-            scratch.exponential_(generator=gen)
-    return gen
+def host_tensor(
+    values: Sequence[float] | np.ndarray, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Host values as a CPU tensor to copy to ``device`` with ``non_blocking=True``: pinned when
+    the device is a GPU. A copy from pageable memory waits for the device's stream — for the step
+    still running on it — and would undo async scheduling."""
+    if isinstance(values, np.ndarray):
+        t = torch.from_numpy(values)
+    else:
+        t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory() if device.type == "cuda" else t
+
+
+def to_device(
+    values: Sequence[float] | np.ndarray, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """``values`` on ``device``, without blocking the host (see ``host_tensor``)."""
+    return host_tensor(values, dtype, device).to(device, non_blocking=True)
+
+
+@dataclass
+class InFlightTokens:
+    """The tokens the step in flight samples, still on the device (async scheduling)."""
+
+    sampled: torch.Tensor  # int64 [rows]
+    row_of: dict[str, int]  # request id → its row in ``sampled``
 
 
 def build_sampling_metadata(
-    states: list[CachedRequestState], vocab_size: int, device: torch.device
+    states: list[CachedRequestState],
+    vocab_size: int,
+    device: torch.device,
+    in_flight: InFlightTokens | None = None,
+    unseeded_base: int = 0,
 ) -> SamplingMetadata:
+    """``unseeded_base``: a fresh random number per step, the seed of rows without one."""
     params = [s.params for s in states]
     greedy = [p.greedy for p in params]
 
     def column(values: Sequence[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
+        return to_device(values, dtype, device)
 
     top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
     logprobs = [p.logprobs for p in params if p.logprobs is not None]
     all_greedy = all(greedy)
-    temps = [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
+    keys = None
+    if not all_greedy:
+        seeds = np.array(
+            [p.seed if p.seed is not None else unseeded_base + i for i, p in enumerate(params)],
+            dtype=np.int64,
+        )
+        counters = np.array([s.num_output_tokens for s in states], dtype=np.int64)
+        keys = to_device(row_keys(seeds, counters), torch.int64, device)
+    inv_t = [0.0 if g else 1.0 / p.temperature for g, p in zip(greedy, params, strict=True)]
     return SamplingMetadata(
         all_greedy=all_greedy,
-        greedy=None if all_greedy else column(greedy, torch.bool),
-        temperature=None if all_greedy else column(temps),
+        inv_temperature=None if all_greedy else column(inv_t),
         top_k=column(top_k, torch.int64) if any(k < vocab_size for k in top_k) else None,
         top_p=column([p.top_p for p in params]) if any(p.top_p < 1 for p in params) else None,
         min_p=column([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None,
-        generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
-        penalties=_penalties(states, vocab_size, device),
-        banned=_banned(states),
+        keys=keys,
+        penalties=_penalties(states, vocab_size, device, in_flight),
+        banned=_banned(states, vocab_size, device),
         max_num_logprobs=max(logprobs) if logprobs else None,
     )
 
 
 def _penalties(
-    states: list[CachedRequestState], vocab_size: int, device: torch.device
+    states: list[CachedRequestState],
+    vocab_size: int,
+    device: torch.device,
+    in_flight: InFlightTokens | None,
 ) -> Penalties | None:
-    params = [s.params for s in states]
-    if not any(
-        p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params
-    ):
+    if not any(s.needs_output_ids for s in states):
         return None
 
-    def padded(rows: list[list[int]]) -> torch.Tensor:
-        width = max(1, *(len(r) for r in rows))
-        return torch.tensor(
-            [r + [vocab_size] * (width - len(r)) for r in rows], dtype=torch.int64, device=device
-        )
+    def padded(rows: list[list[int]], extra: list[int]) -> np.ndarray:
+        """Padded with vocab_size (a column the penalties drop); ``extra[i]`` more slots."""
+        width = max(1, *(len(r) + e for r, e in zip(rows, extra, strict=True)))
+        table = np.full((len(rows), width), vocab_size, dtype=np.int64)
+        for i, r in enumerate(rows):
+            table[i, : len(r)] = r
+        return table
 
+    outputs = [s.token_ids[s.num_prompt_tokens :] for s in states]
+    pending = [s.num_pending for s in states]
+    output_ids = to_device(padded(outputs, pending), torch.int64, device)
+    late = [i for i, n in enumerate(pending) if n]
+    if late:  # outputs sampled by the step in flight: copied in on the device
+        assert in_flight is not None and max(pending) == 1
+        width = output_ids.shape[1]
+        flat = to_device([i * width + len(outputs[i]) for i in late], torch.int64, device)
+        src = to_device([in_flight.row_of[states[i].req_id] for i in late], torch.int64, device)
+        # flat index_copy_: indexing with a (rows, cols) pair waits for the device
+        output_ids.view(-1).index_copy_(0, flat, in_flight.sampled[src])
+    params = [s.params for s in states]
+    f32 = torch.float32
     return Penalties(
-        presence=torch.tensor([p.presence_penalty for p in params], device=device),
-        frequency=torch.tensor([p.frequency_penalty for p in params], device=device),
-        repetition=torch.tensor([p.repetition_penalty for p in params], device=device),
-        prompt_ids=padded([s.token_ids[: s.num_prompt_tokens] for s in states]),
-        output_ids=padded([s.token_ids[s.num_prompt_tokens :] for s in states]),
+        presence=to_device([p.presence_penalty for p in params], f32, device),
+        frequency=to_device([p.frequency_penalty for p in params], f32, device),
+        repetition=to_device([p.repetition_penalty for p in params], f32, device),
+        prompt_ids=to_device(
+            padded([s.token_ids[: s.num_prompt_tokens] for s in states], [0] * len(states)),
+            torch.int64,
+            device,
+        ),
+        output_ids=output_ids,
     )
 
 
-def _banned(states: list[CachedRequestState]) -> list[tuple[int, list[int]]]:
-    """Rows still short of min_tokens may not sample a token that would stop them."""
-    banned = []
+def _banned(
+    states: list[CachedRequestState], vocab_size: int, device: torch.device
+) -> torch.Tensor | None:
+    """Flat indices (row × vocab + token) into the logits to mask: rows still short of
+    min_tokens may not sample a token that would stop them."""
+    flat: list[int] = []
     for row, s in enumerate(states):
         if s.num_output_tokens < s.params.min_tokens:
             stops = list(s.params.stop_token_ids)
             if not s.params.ignore_eos:
                 stops += list(s.eos_token_ids)
-            if stops:
-                banned.append((row, stops))
-    return banned
+            flat += [row * vocab_size + t for t in stops]
+    return to_device(flat, torch.int64, device) if flat else None

@@ -9,6 +9,8 @@ One step, for requests A (3-token prefill chunk that completes its prompt), B (d
     logits rows:  last token of every request whose tokens are now all computed → [2, 3]
 """
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -28,10 +30,11 @@ from services.worker.engine.sched.output import (
 from services.worker.engine.worker.cuda_graphs import CudaGraphRunner
 from services.worker.engine.worker.input_batch import (
     CachedRequestState,
+    InFlightTokens,
     build_sampling_metadata,
-    make_generator,
+    to_device,
 )
-from services.worker.engine.worker.step_inputs import StepInputs, build_step_inputs
+from services.worker.engine.worker.step_inputs import StepInputs, TokenFill, build_step_inputs
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -50,6 +53,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_cache: torch.Tensor | None = None
         self.graphs: CudaGraphRunner | None = None
+        self._last: StepHandle | None = None  # the latest step whose result is not taken yet
+        self._rng = np.random.default_rng(config.model.seed)
 
     def load_model(self, show_progress: bool = True) -> None:
         cfg = self.config.model
@@ -133,37 +138,67 @@ class ModelRunner:
         self.kv_cache = None
         self.graphs = None
         self.requests.clear()
+        self._last = None
 
     # ---- one step ------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its sampled tokens."""
+        return self.submit(sched).result()
+
+    @torch.inference_mode()
+    def submit(self, sched: SchedulerOutput) -> "StepHandle":
+        """Queue one step's device work and start copying its sampled ids to the host; nothing
+        here waits for the device (a step already running on it keeps running), so the host can
+        prepare the next step meanwhile. ``StepHandle.result()`` waits."""
         self._update_states(sched)
         if sched.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput()
+            return StepHandle.empty(self)
         inputs = build_step_inputs(sched, self.requests, self.block_size)
-        out = ModelRunnerOutput(
-            req_ids=inputs.req_ids,
-            sampled_token_ids=[[] for _ in inputs.req_ids],
-            logprobs=[None for _ in inputs.req_ids],
-        )
-        logits = self._run_model(inputs)
+        logits = self._run_model(inputs, self._token_fill(inputs))
         if logits is None:
-            return out
+            return StepHandle(self, inputs.req_ids, [], [], None)
         states = [self.requests[inputs.req_ids[r]] for r in inputs.sample_rows]
-        meta = build_sampling_metadata(states, self.config.model.arch.vocab_size, self.device)
-        self._record(self.sampler(logits, meta), states, inputs.sample_rows, out)
-        return out
+        last = self._last
+        in_flight = (
+            InFlightTokens(last.sampled, last.row_of) if last and last.sampled is not None else None
+        )
+        base = int(self._rng.integers(1 << 62))  # the seed of this step's unseeded rows
+        meta = build_sampling_metadata(
+            states, self.config.model.arch.vocab_size, self.device, in_flight, base
+        )
+        result = self.sampler(logits, meta)
+        for state in states:
+            state.num_pending += 1
+        handle = StepHandle(self, inputs.req_ids, states, inputs.sample_rows, result)
+        self._last = handle
+        return handle
 
-    def _run_model(self, inputs: StepInputs) -> torch.Tensor | None:
+    def _token_fill(self, inputs: StepInputs) -> TokenFill | None:
+        """Where this step's inputs need the tokens the previous step sampled on the device."""
+        if not inputs.pending_rows:
+            return None
+        last = self._last
+        assert last is not None and last.sampled is not None
+        src = [last.row_of[inputs.req_ids[r]] for r in inputs.pending_rows]
+        dst = [inputs.query_start_loc[r] for r in inputs.pending_rows]
+        i64 = torch.int64
+        return TokenFill(
+            to_device(dst, i64, self.device), last.sampled[to_device(src, i64, self.device)]
+        )
+
+    def _run_model(self, inputs: StepInputs, fill: TokenFill | None) -> torch.Tensor | None:
         """Logits of the rows to sample, or None when no request samples this step."""
         if self.graphs is not None and self.graphs.can_run(inputs):
-            logits = self.graphs.run(inputs)  # one row per request
+            logits = self.graphs.run(inputs, fill)  # one row per request
             if len(inputs.sample_rows) == len(inputs.req_ids):
                 return logits
             # a one-token prefill chunk has one query too, but samples nothing yet
-            rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=self.device)
-            return logits[rows] if inputs.sample_rows else None
+            if not inputs.sample_rows:
+                return None
+            return logits[to_device(inputs.sample_rows, torch.int64, self.device)]
         input_ids, positions, meta, logits_indices = inputs.to_device(self.device)
+        if fill is not None:
+            fill.apply(input_ids)
         hidden = self.model(input_ids, positions, meta)
         if not inputs.sample_rows:
             return None
@@ -181,12 +216,6 @@ class ModelRunner:
                 eos_token_ids=new.eos_token_ids,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
-                generator=make_generator(
-                    new.params,
-                    self.device,
-                    done=len(new.token_ids) - new.num_prompt_tokens,
-                    vocab_size=self.config.model.arch.vocab_size,
-                ),
             )
         for cached in sched.cached_reqs:
             state = self.requests[cached.req_id]
@@ -196,26 +225,91 @@ class ModelRunner:
                 state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def _record(
+
+class StepHandle:
+    """A submitted step. Its sampled ids (and logprobs) are copied to pinned host memory behind
+    the step's kernels; ``result()`` waits for that copy alone, then records the tokens in the
+    runner's request state and builds the ``ModelRunnerOutput``. Results are taken in the
+    order steps were submitted; taking one twice returns the same output."""
+
+    def __init__(
         self,
-        result: SamplerOutput,
+        runner: ModelRunner,
+        req_ids: list[str],
         states: list[CachedRequestState],
         rows: list[int],
-        out: ModelRunnerOutput,
-    ) -> None:
-        sampled = result.sampled.tolist()  # the one host sync of the step
-        lp = _logprobs_to_host(result)
-        for i, (state, row) in enumerate(zip(states, rows, strict=True)):
-            state.token_ids.append(sampled[i])
-            out.sampled_token_ids[row] = [sampled[i]]
+        result: SamplerOutput | None,
+    ):
+        self.runner = runner
+        self.states = states
+        self.rows = rows
+        self.row_of = {s.req_id: i for i, s in enumerate(states)}
+        self.sampled = result.sampled if result is not None else None  # stays on the device
+        self.output = ModelRunnerOutput(
+            req_ids=req_ids,
+            sampled_token_ids=[[] for _ in req_ids],
+            logprobs=[None for _ in req_ids],
+        )
+        self._host: SamplerOutput | None = None
+        self._ready: torch.cuda.Event | None = None
+        self._done = result is None
+        if result is not None:
+            on_gpu = runner.device.type == "cuda"
+            self._host = _map_tensors(
+                result, lambda t: t.to("cpu", non_blocking=True) if on_gpu else t
+            )
+            if on_gpu:
+                self._ready = torch.cuda.Event()
+                self._ready.record()
+
+    @classmethod
+    def empty(cls, runner: ModelRunner) -> "StepHandle":
+        return cls(runner, [], [], [], None)
+
+    def wait(self) -> None:
+        """Until the step's device work is done (its KV writes included)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+
+    def result(self) -> ModelRunnerOutput:
+        if self._done:
+            return self.output
+        self._done = True
+        self.wait()
+        host = self._host
+        assert host is not None
+        sampled = host.sampled.tolist()
+        lp = _logprobs_to_host(host)
+        live = self.runner.requests
+        for i, (state, row) in enumerate(zip(self.states, self.rows, strict=True)):
+            if live.get(state.req_id) is state:  # not finished or aborted meanwhile
+                state.token_ids.append(sampled[i])
+                state.num_pending -= 1
+            self.output.sampled_token_ids[row] = [sampled[i]]
             if lp is not None and state.params.logprobs is not None:
                 top_ids, top_lps, chosen, ranks = lp
                 n = state.params.logprobs
-                out.logprobs[row] = SampleLogprobs(
+                self.output.logprobs[row] = SampleLogprobs(
                     token_ids=[sampled[i], *top_ids[i][:n]],
                     logprobs=[chosen[i], *top_lps[i][:n]],
                     sampled_rank=ranks[i],
                 )
+        if self.runner._last is self:
+            self.runner._last = None
+        return self.output
+
+
+def _map_tensors(r: SamplerOutput, f: Callable[[torch.Tensor], torch.Tensor]) -> SamplerOutput:
+    def opt(t: torch.Tensor | None) -> torch.Tensor | None:
+        return f(t) if t is not None else None
+
+    return SamplerOutput(
+        sampled=f(r.sampled),
+        top_ids=opt(r.top_ids),
+        top_logprobs=opt(r.top_logprobs),
+        sampled_logprobs=opt(r.sampled_logprobs),
+        sampled_ranks=opt(r.sampled_ranks),
+    )
 
 
 def _logprobs_to_host(

@@ -1,7 +1,9 @@
 """One step's model inputs, built on the host from the runner's per-request state.
 
 The eager path moves them to the device as they are; the CUDA-graph path copies them into the
-static buffers of a captured batch size (``cuda_graphs.py``).
+static buffers of a captured batch size (``cuda_graphs.py``). With async scheduling a decode
+row's input token may be one the previous step sampled and the host has not seen yet: its slot
+in ``input_ids`` holds 0 and ``pending_rows`` names it; the runner fills it on the device.
 """
 
 import itertools
@@ -12,7 +14,7 @@ import torch
 
 from services.worker.engine.attention.backend import AttentionMetadata
 from services.worker.engine.sched.output import SchedulerOutput
-from services.worker.engine.worker.input_batch import CachedRequestState
+from services.worker.engine.worker.input_batch import CachedRequestState, to_device
 
 
 @dataclass
@@ -26,6 +28,7 @@ class StepInputs:
     block_table: np.ndarray  # int32 [reqs, widest table]
     sample_rows: list[int]  # batch rows whose next token is sampled this step
     logits_indices: list[int]  # the token index of each sampled row's last token
+    pending_rows: list[int]  # decode rows whose input is the previous step's sampled token
 
     @property
     def num_tokens(self) -> int:
@@ -40,23 +43,36 @@ class StepInputs:
         self, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """(input_ids, positions, attention metadata, logits indices) on ``device``."""
+        i32, i64 = torch.int32, torch.int64
         meta = AttentionMetadata(
             num_tokens=self.num_tokens,
-            query_start_loc=torch.tensor(self.query_start_loc, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32, device=device),
-            block_tables=torch.from_numpy(self.block_table).to(device),
-            slot_mapping=torch.from_numpy(self.slot_mapping).to(device),
+            query_start_loc=to_device(self.query_start_loc, i32, device),
+            seq_lens=to_device(self.seq_lens, i32, device),
+            block_tables=to_device(self.block_table, i32, device),
+            slot_mapping=to_device(self.slot_mapping, i64, device),
             query_start_loc_cpu=self.query_start_loc,
             seq_lens_cpu=self.seq_lens,
             max_query_len=self.max_query_len,
             max_seq_len=max(self.seq_lens),
         )
         return (
-            torch.from_numpy(self.input_ids).to(device),
-            torch.from_numpy(self.positions).to(device),
+            to_device(self.input_ids, i64, device),
+            to_device(self.positions, i64, device),
             meta,
-            torch.tensor(self.logits_indices, dtype=torch.int64, device=device),
+            to_device(self.logits_indices, i64, device),
         )
+
+
+@dataclass
+class TokenFill:
+    """Input tokens the previous step sampled, still only on the device: ``values[i]`` goes to
+    token index ``index[i]`` of this step's ``input_ids``."""
+
+    index: torch.Tensor  # int64 [k], on the device
+    values: torch.Tensor  # int64 [k], on the device
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        input_ids.index_copy_(0, self.index, self.values)
 
 
 def build_step_inputs(
@@ -76,17 +92,27 @@ def build_step_inputs(
     qsl = [0]
     sample_rows: list[int] = []
     logits_idx: list[int] = []
+    pending_rows: list[int] = []
     tables: list[list[int]] = []
     for row, rid in enumerate(req_ids):
         state = requests[rid]
         n = sched.num_scheduled_tokens[rid]
         start = state.num_computed_tokens
         blocks = state.block_ids
+        known = len(state.token_ids)
         if n == 1:
-            ids.append(state.token_ids[start])
+            if start < known:
+                ids.append(state.token_ids[start])
+            else:  # sampled by the step in flight: filled in on the device
+                if start != known or state.num_pending != 1:
+                    raise RuntimeError(f"request {rid}: token {start} is not known (has {known})")
+                ids.append(0)
+                pending_rows.append(row)
             pos.append(start)
             slots.append(blocks[start // bs] * bs + start % bs)
         else:
+            if start + n > known:
+                raise RuntimeError(f"request {rid}: a chunk of {n} from {start} passes {known}")
             p = np.arange(start, start + n, dtype=np.int64)
             ids.extend(state.token_ids[start : start + n])
             pos.extend(range(start, start + n))
@@ -94,7 +120,7 @@ def build_step_inputs(
         seq_lens.append(start + n)
         qsl.append(qsl[-1] + n)
         tables.append(blocks)
-        if start + n == len(state.token_ids):  # every known token computed: sample the next
+        if start + n == known + state.num_pending:  # every token computed: sample the next
             sample_rows.append(row)
             logits_idx.append(qsl[-1] - 1)
     width = max(map(len, tables))
@@ -111,4 +137,5 @@ def build_step_inputs(
         block_table=table,
         sample_rows=sample_rows,
         logits_indices=logits_idx,
+        pending_rows=pending_rows,
     )

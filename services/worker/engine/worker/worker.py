@@ -8,7 +8,7 @@ import torch
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.sched.output import ModelRunnerOutput, SchedulerOutput
-from services.worker.engine.worker.model_runner import ModelRunner
+from services.worker.engine.worker.model_runner import ModelRunner, StepHandle
 
 CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on CPU: 1 GiB
 MAX_BLOCKS = 1 << 20  # the block pool keeps a Python object per block: bound its bookkeeping
@@ -91,14 +91,24 @@ class Worker:
             )
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """One step: start this step's KV pulls, run the model, report transfer progress."""
-        failed = self.connector.start_loads(sched.kv_loads) if self.connector else []
-        out = self.runner.execute_model(sched)
-        if self.connector is not None:
-            results = self.connector.poll()
-            out.finished_loads, out.released = results.finished, results.released
-            out.failed_loads = failed + results.failed
-        return out
+        return self.submit(sched).result()
+
+    def submit(self, sched: SchedulerOutput) -> "WorkerStep":
+        """One step: queue the model's work, start this step's KV pulls, poll the transfers.
+
+        The pulls start after the step before this one has finished on the device: blocks
+        freed while it ran (a request that finished or was aborted) may be this step's pull
+        targets, and that step could still write its last token's KV into them.
+        """
+        previous = self.runner._last
+        step = self.runner.submit(sched)
+        if self.connector is None:
+            return WorkerStep(step)
+        if sched.kv_loads and previous is not None:
+            previous.wait()
+        failed = self.connector.start_loads(sched.kv_loads)
+        results = self.connector.poll()
+        return WorkerStep(step, results.finished, failed + results.failed, results.released)
 
     @property
     def side_channel(self) -> str:
@@ -109,3 +119,22 @@ class Worker:
             self.connector.close()
             self.connector = None
         self.runner.release()
+
+
+class WorkerStep:
+    """A submitted step and the KV-transfer progress seen when it was submitted."""
+
+    def __init__(
+        self,
+        step: StepHandle,
+        finished: list[str] | None = None,
+        failed: list[str] | None = None,
+        released: list[str] | None = None,
+    ):
+        self.step = step
+        self.transfers = (finished or [], failed or [], released or [])
+
+    def result(self) -> ModelRunnerOutput:
+        out = self.step.result()
+        out.finished_loads, out.failed_loads, out.released = self.transfers
+        return out

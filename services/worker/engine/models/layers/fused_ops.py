@@ -80,11 +80,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _rotary(
-    Q, K, positions, COS, SIN, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
-    NUM_Q_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
+    Q, K, positions, COS, SIN, QW, KW, eps, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
+    NUM_Q_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_NORM: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """In place, one (token, head) per program; heads [0, NUM_Q_HEADS) of q, then those of k.
 
+    [x = w · norm(x)   per head (Qwen3's q/k norm), rounded as ``_rms_norm`` rounds]
     out[:half] = x1·cos − x2·sin,  out[half:] = x2·cos + x1·sin   (rotate-half style)
     """
     t = tl.program_id(0).to(tl.int64)
@@ -94,14 +96,25 @@ def _rotary(
     ok = offs < HALF
     if h < NUM_Q_HEADS:
         base = Q + t * stride_qt + h * stride_qh
+        W = QW
     else:
         base = K + t * stride_kt + (h - NUM_Q_HEADS) * stride_kh
+        W = KW
     x1 = tl.load(base + offs, mask=ok, other=0.0)
     x2 = tl.load(base + HALF + offs, mask=ok, other=0.0)
     dtype = x1.dtype
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    if HAS_NORM:
+        # the whole head at once: the same reduction as _rms_norm, so the same bits
+        full = tl.arange(0, NORM_BLOCK)
+        xs = tl.load(base + full, mask=full < 2 * HALF, other=0.0).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(xs * xs, 0) / (2 * HALF) + eps)
+        w1 = tl.load(W + offs, mask=ok, other=0.0).to(tl.float32)
+        w2 = tl.load(W + HALF + offs, mask=ok, other=0.0).to(tl.float32)
+        x1f = (w1 * (x1f * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2f = (w2 * (x2f * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     cos = tl.load(COS + pos * stride_c + offs, mask=ok, other=0.0).to(dtype).to(tl.float32)
     sin = tl.load(SIN + pos * stride_c + offs, mask=ok, other=0.0).to(dtype).to(tl.float32)
-    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
     a1 = (x1f * cos).to(dtype).to(tl.float32)
     b1 = (x2f * sin).to(dtype).to(tl.float32)
     a2 = (x2f * cos).to(dtype).to(tl.float32)
@@ -111,12 +124,22 @@ def _rotary(
 
 
 def rotary_(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+    eps: float = 0.0,
 ) -> None:
-    """Rotate q [T, Hq, D] and k [T, Hk, D] in place; cos/sin: [max_positions, D] float32."""
+    """Rotate q [T, Hq, D] and k [T, Hk, D] in place; cos/sin: [max_positions, D] float32.
+    ``norm_weights`` (q's, k's): RMS-normalise each head first, in the same kernel."""
     half = q.shape[-1] // 2
     grid = (q.shape[0], q.shape[1] + k.shape[1])
+    qw, kw = norm_weights if norm_weights is not None else (cos, cos)  # unread without a norm
     _rotary[grid](
-        q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        cos.stride(0), NUM_Q_HEADS=q.shape[1], HALF=half, BLOCK=triton.next_power_of_2(half),
+        q, k, positions, cos, sin, qw, kw, eps, q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), cos.stride(0), NUM_Q_HEADS=q.shape[1], HALF=half,
+        BLOCK=triton.next_power_of_2(half), HAS_NORM=norm_weights is not None,
+        NORM_BLOCK=triton.next_power_of_2(2 * half),
     )  # fmt: skip

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from services.worker.engine.model_config import RopeConfig
+from services.worker.engine.models.layers.norm import RMSNorm
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -63,14 +64,23 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        norms: tuple[RMSNorm, RMSNorm] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]."""
+        """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]. ``norms`` (Qwen3's per-head q and k
+        norms) run first — fused, in the same kernel."""
         if self.fused:
             from services.worker.engine.models.layers.fused_ops import rotary_
 
-            rotary_(positions, q, k, self.cos_cache, self.sin_cache)
+            weights = (norms[0].weight, norms[1].weight) if norms is not None else None
+            eps = norms[0].eps if norms is not None else 0.0
+            rotary_(positions, q, k, self.cos_cache, self.sin_cache, weights, eps)
             return q, k
+        if norms is not None:
+            q, k = norms[0](q), norms[1](k)
         cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
