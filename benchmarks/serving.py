@@ -411,7 +411,10 @@ def main() -> None:
             if args.skip_overhead
             else asyncio.run(run_overhead(url, args.model, name, args, vocab))
         )
-    plot(load, out / "serving.png")
+    try:
+        plot(load, out / "serving.png")
+    except ImportError:  # a GPU host without matplotlib: the JSON below still has every figure
+        print("matplotlib is missing: no plot")
     result = {"args": vars(args), "load": {k: v for k, v in load.items() if k != "_records"},
               "overhead": overhead}  # fmt: skip
     (out / "serving.json").write_text(json.dumps(result, indent=2))
