@@ -232,15 +232,19 @@ def test_prefill_worker_killed_during_transfer(
         assert out.choices[0].text == ref.outputs[0].text
 
 
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
 def test_every_length_disaggregated_equals_offline(
-    tiny_model: Path, tmp_path: Path, offline: LLM
+    tiny_model: Path, tmp_path: Path, offline: LLM, scheduling: str
 ) -> None:
     """With the decider's threshold at 0 every request takes the P/D path: prompts shorter
     than a block (nothing to pull), exactly one block, several, and one that extends a prompt
-    the decode worker already holds (it reuses its own blocks and reads only the rest)."""
+    the decode worker already holds (it reuses its own blocks and reads only the rest). Once
+    with the workers' engines one step at a time (the CPU default) and once with async
+    scheduling (the GPU default)."""
     policy = tmp_path / "policy.json"
     policy.write_text(json.dumps({"decider": {"min_uncached_tokens": 0}}))
     pd = ["--prefill-workers", "1", "--decode-workers", "1", "--worker-metrics"]
+    pd += ["--async-scheduling"] if scheduling == "async" else []
     with running_cluster(tiny_model, 0, *pd, "--routing-policy", str(policy)) as cluster:
         c = openai.OpenAI(base_url=cluster.url, api_key="x", max_retries=0, timeout=60)
         base = long_prompt(tiny_model, 70, "held")

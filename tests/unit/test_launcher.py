@@ -1,4 +1,5 @@
-"""``baton serve``'s launcher, without starting anything: worker roles and GPU placement."""
+"""``baton serve``'s launcher, without starting anything: worker roles, GPU placement and the
+engine flags it hands on."""
 
 import pytest
 
@@ -32,3 +33,17 @@ def test_gpus_without_nvidia_smi(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setenv("PATH", "/nonexistent")
     assert cluster().gpus() == []
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)],
+)
+def test_async_scheduling_reaches_the_workers(flags: list[str], expected: bool | None) -> None:
+    """``baton serve`` passes the flag on to every worker, whose engine args carry it (None:
+    the device decides)."""
+    from baton.service_cli import engine_args, engine_flags_argv
+
+    serve = build_parser().parse_args(["serve", "--model", "m", *flags])
+    worker_argv = ["worker", "--model", "m", *engine_flags_argv(serve)]
+    assert engine_args(build_parser().parse_args(worker_argv)).async_scheduling is expected

@@ -89,23 +89,27 @@ class EngineCore:
 
     def _step_ahead(self, busy: bool) -> list[EngineCoreOutput]:
         """Submit the next step, then finish the one in flight (at most two are ever out)."""
+        outputs: list[EngineCoreOutput] = []
         if self._in_flight is None:
             if not busy:
-                return []
-            self._in_flight = self._submit()
-        following = self._submit() if busy else None
+                return outputs
+            self._in_flight = self._submit(outputs)
+        following = self._submit(outputs) if busy else None
         sched, pending = self._in_flight
         self._in_flight = following
         start = time.perf_counter()
         result = pending.result()
         self._model_seconds += time.perf_counter() - start
-        return self.scheduler.update_from_output(sched, result)
+        return outputs + self.scheduler.update_from_output(sched, result)
 
-    def _submit(self) -> tuple[SchedulerOutput, StepResult]:
+    def _submit(self, outputs: list[EngineCoreOutput]) -> tuple[SchedulerOutput, StepResult]:
+        """Schedule and submit a step; the KV transfer progress seen meanwhile is applied now
+        (a finished pull is scheduled by the very next step), its failures go to ``outputs``."""
         sched = self.scheduler.schedule()
         start = time.perf_counter()
         pending = self.executor.submit(sched)
         self._model_seconds += time.perf_counter() - start
+        outputs += self.scheduler.finish_transfers(*pending.take_transfers())
         return sched, pending
 
     def add_request(self, req: EngineCoreRequest) -> None:

@@ -16,6 +16,8 @@ from services.worker.engine.worker.worker import Worker
 class StepResult(Protocol):
     def result(self) -> ModelRunnerOutput: ...
 
+    def take_transfers(self) -> tuple[list[str], list[str], list[str]]: ...
+
 
 class Executor(ABC):
     @abstractmethod

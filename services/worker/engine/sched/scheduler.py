@@ -213,19 +213,24 @@ class Scheduler:
         out.kv_loads.append(self.transfer.load_for(request, block_ids, num_hit))
         return True
 
-    def _finish_pulls(self, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Pulls that ended: decode on, recompute, or fail; an abort meanwhile frees them."""
+    def finish_transfers(
+        self, finished: list[str], failed: list[str], released: list[str]
+    ) -> list[EngineCoreOutput]:
+        """KV transfer progress: pulls that ended decode on, recompute, or fail (an abort
+        meanwhile frees them); leases a peer has read end. With async scheduling the core
+        applies this as soon as a step is submitted, not when its tokens come back, so a
+        pulled request is scheduled one step sooner."""
         if self.transfer is None:
             return []
         outputs = []
         stale, self._stale_pulls = self._stale_pulls, []
-        for rid in result.finished_loads + result.failed_loads + stale:
+        for rid in finished + failed + stale:
             request = self.transfer.loading.pop(RequestId(rid), None)
             if request is None:
                 continue
             if request.status.finished:  # aborted while its pull ran
                 self._free(request, request.status)
-            elif rid in result.finished_loads:
+            elif rid in finished:
                 request.kv_ready = True
                 request.num_computed_tokens = request.num_prompt_tokens
                 self.kv.index_blocks(request, request.num_prompt_tokens)
@@ -247,7 +252,7 @@ class Scheduler:
                         error_code=ERROR_KV_TRANSFER,
                     )
                 )  # fmt: skip
-        for rid in result.released:
+        for rid in released:
             self.end_lease(rid)
         return outputs
 
@@ -280,7 +285,7 @@ class Scheduler:
     def update_from_output(
         self, sched: SchedulerOutput, result: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        outputs = self._finish_pulls(result)
+        outputs = self.finish_transfers(result.finished_loads, result.failed_loads, result.released)
         for rid, tokens, logprobs in zip(
             result.req_ids, result.sampled_token_ids, result.logprobs, strict=True
         ):

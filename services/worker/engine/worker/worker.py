@@ -134,6 +134,11 @@ class WorkerStep:
         self.step = step
         self.transfers = (finished or [], failed or [], released or [])
 
+    def take_transfers(self) -> tuple[list[str], list[str], list[str]]:
+        """(finished, failed, released) now, instead of with the step's output."""
+        transfers, self.transfers = self.transfers, ([], [], [])
+        return transfers
+
     def result(self) -> ModelRunnerOutput:
         out = self.step.result()
         out.finished_loads, out.failed_loads, out.released = self.transfers
