@@ -134,6 +134,7 @@ class Cluster:
                 "--request-timeout", str(a.request_timeout)]  # fmt: skip
         for key in a.api_key or ():
             argv += ["--api-key", key]
+        argv += ["--no-generate-stream"] if a.no_generate_stream else []
         self.spawn("gateway", argv, ready=False)
         url = f"http://{a.host}:{a.port}"
         self.wait_http("gateway", f"{url}/health", GATEWAY_START_S)

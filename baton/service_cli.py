@@ -122,7 +122,7 @@ def run_gateway(args: argparse.Namespace) -> None:
     settings = GatewaySettings(
         scheduler_address=args.scheduler, models={name: args.model}, host=args.host,
         port=args.port, api_keys=tuple(args.api_key or ()), max_body_bytes=args.max_body_bytes,
-        request_timeout_s=args.request_timeout,
+        request_timeout_s=args.request_timeout, generate_stream=not args.no_generate_stream,
     )  # fmt: skip
     serve(settings)
 
@@ -197,3 +197,8 @@ def _gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", help="repeatable; none: no authentication")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--no-generate-stream",
+        action="store_true",
+        help="call workers with one unary Generate per request, not over a long-lived stream",
+    )

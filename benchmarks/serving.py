@@ -257,6 +257,7 @@ LAYOUTS = {  # name → ``baton serve`` flags: the same number of workers (GPUs)
 def serve_flags(args: argparse.Namespace, layout: list[str]) -> list[str]:
     """``baton serve`` flags for this benchmark's cluster in ``layout``."""
     flags = ["--model", args.model, "--worker-metrics", *layout]
+    flags += ["--no-generate-stream"] if args.no_generate_stream else []
     for flag in ("num_kv_blocks", "max_model_len", "max_num_batched_tokens",
                  "gpu_memory_utilization", "load_format", "log_dir"):  # fmt: skip
         value = getattr(args, flag)
@@ -357,6 +358,9 @@ def main() -> None:
     p.add_argument("--load-format", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-overhead", action="store_true")
+    p.add_argument(
+        "--no-generate-stream", action="store_true", help="the gateway calls Generate unary"
+    )
     p.add_argument(
         "--compare-pd",
         action="store_true",

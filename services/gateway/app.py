@@ -48,7 +48,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         sched_channel = rpc.channel(settings.scheduler_address)
         scheduler = scheduler_pb2_grpc.GlobalSchedulerStub(sched_channel)
         catalog = ModelCatalog(tokenizers, scheduler)
-        workers = WorkerChannels()
+        workers = WorkerChannels(settings.generate_stream)
         state["catalog"] = catalog
         owner = TaskOwner("gateway")
         owner.spawn(catalog.refresh_forever(), "catalog-refresh")

@@ -17,6 +17,11 @@ ROUTE_CALLS = Counter(
     "baton_gateway_route_calls", "Route calls by transport (the long-lived stream, or unary)",
     ["transport"],
 )  # fmt: skip
+GENERATE_CALLS = Counter(
+    "baton_gateway_generate_calls",
+    "Generate calls to workers by transport (the worker's long-lived stream, or unary)",
+    ["transport"],
+)  # fmt: skip
 PROMPT_TOKENS = Counter("baton_gateway_prompt_tokens", "Prompt tokens received")
 COMPLETION_TOKENS = Counter("baton_gateway_completion_tokens", "Tokens generated")
 CACHED_TOKENS = Counter(

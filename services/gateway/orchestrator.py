@@ -23,6 +23,7 @@ import grpc
 
 from services.gateway import errors, metrics
 from services.gateway.catalog import ModelCatalog
+from services.gateway.generate_client import GenerateClient, GenerateFailed, status_of
 from services.gateway.route_client import RouteClient, RouteFailed
 from shared import hop_trace
 from shared.block_hash import hash_blocks
@@ -80,10 +81,13 @@ class ChoiceDelta:
 
 
 class WorkerChannels:
-    """One gRPC channel per worker address, reused across requests."""
+    """One gRPC channel per worker address, reused across requests, and on it one
+    GenerateClient (its long-lived GenerateStream)."""
 
-    def __init__(self) -> None:
+    def __init__(self, generate_stream: bool = True) -> None:
         self._stubs: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerStub]] = {}
+        self._generate: dict[str, GenerateClient] = {}
+        self._generate_stream = generate_stream
 
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         if address not in self._stubs:
@@ -91,7 +95,15 @@ class WorkerChannels:
             self._stubs[address] = (ch, worker_pb2_grpc.WorkerStub(ch))
         return self._stubs[address][1]
 
+    def generate(self, address: str) -> GenerateClient:
+        if address not in self._generate:
+            self._generate[address] = GenerateClient(self.stub(address), self._generate_stream)
+        return self._generate[address]
+
     async def close(self) -> None:
+        for client in self._generate.values():
+            await client.close()
+        self._generate.clear()
         for ch, _ in self._stubs.values():
             await ch.close()
         self._stubs.clear()
@@ -218,33 +230,34 @@ class Orchestrator:
         """The decode leg (or the whole request), resumed on another worker if one fails."""
         failed: list[str] = []
         while True:
-            call = self.workers.stub(route.decode.address).Generate(
+            responses = self.workers.generate(route.decode.address).generate(
                 _generate_request(job, index, params, state.generated, handoff),
                 timeout=max(job.deadline - time.monotonic(), 0.001),
-                metadata=metadata(job.trace_id),
+                trace_id=job.trace_id,
             )
             try:
                 hop_trace.mark("gateway.generate_call")
-                async for resp in call:
+                async for resp in responses:
                     hop_trace.mark("gateway.generate_response")
                     for delta in state.apply(resp):
                         yield delta
                         if delta.finish_reason is not None:
-                            return  # (a stop string: cancelling the call aborts it)
+                            return  # (a stop string: closing the call aborts it)
                 return
-            except grpc.aio.AioRpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE or len(failed) >= job.max_resumes:
-                    raise errors.from_grpc(e, "generation") from None
+            except (GenerateFailed, grpc.aio.AioRpcError) as e:
+                code, details = status_of(e)
+                if code != grpc.StatusCode.UNAVAILABLE or len(failed) >= job.max_resumes:
+                    raise errors.from_status(code, details, "generation") from None
                 failed.append(route.decode.worker_id)
                 logger.warning(
                     "worker %s failed (%s): resuming choice %d after %d tokens",
-                    route.decode.worker_id, e.details(), index, len(state.generated),
+                    route.decode.worker_id, details, index, len(state.generated),
                 )  # fmt: skip
                 metrics.RESUMES.inc()
                 route = await self._route(job, hashes, exclude=failed)
                 handoff = None  # resumed: the new worker computes prompt + tokens itself
             finally:
-                call.cancel()
+                await responses.aclose()  # leaving early aborts the request on the worker
 
     async def _prefill(
         self,

@@ -12,6 +12,7 @@ class GatewaySettings:
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     max_body_bytes: int = 4 * 1024 * 1024
     request_timeout_s: float = 600.0  # no request runs longer than this
+    generate_stream: bool = True  # Generate over one long-lived stream per worker (else unary)
     log_level: str = "info"
 
     def __post_init__(self) -> None:

@@ -22,6 +22,7 @@ from services.worker.engine.outputs import RequestOutput
 from services.worker.engine.params import SamplingParams
 from services.worker.settings import WorkerSettings
 from shared import hop_trace
+from shared.logs import request_id_var
 from shared.protos.baton.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from shared.rpc import adopt_request_id
 
@@ -32,6 +33,15 @@ ROLES = {
     "decode": common_pb2.WORKER_ROLE_DECODE,
     "both": common_pb2.WORKER_ROLE_BOTH,
 }
+
+
+class CallRejected(Exception):
+    """A Generate or Prefill the worker refuses or cannot finish: the gRPC status it ends
+    with (a unary call aborts with it; on GenerateStream it is the request's end event)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -48,19 +58,86 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.GenerateRequest, context: aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.GenerateResponse]:
         adopt_request_id(context)
+        try:
+            async for response in self._generate(request):
+                yield response
+        except CallRejected as e:
+            await context.abort(e.code, e.message)
+
+    async def GenerateStream(
+        self, calls: AsyncIterator[worker_pb2.GenerateCall], context: aio.ServicerContext
+    ) -> None:
+        """Many Generate calls over one stream: each start runs as its own task, which writes
+        its responses and then its end, tagged with its request id, straight to the stream
+        (one write at a time); an abort cancels the task, which aborts the request in the
+        engine as leaving a unary Generate does. When the gateway closes its side the stream
+        ends after the requests on it; when it goes away, they are all aborted."""
+        running: dict[str, asyncio.Task[None]] = {}
+        writing = asyncio.Lock()
+
+        async def send(event: worker_pb2.GenerateEvent) -> None:
+            async with writing:
+                await context.write(event)
+
+        async def serve(call: worker_pb2.GenerateCall) -> None:
+            rid = call.start.request_id
+            if call.trace_id:
+                request_id_var.set(call.trace_id)  # this task's own context
+            end = worker_pb2.CallEnd()
+            try:
+                try:
+                    async with asyncio.timeout(call.timeout_s if call.timeout_s > 0 else None):
+                        async for response in self._generate(call.start):
+                            await send(worker_pb2.GenerateEvent(request_id=rid, response=response))
+                except CallRejected as e:
+                    end.code, end.message = e.code.value[0], e.message
+                except TimeoutError:
+                    end.code = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+                    end.message = "the request's deadline passed"
+                running.pop(rid, None)
+                await send(worker_pb2.GenerateEvent(request_id=rid, end=end))
+            except (aio.AioRpcError, aio.UsageError, asyncio.InvalidStateError, RuntimeError):
+                pass  # the stream is gone; the handler's exit cancels the rest
+            finally:
+                running.pop(rid, None)
+
+        try:
+            async for call in calls:
+                if call.WhichOneof("call") == "start":
+                    rid = call.start.request_id
+                    if rid in running:
+                        end = worker_pb2.CallEnd(
+                            code=grpc.StatusCode.ALREADY_EXISTS.value[0],
+                            message=f"request {rid} is already running on this stream",
+                        )
+                        await send(worker_pb2.GenerateEvent(request_id=rid, end=end))
+                        continue
+                    running[rid] = asyncio.create_task(serve(call), name=f"generate-{rid}")
+                elif (task := running.get(call.abort)) is not None:
+                    task.cancel()
+            while running:  # the gateway is done sending: finish what it started
+                await asyncio.gather(*running.values(), return_exceptions=True)
+        finally:
+            for task in list(running.values()):
+                task.cancel()
+
+    async def _generate(
+        self, request: worker_pb2.GenerateRequest
+    ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        """One Generate, for either transport; CallRejected carries a refusal's status."""
         hop_trace.mark("worker.generate_in")
-        params = await self._admit(request.params, context)
+        params = self._admit(request.params)
         leg = None
         if request.HasField("remote_kv"):
-            await self._require_kv_transfer(context)
+            self._require_kv_transfer()
             if not request.HasField("first_token_id"):
-                await context.abort(
+                raise CallRejected(
                     grpc.StatusCode.INVALID_ARGUMENT, "remote_kv needs first_token_id"
                 )
             leg = KVTransferParams(
                 remote=convert.remote_kv(request.remote_kv), first_token_id=request.first_token_id
             )
-        async for out in self._run(request, params, context, leg):
+        async for out in self._run(request, params, leg):
             hop_trace.mark("worker.output")
             yield convert.generate_response(out)
 
@@ -68,20 +145,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.PrefillRequest, context: aio.ServicerContext
     ) -> worker_pb2.PrefillResponse:
         adopt_request_id(context)
-        params = await self._admit(request.params, context)
+        try:
+            return await self._prefill(request)
+        except CallRejected as e:
+            await context.abort(e.code, e.message)
+            raise  # unreachable: abort raises
+
+    async def _prefill(self, request: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
+        params = self._admit(request.params)
         if params.n != 1:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prefill takes n = 1")
+            raise CallRejected(grpc.StatusCode.INVALID_ARGUMENT, "prefill takes n = 1")
         keep_kv = request.keep_kv
         if keep_kv:
-            await self._require_kv_transfer(context)
+            self._require_kv_transfer()
         params = params.clone(max_tokens=1, min_tokens=0)
         leg = KVTransferParams(do_remote_decode=True) if keep_kv else None
         last: RequestOutput | None = None
-        async for out in self._run(request, params, context, leg):
+        async for out in self._run(request, params, leg):
             last = out
         if last is None or not last.outputs or not last.outputs[0].token_ids:
-            await context.abort(grpc.StatusCode.INTERNAL, "prefill produced no token")
-        assert last is not None
+            raise CallRejected(grpc.StatusCode.INTERNAL, "prefill produced no token")
         first = last.outputs[0]
         # max_tokens=1 ends it with "length"; any other reason (eos, a stop id) ends the request
         reason = first.finish_reason if first.finish_reason != "length" else ""
@@ -119,33 +202,29 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             response.kv_usage = stats.kv_usage
         return response
 
-    async def _require_kv_transfer(self, context: aio.ServicerContext) -> None:
+    def _require_kv_transfer(self) -> None:
         if not self.engine.config.kv_transfer.enabled:
-            await context.abort(
+            raise CallRejected(
                 grpc.StatusCode.FAILED_PRECONDITION, "this worker runs without KV transfer"
             )
 
     async def wait_idle(self) -> None:
         await self._idle.wait()
 
-    async def _admit(
-        self, p: "common_pb2.SamplingParams", context: aio.ServicerContext
-    ) -> SamplingParams:
+    def _admit(self, p: "common_pb2.SamplingParams") -> SamplingParams:
         if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is draining")
+            raise CallRejected(grpc.StatusCode.UNAVAILABLE, "the worker is draining")
         if self.engine.dead:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's engine has died")
+            raise CallRejected(grpc.StatusCode.UNAVAILABLE, "the worker's engine has died")
         try:
             return convert.sampling_params(p)
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            raise  # unreachable: abort raises
+            raise CallRejected(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
     async def _run(
         self,
         request: worker_pb2.GenerateRequest | worker_pb2.PrefillRequest,
         params: SamplingParams,
-        context: aio.ServicerContext,
         leg: KVTransferParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         prompt: dict[str, object] = {"prompt_token_ids": list(request.prompt_token_ids)}
@@ -170,9 +249,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             outcome = "ok"
         except ValueError as e:
             outcome = "invalid"
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise CallRejected(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except EngineDeadError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the worker's engine died: {e}")
+            raise CallRejected(
+                grpc.StatusCode.UNAVAILABLE, f"the worker's engine died: {e}"
+            ) from None
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"
             raise

@@ -39,6 +39,11 @@ class WorkerStub:
                 request_serializer=baton_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_worker__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/baton.v1.Worker/GenerateStream',
+                request_serializer=baton_dot_v1_dot_worker__pb2.GenerateCall.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_worker__pb2.GenerateEvent.FromString,
+                _registered_method=True)
         self.Prefill = channel.unary_unary(
                 '/baton.v1.Worker/Prefill',
                 request_serializer=baton_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
@@ -61,6 +66,15 @@ class WorkerServicer:
 
     def Generate(self, request, context):
         """Run a request and stream its tokens as they are sampled.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStream(self, request_iterator, context):
+        """Generate for many requests over one long-lived stream (the gateway keeps one per worker:
+        no HTTP/2 stream set up per request). Calls start or abort requests; events carry each
+        request's responses, then its end, tagged with its request id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -92,6 +106,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=baton_dot_v1_dot_worker__pb2.GenerateRequest.FromString,
                     response_serializer=baton_dot_v1_dot_worker__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=baton_dot_v1_dot_worker__pb2.GenerateCall.FromString,
+                    response_serializer=baton_dot_v1_dot_worker__pb2.GenerateEvent.SerializeToString,
             ),
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
@@ -136,6 +155,33 @@ class Worker:
             '/baton.v1.Worker/Generate',
             baton_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
             baton_dot_v1_dot_worker__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/baton.v1.Worker/GenerateStream',
+            baton_dot_v1_dot_worker__pb2.GenerateCall.SerializeToString,
+            baton_dot_v1_dot_worker__pb2.GenerateEvent.FromString,
             options,
             channel_credentials,
             insecure,

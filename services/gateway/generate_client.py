@@ -1,0 +1,198 @@
+"""Generate calls to one worker over one long-lived ``GenerateStream``.
+
+A unary-stream ``Generate`` sets up an HTTP/2 stream per request, both ways (~1.1 ms of a
+request's time on this machine: ``benchmarks/hops.py``); on an open stream a request costs one
+message each way. The gateway keeps one stream per worker: one writer task sends every call (a
+caller cancelled mid-write would otherwise end the stream for all), one reader task hands each
+event to the queue of the request it names.
+
+A request ends with its ``CallEnd`` event, which carries the status a unary call would have
+ended with; a caller that stops early (its client left, a stop string) sends an abort. When the
+stream breaks (the worker died or restarted), every request on it ends with UNAVAILABLE, which
+the orchestrator treats as a failed worker, as it does for a unary call; the next request opens
+a new stream. A worker without ``GenerateStream`` (an older version during a rolling upgrade)
+is called with unary ``Generate`` from then on.
+"""
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+
+import grpc
+
+from services.gateway import metrics
+from shared.protos.baton.v1 import worker_pb2, worker_pb2_grpc
+from shared.rpc import metadata
+
+logger = logging.getLogger(__name__)
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class GenerateFailed(Exception):
+    """A Generate that ended with a status other than OK (as ``AioRpcError`` would)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _NoStream(Exception):
+    """The worker has no GenerateStream (UNIMPLEMENTED): go unary."""
+
+
+def status_of(e: BaseException) -> tuple[grpc.StatusCode, str]:
+    """(code, details) of a failed Generate, whichever transport it took."""
+    if isinstance(e, GenerateFailed):
+        return e.code, e.details
+    assert isinstance(e, grpc.aio.AioRpcError)
+    return e.code(), e.details() or e.code().name
+
+
+class GenerateClient:
+    """Generate on one worker (its address's channel), over the stream when it can."""
+
+    def __init__(self, stub: worker_pb2_grpc.WorkerStub, streaming: bool = True):
+        self.stub = stub
+        self._stream: _Stream | None = None
+        self._streaming = streaming  # False: unary (configured, or the worker has no stream)
+
+    async def generate(
+        self, request: worker_pb2.GenerateRequest, timeout: float, trace_id: str
+    ) -> AsyncGenerator[worker_pb2.GenerateResponse, None]:
+        """The request's responses; GenerateFailed or grpc.aio.AioRpcError when it fails."""
+        if not self._streaming:
+            async for response in self._unary(request, timeout, trace_id):
+                yield response
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            async for response in self._over_stream(request, timeout, trace_id):
+                yield response
+        except _NoStream:  # the worker has no GenerateStream: nothing was sent back yet
+            left = max(deadline - loop.time(), 0.001)
+            async for response in self._unary(request, left, trace_id):
+                yield response
+
+    async def _unary(
+        self, request: worker_pb2.GenerateRequest, timeout: float, trace_id: str
+    ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        metrics.GENERATE_CALLS.labels("unary").inc()
+        call = self.stub.Generate(request, timeout=timeout, metadata=metadata(trace_id))
+        try:
+            async for response in call:
+                yield response
+        finally:
+            call.cancel()
+
+    async def _over_stream(
+        self, request: worker_pb2.GenerateRequest, timeout: float, trace_id: str
+    ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        metrics.GENERATE_CALLS.labels("stream").inc()
+        stream = self._open()
+        rid = request.request_id
+        if rid in stream.calls:
+            raise GenerateFailed(grpc.StatusCode.ALREADY_EXISTS, f"{rid} is already running")
+        inbox: asyncio.Queue[worker_pb2.GenerateEvent | None] = asyncio.Queue()
+        stream.calls[rid] = inbox
+        stream.outbox.put_nowait(
+            worker_pb2.GenerateCall(start=request, trace_id=trace_id, timeout_s=timeout)
+        )
+        ended = False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(inbox.get(), max(deadline - loop.time(), 0))
+                except TimeoutError:
+                    raise GenerateFailed(
+                        grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"
+                    ) from None
+                if event is None:  # the stream broke
+                    ended = True
+                    if not self._streaming:
+                        raise _NoStream
+                    raise GenerateFailed(grpc.StatusCode.UNAVAILABLE, "the worker's stream broke")
+                if event.WhichOneof("event") == "end":
+                    ended = True
+                    if event.end.code:
+                        code = _CODES.get(event.end.code, grpc.StatusCode.UNKNOWN)
+                        raise GenerateFailed(code, event.end.message)
+                    return
+                yield event.response
+        finally:
+            if stream.calls.get(rid) is inbox:
+                del stream.calls[rid]
+            if not ended and self._stream is stream:  # stopped early: stop it on the worker
+                stream.outbox.put_nowait(worker_pb2.GenerateCall(abort=rid))
+
+    def _open(self) -> "_Stream":
+        if self._stream is None:
+            stream = _Stream(self.stub.GenerateStream())
+            loop = asyncio.get_running_loop()
+            stream.tasks = [
+                loop.create_task(self._write(stream), name="generate-stream-writer"),
+                loop.create_task(self._read(stream), name="generate-stream-reader"),
+            ]
+            self._stream = stream
+        return self._stream
+
+    async def _write(self, stream: "_Stream") -> None:
+        try:
+            while True:
+                await stream.call.write(await stream.outbox.get())
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
+            self._broken(stream, e)
+
+    async def _read(self, stream: "_Stream") -> None:
+        try:
+            async for event in stream.call:
+                inbox = stream.calls.get(event.request_id)
+                if inbox is not None:
+                    inbox.put_nowait(event)
+            self._broken(stream, None)
+        except grpc.aio.AioRpcError as e:
+            self._broken(stream, e)
+
+    def _broken(self, stream: "_Stream", error: BaseException | None) -> None:
+        """The stream is gone: its requests end UNAVAILABLE, the next request opens a new one."""
+        if self._stream is stream:
+            self._stream = None
+            if (
+                isinstance(error, grpc.aio.AioRpcError)
+                and error.code() == grpc.StatusCode.UNIMPLEMENTED
+            ):
+                logger.warning("a worker has no GenerateStream: unary Generate calls to it")
+                self._streaming = False
+            else:
+                logger.warning("a worker's generate stream ended (%s)", error)
+        for inbox in stream.calls.values():
+            inbox.put_nowait(None)
+        stream.calls.clear()
+        stream.close()
+
+    async def close(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
+            await asyncio.gather(*stream.tasks, return_exceptions=True)
+
+
+class _Stream:
+    """One open GenerateStream: the call, the calls waiting for its writer, the requests on it
+    (request id → its event queue), its two tasks."""
+
+    def __init__(self, call: grpc.aio.StreamStreamCall):
+        self.call = call
+        self.outbox: asyncio.Queue[worker_pb2.GenerateCall] = asyncio.Queue()
+        self.calls: dict[str, asyncio.Queue[worker_pb2.GenerateEvent | None]] = {}
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def close(self) -> None:
+        self.call.cancel()
+        current = asyncio.current_task()
+        for task in self.tasks:
+            if task is not current:
+                task.cancel()

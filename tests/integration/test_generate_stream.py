@@ -1,0 +1,137 @@
+"""Generate over the worker's long-lived GenerateStream (services/gateway/generate_client.py
+against the real WorkerServicer and engine, in this process): concurrent requests share one
+stream and each gets what a unary Generate gives; a refusal ends only its own request; a
+caller that leaves aborts its request on the worker; deadlines hold; a broken stream ends its
+requests UNAVAILABLE; a worker without the stream is called unary."""
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from baton import AsyncLLM, EngineArgs
+from services.gateway import metrics
+from services.gateway.generate_client import GenerateClient, GenerateFailed, status_of
+from services.worker.servicer import WorkerServicer
+from services.worker.settings import WorkerSettings
+from shared.protos.baton.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from shared.rpc import channel, server
+
+
+class UnaryOnly(worker_pb2_grpc.WorkerServicer):
+    """A worker from before GenerateStream."""
+
+    def __init__(self, inner: WorkerServicer):
+        self.inner = inner
+
+    async def Generate(self, request, context):  # type: ignore[no-untyped-def]
+        async for response in self.inner.Generate(request, context):
+            yield response
+
+
+class Worker:
+    """A worker server on a free port (engine on the tiny model) and a GenerateClient to it."""
+
+    def __init__(self, tiny_model: Path, unary_only: bool = False):
+        self.tiny_model, self.unary_only = tiny_model, unary_only
+
+    async def __aenter__(self) -> "Worker":
+        args = EngineArgs(model=str(self.tiny_model), max_model_len=512, num_kv_blocks=256)
+        self.engine = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        self.servicer = WorkerServicer(WorkerSettings(engine=args), self.engine)
+        impl = UnaryOnly(self.servicer) if self.unary_only else self.servicer
+        self.server = server()
+        worker_pb2_grpc.add_WorkerServicer_to_server(impl, self.server)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        self.channel = channel(f"127.0.0.1:{port}")
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self.client = GenerateClient(self.stub)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.client.close()
+        await self.channel.close()
+        await self.server.stop(0)
+        self.engine.shutdown()
+
+
+def request(
+    i: int, max_tokens: int = 8, prompt: list[int] | None = None
+) -> worker_pb2.GenerateRequest:
+    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, n=1, ignore_eos=True)
+    return worker_pb2.GenerateRequest(
+        request_id=f"r{i}", prompt_token_ids=prompt or [5 + i, 6, 7, 8], params=params
+    )
+
+
+async def tokens(responses: AsyncIterator[worker_pb2.GenerateResponse]) -> list[int]:
+    return [t for r in [r async for r in responses] for d in r.deltas for t in d.token_ids]
+
+
+def calls(transport: str) -> float:
+    return metrics.GENERATE_CALLS.labels(transport)._value.get()
+
+
+async def test_concurrent_requests_share_the_stream_and_equal_unary(tiny_model: Path) -> None:
+    async with Worker(tiny_model) as w:
+        before = calls("stream")
+        streamed = await asyncio.gather(
+            *(tokens(w.client.generate(request(i), 30.0, f"t{i}")) for i in range(6))
+        )
+        assert calls("stream") - before == 6
+        unary = [await tokens(w.stub.Generate(request(i), timeout=30)) for i in range(6)]
+        assert streamed == unary and all(len(t) == 8 for t in streamed)
+
+
+async def test_a_refusal_ends_only_its_own_request(tiny_model: Path) -> None:
+    async with Worker(tiny_model) as w:
+        bad = request(1, prompt=[10**6])  # outside the vocabulary
+
+        async def refused() -> grpc.StatusCode:
+            with pytest.raises(GenerateFailed) as e:
+                await tokens(w.client.generate(bad, 30.0, "t"))
+            return status_of(e.value)[0]
+
+        code, good = await asyncio.gather(
+            refused(), tokens(w.client.generate(request(2), 30.0, "t"))
+        )
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and len(good) == 8
+
+
+async def test_leaving_early_aborts_on_the_worker_and_deadlines_hold(tiny_model: Path) -> None:
+    async with Worker(tiny_model) as w:
+        responses = w.client.generate(request(1, max_tokens=400), 30.0, "t")
+        await anext(responses)
+        await responses.aclose()  # what the orchestrator does when its client leaves
+        for _ in range(100):
+            if (await w.engine.get_stats()).num_running == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert (await w.engine.get_stats()).num_running == 0
+        with pytest.raises(GenerateFailed) as e:
+            await tokens(w.client.generate(request(2, max_tokens=400), 0.05, "t"))
+        assert status_of(e.value)[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert len(await tokens(w.client.generate(request(3), 30.0, "t"))) == 8  # stream lives
+
+
+async def test_a_broken_stream_ends_its_requests_unavailable(tiny_model: Path) -> None:
+    async with Worker(tiny_model) as w:
+        responses = w.client.generate(request(1, max_tokens=400), 30.0, "t")
+        await anext(responses)
+        await w.server.stop(0)
+        with pytest.raises(GenerateFailed) as e:
+            async for _ in responses:
+                pass
+        assert status_of(e.value)[0] == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_a_worker_without_the_stream_is_called_unary(tiny_model: Path) -> None:
+    async with Worker(tiny_model, unary_only=True) as w:
+        before = calls("unary")
+        first = await tokens(w.client.generate(request(1), 30.0, "t"))
+        second = await tokens(w.client.generate(request(2), 30.0, "t"))
+        assert len(first) == len(second) == 8
+        assert calls("unary") - before == 2  # the first after UNIMPLEMENTED, then directly
