@@ -2,9 +2,8 @@
 
 A unary-stream ``Generate`` sets up an HTTP/2 stream per request, both ways (~1.1 ms of a
 request's time on this machine: ``benchmarks/hops.py``); on an open stream a request costs one
-message each way. The gateway keeps one stream per worker: one writer task sends every call (a
-caller cancelled mid-write would otherwise end the stream for all), one reader task hands each
-event to the queue of the request it names.
+message each way. The gateway keeps one stream per worker (``call_stream.CallStream``); each
+event goes to the queue of the request it names.
 
 A request ends with its ``CallEnd`` event, which carries the status a unary call would have
 ended with; a caller that stops early (its client left, a stop string) sends an abort. When the
@@ -21,6 +20,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 import grpc
 
 from services.gateway import metrics
+from services.gateway.call_stream import CallStream, unimplemented
 from shared.protos.baton.v1 import worker_pb2, worker_pb2_grpc
 from shared.rpc import metadata
 
@@ -54,7 +54,7 @@ class GenerateClient:
 
     def __init__(self, stub: worker_pb2_grpc.WorkerStub, streaming: bool = True):
         self.stub = stub
-        self._stream: _Stream | None = None
+        self._stream: _GenerateStream | None = None
         self._streaming = streaming  # False: unary (configured, or the worker has no stream)
 
     async def generate(
@@ -92,13 +92,11 @@ class GenerateClient:
         metrics.GENERATE_CALLS.labels("stream").inc()
         stream = self._open()
         rid = request.request_id
-        if rid in stream.calls:
+        if rid in stream.pending:
             raise GenerateFailed(grpc.StatusCode.ALREADY_EXISTS, f"{rid} is already running")
         inbox: asyncio.Queue[worker_pb2.GenerateEvent | None] = asyncio.Queue()
-        stream.calls[rid] = inbox
-        stream.outbox.put_nowait(
-            worker_pb2.GenerateCall(start=request, trace_id=trace_id, timeout_s=timeout)
-        )
+        stream.pending[rid] = inbox
+        stream.send(worker_pb2.GenerateCall(start=request, trace_id=trace_id, timeout_s=timeout))
         ended = False
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -123,76 +121,41 @@ class GenerateClient:
                     return
                 yield event.response
         finally:
-            if stream.calls.get(rid) is inbox:
-                del stream.calls[rid]
+            if stream.pending.get(rid) is inbox:
+                del stream.pending[rid]
             if not ended and self._stream is stream:  # stopped early: stop it on the worker
-                stream.outbox.put_nowait(worker_pb2.GenerateCall(abort=rid))
+                stream.send(worker_pb2.GenerateCall(abort=rid))
 
-    def _open(self) -> "_Stream":
+    def _open(self) -> "_GenerateStream":
         if self._stream is None:
-            stream = _Stream(self.stub.GenerateStream())
-            loop = asyncio.get_running_loop()
-            stream.tasks = [
-                loop.create_task(self._write(stream), name="generate-stream-writer"),
-                loop.create_task(self._read(stream), name="generate-stream-reader"),
-            ]
-            self._stream = stream
+            self._stream = CallStream(
+                self.stub.GenerateStream(), self._on_event, self._broken, "generate-stream"
+            )
         return self._stream
 
-    async def _write(self, stream: "_Stream") -> None:
-        try:
-            while True:
-                await stream.call.write(await stream.outbox.get())
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
-            self._broken(stream, e)
+    @staticmethod
+    def _on_event(stream: "_GenerateStream", event: worker_pb2.GenerateEvent) -> None:
+        inbox = stream.pending.get(event.request_id)
+        if inbox is not None:
+            inbox.put_nowait(event)
 
-    async def _read(self, stream: "_Stream") -> None:
-        try:
-            async for event in stream.call:
-                inbox = stream.calls.get(event.request_id)
-                if inbox is not None:
-                    inbox.put_nowait(event)
-            self._broken(stream, None)
-        except grpc.aio.AioRpcError as e:
-            self._broken(stream, e)
-
-    def _broken(self, stream: "_Stream", error: BaseException | None) -> None:
+    def _broken(self, stream: "_GenerateStream", error: BaseException | None) -> None:
         """The stream is gone: its requests end UNAVAILABLE, the next request opens a new one."""
         if self._stream is stream:
             self._stream = None
-            if (
-                isinstance(error, grpc.aio.AioRpcError)
-                and error.code() == grpc.StatusCode.UNIMPLEMENTED
-            ):
+            if unimplemented(error):
                 logger.warning("a worker has no GenerateStream: unary Generate calls to it")
                 self._streaming = False
             else:
                 logger.warning("a worker's generate stream ended (%s)", error)
-        for inbox in stream.calls.values():
+        for inbox in stream.pending.values():
             inbox.put_nowait(None)
-        stream.calls.clear()
-        stream.close()
+        stream.pending.clear()
 
     async def close(self) -> None:
         stream, self._stream = self._stream, None
         if stream is not None:
-            stream.close()
-            await asyncio.gather(*stream.tasks, return_exceptions=True)
+            await stream.aclose()
 
 
-class _Stream:
-    """One open GenerateStream: the call, the calls waiting for its writer, the requests on it
-    (request id → its event queue), its two tasks."""
-
-    def __init__(self, call: grpc.aio.StreamStreamCall):
-        self.call = call
-        self.outbox: asyncio.Queue[worker_pb2.GenerateCall] = asyncio.Queue()
-        self.calls: dict[str, asyncio.Queue[worker_pb2.GenerateEvent | None]] = {}
-        self.tasks: list[asyncio.Task[None]] = []
-
-    def close(self) -> None:
-        self.call.cancel()
-        current = asyncio.current_task()
-        for task in self.tasks:
-            if task is not current:
-                task.cancel()
+_GenerateStream = CallStream[worker_pb2.GenerateCall, worker_pb2.GenerateEvent]

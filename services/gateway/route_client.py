@@ -2,11 +2,10 @@
 
 A unary ``Route`` sets up an HTTP/2 stream per request; on this machine that is ~0.9 ms,
 against ~0.3 ms for one message each way on a stream that is already open
-(``benchmarks/rpc_floor.py``). The gateway therefore keeps one stream open; one writer task
-sends each call with its own ``call_id`` (a caller cancelled mid-write would otherwise end the
-call for everyone), and the replies, which come in completion order, are matched to waiting
-futures. A failure reply (no worker for the model, none left by the filters) ends only its own
-call, as the unary status would.
+(``benchmarks/rpc_floor.py``). The gateway therefore keeps one stream open
+(``call_stream.CallStream``); each call has its own ``call_id``, and the replies, which come in
+completion order, are matched to waiting futures. A failure reply (no worker for the model,
+none left by the filters) ends only its own call, as the unary status would.
 
 When the stream breaks (the scheduler restarted, or a connection dropped), the calls waiting
 on it are sent again as unary ``Route`` calls within their own deadlines, and the next call
@@ -21,6 +20,7 @@ import logging
 import grpc
 
 from services.gateway import metrics
+from services.gateway.call_stream import CallStream, unimplemented
 from shared.protos.baton.v1 import scheduler_pb2, scheduler_pb2_grpc
 from shared.rpc import metadata
 
@@ -46,8 +46,7 @@ MAX_FINISHED = 4096  # beyond this between two routes, the heartbeats catch up i
 class RouteClient:
     def __init__(self, stub: scheduler_pb2_grpc.GlobalSchedulerStub):
         self.stub = stub
-        self._stream: _Stream | None = None
-        self._pending: dict[int, asyncio.Future[scheduler_pb2.RouteReply | None]] = {}
+        self._stream: _RouteStream | None = None
         self._ids = itertools.count(1)
         self._streaming = True  # False once the scheduler says it has no RouteStream
         self._finished: list[str] = []  # told to the scheduler with the next call
@@ -99,83 +98,48 @@ class RouteClient:
         future: asyncio.Future[scheduler_pb2.RouteReply | None] = (
             asyncio.get_running_loop().create_future()
         )
-        self._pending[call_id] = future
+        stream.pending[call_id] = future
         try:
-            stream.outbox.put_nowait(
+            stream.send(
                 scheduler_pb2.RouteCall(call_id=call_id, request=request, trace_id=trace_id)
             )
             reply = await asyncio.wait_for(future, timeout)
         finally:
-            self._pending.pop(call_id, None)
+            stream.pending.pop(call_id, None)
         if reply is None:  # the stream broke before the reply came
             raise _StreamBroken
         return reply
 
-    def _open(self) -> "_Stream":
+    def _open(self) -> "_RouteStream":
         if self._stream is None:
-            self._stream = _Stream(self.stub.RouteStream())
-            loop = asyncio.get_running_loop()
-            self._stream.tasks = [
-                loop.create_task(self._write(self._stream), name="route-stream-writer"),
-                loop.create_task(self._read(self._stream), name="route-stream-reader"),
-            ]
+            self._stream = CallStream(
+                self.stub.RouteStream(), self._on_reply, self._broken, "route-stream"
+            )
         return self._stream
 
-    async def _write(self, stream: "_Stream") -> None:
-        """The stream's one writer: a caller that gives up (its client left) never interrupts
-        a write, which would end the call for every request on it."""
-        try:
-            while True:
-                await stream.call.write(await stream.outbox.get())
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
-            self._broken(stream, e)
+    @staticmethod
+    def _on_reply(stream: "_RouteStream", reply: scheduler_pb2.RouteReply) -> None:
+        future = stream.pending.get(reply.call_id)
+        if future is not None and not future.done():
+            future.set_result(reply)
 
-    async def _read(self, stream: "_Stream") -> None:
-        try:
-            async for reply in stream.call:
-                future = self._pending.get(reply.call_id)
-                if future is not None and not future.done():
-                    future.set_result(reply)
-            self._broken(stream, None)
-        except grpc.aio.AioRpcError as e:
-            self._broken(stream, e)
-
-    def _broken(self, stream: "_Stream", error: BaseException | None) -> None:
+    def _broken(self, stream: "_RouteStream", error: BaseException | None) -> None:
         """The stream is gone: its waiting calls go unary, the next call opens a new one."""
-        if self._stream is not stream:
-            return
-        self._stream = None
-        if (
-            isinstance(error, grpc.aio.AioRpcError)
-            and error.code() == grpc.StatusCode.UNIMPLEMENTED
-        ):
-            logger.warning("the scheduler has no RouteStream: routing with unary calls")
-            self._streaming = False
-        else:
-            logger.warning("route stream ended (%s): reopening on the next request", error)
-        for future in self._pending.values():
+        if self._stream is stream:
+            self._stream = None
+            if unimplemented(error):
+                logger.warning("the scheduler has no RouteStream: routing with unary calls")
+                self._streaming = False
+            else:
+                logger.warning("route stream ended (%s): reopening on the next request", error)
+        for future in stream.pending.values():
             if not future.done():
                 future.set_result(None)
-        stream.close()
 
     async def close(self) -> None:
         stream, self._stream = self._stream, None
         if stream is not None:
-            stream.close()
-            await asyncio.gather(*stream.tasks, return_exceptions=True)
+            await stream.aclose()
 
 
-class _Stream:
-    """One open RouteStream: the call, the messages waiting for its writer, its two tasks."""
-
-    def __init__(self, call: grpc.aio.StreamStreamCall):
-        self.call = call
-        self.outbox: asyncio.Queue[scheduler_pb2.RouteCall] = asyncio.Queue()
-        self.tasks: list[asyncio.Task[None]] = []
-
-    def close(self) -> None:
-        self.call.cancel()
-        current = asyncio.current_task()
-        for task in self.tasks:
-            if task is not current:
-                task.cancel()
+_RouteStream = CallStream[scheduler_pb2.RouteCall, scheduler_pb2.RouteReply]

@@ -145,6 +145,6 @@ async def test_callers_that_give_up_do_not_break_the_shared_stream() -> None:
 
         done = await asyncio.gather(*(one(i) for i in range(1, 301)))
         assert 0 < sum(done) < 300  # some finished, some gave up
-        assert client._stream is stream and not client._pending
+        assert client._stream is stream and stream is not None and not stream.pending
         route = await client.route(request(999), 5.0, "t")
         assert route.decode.worker_id in ("w0", "w1") and client._stream is stream

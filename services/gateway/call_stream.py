@@ -1,0 +1,79 @@
+"""One long-lived bidirectional gRPC call shared by many requests (the gateway's RouteStream to
+the scheduler and GenerateStream to each worker).
+
+One writer task sends what callers queue (a caller cancelled in the middle of a write would
+otherwise end the call for every request on it); one reader task hands each message to the
+owner. When the call ends, the owner hears it once, with the error (None: the server closed
+it), and the call is torn down. ``pending`` is the owner's per-stream bookkeeping: the requests
+waiting on this stream, which must hear that it ended.
+"""
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import grpc
+
+Send = TypeVar("Send")
+Recv = TypeVar("Recv")
+
+
+class CallStream(Generic[Send, Recv]):
+    def __init__(
+        self,
+        call: grpc.aio.StreamStreamCall,
+        on_message: Callable[["CallStream[Send, Recv]", Recv], None],
+        on_end: Callable[["CallStream[Send, Recv]", BaseException | None], None],
+        name: str,
+    ):
+        self.call = call
+        self.pending: dict[Any, Any] = {}
+        self._outbox: asyncio.Queue[Send] = asyncio.Queue()
+        self._on_message, self._on_end = on_message, on_end
+        self._ended = False
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._write(), name=f"{name}-writer"),
+            loop.create_task(self._read(), name=f"{name}-reader"),
+        ]
+
+    def send(self, message: Send) -> None:
+        self._outbox.put_nowait(message)
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                await self.call.write(await self._outbox.get())
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
+            self._end(e)
+
+    async def _read(self) -> None:
+        try:
+            async for message in self.call:
+                self._on_message(self, message)
+            self._end(None)
+        except grpc.aio.AioRpcError as e:
+            self._end(e)
+
+    def _end(self, error: BaseException | None) -> None:
+        if not self._ended:
+            self._ended = True
+            self._on_end(self, error)
+            self.close()
+
+    def close(self) -> None:
+        self.call.cancel()
+        current = asyncio.current_task()
+        for task in self._tasks:
+            if task is not current:
+                task.cancel()
+
+    async def aclose(self) -> None:
+        self._ended = True  # closed by its owner: no end to report
+        self.close()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def unimplemented(error: BaseException | None) -> bool:
+    """The server has no such method (an older version during a rolling upgrade)."""
+    return isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNIMPLEMENTED
