@@ -74,6 +74,29 @@ class CallStream(Generic[Send, Recv]):
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
+class CallFailed(Exception):
+    """A call over a shared stream that ended with a status other than OK: its code and
+    message, as a unary call would have ended (``AioRpcError``)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+    @classmethod
+    def from_wire(cls, code: int, details: str) -> "CallFailed":
+        return cls(_CODES.get(code, grpc.StatusCode.UNKNOWN), details)
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def status_of(e: CallFailed | grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str]:
+    """(code, details) of a failed call, over a shared stream or unary."""
+    if isinstance(e, CallFailed):
+        return e.code, e.details
+    return e.code(), e.details() or e.code().name
+
+
 def unimplemented(error: BaseException | None) -> bool:
     """The server has no such method (an older version during a rolling upgrade)."""
     return isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNIMPLEMENTED

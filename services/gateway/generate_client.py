@@ -20,33 +20,19 @@ from collections.abc import AsyncGenerator, AsyncIterator
 import grpc
 
 from services.gateway import metrics
-from services.gateway.call_stream import CallStream, unimplemented
+from services.gateway.call_stream import CallFailed, CallStream, unimplemented
 from shared.protos.baton.v1 import worker_pb2, worker_pb2_grpc
 from shared.rpc import metadata
 
 logger = logging.getLogger(__name__)
 
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
 
-
-class GenerateFailed(Exception):
-    """A Generate that ended with a status other than OK (as ``AioRpcError`` would)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(details)
-        self.code, self.details = code, details
+class GenerateFailed(CallFailed):
+    """A Generate on the stream that ended with a status other than OK."""
 
 
 class _NoStream(Exception):
     """The worker has no GenerateStream (UNIMPLEMENTED): go unary."""
-
-
-def status_of(e: BaseException) -> tuple[grpc.StatusCode, str]:
-    """(code, details) of a failed Generate, whichever transport it took."""
-    if isinstance(e, GenerateFailed):
-        return e.code, e.details
-    assert isinstance(e, grpc.aio.AioRpcError)
-    return e.code(), e.details() or e.code().name
 
 
 class GenerateClient:
@@ -103,7 +89,10 @@ class GenerateClient:
         try:
             while True:
                 try:
-                    event = await asyncio.wait_for(inbox.get(), max(deadline - loop.time(), 0))
+                    async with asyncio.timeout_at(
+                        deadline
+                    ):  # no task per token (wait_for makes one)
+                        event = await inbox.get()
                 except TimeoutError:
                     raise GenerateFailed(
                         grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"
@@ -116,8 +105,7 @@ class GenerateClient:
                 if event.WhichOneof("event") == "end":
                     ended = True
                     if event.end.code:
-                        code = _CODES.get(event.end.code, grpc.StatusCode.UNKNOWN)
-                        raise GenerateFailed(code, event.end.message)
+                        raise GenerateFailed.from_wire(event.end.code, event.end.message)
                     return
                 yield event.response
         finally:

@@ -22,9 +22,10 @@ from typing import TypeVar
 import grpc
 
 from services.gateway import errors, metrics
+from services.gateway.call_stream import CallFailed, status_of
 from services.gateway.catalog import ModelCatalog
-from services.gateway.generate_client import GenerateClient, GenerateFailed, status_of
-from services.gateway.route_client import RouteClient, RouteFailed
+from services.gateway.generate_client import GenerateClient
+from services.gateway.route_client import RouteClient
 from shared import hop_trace
 from shared.block_hash import hash_blocks
 from shared.ids import BlockHash
@@ -152,10 +153,8 @@ class Orchestrator:
                 timeout=min(ROUTE_TIMEOUT_S, max(job.deadline - time.monotonic(), 0.001)),
                 trace_id=job.trace_id,
             )  # fmt: skip
-        except (RouteFailed, grpc.aio.AioRpcError) as e:
-            code, details = (e.code, e.details) if isinstance(e, RouteFailed) else (
-                e.code(), e.details() or e.code().name
-            )  # fmt: skip
+        except (CallFailed, grpc.aio.AioRpcError) as e:
+            code, details = status_of(e)
             if code == grpc.StatusCode.NOT_FOUND:  # we serve the model; its workers are gone
                 raise errors.no_worker(details or "no live worker") from None
             raise errors.from_status(code, details, "routing") from None
@@ -244,7 +243,7 @@ class Orchestrator:
                         if delta.finish_reason is not None:
                             return  # (a stop string: closing the call aborts it)
                 return
-            except (GenerateFailed, grpc.aio.AioRpcError) as e:
+            except (CallFailed, grpc.aio.AioRpcError) as e:
                 code, details = status_of(e)
                 if code != grpc.StatusCode.UNAVAILABLE or len(failed) >= job.max_resumes:
                     raise errors.from_status(code, details, "generation") from None

@@ -20,26 +20,21 @@ import logging
 import grpc
 
 from services.gateway import metrics
-from services.gateway.call_stream import CallStream, unimplemented
+from services.gateway.call_stream import CallFailed, CallStream, unimplemented
 from shared.protos.baton.v1 import scheduler_pb2, scheduler_pb2_grpc
 from shared.rpc import metadata
 
 logger = logging.getLogger(__name__)
 
 
-class RouteFailed(Exception):
+class RouteFailed(CallFailed):
     """The scheduler found no route: a status code and its message, as a unary call ends."""
-
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(details)
-        self.code, self.details = code, details
 
 
 class _StreamBroken(Exception):
     """The stream broke before this call's reply came: the call goes unary."""
 
 
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
 MAX_FINISHED = 4096  # beyond this between two routes, the heartbeats catch up instead
 
 
@@ -75,8 +70,7 @@ class RouteClient:
             else:
                 metrics.ROUTE_CALLS.labels("stream").inc()
                 if reply.HasField("failure"):
-                    code = _CODES.get(reply.failure.code, grpc.StatusCode.UNKNOWN)
-                    raise RouteFailed(code, reply.failure.message)
+                    raise RouteFailed.from_wire(reply.failure.code, reply.failure.message)
                 return reply.route
         metrics.ROUTE_CALLS.labels("unary").inc()
         left = max(deadline - loop.time(), 0.001)

@@ -13,7 +13,8 @@ import pytest
 
 from baton import AsyncLLM, EngineArgs
 from services.gateway import metrics
-from services.gateway.generate_client import GenerateClient, GenerateFailed, status_of
+from services.gateway.call_stream import status_of
+from services.gateway.generate_client import GenerateClient, GenerateFailed
 from services.worker.servicer import WorkerServicer
 from services.worker.settings import WorkerSettings
 from shared.protos.baton.v1 import common_pb2, worker_pb2, worker_pb2_grpc

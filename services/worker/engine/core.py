@@ -1,10 +1,12 @@
 """``EngineCore``: the scheduler and the executor, driven one step at a time.
 
-    step():  schedule → execute → update → emit outputs
+    step():  schedule → submit → wait for the tokens → update → emit outputs
 
 With async scheduling (the default on a GPU) the host runs one step ahead of the device:
 
     step():  schedule N+1 → submit N+1 (queued behind N) → wait for N's tokens → update N → emit
+
+(``_run_step`` is both: without async scheduling nothing is submitted behind the step.)
 
 so scheduling, input building and output handling overlap the device's work instead of leaving
 it idle between steps. The scheduler counts the tokens of steps in flight as placeholders
@@ -77,24 +79,18 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         outputs, self._rejected = self._rejected, []
         busy = self.scheduler.has_requests() or self.scheduler.needs_polling()
-        if self.async_scheduling:
-            outputs += self._step_ahead(busy)
-        elif busy:
-            scheduler_output = self.scheduler.schedule()
-            start = time.perf_counter()
-            model_output = self.executor.execute_model(scheduler_output)
-            self._model_seconds += time.perf_counter() - start
-            outputs += self.scheduler.update_from_output(scheduler_output, model_output)
+        outputs += self._run_step(busy)
         return EngineCoreOutputs(outputs=outputs, kv_events=self._take_kv_events())
 
-    def _step_ahead(self, busy: bool) -> list[EngineCoreOutput]:
-        """Submit the next step, then finish the one in flight (at most two are ever out)."""
+    def _run_step(self, busy: bool) -> list[EngineCoreOutput]:
+        """Finish the step in flight (submitting one first when none is), having submitted the
+        next one behind it with async scheduling (at most two are ever out)."""
         outputs: list[EngineCoreOutput] = []
         if self._in_flight is None:
             if not busy:
                 return outputs
             self._in_flight = self._submit(outputs)
-        following = self._submit(outputs) if busy else None
+        following = self._submit(outputs) if busy and self.async_scheduling else None
         sched, pending = self._in_flight
         self._in_flight = following
         start = time.perf_counter()

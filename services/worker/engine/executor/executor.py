@@ -29,12 +29,8 @@ class Executor(ABC):
         """Allocate the KV cache on every worker; called once, before the first step."""
 
     @abstractmethod
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step; returns rank 0's sampled tokens."""
-
-    @abstractmethod
     def submit(self, sched: SchedulerOutput) -> StepResult:
-        """Start one step without waiting for it; ``result()`` waits (async scheduling)."""
+        """Start one step without waiting for it; ``result()`` waits for rank 0's tokens."""
 
     @abstractmethod
     def model_info(self) -> ModelInfo:
@@ -55,9 +51,6 @@ class UniprocExecutor(Executor):
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.worker.initialize_cache(num_blocks)
-
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(sched)
 
     def submit(self, sched: SchedulerOutput) -> StepResult:
         return self.worker.submit(sched)

@@ -65,6 +65,11 @@ class InFlightTokens:
     sampled: torch.Tensor  # int64 [rows]
     row_of: dict[str, int]  # request id → its row in ``sampled``
 
+    def tokens_of(self, req_ids: list[str]) -> torch.Tensor:
+        """The tokens these requests are sampling, in this order, on the device."""
+        rows = [self.row_of[rid] for rid in req_ids]
+        return self.sampled[to_device(rows, torch.int64, self.sampled.device)]
+
 
 def build_sampling_metadata(
     states: list[CachedRequestState],
@@ -130,9 +135,9 @@ def _penalties(
         assert in_flight is not None and max(pending) == 1
         width = output_ids.shape[1]
         flat = to_device([i * width + len(outputs[i]) for i in late], torch.int64, device)
-        src = to_device([in_flight.row_of[states[i].req_id] for i in late], torch.int64, device)
+        tokens = in_flight.tokens_of([states[i].req_id for i in late])
         # flat index_copy_: indexing with a (rows, cols) pair waits for the device
-        output_ids.view(-1).index_copy_(0, flat, in_flight.sampled[src])
+        output_ids.view(-1).index_copy_(0, flat, tokens)
     params = [s.params for s in states]
     f32 = torch.float32
     return Penalties(

@@ -1,4 +1,4 @@
-"""``ModelRunner.execute_model(scheduler_output)``: update per-request state, build the
+"""``ModelRunner.submit(scheduler_output)``: update per-request state, build the
 flattened batch, run the model (eagerly, or by replaying a CUDA graph for decode batches),
 sample, and report the new tokens.
 
@@ -53,7 +53,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_cache: torch.Tensor | None = None
         self.graphs: CudaGraphRunner | None = None
-        self._last: StepHandle | None = None  # the latest step whose result is not taken yet
+        self.last_step: StepHandle | None = None  # the latest sampling step not yet taken
         self._rng = np.random.default_rng(config.model.seed)
 
     def load_model(self, show_progress: bool = True) -> None:
@@ -138,13 +138,9 @@ class ModelRunner:
         self.kv_cache = None
         self.graphs = None
         self.requests.clear()
-        self._last = None
+        self.last_step = None
 
     # ---- one step ------------------------------------------------------------------------
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step and wait for its sampled tokens."""
-        return self.submit(sched).result()
-
     @torch.inference_mode()
     def submit(self, sched: SchedulerOutput) -> "StepHandle":
         """Queue one step's device work and start copying its sampled ids to the host; nothing
@@ -158,10 +154,7 @@ class ModelRunner:
         if logits is None:
             return StepHandle(self, inputs.req_ids, [], [], None)
         states = [self.requests[inputs.req_ids[r]] for r in inputs.sample_rows]
-        last = self._last
-        in_flight = (
-            InFlightTokens(last.sampled, last.row_of) if last and last.sampled is not None else None
-        )
+        in_flight = self.last_step.in_flight if self.last_step is not None else None
         base = int(self._rng.integers(1 << 62))  # the seed of this step's unseeded rows
         meta = build_sampling_metadata(
             states, self.config.model.arch.vocab_size, self.device, in_flight, base
@@ -170,20 +163,18 @@ class ModelRunner:
         for state in states:
             state.num_pending += 1
         handle = StepHandle(self, inputs.req_ids, states, inputs.sample_rows, result)
-        self._last = handle
+        self.last_step = handle
         return handle
 
     def _token_fill(self, inputs: StepInputs) -> TokenFill | None:
         """Where this step's inputs need the tokens the previous step sampled on the device."""
         if not inputs.pending_rows:
             return None
-        last = self._last
-        assert last is not None and last.sampled is not None
-        src = [last.row_of[inputs.req_ids[r]] for r in inputs.pending_rows]
-        dst = [inputs.query_start_loc[r] for r in inputs.pending_rows]
-        i64 = torch.int64
+        assert self.last_step is not None and self.last_step.in_flight is not None
+        rows = inputs.pending_rows
         return TokenFill(
-            to_device(dst, i64, self.device), last.sampled[to_device(src, i64, self.device)]
+            to_device([inputs.query_start_loc[r] for r in rows], torch.int64, self.device),
+            self.last_step.in_flight.tokens_of([inputs.req_ids[r] for r in rows]),
         )
 
     def _run_model(self, inputs: StepInputs, fill: TokenFill | None) -> torch.Tensor | None:
@@ -243,8 +234,12 @@ class StepHandle:
         self.runner = runner
         self.states = states
         self.rows = rows
-        self.row_of = {s.req_id: i for i, s in enumerate(states)}
-        self.sampled = result.sampled if result is not None else None  # stays on the device
+        # its sampled ids, still on the device, for the next step's inputs and penalties
+        self.in_flight = (
+            InFlightTokens(result.sampled, {s.req_id: i for i, s in enumerate(states)})
+            if result is not None
+            else None
+        )
         self.output = ModelRunnerOutput(
             req_ids=req_ids,
             sampled_token_ids=[[] for _ in req_ids],
@@ -294,8 +289,8 @@ class StepHandle:
                     logprobs=[chosen[i], *top_lps[i][:n]],
                     sampled_rank=ranks[i],
                 )
-        if self.runner._last is self:
-            self.runner._last = None
+        if self.runner.last_step is self:
+            self.runner.last_step = None
         return self.output
 
 

@@ -90,9 +90,6 @@ class Worker:
                 transfer.engine_id, self.runner.kv_cache, compat, transfer.side_channel_host
             )
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.submit(sched).result()
-
     def submit(self, sched: SchedulerOutput) -> "WorkerStep":
         """One step: queue the model's work, start this step's KV pulls, poll the transfers.
 
@@ -100,7 +97,7 @@ class Worker:
         freed while it ran (a request that finished or was aborted) may be this step's pull
         targets, and that step could still write its last token's KV into them.
         """
-        previous = self.runner._last
+        previous = self.runner.last_step
         step = self.runner.submit(sched)
         if self.connector is None:
             return WorkerStep(step)
