@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.roofline import copy_bandwidth
+from benchmarks.roofline import copy_bandwidth, matmul_peak
 from benchmarks.shapes import SHAPES
 from services.worker.engine.models.layers.gemv import gemv
 
@@ -61,10 +61,19 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument(
+        "--tokens",
+        type=int,
+        nargs="+",
+        help="instead: cuBLAS at these row counts (a decode step's batch) against the roofline "
+        "max(weight bytes ÷ bandwidth, FLOPs ÷ matmul peak)",
+    )
     p.add_argument("--output")
     args = p.parse_args()
     dev = torch.device("cuda")
     bandwidth = copy_bandwidth(dev)
+    if args.tokens:
+        return batched(args, dev, bandwidth)
     result: dict[str, Any] = {"shape": args.shape, "copy_bandwidth_tbs": bandwidth / 1e12,
                               "device": torch.cuda.get_device_name(), "layers": {}}  # fmt: skip
     backends = {
@@ -98,6 +107,40 @@ def main() -> None:
         per_layer = sum(r[backend]["us"] for r in result["layers"].values())
         result[f"{backend}_us_per_step"] = per_layer * layers
     print(json.dumps({k: v for k, v in result.items() if k != "layers"}, indent=2))
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=2))
+
+
+def batched(args: argparse.Namespace, dev: torch.device, bandwidth: float) -> None:
+    """cuBLAS per projection at M rows: how far from the machine's limit a decode step's GEMMs
+    run as the batch grows from memory-bound to compute-bound."""
+    peak = matmul_peak(dev, torch.bfloat16)
+    layers = SHAPES[args.shape]["num_hidden_layers"]
+    result: dict[str, Any] = {"shape": args.shape, "copy_bandwidth_tbs": bandwidth / 1e12,
+                              "matmul_peak_tflops": peak / 1e12, "rows": {}}  # fmt: skip
+    for m in args.tokens:
+        row: dict[str, Any] = {}
+        for name, (n, k) in projections(SHAPES[args.shape]).items():
+            nbytes = n * k * 2
+            copies = max(2, -(-(512 << 20) // nbytes))
+            weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            seconds = time_calls(lambda x, w: F.linear(x, w), weights, x, args.reps)
+            bound = max((nbytes + 2 * m * (n + k)) / bandwidth, 2 * m * n * k / peak)
+            row[name] = {"us": round(seconds * 1e6, 2), "bound_us": round(bound * 1e6, 2),
+                         "of_roofline": round(bound / seconds, 3)}  # fmt: skip
+            del weights
+        us = sum(r["us"] for r in row.values())
+        bound_us = sum(r["bound_us"] for r in row.values())
+        row["per_step_us"] = round(us * layers, 1)
+        row["per_step_bound_us"] = round(bound_us * layers, 1)
+        result["rows"][m] = row
+        each = "  ".join(
+            f"{k} {v['us']:.1f}/{v['bound_us']:.1f} us" for k, v in row.items()
+            if isinstance(v, dict)
+        )  # fmt: skip
+        print(f"M={m:4d} {each}  per step {us * layers:.0f} us, bound {bound_us * layers:.0f} us")
+    torch.cuda.empty_cache()
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=2))
 

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from baton import LLM, SamplingParams
-from benchmarks.roofline import copy_bandwidth, matmul_peak
+from benchmarks.roofline import ModelCost, limits, limits_seen
 from benchmarks.shapes import write_shape
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -80,10 +80,12 @@ def measure(model: str, variant: str, args: argparse.Namespace) -> dict[str, Any
     long_prefill = min(_timed(llm, long_prompt, 1) for _ in range(3))
     replay_ms = _graph_replay_ms(llm)
     kernels = _kernel_table(llm, prompt) if args.profile and variant == "eager" else None
-    arch = llm.config.model.arch
-    # weight FLOPs plus attention (QK^T and PV over the causal half of the square)
-    attn = 2 * 2 * arch.num_layers * arch.num_heads * arch.head_dim * args.prefill_len**2 / 2
-    flops = 2 * info.num_params * args.prefill_len + attn
+    cost = ModelCost(info, llm.config.model.arch)
+    # every weight that multiplies each token (the LM head only the last), and attention over
+    # the causal half of the square. (Until 2026-11-30 this counted 2 FLOPs per token for every
+    # parameter, the embedding table and the LM head too: 14 % more than run on the 8B shape.)
+    n = args.prefill_len
+    flops = cost.flops(n, 1, n * (n + 1) // 2)
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -95,6 +97,7 @@ def measure(model: str, variant: str, args: argparse.Namespace) -> dict[str, Any
         "prefill_ms": round(long_prefill * 1e3, 2),
         "prefill_TFLOPs": round(flops / long_prefill / 1e12, 1),
         "weight_bytes": info.weight_bytes,
+        "read_weight_bytes": cost.read_weight_bytes,
         "graph_replay_ms": replay_ms,  # GPU time of one batch-1 step; the rest is host work
         "kernels": kernels,
     }
@@ -156,21 +159,30 @@ def main() -> None:
     model = str(write_shape(args.shape, Path(tempfile.mkdtemp()) / args.shape))
     results: dict[str, Any] = {"shape": args.shape, "args": vars(args)}
     results["variants"] = []
+    limits(device, getattr(torch, args.dtype))  # before any engine holds the GPU
     for v in args.variants:
         with _variant_patches(v):
             results["variants"].append(measure(model, v, args))
-    bandwidth = copy_bandwidth(device)
-    peak = matmul_peak(device, getattr(torch, args.dtype))
+    bandwidth, peak = limits(device, getattr(torch, args.dtype))  # the best of before and now
+    # the roofline: every weight byte once per step; and the bytes a step does read (an
+    # untied input-embedding table only by its token's row: 1.05 GB less on the 8B shape)
     roofline_ms = results["variants"][0]["weight_bytes"] / bandwidth * 1e3
+    read_ms = results["variants"][0]["read_weight_bytes"] / bandwidth * 1e3
     results.update(
         copy_bandwidth_GBps=round(bandwidth / 1e9, 1),
         matmul_peak_TFLOPs=round(peak / 1e12, 1),
+        limits_measured=[
+            (round(b / 1e9, 1), round(p / 1e12, 1))
+            for b, p in limits_seen(device, getattr(torch, args.dtype))
+        ],
         roofline_ms_per_step=round(roofline_ms, 3),
         roofline_tok_s=round(1e3 / roofline_ms, 1),
+        read_roofline_ms_per_step=round(read_ms, 3),
         gpu=torch.cuda.get_device_name(device),
     )
     for v in results["variants"]:
         v["fraction_of_roofline"] = round(roofline_ms / v["decode_ms_per_step"], 3)
+        v["fraction_of_read_roofline"] = round(read_ms / v["decode_ms_per_step"], 3)
         v["fraction_of_matmul_peak"] = round(v["prefill_TFLOPs"] * 1e12 / peak, 3)
     print(json.dumps(results, indent=2))
     if args.output:

@@ -6,6 +6,7 @@
 """
 
 import time
+from typing import Any
 
 import torch
 
@@ -54,3 +55,55 @@ def matmul_peak(
     b = torch.randn(n, n, device=device, dtype=dtype)
     seconds = min(_times(lambda: a @ b, device, reps))
     return 2 * n**3 / seconds
+
+
+_seen: dict[tuple[str, str], list[tuple[float, float]]] = {}
+
+
+def limits(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
+    """(copy bandwidth, matmul peak) of ``device``: measured now, and the best of every
+    measurement of this process. A measurement taken while another process still holds the
+    GPU reads low: after a multi-process engine shut down, one H200 copied at 3.83 TB/s, where
+    the same machine measured 4.27 before and after. So a benchmark measures once before its
+    engine starts and once at the end, and reports against the best, the machine's limit."""
+    seen = _seen.setdefault(_key(device, dtype), [])
+    seen.append((copy_bandwidth(device), matmul_peak(device, dtype)))
+    return max(b for b, _ in seen), max(p for _, p in seen)
+
+
+def limits_seen(device: torch.device, dtype: torch.dtype) -> list[tuple[float, float]]:
+    """Every (copy bandwidth, matmul peak) ``limits`` measured, in order: for the record."""
+    return list(_seen.get(_key(device, dtype), []))
+
+
+def _key(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
+    """ "cuda" and "cuda:0" are one device (the engine reports the latter)."""
+    index = device.index if device.index is not None else 0
+    return (f"{device.type}:{index}", str(dtype))
+
+
+class ModelCost:
+    """What one step of a model must read and compute, from the engine's ``ModelInfo`` and the
+    architecture: the terms of a per-step roofline, max(bytes / bandwidth, FLOPs / peak)."""
+
+    def __init__(self, info: Any, arch: Any) -> None:
+        elsize = info.weight_bytes // info.num_params  # one dtype for every weight
+        self.weight_bytes = info.weight_bytes  # every parameter: the issues' "weight bytes"
+        # what a step reads: an untied input-embedding table only by the rows of its tokens
+        self.read_weight_bytes = info.weight_bytes - info.untied_embedding_params * elsize
+        self.kv_bytes_per_token = info.kv_bytes_per_token
+        # parameters that multiply every token; the LM head multiplies only sampled rows
+        self.body_params = info.num_params - info.lm_head_params - info.untied_embedding_params
+        self.lm_head_params = info.lm_head_params
+        # QKᵀ and PV: 2 FLOPs per multiply-add, each over head_dim, per head and layer
+        self.flops_per_pair = 4 * arch.num_layers * arch.num_heads * arch.head_dim
+
+    def flops(self, tokens: int, sampled_rows: int, query_key_pairs: int) -> int:
+        return (
+            2 * self.body_params * tokens
+            + 2 * self.lm_head_params * sampled_rows
+            + self.flops_per_pair * query_key_pairs
+        )
+
+    def read_bytes(self, context_tokens: int) -> int:
+        return self.read_weight_bytes + context_tokens * self.kv_bytes_per_token

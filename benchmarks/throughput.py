@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from baton import LLM, SamplingParams
-from benchmarks.roofline import copy_bandwidth, matmul_peak
+from baton import LLM, EngineArgs, SamplingParams
+from benchmarks.roofline import ModelCost, limits, limits_seen
 
 
 def make_workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -57,24 +57,103 @@ def run_baton(
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
     requests = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(requests[:2], params[:2], use_tqdm=False)  # warm-up
+    trace = StepTrace(llm.client.core.scheduler) if args.step_trace else None  # type: ignore[attr-defined]
     before = llm.get_stats()
     start = time.perf_counter()
     outs = llm.generate(requests, params)
-    elapsed = time.perf_counter() - start
+    end = time.perf_counter()
+    elapsed = end - start
     after, info = llm.get_stats(), llm.get_model_info()
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == sum(out_lens), "every request must produce exactly max_tokens"
+    cost = ModelCost(info, llm.config.model.arch)
     llm.shutdown()
     result = _result("baton", produced, sum(map(len, prompts)), elapsed)
-    result.update(_bounds(args, before, after, info, elapsed))
+    result.update(_bounds(before, after, info, cost, elapsed, produced))
+    if trace is not None:
+        result["step_trace"] = trace.summary(end, cost, info)
     return result, prompts, out_lens
 
 
+class StepTrace:
+    """Each step of an in-process engine, recorded as the scheduler makes it: rows, tokens,
+    sampled rows, context read, query–key pairs, and when. A step's time is taken as the time
+    to the next step's scheduling, which in steady state is one step of the device."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.steps: list[tuple[float, int, int, int, int, int, bool]] = []
+        inner = scheduler.schedule
+
+        def schedule() -> Any:
+            out = inner()
+            if out.total_num_scheduled_tokens:
+                self.steps.append((time.perf_counter(), *self._count(scheduler, out)))
+            return out
+
+        scheduler.schedule = schedule
+
+    @staticmethod
+    def _count(scheduler: Any, out: Any) -> tuple[int, int, int, int, int, bool]:
+        tokens = sampled = context = pairs = 0
+        prefill = False
+        for rid, n in out.num_scheduled_tokens.items():
+            request = scheduler.requests[rid]
+            stop = request.num_computed_tokens  # already advanced by this step
+            begin = stop - n
+            tokens += n
+            sampled += stop >= request.num_prompt_tokens
+            context += stop
+            pairs += n * begin + n * (n + 1) // 2  # causal: query i sees begin + i + 1 keys
+            prefill |= n > 1
+        return len(out.num_scheduled_tokens), tokens, sampled, context, pairs, prefill
+
+    def summary(self, end: float, cost: ModelCost, info: Any) -> dict[str, Any]:
+        """Per kind of step (prefill or mixed; decode by batch size): seconds, and the time the
+        machine needs at least: bytes ÷ copy bandwidth, and the per-step roofline
+        max(bytes read ÷ bandwidth, FLOPs ÷ matmul peak), both measured now."""
+        bandwidth, peak = limits(torch.device(info.device), getattr(torch, info.dtype))
+        keys = ("steps", "seconds", "memory_s", "roofline_s")
+        bins: dict[str, dict[str, float]] = {}
+        times = [s[0] for s in self.steps] + [end]
+        for (t, rows, tokens, sampled, context, pairs, prefill), t_next in zip(
+            self.steps, times[1:], strict=True
+        ):
+            kind = "prefill or mixed" if prefill else _batch_bin(rows)
+            b = bins.setdefault(kind, dict.fromkeys(keys, 0.0))
+            memory = (cost.weight_bytes + context * cost.kv_bytes_per_token) / bandwidth
+            b["steps"] += 1
+            b["seconds"] += t_next - t
+            b["memory_s"] += memory
+            b["roofline_s"] += max(
+                cost.read_bytes(context) / bandwidth, cost.flops(tokens, sampled, pairs) / peak
+            )
+        total = {k: sum(b[k] for b in bins.values()) for k in keys}
+        out: dict[str, Any] = {"copy_bandwidth_GBps": round(bandwidth / 1e9, 1),
+                               "matmul_peak_TFLOPs": round(peak / 1e12, 1)}  # fmt: skip
+        for kind, b in [*sorted(bins.items()), ("all", total)]:
+            out[kind] = {
+                "steps": int(b["steps"]),
+                "seconds": round(b["seconds"], 3),
+                "memory_bound_fraction": round(b["memory_s"] / b["seconds"], 3),
+                "roofline_fraction": round(b["roofline_s"] / b["seconds"], 3),
+            }
+        return out
+
+
+def _batch_bin(rows: int) -> str:
+    for top in (16, 64, 128, 192):
+        if rows <= top:
+            return f"decode, <= {top} rows"
+    return "decode, > 192 rows"
+
+
 def _bounds(
-    args: argparse.Namespace, before: Any, after: Any, info: Any, elapsed: float
+    before: Any, after: Any, info: Any, cost: ModelCost, elapsed: float, sampled: int
 ) -> dict[str, Any]:
     """The run against the machine: every step must read all weights plus the KV cache of every
-    scheduled request; every token costs 2 FLOPs per weight. Limits measured now, same device."""
+    scheduled request (the issue's bound); an untied input-embedding table is in fact read only
+    by the rows of its tokens (``read_`` figures). Every token costs 2 FLOPs per weight that
+    multiplies it. Limits measured now, same device."""
     device = torch.device(info.device)
     dtype = getattr(torch, info.dtype)
     steps = after.num_steps - before.num_steps
@@ -82,16 +161,19 @@ def _bounds(
     kv_tokens = after.context_tokens_read - before.context_tokens_read
     tokens = after.computed_tokens - before.computed_tokens
     must_read = steps * info.weight_bytes + kv_tokens * info.kv_bytes_per_token
-    bandwidth = copy_bandwidth(device)
-    peak = matmul_peak(device, dtype)
-    flops = 2 * info.num_params * tokens
+    read = must_read - steps * (cost.weight_bytes - cost.read_weight_bytes)
+    bandwidth, peak = limits(device, dtype)
+    flops = cost.flops(tokens, sampled, 0)  # the weights' FLOPs; attention's not counted
     return {
         "steps": steps,
         "model_seconds": round(model_s, 3),  # inside the executor; the rest is host work
         "model_time_fraction": round(model_s / elapsed, 3),
         "bytes_must_read": must_read,
-        "copy_bandwidth_GBps": round(bandwidth / 1e9, 1),
+        "copy_bandwidth_GBps": round(bandwidth / 1e9, 1),  # the best measured, see limits()
+        "copy_bandwidth_GBps_measured": [round(b / 1e9, 1) for b, _ in limits_seen(device, dtype)],
         "memory_bound_fraction": round(must_read / bandwidth / elapsed, 3),
+        "read_bytes_must_read": read,
+        "read_memory_bound_fraction": round(read / bandwidth / elapsed, 3),
         "matmul_peak_TFLOPs": round(peak / 1e12, 3),
         "weight_TFLOPs_achieved": round(flops / elapsed / 1e12, 4),
         "matmul_peak_fraction": round(flops / elapsed / peak, 3),
@@ -159,6 +241,12 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare-hf", action="store_true")
     p.add_argument("--inproc", action="store_true", help="run the engine core in this process")
+    p.add_argument(
+        "--step-trace",
+        action="store_true",
+        help="record every step (implies --inproc) and report the time and the machine's bound "
+        "per kind of step",
+    )
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument(
         "--hf-num-prompts",
@@ -184,6 +272,10 @@ def main() -> None:
         args.load_format = "dummy"
     if not args.model:
         p.error("give --model or --shape")
+    args.inproc = args.inproc or args.step_trace
+    config = EngineArgs(model=args.model, dtype=args.dtype, device=args.device)
+    resolved = config.create_engine_config()
+    limits(torch.device(resolved.device.device), getattr(torch, resolved.model.dtype))  # no engine
 
     baton, prompts, out_lens = run_baton(args)
     results = {"workload": vars(args), "baton": baton, "torch_threads": torch.get_num_threads()}

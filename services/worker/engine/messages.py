@@ -98,10 +98,15 @@ class ModelInfo(msgspec.Struct):
     """What a benchmark needs to compute the machine's bound for a run."""
 
     num_params: int
-    weight_bytes: int
+    weight_bytes: int  # every parameter, tied ones once
     kv_bytes_per_token: int  # all layers, K and V
     device: str
     dtype: str
+    # vocab × hidden: the LM head multiplies only the rows a step samples.
+    lm_head_params: int = 0
+    # The input embedding table when it is not also the LM head (0 when tied): a step reads only
+    # the rows of its tokens, and it multiplies nothing.
+    untied_embedding_params: int = 0
 
 
 class UtilityResult(msgspec.Struct):

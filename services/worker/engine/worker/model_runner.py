@@ -123,7 +123,11 @@ class ModelRunner:
 
     def model_info(self) -> ModelInfo:
         params = list(self.model.parameters())  # tied weights appear once
+        embed = self.model.model.embed_tokens.weight
+        lm_head = self.model.lm_head.weight
         return ModelInfo(
+            lm_head_params=lm_head.numel(),
+            untied_embedding_params=0 if embed is lm_head else embed.numel(),
             num_params=sum(p.numel() for p in params),
             weight_bytes=sum(p.numel() * p.element_size() for p in params),
             kv_bytes_per_token=self.layout.bytes_per_block // self.block_size,

@@ -1,0 +1,75 @@
+"""The benchmarks' bounds are only as honest as what they count: the bytes a step reads, the
+FLOPs it runs, and, in the step trace, every step the engine took."""
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from baton import LLM, SamplingParams
+from benchmarks.roofline import ModelCost
+from benchmarks.throughput import StepTrace, run_baton
+
+
+@pytest.mark.parametrize("name", ["llama", "llama3-tied"])
+def test_model_cost_counts_the_embedding_table_once_and_only_where_it_is_read(
+    tiny_models: dict[str, Path], name: str
+) -> None:
+    llm = LLM(model=str(tiny_models[name]), show_progress=False)
+    info, arch = llm.get_model_info(), llm.config.model.arch
+    llm.shutdown()
+    table = arch.vocab_size * arch.hidden_size
+    tied = arch.tie_word_embeddings
+    assert info.lm_head_params == table
+    assert info.untied_embedding_params == (0 if tied else table)
+    cost = ModelCost(info, arch)
+    elsize = info.weight_bytes // info.num_params
+    # a tied table is the LM head, read in full every step; an untied input table is not
+    assert info.weight_bytes - cost.read_weight_bytes == (0 if tied else table * elsize)
+    # the decoder body: everything but the embedding table(s)
+    assert cost.body_params == info.num_params - table * (1 if tied else 2)
+    one_token = cost.flops(1, 1, 1)
+    assert one_token == 2 * (cost.body_params + table) + 4 * arch.num_layers * arch.num_heads * (
+        arch.head_dim
+    )
+
+
+def test_step_trace_accounts_for_every_step_token_and_query_key_pair(tiny_model: Path) -> None:
+    llm = LLM(model=str(tiny_model), max_num_batched_tokens=16, max_num_seqs=4, show_progress=False)
+    trace = StepTrace(llm.client.core.scheduler)  # type: ignore[attr-defined]
+    before = llm.get_stats()
+    prompt, new = list(range(5, 45)), 6  # 40 prompt tokens: chunks of 16, 16, 8
+    llm.generate(
+        {"prompt_token_ids": prompt},
+        SamplingParams(temperature=0, max_tokens=new, ignore_eos=True),
+        use_tqdm=False,
+    )
+    after = llm.get_stats()
+    llm.shutdown()
+    steps = trace.steps
+    assert len(steps) == after.num_steps - before.num_steps == 3 + new - 1
+    assert sum(s[2] for s in steps) == after.computed_tokens - before.computed_tokens
+    assert [s[2] for s in steps] == [16, 16, 8] + [1] * (new - 1)
+    assert [s[6] for s in steps] == [True] * 3 + [False] * (new - 1)  # prefill steps
+    assert [s[3] for s in steps] == [0, 0, 1] + [1] * (new - 1)  # sampled rows
+    # causal attention: token at position p sees p + 1 keys
+    total = len(prompt) + new - 1  # the last sampled token is never fed back
+    assert sum(s[5] for s in steps) == sum(p + 1 for p in range(total))
+    assert sum(s[4] for s in steps) == after.context_tokens_read - before.context_tokens_read
+
+
+def test_throughput_step_trace_reports_each_kind_of_step(tiny_model: Path) -> None:
+    args = argparse.Namespace(
+        model=str(tiny_model), load_format="auto", dtype="auto", device="cpu", num_prompts=6,
+        min_len=20, max_len=40, max_num_seqs=4, seed=0, inproc=True, step_trace=True,
+    )  # fmt: skip
+    result, _, _ = run_baton(args)
+    trace = result["step_trace"]
+    assert trace["all"]["steps"] == result["steps"]
+    kinds = [k for k in trace if k not in ("all", "copy_bandwidth_GBps", "matmul_peak_TFLOPs")]
+    assert "prefill or mixed" in kinds and any(k.startswith("decode") for k in kinds)
+    assert sum(trace[k]["steps"] for k in kinds) == trace["all"]["steps"]
+    for k in [*kinds, "all"]:
+        # the machine's bounds can't be beaten, whatever the kind of step
+        assert trace[k]["memory_bound_fraction"] > 0
+        assert 0 < trace[k]["roofline_fraction"] <= 1
