@@ -99,3 +99,50 @@ def test_async_scheduling_never_waits_for_the_device_but_for_its_tokens(tiny_mod
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert got == want
+
+
+COMPILES_AFTER_START = r"""
+import json, os, sys
+from pathlib import Path
+from baton import LLM, SamplingParams
+
+def kernels():
+    return {p.parent.name + "/" + p.stem
+            for p in Path(os.environ["TRITON_CACHE_DIR"]).glob("*/*.json")
+            if not p.name.startswith("__grp__")}
+
+llm = LLM(model=sys.argv[1], max_num_batched_tokens=256, show_progress=False)
+started = kernels()
+# block tables 1 to 40 blocks wide (a row stride of 1, of 16, of neither), chunked prompts
+# mixed with decode rows, and every kind of sampling
+prompts = [{"prompt_token_ids": list(range(1, n + 1))} for n in (3, 9, 250, 257, 300, 640, 17)]
+kinds = [
+    SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+    SamplingParams(temperature=0.7, max_tokens=20, ignore_eos=True),
+    SamplingParams(temperature=0.9, top_k=20, top_p=0.8, max_tokens=20, ignore_eos=True),
+    SamplingParams(temperature=0.8, min_p=0.1, seed=1, max_tokens=20, ignore_eos=True),
+    SamplingParams(temperature=0.6, presence_penalty=0.5, logprobs=2, max_tokens=20),
+    SamplingParams(temperature=0, min_tokens=10, max_tokens=20),
+]
+for round_ in range(2):
+    llm.generate(prompts, [kinds[(i + round_) % len(kinds)] for i in range(len(prompts))])
+print(json.dumps(sorted(kernels() - started)))
+"""
+
+
+def test_nothing_compiles_after_start_up(tiny_model: Path, tmp_path: Path) -> None:
+    """Start-up compiles every Triton kernel variant a step can need: a fresh engine (empty
+    kernel cache, as in a new container) compiles nothing more while it serves steps of every
+    shape and sampling kind. A variant compiled mid-serving stalls every running request."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton-cache")}
+    run = subprocess.run(
+        [sys.executable, "-c", COMPILES_AFTER_START, str(tiny_model)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == []

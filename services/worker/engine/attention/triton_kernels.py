@@ -26,6 +26,13 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 
 
+# Arguments that change from step to step. Triton compiles a variant per value class of an
+# integer argument (== 1, divisible by 16, other): the block table's row stride is the widest
+# scheduled request's block count, so without this a busy engine compiled a fresh variant of
+# these kernels (a second each) at its first step of a new class, long after start-up.
+PER_STEP = ["stride_bt"]
+
+
 @triton.jit
 def _attend_tile(
     q, K, V, table, offs_n, n_ok, visible, offs_d, d_ok, kv_head,
@@ -51,7 +58,7 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_STEP)
 def _prefill(
     Q, K, V, Out,
     block_tables, query_start_loc, seq_lens,
@@ -107,7 +114,7 @@ def _prefill(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_STEP)
 def _decode(
     Q, K, V, Out, part_acc, part_ml,
     block_tables, query_start_loc, seq_lens,

@@ -114,7 +114,13 @@ class ModelRunner:
         rows = hidden[-1:].expand(sched.max_num_seqs, -1)
         worst = [CachedRequestState("p", [0], 1, params, (), [], 0)] * sched.max_num_seqs
         meta_s = build_sampling_metadata(worst, cfg.arch.vocab_size, self.device)
-        self.sampler(self.model.compute_logits(rows), meta_s)
+        logits = self.model.compute_logits(rows)
+        self.sampler(logits, meta_s)
+        # The one-pass sampler's other variant (logits in the model's dtype: no truncation), so
+        # the first plain-temperature request compiles nothing (the top-k/top-p pass above gave
+        # it float32).
+        plain = [CachedRequestState("p", [0], 1, SamplingParams(temperature=1.0), (), [], 0)]
+        self.sampler(logits[:1], build_sampling_metadata(plain, cfg.arch.vocab_size, self.device))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base - kv_bytes
         self.release()
