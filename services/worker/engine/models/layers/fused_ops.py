@@ -81,46 +81,53 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _rotary(
     Q, K, positions, COS, SIN, QW, KW, eps, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
-    NUM_Q_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_NORM: tl.constexpr,
-    NORM_BLOCK: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEADS: tl.constexpr,
+    HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """In place, one (token, head) per program; heads [0, NUM_Q_HEADS) of q, then those of k.
+    """In place, one token's q heads (program (t, 0)) or k heads (program (t, 1)) per program,
+    as a [heads, half] tile: a program per (token, head) made a prefill's launch grid millions
+    of programs of 64 elements each.
 
     [x = w · norm(x)   per head (Qwen3's q/k norm), rounded as ``_rms_norm`` rounds]
     out[:half] = x1·cos − x2·sin,  out[half:] = x2·cos + x1·sin   (rotate-half style)
     """
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
     pos = tl.load(positions + t).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    ok = offs < HALF
-    if h < NUM_Q_HEADS:
-        base = Q + t * stride_qt + h * stride_qh
+    heads = tl.arange(0, HEADS)
+    if tl.program_id(1) == 0:
+        base = Q + t * stride_qt + heads[:, None] * stride_qh
+        h_ok = heads < NUM_Q_HEADS
         W = QW
     else:
-        base = K + t * stride_kt + (h - NUM_Q_HEADS) * stride_kh
+        base = K + t * stride_kt + heads[:, None] * stride_kh
+        h_ok = heads < NUM_K_HEADS
         W = KW
-    x1 = tl.load(base + offs, mask=ok, other=0.0)
-    x2 = tl.load(base + HALF + offs, mask=ok, other=0.0)
+    ok = h_ok[:, None] & (offs < HALF)[None, :]
+    x1 = tl.load(base + offs[None, :], mask=ok, other=0.0)
+    x2 = tl.load(base + HALF + offs[None, :], mask=ok, other=0.0)
     dtype = x1.dtype
     x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
     if HAS_NORM:
-        # the whole head at once: the same reduction as _rms_norm, so the same bits
+        # each whole head at once: the same reduction as _rms_norm, so the same bits
         full = tl.arange(0, NORM_BLOCK)
-        xs = tl.load(base + full, mask=full < 2 * HALF, other=0.0).to(tl.float32)
-        inv = tl.rsqrt(tl.sum(xs * xs, 0) / (2 * HALF) + eps)
-        w1 = tl.load(W + offs, mask=ok, other=0.0).to(tl.float32)
-        w2 = tl.load(W + HALF + offs, mask=ok, other=0.0).to(tl.float32)
+        full_ok = h_ok[:, None] & (full < 2 * HALF)[None, :]
+        xs = tl.load(base + full[None, :], mask=full_ok, other=0.0).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(xs * xs, 1) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(W + offs, mask=offs < HALF, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(W + HALF + offs, mask=offs < HALF, other=0.0).to(tl.float32)[None, :]
         x1f = (w1 * (x1f * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         x2f = (w2 * (x2f * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    cos = tl.load(COS + pos * stride_c + offs, mask=ok, other=0.0).to(dtype).to(tl.float32)
-    sin = tl.load(SIN + pos * stride_c + offs, mask=ok, other=0.0).to(dtype).to(tl.float32)
+    c_ok = offs < HALF
+    cos = tl.load(COS + pos * stride_c + offs, mask=c_ok, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.load(SIN + pos * stride_c + offs, mask=c_ok, other=0.0).to(dtype).to(tl.float32)
+    cos, sin = cos[None, :], sin[None, :]
     a1 = (x1f * cos).to(dtype).to(tl.float32)
     b1 = (x2f * sin).to(dtype).to(tl.float32)
     a2 = (x2f * cos).to(dtype).to(tl.float32)
     b2 = (x1f * sin).to(dtype).to(tl.float32)
-    tl.store(base + offs, (a1 - b1).to(dtype), mask=ok)
-    tl.store(base + HALF + offs, (a2 + b2).to(dtype), mask=ok)
+    tl.store(base + offs[None, :], (a1 - b1).to(dtype), mask=ok)
+    tl.store(base + HALF + offs[None, :], (a2 + b2).to(dtype), mask=ok)
 
 
 def rotary_(
@@ -135,11 +142,13 @@ def rotary_(
     """Rotate q [T, Hq, D] and k [T, Hk, D] in place; cos/sin: [max_positions, D] float32.
     ``norm_weights`` (q's, k's): RMS-normalise each head first, in the same kernel."""
     half = q.shape[-1] // 2
-    grid = (q.shape[0], q.shape[1] + k.shape[1])
+    heads = triton.next_power_of_2(max(q.shape[1], k.shape[1]))
+    block = triton.next_power_of_2(half)
     qw, kw = norm_weights if norm_weights is not None else (cos, cos)  # unread without a norm
-    _rotary[grid](
+    _rotary[(q.shape[0], 2)](
         q, k, positions, cos, sin, qw, kw, eps, q.stride(0), q.stride(1), k.stride(0),
-        k.stride(1), cos.stride(0), NUM_Q_HEADS=q.shape[1], HALF=half,
-        BLOCK=triton.next_power_of_2(half), HAS_NORM=norm_weights is not None,
+        k.stride(1), cos.stride(0), NUM_Q_HEADS=q.shape[1], NUM_K_HEADS=k.shape[1],
+        HEADS=heads, HALF=half, BLOCK=block, HAS_NORM=norm_weights is not None,
         NORM_BLOCK=triton.next_power_of_2(2 * half),
+        **({"num_warps": 4 if heads * block <= 1024 else 8} if q.is_cuda else {}),
     )  # fmt: skip
