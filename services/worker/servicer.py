@@ -44,6 +44,10 @@ class CallRejected(Exception):
         self.code, self.message = code, message
 
 
+class _StreamGone(Exception):
+    """A write to a GenerateStream failed: the stream is closed or broken."""
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, settings: WorkerSettings, engine: AsyncLLM):
         self.settings = settings
@@ -76,8 +80,29 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         writing = asyncio.Lock()
 
         async def send(event: worker_pb2.GenerateEvent) -> None:
-            async with writing:
-                await context.write(event)
+            """One write at a time, and a write once started is finished: gRPC allows one
+            outstanding write per call, and cancelling the task that awaits a write (an abort
+            arriving meanwhile) does not stop the write itself. So the lock is released when
+            the write completes, not when its caller leaves; a caller that leaves has its event
+            still sent."""
+            await writing.acquire()
+            try:
+                write = asyncio.ensure_future(context.write(event))
+            except BaseException:
+                writing.release()
+                raise
+            write.add_done_callback(_release)
+            try:
+                await asyncio.shield(write)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the stream is gone (closed, reset, the gateway left)
+                raise _StreamGone from e
+
+        def _release(write: "asyncio.Future[None]") -> None:
+            writing.release()
+            if not write.cancelled():
+                write.exception()  # retrieved: a broken stream is seen by the next read
 
         async def serve(call: worker_pb2.GenerateCall) -> None:
             rid = call.start.request_id
@@ -94,10 +119,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 except TimeoutError:
                     end.code = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
                     end.message = "the request's deadline passed"
+                except _StreamGone:
+                    raise
+                except Exception as e:  # the engine failed it: its caller hears so now
+                    logger.exception("request %s failed", rid)
+                    end.code = grpc.StatusCode.INTERNAL.value[0]
+                    end.message = f"the worker failed the request: {e}"
                 running.pop(rid, None)
                 await send(worker_pb2.GenerateEvent(request_id=rid, end=end))
-            except (aio.AioRpcError, aio.UsageError, asyncio.InvalidStateError, RuntimeError):
-                pass  # the stream is gone; the handler's exit cancels the rest
+            except _StreamGone:
+                pass  # the handler's exit cancels the rest
             finally:
                 running.pop(rid, None)
 

@@ -136,3 +136,78 @@ async def test_a_worker_without_the_stream_is_called_unary(tiny_model: Path) -> 
         second = await tokens(w.client.generate(request(2), 30.0, "t"))
         assert len(first) == len(second) == 8
         assert calls("unary") - before == 2  # the first after UNIMPLEMENTED, then directly
+
+
+class OneWriteAtATime:
+    """A servicer context whose writes behave as gRPC's: one outstanding write per call (a
+    second one started meanwhile fails, as GRPC_CALL_ERROR_TOO_MANY_OPERATIONS does), and a
+    write once started completes even when the task awaiting it is cancelled."""
+
+    def __init__(self) -> None:
+        self.busy = False
+        self.events: list[worker_pb2.GenerateEvent] = []
+
+    async def write(self, event: worker_pb2.GenerateEvent) -> None:
+        if self.busy:
+            raise RuntimeError("too many operations: a write is still in flight")
+        self.busy = True
+        await asyncio.shield(asyncio.ensure_future(self._complete(event)))
+
+    async def _complete(self, event: worker_pb2.GenerateEvent) -> None:
+        await asyncio.sleep(0.002)
+        self.events.append(event)
+        self.busy = False
+
+
+async def test_an_abort_during_a_write_leaves_the_stream_whole(tiny_model: Path) -> None:
+    """An abort cancels its request's task, maybe while that task's write is in flight; the
+    other requests on the stream must still get every event and their end (the write after a
+    cancelled one used to start too early, fail, and leave its request waiting forever)."""
+    servicer = WorkerServicer(WorkerSettings(engine=EngineArgs(model=str(tiny_model))), None)  # type: ignore[arg-type]
+
+    async def generate(request: worker_pb2.GenerateRequest):  # type: ignore[no-untyped-def]
+        for i in range(40):
+            yield worker_pb2.GenerateResponse(deltas=[worker_pb2.CompletionDelta(token_ids=[i])])
+            await asyncio.sleep(0)
+
+    servicer._generate = generate  # type: ignore[method-assign]
+    context = OneWriteAtATime()
+    inbox: asyncio.Queue[worker_pb2.GenerateCall | None] = asyncio.Queue()
+
+    async def calls() -> AsyncIterator[worker_pb2.GenerateCall]:
+        while (call := await inbox.get()) is not None:
+            yield call
+
+    handler = asyncio.ensure_future(servicer.GenerateStream(calls(), context))  # type: ignore[arg-type]
+    for rid in ("a", "b", "c"):
+        await inbox.put(worker_pb2.GenerateCall(start=worker_pb2.GenerateRequest(request_id=rid)))
+    for _ in range(10):  # abort "a" then "c" at different points of their writes
+        await asyncio.sleep(0.001)
+    await inbox.put(worker_pb2.GenerateCall(abort="a"))
+    await asyncio.sleep(0.005)
+    await inbox.put(worker_pb2.GenerateCall(abort="c"))
+    await inbox.put(None)  # the gateway closes its side: the stream ends after "b"
+    await asyncio.wait_for(handler, 10)
+    got = [e for e in context.events if e.request_id == "b"]
+    assert [e.response.deltas[0].token_ids[0] for e in got[:-1]] == list(range(40))
+    assert got[-1].HasField("end") and got[-1].end.code == 0
+    assert not any(e.HasField("end") for e in context.events if e.request_id in ("a", "c"))
+
+
+async def test_a_request_the_engine_fails_ends_with_internal_not_silence(tiny_model: Path) -> None:
+    servicer = WorkerServicer(WorkerSettings(engine=EngineArgs(model=str(tiny_model))), None)  # type: ignore[arg-type]
+
+    async def generate(request: worker_pb2.GenerateRequest):  # type: ignore[no-untyped-def]
+        yield worker_pb2.GenerateResponse(deltas=[worker_pb2.CompletionDelta(token_ids=[1])])
+        raise RuntimeError("engine core died")
+
+    servicer._generate = generate  # type: ignore[method-assign]
+    context = OneWriteAtATime()
+
+    async def calls() -> AsyncIterator[worker_pb2.GenerateCall]:
+        yield worker_pb2.GenerateCall(start=worker_pb2.GenerateRequest(request_id="x"))
+
+    await asyncio.wait_for(servicer.GenerateStream(calls(), context), 10)  # type: ignore[arg-type]
+    assert [e.WhichOneof("event") for e in context.events] == ["response", "end"]
+    end = context.events[-1].end
+    assert end.code == grpc.StatusCode.INTERNAL.value[0] and "engine core died" in end.message
