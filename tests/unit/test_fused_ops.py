@@ -5,6 +5,7 @@ import torch
 
 from services.worker.engine.model_config import RopeConfig
 from services.worker.engine.models.layers.activation import SiluAndMul
+from services.worker.engine.models.layers.fused_ops import ROTARY_HEAD_TOKENS
 from services.worker.engine.models.layers.norm import RMSNorm
 from services.worker.engine.models.layers.rotary import RotaryEmbedding
 
@@ -53,24 +54,27 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
     "rope", [RopeConfig(10000.0), RopeConfig(5e5, "llama3", 8.0, 1.0, 4.0, 64)]
 )
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_rotary_in_place(rope: RopeConfig, dtype: torch.dtype) -> None:
+# a head per program (few tokens), then a whole q or k per program, 3 q heads in a tile of 4
+@pytest.mark.parametrize("tokens", [9, ROTARY_HEAD_TOKENS + 6])
+def test_rotary_in_place(rope: RopeConfig, dtype: torch.dtype, tokens: int) -> None:
     ref, fused = pair(RotaryEmbedding, 32, 256, rope)
-    qkv = torch.randn(9, (4 + 2 + 2) * 32, device=DEVICE, dtype=dtype)
-    positions = torch.tensor([0, 1, 2, 50, 51, 200, 3, 4, 255], device=DEVICE)
+    qkv = torch.randn(tokens, (3 + 2 + 2) * 32, device=DEVICE, dtype=dtype)
+    positions = torch.randint(0, 256, (tokens,), device=DEVICE)
 
     def split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return t[:, : 4 * 32].view(9, 4, 32), t[:, 4 * 32 : 6 * 32].view(9, 2, 32)
+        return t[:, : 3 * 32].view(tokens, 3, 32), t[:, 3 * 32 : 5 * 32].view(tokens, 2, 32)
 
     q_ref, k_ref = ref(positions, *split(qkv.clone()))
     fused_qkv = qkv.clone()
     q, k = fused(positions, *split(fused_qkv))
     torch.testing.assert_close(q, q_ref, atol=TOL[dtype], rtol=TOL[dtype])
     torch.testing.assert_close(k, k_ref, atol=TOL[dtype], rtol=TOL[dtype])
-    assert torch.equal(fused_qkv[:, 6 * 32 :], qkv[:, 6 * 32 :])  # v untouched
+    assert torch.equal(fused_qkv[:, 5 * 32 :], qkv[:, 5 * 32 :])  # v untouched
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_qk_norm_fused_into_rotary(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("tokens", [7, ROTARY_HEAD_TOKENS + 6])
+def test_qk_norm_fused_into_rotary(dtype: torch.dtype, tokens: int) -> None:
     """Qwen3's per-head q/k norms inside the rotary kernel: the same numbers as the PyTorch
     layers and as the two fused kernels it replaces (bit for bit in the interpreter; on a GPU
     the two kernels' float32 sums may associate differently, so within a unit in the last
@@ -84,11 +88,11 @@ def test_qk_norm_fused_into_rotary(dtype: torch.dtype) -> None:
         nref.weight.data = torch.rand(32, device=DEVICE) + 0.5
         nfused.weight.data = nref.weight.data.clone()
         norms.append((nref.to(dtype), nfused.to(dtype)))
-    qkv = torch.randn(7, (4 + 2 + 2) * 32, device=DEVICE, dtype=dtype) * 3
-    positions = torch.tensor([0, 1, 9, 50, 51, 200, 255], device=DEVICE)
+    qkv = torch.randn(tokens, (4 + 2 + 2) * 32, device=DEVICE, dtype=dtype) * 3
+    positions = torch.randint(0, 256, (tokens,), device=DEVICE)
 
     def split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return t[:, : 4 * 32].view(7, 4, 32), t[:, 4 * 32 : 6 * 32].view(7, 2, 32)
+        return t[:, : 4 * 32].view(tokens, 4, 32), t[:, 4 * 32 : 6 * 32].view(tokens, 2, 32)
 
     q_ref, k_ref = ref(positions, *split(qkv.clone()), (norms[0][0], norms[1][0]))
     q, k = fused(positions, *split(qkv.clone()), (norms[0][1], norms[1][1]))

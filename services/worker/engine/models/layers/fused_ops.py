@@ -78,15 +78,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+ROTARY_HEAD_TOKENS = 64
+
+
 @triton.jit
 def _rotary(
     Q, K, positions, COS, SIN, QW, KW, eps, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEADS: tl.constexpr,
     HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """In place, one token's q heads (program (t, 0)) or k heads (program (t, 1)) per program,
-    as a [heads, half] tile: a program per (token, head) made a prefill's launch grid millions
-    of programs of 64 elements each.
+    """In place, HEADS heads of one token per program, as a [HEADS, half] tile: programs
+    (t, 0 .. q groups - 1) take q's heads, the rest k's. Many tokens: a whole q or k per
+    program (a program per (token, head) made a prefill's grid millions of programs of 64
+    elements each); a few tokens: a head per program, so that many programs share the work.
 
     [x = w · norm(x)   per head (Qwen3's q/k norm), rounded as ``_rms_norm`` rounds]
     out[:half] = x1·cos − x2·sin,  out[half:] = x2·cos + x1·sin   (rotate-half style)
@@ -94,12 +98,15 @@ def _rotary(
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + t).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    heads = tl.arange(0, HEADS)
-    if tl.program_id(1) == 0:
+    group = tl.program_id(1)
+    q_groups = tl.cdiv(NUM_Q_HEADS, HEADS)
+    if group < q_groups:
+        heads = group * HEADS + tl.arange(0, HEADS)
         base = Q + t * stride_qt + heads[:, None] * stride_qh
         h_ok = heads < NUM_Q_HEADS
         W = QW
     else:
+        heads = (group - q_groups) * HEADS + tl.arange(0, HEADS)
         base = K + t * stride_kt + heads[:, None] * stride_kh
         h_ok = heads < NUM_K_HEADS
         W = KW
@@ -142,10 +149,14 @@ def rotary_(
     """Rotate q [T, Hq, D] and k [T, Hk, D] in place; cos/sin: [max_positions, D] float32.
     ``norm_weights`` (q's, k's): RMS-normalise each head first, in the same kernel."""
     half = q.shape[-1] // 2
-    heads = triton.next_power_of_2(max(q.shape[1], k.shape[1]))
+    tokens, num_q, num_k = q.shape[0], q.shape[1], k.shape[1]
+    # a head per program below ROTARY_HEAD_TOKENS tokens (batch-1 decode: 2 programs would do
+    # all the work), a whole q or k per program above
+    heads = 1 if tokens < ROTARY_HEAD_TOKENS else triton.next_power_of_2(max(num_q, num_k))
+    groups = triton.cdiv(num_q, heads) + triton.cdiv(num_k, heads)
     block = triton.next_power_of_2(half)
     qw, kw = norm_weights if norm_weights is not None else (cos, cos)  # unread without a norm
-    _rotary[(q.shape[0], 2)](
+    _rotary[(tokens, groups)](
         q, k, positions, cos, sin, qw, kw, eps, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), cos.stride(0), NUM_Q_HEADS=q.shape[1], NUM_K_HEADS=k.shape[1],
         HEADS=heads, HALF=half, BLOCK=block, HAS_NORM=norm_weights is not None,
