@@ -5,6 +5,7 @@ import argparse
 from pathlib import Path
 
 import pytest
+import torch
 
 from baton import LLM, SamplingParams
 from benchmarks.roofline import ModelCost
@@ -73,3 +74,20 @@ def test_throughput_step_trace_reports_each_kind_of_step(tiny_model: Path) -> No
         # the machine's bounds can't be beaten, whatever the kind of step
         assert trace[k]["memory_bound_fraction"] > 0
         assert 0 < trace[k]["roofline_fraction"] <= 1
+
+
+def test_limits_are_the_best_of_every_measurement_of_one_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A measurement taken while another process holds the GPU reads low; the bound must use
+    the machine's limit. "cuda" and "cuda:0" (what the engine reports) are one device."""
+    from benchmarks import roofline
+
+    readings = iter([4.2e12, 3.8e12])
+    monkeypatch.setattr(roofline, "_seen", {})
+    monkeypatch.setattr(roofline, "copy_bandwidth", lambda device: next(readings))
+    monkeypatch.setattr(roofline, "matmul_peak", lambda device, dtype: 7.9e14)
+    bf16 = torch.bfloat16
+    assert roofline.limits(torch.device("cuda"), bf16) == (4.2e12, 7.9e14)  # before the engine
+    assert roofline.limits(torch.device("cuda:0"), bf16) == (4.2e12, 7.9e14)  # after: lower
+    assert [b for b, _ in roofline.limits_seen(torch.device("cuda", 0), bf16)] == [4.2e12, 3.8e12]
