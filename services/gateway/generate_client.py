@@ -5,8 +5,11 @@ request's time on this machine: ``benchmarks/hops.py``); on an open stream a req
 message each way. The gateway keeps one stream per worker (``call_stream.CallStream``); each
 event goes to the queue of the request it names.
 
-A request ends with its ``CallEnd`` event, which carries the status a unary call would have
-ended with; a caller that stops early (its client left, a stop string) sends an abort. When the
+A request ends with its ``finished`` response, or with a ``CallEnd`` event carrying the status a
+unary call would have ended with (a refusal, a deadline, a failure); a caller that stops
+before either (its client left, a stop string) sends an abort. Every message on a stream costs
+the gateway ~150 µs of its event loop and holds the stream's writer ~0.6 ms (gRPC allows one
+write in flight), so a request that finished sends nothing back. When the
 stream breaks (the worker died or restarted), every request on it ends with UNAVAILABLE, which
 the orchestrator treats as a failed worker, as it does for a unary call; the next request opens
 a new stream. A worker without ``GenerateStream`` (an older version during a rolling upgrade)
@@ -106,6 +109,10 @@ class GenerateClient:
                     ended = True
                     if event.end.code:
                         raise GenerateFailed.from_wire(event.end.code, event.end.message)
+                    return
+                if event.response.finished:  # done on the worker: nothing to abort or wait for
+                    ended = True
+                    yield event.response
                     return
                 yield event.response
         finally:

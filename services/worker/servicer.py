@@ -72,10 +72,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, calls: AsyncIterator[worker_pb2.GenerateCall], context: aio.ServicerContext
     ) -> None:
         """Many Generate calls over one stream: each start runs as its own task, which writes
-        its responses and then its end, tagged with its request id, straight to the stream
-        (one write at a time); an abort cancels the task, which aborts the request in the
-        engine as leaving a unary Generate does. When the gateway closes its side the stream
-        ends after the requests on it; when it goes away, they are all aborted."""
+        its responses, tagged with its request id, straight to the stream (one write at a
+        time), the last one ``finished`` — or, when it ends otherwise, a ``CallEnd``. An abort
+        cancels the task, which aborts the request in the engine as leaving a unary Generate
+        does. When the gateway closes its side the stream ends after the requests on it; when
+        it goes away, they are all aborted."""
         running: dict[str, asyncio.Task[None]] = {}
         writing = asyncio.Lock()
 
@@ -109,10 +110,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if call.trace_id:
                 request_id_var.set(call.trace_id)  # this task's own context
             end = worker_pb2.CallEnd()
+            finished = False  # its last response said so: that ends it, no CallEnd needed
             try:
                 try:
                     async with asyncio.timeout(call.timeout_s if call.timeout_s > 0 else None):
                         async for response in self._generate(call.start):
+                            finished = response.finished
                             await send(worker_pb2.GenerateEvent(request_id=rid, response=response))
                 except CallRejected as e:
                     end.code, end.message = e.code.value[0], e.message
@@ -126,7 +129,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     end.code = grpc.StatusCode.INTERNAL.value[0]
                     end.message = f"the worker failed the request: {e}"
                 running.pop(rid, None)
-                await send(worker_pb2.GenerateEvent(request_id=rid, end=end))
+                if not (finished and end.code == 0):
+                    await send(worker_pb2.GenerateEvent(request_id=rid, end=end))
             except _StreamGone:
                 pass  # the handler's exit cancels the rest
             finally:

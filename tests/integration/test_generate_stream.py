@@ -32,17 +32,45 @@ class UnaryOnly(worker_pb2_grpc.WorkerServicer):
             yield response
 
 
+class Recording(worker_pb2_grpc.WorkerServicer):
+    """The worker's GenerateStream, recording what each side sends on it."""
+
+    def __init__(self, inner: WorkerServicer):
+        self.inner = inner
+        self.calls: list[str] = []  # start | abort
+        self.events: list[str] = []  # response | end
+
+    async def GenerateStream(self, calls, context):  # type: ignore[no-untyped-def]
+        recording = self
+
+        async def seen():  # type: ignore[no-untyped-def]
+            async for call in calls:
+                recording.calls.append(call.WhichOneof("call"))
+                yield call
+
+        class Context:
+            async def write(self, event: worker_pb2.GenerateEvent) -> None:
+                recording.events.append(event.WhichOneof("event"))
+                await context.write(event)
+
+        await self.inner.GenerateStream(seen(), Context())  # type: ignore[arg-type]
+
+
 class Worker:
     """A worker server on a free port (engine on the tiny model) and a GenerateClient to it."""
 
-    def __init__(self, tiny_model: Path, unary_only: bool = False):
-        self.tiny_model, self.unary_only = tiny_model, unary_only
+    def __init__(self, tiny_model: Path, unary_only: bool = False, record: bool = False):
+        self.tiny_model, self.unary_only, self.record = tiny_model, unary_only, record
 
     async def __aenter__(self) -> "Worker":
         args = EngineArgs(model=str(self.tiny_model), max_model_len=512, num_kv_blocks=256)
         self.engine = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         self.servicer = WorkerServicer(WorkerSettings(engine=args), self.engine)
-        impl = UnaryOnly(self.servicer) if self.unary_only else self.servicer
+        impl: worker_pb2_grpc.WorkerServicer = self.servicer
+        if self.unary_only:
+            impl = UnaryOnly(self.servicer)
+        elif self.record:
+            impl = self.recording = Recording(self.servicer)
         self.server = server()
         worker_pb2_grpc.add_WorkerServicer_to_server(impl, self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
@@ -211,3 +239,24 @@ async def test_a_request_the_engine_fails_ends_with_internal_not_silence(tiny_mo
     assert [e.WhichOneof("event") for e in context.events] == ["response", "end"]
     end = context.events[-1].end
     assert end.code == grpc.StatusCode.INTERNAL.value[0] and "engine core died" in end.message
+
+
+async def test_a_finished_request_costs_one_message_each_way(tiny_model: Path) -> None:
+    """Each message on the stream costs the gateway's event loop and holds the stream's one
+    writer: a request that finishes is started, and answered with its responses, the last one
+    finished; no CallEnd follows, and the gateway, which stops reading at the finished response
+    as the orchestrator does, sends no abort."""
+    async with Worker(tiny_model, record=True) as w:
+
+        async def until_finished(i: int) -> int:
+            n = 0
+            async for response in w.client.generate(request(i, max_tokens=3), 30.0, "t"):
+                n += sum(len(d.token_ids) for d in response.deltas)
+                if response.finished:
+                    break  # as the orchestrator returns at a finish reason
+            return n
+
+        assert await asyncio.gather(*(until_finished(i) for i in range(5))) == [3] * 5
+        await asyncio.sleep(0.2)  # anything still on its way arrives
+        assert w.recording.calls == ["start"] * 5
+        assert "end" not in w.recording.events and w.recording.events.count("response") >= 5

@@ -74,7 +74,8 @@ class WorkerServicer:
     def GenerateStream(self, request_iterator, context):
         """Generate for many requests over one long-lived stream (the gateway keeps one per worker:
         no HTTP/2 stream set up per request). Calls start or abort requests; events carry each
-        request's responses, then its end, tagged with its request id.
+        request's responses, tagged with its request id: the last is `finished`, or a CallEnd
+        follows when the request ends otherwise (refused, past its deadline, failed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
