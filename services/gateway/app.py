@@ -13,12 +13,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway import errors, metrics
@@ -37,6 +38,7 @@ from shared.text.tokenizer import TextTokenizer
 logger = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.25
+B = TypeVar("B", bound=BaseModel)
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -66,11 +68,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     _install_error_handlers(app)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def completions(request: Request) -> Response:
+        body = await _parse(request, CompletionRequest)
         return await _serve(state["handler"], body, request, body.stream and body.include_usage)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(request: Request) -> Response:
+        body = await _parse(request, ChatCompletionRequest)
         return await _serve(state["handler"], body, request, body.stream and body.include_usage)
 
     @app.get("/v1/models")
@@ -92,6 +96,17 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def _parse(request: Request, schema: type[B]) -> B:
+    """The body, parsed and validated in one pass by pydantic's JSON parser. (As a FastAPI
+    body parameter it went through FastAPI's dependency solving, ``json.loads`` and then
+    validation of the Python objects: about a seventh of the gateway's Python calls per
+    request.) Errors take the same path as FastAPI's: a 400 naming the field."""
+    try:
+        return schema.model_validate_json(await request.body())
+    except ValidationError as e:
+        raise RequestValidationError(e.errors(include_url=False, include_context=False)) from None
 
 
 async def _serve(handler: Handler, body: Body, request: Request, include_usage: bool) -> Response:

@@ -96,8 +96,8 @@ class CompletionRequest(_SamplingFields):
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
+        if p and isinstance(p[0], int):  # validated: a list holds one kind
+            return [list(p)]
         return list(p)  # type: ignore[arg-type]
 
 
