@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from baton import LLM, SamplingParams
+from benchmarks.profiling import kernel_rows
 from benchmarks.roofline import ModelCost, limits, limits_seen
 from benchmarks.shapes import write_shape
 
@@ -124,18 +125,9 @@ def _kernel_table(llm: LLM, prompt: list[int], steps: int = 16) -> list[dict[str
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _timed(llm, prompt, steps + 1)
-    rows = []
-    for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
-        if us > 0:
-            rows.append(
-                {
-                    "kernel": e.key[:90],
-                    "us_per_step": round(us / steps, 1),
-                    "calls_per_step": round(e.count / steps, 1),
-                }
-            )
-    return sorted(rows, key=lambda r: -r["us_per_step"])[:20]
+    rows = kernel_rows(prof, steps)[:20]
+    return [{**r, "us_per_step": round(r["us_per_step"], 1),
+             "calls_per_step": round(r["calls_per_step"], 1)} for r in rows]  # fmt: skip
 
 
 def main() -> None:

@@ -105,5 +105,10 @@ class ModelCost:
             + self.flops_per_pair * query_key_pairs
         )
 
+    def must_read_bytes(self, context_tokens: int) -> int:
+        """The issues' bound for a step: every weight, and the KV of its context."""
+        return self.weight_bytes + context_tokens * self.kv_bytes_per_token
+
     def read_bytes(self, context_tokens: int) -> int:
+        """What a step does read: the input-embedding table only by its tokens' rows."""
         return self.read_weight_bytes + context_tokens * self.kv_bytes_per_token

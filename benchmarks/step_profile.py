@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from baton import LLM, SamplingParams
+from benchmarks.profiling import cpu_rows, kernel_rows
 from benchmarks.shapes import SHAPES, write_shape
 
 
@@ -61,7 +62,7 @@ def main() -> None:
             ids = [rng.randrange(1, vocab) for _ in range(rng.randint(args.min_len, args.max_len))]
             request = llm.processor.process(f"{tag}{i}", {"prompt_token_ids": ids}, params)[1]
             core.add_request(request)
-        walls = []
+        walls: list[float] = []
         while core.scheduler.waiting or any(
             r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running
         ):
@@ -99,13 +100,7 @@ def main() -> None:
         for _ in range(args.steps):
             core.step()
         sync()
-    kernels = []
-    for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
-        if us > 0 and e.device_type.name == "CUDA":
-            kernels.append({"kernel": e.key[:90], "us_per_step": us / args.steps,
-                            "calls_per_step": e.count / args.steps})  # fmt: skip
-    kernels.sort(key=lambda k: -k["us_per_step"])
+    kernels = kernel_rows(prof, args.steps)
     gpu_ms = sum(k["us_per_step"] for k in kernels) / 1e3
     contexts = [r.num_tokens for r in core.scheduler.running]
     result: dict[str, Any] = {
@@ -156,15 +151,9 @@ def _profile_admission(args, llm, core, admit, first, sync) -> None:  # type: ig
         third = admit("c")
         sync()
     drain()
-    gpu, cpu = [], []
-    for e in prof.key_averages():
-        if e.device_type.name == "CUDA":
-            us = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
-            gpu.append({"kernel": e.key[:90], "ms": us / 1e3, "calls": e.count})
-        else:
-            cpu.append({"op": e.key[:90], "ms": e.self_cpu_time_total / 1e3, "calls": e.count})
-    gpu.sort(key=lambda k: -k["ms"])
-    cpu.sort(key=lambda k: -k["ms"])
+    gpu = [{"kernel": k["kernel"], "ms": k["us_per_step"] / 1e3, "calls": int(k["calls_per_step"])}
+           for k in kernel_rows(prof)]  # fmt: skip
+    cpu = cpu_rows(prof)
     result = {
         "shape": args.shape, "batch": args.batch,
         "steps": len(second),

@@ -68,10 +68,15 @@ def run_baton(
     assert produced == sum(out_lens), "every request must produce exactly max_tokens"
     cost = ModelCost(info, llm.config.model.arch)
     llm.shutdown()
+    device, dtype = torch.device(info.device), getattr(torch, info.dtype)
+    bandwidth, peak = limits(device, dtype)  # the best of this and the one before the engine
     result = _result("baton", produced, sum(map(len, prompts)), elapsed)
-    result.update(_bounds(before, after, info, cost, elapsed, produced))
+    result.update(_bounds(before, after, cost, elapsed, produced, bandwidth, peak))
+    result["copy_bandwidth_GBps_measured"] = [
+        round(b / 1e9, 1) for b, _ in limits_seen(device, dtype)
+    ]
     if trace is not None:
-        result["step_trace"] = trace.summary(end, cost, info)
+        result["step_trace"] = trace.summary(end, cost, bandwidth, peak)
     return result, prompts, out_lens
 
 
@@ -107,11 +112,10 @@ class StepTrace:
             prefill |= n > 1
         return len(out.num_scheduled_tokens), tokens, sampled, context, pairs, prefill
 
-    def summary(self, end: float, cost: ModelCost, info: Any) -> dict[str, Any]:
+    def summary(self, end: float, cost: ModelCost, bandwidth: float, peak: float) -> dict[str, Any]:
         """Per kind of step (prefill or mixed; decode by batch size): seconds, and the time the
         machine needs at least: bytes ÷ copy bandwidth, and the per-step roofline
-        max(bytes read ÷ bandwidth, FLOPs ÷ matmul peak), both measured now."""
-        bandwidth, peak = limits(torch.device(info.device), getattr(torch, info.dtype))
+        max(bytes read ÷ bandwidth, FLOPs ÷ matmul peak)."""
         keys = ("steps", "seconds", "memory_s", "roofline_s")
         bins: dict[str, dict[str, float]] = {}
         times = [s[0] for s in self.steps] + [end]
@@ -120,10 +124,9 @@ class StepTrace:
         ):
             kind = "prefill or mixed" if prefill else _batch_bin(rows)
             b = bins.setdefault(kind, dict.fromkeys(keys, 0.0))
-            memory = (cost.weight_bytes + context * cost.kv_bytes_per_token) / bandwidth
             b["steps"] += 1
             b["seconds"] += t_next - t
-            b["memory_s"] += memory
+            b["memory_s"] += cost.must_read_bytes(context) / bandwidth
             b["roofline_s"] += max(
                 cost.read_bytes(context) / bandwidth, cost.flops(tokens, sampled, pairs) / peak
             )
@@ -148,21 +151,25 @@ def _batch_bin(rows: int) -> str:
 
 
 def _bounds(
-    before: Any, after: Any, info: Any, cost: ModelCost, elapsed: float, sampled: int
+    before: Any,
+    after: Any,
+    cost: ModelCost,
+    elapsed: float,
+    sampled: int,
+    bandwidth: float,
+    peak: float,
 ) -> dict[str, Any]:
     """The run against the machine: every step must read all weights plus the KV cache of every
     scheduled request (the issue's bound); an untied input-embedding table is in fact read only
     by the rows of its tokens (``read_`` figures). Every token costs 2 FLOPs per weight that
-    multiplies it. Limits measured now, same device."""
-    device = torch.device(info.device)
-    dtype = getattr(torch, info.dtype)
+    multiplies it."""
     steps = after.num_steps - before.num_steps
     model_s = after.model_seconds - before.model_seconds
     kv_tokens = after.context_tokens_read - before.context_tokens_read
     tokens = after.computed_tokens - before.computed_tokens
-    must_read = steps * info.weight_bytes + kv_tokens * info.kv_bytes_per_token
-    read = must_read - steps * (cost.weight_bytes - cost.read_weight_bytes)
-    bandwidth, peak = limits(device, dtype)
+    # summed over steps: each step's weights, plus the KV of its context
+    must_read = steps * cost.must_read_bytes(0) + kv_tokens * cost.kv_bytes_per_token
+    read = steps * cost.read_bytes(0) + kv_tokens * cost.kv_bytes_per_token
     flops = cost.flops(tokens, sampled, 0)  # the weights' FLOPs; attention's not counted
     return {
         "steps": steps,
@@ -170,7 +177,6 @@ def _bounds(
         "model_time_fraction": round(model_s / elapsed, 3),
         "bytes_must_read": must_read,
         "copy_bandwidth_GBps": round(bandwidth / 1e9, 1),  # the best measured, see limits()
-        "copy_bandwidth_GBps_measured": [round(b / 1e9, 1) for b, _ in limits_seen(device, dtype)],
         "memory_bound_fraction": round(must_read / bandwidth / elapsed, 3),
         "read_bytes_must_read": read,
         "read_memory_bound_fraction": round(read / bandwidth / elapsed, 3),

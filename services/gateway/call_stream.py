@@ -9,10 +9,13 @@ waiting on this stream, which must hear that it ended.
 """
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import grpc
+
+logger = logging.getLogger(__name__)
 
 Send = TypeVar("Send")
 Recv = TypeVar("Recv")
@@ -44,7 +47,7 @@ class CallStream(Generic[Send, Recv]):
         try:
             while True:
                 await self.call.write(await self._outbox.get())
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
+        except Exception as e:  # any failed write leaves the call unusable: end it, loudly
             self._end(e)
 
     async def _read(self) -> None:
@@ -52,7 +55,7 @@ class CallStream(Generic[Send, Recv]):
             async for message in self.call:
                 self._on_message(self, message)
             self._end(None)
-        except grpc.aio.AioRpcError as e:
+        except Exception as e:  # a task that died quietly would leave its requests waiting
             self._end(e)
 
     def _end(self, error: BaseException | None) -> None:
@@ -72,6 +75,51 @@ class CallStream(Generic[Send, Recv]):
         self._ended = True  # closed by its owner: no end to report
         self.close()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class StreamClient(Generic[Send, Recv]):
+    """A client's one long-lived ``CallStream`` to a server: opened on first use and forgotten
+    when it ends, so the next use opens a new one; a server without the method (UNIMPLEMENTED:
+    an older version during a rolling upgrade) is called unary from then on. A subclass starts
+    the call, takes each message, and tells the calls still waiting on a stream that ended."""
+
+    def __init__(self, method: str, peer: str, streaming: bool = True):
+        self._method, self._peer = method, peer  # for the logs: "RouteStream", "the scheduler"
+        self._stream: CallStream[Send, Recv] | None = None
+        self._streaming = streaming  # False: unary (configured, or the server has no stream)
+
+    def _start_call(self) -> grpc.aio.StreamStreamCall:
+        raise NotImplementedError
+
+    def _on_message(self, stream: CallStream[Send, Recv], message: Recv) -> None:
+        raise NotImplementedError
+
+    def _end_pending(self, stream: CallStream[Send, Recv]) -> None:
+        """The calls waiting on ``stream`` (``stream.pending``) hear that it ended."""
+        raise NotImplementedError
+
+    def _open(self) -> CallStream[Send, Recv]:
+        if self._stream is None:
+            self._stream = CallStream(
+                self._start_call(), self._on_message, self._broken, self._method
+            )
+        return self._stream
+
+    def _broken(self, stream: CallStream[Send, Recv], error: BaseException | None) -> None:
+        if self._stream is stream:
+            self._stream = None
+            if unimplemented(error):
+                logger.warning("%s has no %s: unary calls from now on", self._peer, self._method)
+                self._streaming = False
+            else:
+                logger.warning("%s: %s ended (%s); the next call opens a new one",
+                               self._peer, self._method, error)  # fmt: skip
+        self._end_pending(stream)
+
+    async def close(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            await stream.aclose()
 
 
 class CallFailed(Exception):

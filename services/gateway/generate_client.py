@@ -6,28 +6,25 @@ message each way. The gateway keeps one stream per worker (``call_stream.CallStr
 event goes to the queue of the request it names.
 
 A request ends with its ``finished`` response, or with a ``CallEnd`` event carrying the status a
-unary call would have ended with (a refusal, a deadline, a failure); a caller that stops
-before either (its client left, a stop string) sends an abort. Every message on a stream costs
-the gateway ~150 µs of its event loop and holds the stream's writer ~0.6 ms (gRPC allows one
-write in flight), so a request that finished sends nothing back. When the
-stream breaks (the worker died or restarted), every request on it ends with UNAVAILABLE, which
-the orchestrator treats as a failed worker, as it does for a unary call; the next request opens
-a new stream. A worker without ``GenerateStream`` (an older version during a rolling upgrade)
-is called with unary ``Generate`` from then on.
+unary call would have ended with (a refusal, a deadline, a failure); a caller that stops before
+either (its client left, a stop string) sends an abort. A request that finished sends nothing
+back: on the 2-core development VM a write took ~150 µs of the gateway's event loop and held the
+stream's one writer ~0.6 ms (gRPC allows one write in flight). When the stream breaks (the
+worker died or restarted), every request on it ends with UNAVAILABLE, which the orchestrator
+treats as a failed worker, as it does for a unary call; the next request opens a new stream. A
+worker without ``GenerateStream`` (an older version during a rolling upgrade) is called with
+unary ``Generate`` from then on.
 """
 
 import asyncio
-import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 
 from services.gateway import metrics
-from services.gateway.call_stream import CallFailed, CallStream, unimplemented
+from services.gateway.call_stream import CallFailed, CallStream, StreamClient
 from shared.protos.baton.v1 import worker_pb2, worker_pb2_grpc
 from shared.rpc import metadata
-
-logger = logging.getLogger(__name__)
 
 
 class GenerateFailed(CallFailed):
@@ -38,13 +35,15 @@ class _NoStream(Exception):
     """The worker has no GenerateStream (UNIMPLEMENTED): go unary."""
 
 
-class GenerateClient:
+_GenerateStream = CallStream[worker_pb2.GenerateCall, worker_pb2.GenerateEvent]
+
+
+class GenerateClient(StreamClient[worker_pb2.GenerateCall, worker_pb2.GenerateEvent]):
     """Generate on one worker (its address's channel), over the stream when it can."""
 
     def __init__(self, stub: worker_pb2_grpc.WorkerStub, streaming: bool = True):
+        super().__init__("GenerateStream", "a worker", streaming)
         self.stub = stub
-        self._stream: _GenerateStream | None = None
-        self._streaming = streaming  # False: unary (configured, or the worker has no stream)
 
     async def generate(
         self, request: worker_pb2.GenerateRequest, timeout: float, trace_id: str
@@ -121,36 +120,16 @@ class GenerateClient:
             if not ended and self._stream is stream:  # stopped early: stop it on the worker
                 stream.send(worker_pb2.GenerateCall(abort=rid))
 
-    def _open(self) -> "_GenerateStream":
-        if self._stream is None:
-            self._stream = CallStream(
-                self.stub.GenerateStream(), self._on_event, self._broken, "generate-stream"
-            )
-        return self._stream
+    def _start_call(self) -> grpc.aio.StreamStreamCall:
+        return self.stub.GenerateStream()
 
-    @staticmethod
-    def _on_event(stream: "_GenerateStream", event: worker_pb2.GenerateEvent) -> None:
+    def _on_message(self, stream: _GenerateStream, event: worker_pb2.GenerateEvent) -> None:
         inbox = stream.pending.get(event.request_id)
         if inbox is not None:
             inbox.put_nowait(event)
 
-    def _broken(self, stream: "_GenerateStream", error: BaseException | None) -> None:
-        """The stream is gone: its requests end UNAVAILABLE, the next request opens a new one."""
-        if self._stream is stream:
-            self._stream = None
-            if unimplemented(error):
-                logger.warning("a worker has no GenerateStream: unary Generate calls to it")
-                self._streaming = False
-            else:
-                logger.warning("a worker's generate stream ended (%s)", error)
+    def _end_pending(self, stream: _GenerateStream) -> None:
+        """Its requests end UNAVAILABLE (or go unary, when the worker has no stream)."""
         for inbox in stream.pending.values():
             inbox.put_nowait(None)
         stream.pending.clear()
-
-    async def close(self) -> None:
-        stream, self._stream = self._stream, None
-        if stream is not None:
-            await stream.aclose()
-
-
-_GenerateStream = CallStream[worker_pb2.GenerateCall, worker_pb2.GenerateEvent]

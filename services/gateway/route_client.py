@@ -15,16 +15,13 @@ upgrade) is used through unary calls from then on.
 
 import asyncio
 import itertools
-import logging
 
 import grpc
 
 from services.gateway import metrics
-from services.gateway.call_stream import CallFailed, CallStream, unimplemented
+from services.gateway.call_stream import CallFailed, CallStream, StreamClient
 from shared.protos.baton.v1 import scheduler_pb2, scheduler_pb2_grpc
 from shared.rpc import metadata
-
-logger = logging.getLogger(__name__)
 
 
 class RouteFailed(CallFailed):
@@ -38,12 +35,14 @@ class _StreamBroken(Exception):
 MAX_FINISHED = 4096  # beyond this between two routes, the heartbeats catch up instead
 
 
-class RouteClient:
+_RouteStream = CallStream[scheduler_pb2.RouteCall, scheduler_pb2.RouteReply]
+
+
+class RouteClient(StreamClient[scheduler_pb2.RouteCall, scheduler_pb2.RouteReply]):
     def __init__(self, stub: scheduler_pb2_grpc.GlobalSchedulerStub):
+        super().__init__("RouteStream", "the scheduler")
         self.stub = stub
-        self._stream: _RouteStream | None = None
         self._ids = itertools.count(1)
-        self._streaming = True  # False once the scheduler says it has no RouteStream
         self._finished: list[str] = []  # told to the scheduler with the next call
 
     def finished(self, request_id: str) -> None:
@@ -104,36 +103,16 @@ class RouteClient:
             raise _StreamBroken
         return reply
 
-    def _open(self) -> "_RouteStream":
-        if self._stream is None:
-            self._stream = CallStream(
-                self.stub.RouteStream(), self._on_reply, self._broken, "route-stream"
-            )
-        return self._stream
+    def _start_call(self) -> grpc.aio.StreamStreamCall:
+        return self.stub.RouteStream()
 
-    @staticmethod
-    def _on_reply(stream: "_RouteStream", reply: scheduler_pb2.RouteReply) -> None:
+    def _on_message(self, stream: _RouteStream, reply: scheduler_pb2.RouteReply) -> None:
         future = stream.pending.get(reply.call_id)
         if future is not None and not future.done():
             future.set_result(reply)
 
-    def _broken(self, stream: "_RouteStream", error: BaseException | None) -> None:
-        """The stream is gone: its waiting calls go unary, the next call opens a new one."""
-        if self._stream is stream:
-            self._stream = None
-            if unimplemented(error):
-                logger.warning("the scheduler has no RouteStream: routing with unary calls")
-                self._streaming = False
-            else:
-                logger.warning("route stream ended (%s): reopening on the next request", error)
+    def _end_pending(self, stream: _RouteStream) -> None:
+        """Its waiting calls go unary."""
         for future in stream.pending.values():
             if not future.done():
                 future.set_result(None)
-
-    async def close(self) -> None:
-        stream, self._stream = self._stream, None
-        if stream is not None:
-            await stream.aclose()
-
-
-_RouteStream = CallStream[scheduler_pb2.RouteCall, scheduler_pb2.RouteReply]

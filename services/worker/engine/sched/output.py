@@ -46,6 +46,3 @@ class ModelRunnerOutput:
     req_ids: list[str] = field(default_factory=list)  # in the order the runner batched them
     sampled_token_ids: list[list[int]] = field(default_factory=list)  # empty: a prefill chunk
     logprobs: list[SampleLogprobs | None] = field(default_factory=list)
-    finished_loads: list[str] = field(default_factory=list)  # KV pulls complete
-    failed_loads: list[str] = field(default_factory=list)  # KV pulls that failed
-    released: list[str] = field(default_factory=list)  # leased requests a peer has pulled

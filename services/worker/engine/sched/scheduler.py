@@ -217,9 +217,10 @@ class Scheduler:
         self, finished: list[str], failed: list[str], released: list[str]
     ) -> list[EngineCoreOutput]:
         """KV transfer progress: pulls that ended decode on, recompute, or fail (an abort
-        meanwhile frees them); leases a peer has read end. With async scheduling the core
-        applies this as soon as a step is submitted, not when its tokens come back, so a
-        pulled request is scheduled one step sooner."""
+        meanwhile frees them); leases a peer has read end. The core applies this as soon as a
+        step is submitted (``EngineCore._submit``), not when its tokens come back, so a pulled
+        request is scheduled by the very next step; stale handles found while scheduling that
+        step fail here too."""
         if self.transfer is None:
             return []
         outputs = []
@@ -285,7 +286,7 @@ class Scheduler:
     def update_from_output(
         self, sched: SchedulerOutput, result: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        outputs = self.finish_transfers(result.finished_loads, result.failed_loads, result.released)
+        outputs: list[EngineCoreOutput] = []
         for rid, tokens, logprobs in zip(
             result.req_ids, result.sampled_token_ids, result.logprobs, strict=True
         ):

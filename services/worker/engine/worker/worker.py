@@ -132,11 +132,9 @@ class WorkerStep:
         self.transfers = (finished or [], failed or [], released or [])
 
     def take_transfers(self) -> tuple[list[str], list[str], list[str]]:
-        """(finished, failed, released) now, instead of with the step's output."""
+        """(finished, failed, released): the core applies them when it submits the step."""
         transfers, self.transfers = self.transfers, ([], [], [])
         return transfers
 
     def result(self) -> ModelRunnerOutput:
-        out = self.step.result()
-        out.finished_loads, out.failed_loads, out.released = self.transfers
-        return out
+        return self.step.result()
