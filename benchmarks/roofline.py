@@ -99,11 +99,36 @@ class ModelCost:
         self.flops_per_pair = 4 * arch.num_layers * arch.num_heads * arch.head_dim
 
     def flops(self, tokens: int, sampled_rows: int, query_key_pairs: int) -> int:
-        return (
-            2 * self.body_params * tokens
-            + 2 * self.lm_head_params * sampled_rows
-            + self.flops_per_pair * query_key_pairs
+        return self.linear_flops(tokens, sampled_rows) + self.flops_per_pair * query_key_pairs
+
+    def linear_flops(self, tokens: int, sampled_rows: int) -> int:
+        """The weight matrices' products: the decoder body for every token, the LM head for
+        the sampled rows."""
+        return 2 * self.body_params * tokens + 2 * self.lm_head_params * sampled_rows
+
+    def serial_seconds(
+        self,
+        tokens: int,
+        sampled_rows: int,
+        context_tokens: int,
+        query_key_pairs: int,
+        bandwidth: float,
+        peak: float,
+    ) -> float:
+        """A step's bound when its operations run one after another, as a layer's do: the
+        linear layers at their own roofline (the weights read, or their FLOPs), then attention
+        at its own (the context's KV read, or its FLOPs). The per-step roofline takes one max
+        over the whole step, as if attention's reads could hide under the GEMMs' compute;
+        within one batch they can't (attention needs the q projection, the o projection needs
+        attention), and splitting the batch to overlap them reads the weights once per part."""
+        linear = max(
+            self.read_weight_bytes / bandwidth, self.linear_flops(tokens, sampled_rows) / peak
         )
+        attention = max(
+            context_tokens * self.kv_bytes_per_token / bandwidth,
+            self.flops_per_pair * query_key_pairs / peak,
+        )
+        return linear + attention
 
     def must_read_bytes(self, context_tokens: int) -> int:
         """The issues' bound for a step: every weight, and the KV of its context."""

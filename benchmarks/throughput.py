@@ -115,8 +115,11 @@ class StepTrace:
     def summary(self, end: float, cost: ModelCost, bandwidth: float, peak: float) -> dict[str, Any]:
         """Per kind of step (prefill or mixed; decode by batch size): seconds, and the time the
         machine needs at least: bytes ÷ copy bandwidth, and the per-step roofline
-        max(bytes read ÷ bandwidth, FLOPs ÷ matmul peak)."""
-        keys = ("steps", "seconds", "memory_s", "roofline_s")
+        max(bytes read ÷ bandwidth, FLOPs ÷ matmul peak), and the serial bound (the linear
+        layers at their roofline, then attention at its own: ``ModelCost.serial_seconds``).
+        ``memory_bound_fraction_at_serial_bound`` is the most of the memory bound a run of
+        these steps can reach when each runs at its serial bound."""
+        keys = ("steps", "seconds", "memory_s", "roofline_s", "serial_s")
         bins: dict[str, dict[str, float]] = {}
         times = [s[0] for s in self.steps] + [end]
         for (t, rows, tokens, sampled, context, pairs, prefill), t_next in zip(
@@ -130,6 +133,7 @@ class StepTrace:
             b["roofline_s"] += max(
                 cost.read_bytes(context) / bandwidth, cost.flops(tokens, sampled, pairs) / peak
             )
+            b["serial_s"] += cost.serial_seconds(tokens, sampled, context, pairs, bandwidth, peak)
         total = {k: sum(b[k] for b in bins.values()) for k in keys}
         out: dict[str, Any] = {"copy_bandwidth_GBps": round(bandwidth / 1e9, 1),
                                "matmul_peak_TFLOPs": round(peak / 1e12, 1)}  # fmt: skip
@@ -139,6 +143,8 @@ class StepTrace:
                 "seconds": round(b["seconds"], 3),
                 "memory_bound_fraction": round(b["memory_s"] / b["seconds"], 3),
                 "roofline_fraction": round(b["roofline_s"] / b["seconds"], 3),
+                "serial_bound_fraction": round(b["serial_s"] / b["seconds"], 3),
+                "memory_bound_fraction_at_serial_bound": round(b["memory_s"] / b["serial_s"], 3),
             }
         return out
 

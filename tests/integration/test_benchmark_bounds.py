@@ -35,6 +35,25 @@ def test_model_cost_counts_the_embedding_table_once_and_only_where_it_is_read(
     )
 
 
+def test_serial_bound_adds_attention_to_the_linear_layers(tiny_model: Path) -> None:
+    llm = LLM(model=str(tiny_model), show_progress=False)
+    cost = ModelCost(llm.get_model_info(), llm.config.model.arch)
+    llm.shutdown()
+    bw = 1e12
+    weights_s = cost.read_weight_bytes / bw
+    # a peak so low that the linear layers of 64 rows are compute-bound, attention not
+    rows, context = 64, 64 * 500
+    peak = cost.linear_flops(rows, rows) / (2 * weights_s)
+    kv_s = context * cost.kv_bytes_per_token / bw
+    serial = cost.serial_seconds(rows, rows, context, rows, bw, peak)
+    assert serial == pytest.approx(2 * weights_s + kv_s)
+    roofline = max(cost.read_bytes(context) / bw, cost.flops(rows, rows, rows) / peak)
+    assert serial > roofline  # the step-wide max lets attention hide under the GEMMs
+    # memory-bound everywhere (batch 1), the two bounds agree
+    one = cost.serial_seconds(1, 1, 500, 1, bw, 1e18)
+    assert one == pytest.approx(cost.read_bytes(500) / bw)
+
+
 def test_step_trace_accounts_for_every_step_token_and_query_key_pair(tiny_model: Path) -> None:
     llm = LLM(model=str(tiny_model), max_num_batched_tokens=16, max_num_seqs=4, show_progress=False)
     trace = StepTrace(llm.client.core.scheduler)  # type: ignore[attr-defined]
@@ -74,6 +93,9 @@ def test_throughput_step_trace_reports_each_kind_of_step(tiny_model: Path) -> No
         # the machine's bounds can't be beaten, whatever the kind of step
         assert trace[k]["memory_bound_fraction"] > 0
         assert 0 < trace[k]["roofline_fraction"] <= 1
+        # serial ≥ step-wide roofline, so its fraction is at least the roofline's
+        assert trace[k]["roofline_fraction"] <= trace[k]["serial_bound_fraction"] <= 1
+        assert trace[k]["memory_bound_fraction_at_serial_bound"] > 0
 
 
 def test_limits_are_the_best_of_every_measurement_of_one_device(
