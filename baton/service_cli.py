@@ -3,10 +3,21 @@
 hands them to the service's ``serve``; nothing else reads the command line."""
 
 import argparse
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import uvloop  # the event loop of every service (gRPC p99 latency ~7× lower than asyncio's here)
+
+# gRPC core's transport for every service: the poll-based I/O manager instead of EventEngine
+# endpoints. With EventEngine a received message goes from an EventEngine thread to grpc.aio's
+# poller thread, then to the event loop; with the older one the poller thread reads the socket
+# itself: one thread wake-up fewer per message, each ~0.1 ms on an idle many-core host
+# (docs/performance.md, "gRPC's thread hops"). gRPC reads this once, when its core starts, so
+# it is set before any service imports grpc; an operator's own GRPC_EXPERIMENTS (even empty,
+# for gRPC's defaults) wins, and so do tests that run services in their own process.
+GRPC_EXPERIMENTS = "-event_engine_client,-event_engine_listener"
+os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)
 
 if TYPE_CHECKING:
     from services.worker.engine.config import EngineArgs

@@ -47,3 +47,32 @@ def test_async_scheduling_reaches_the_workers(flags: list[str], expected: bool |
     serve = build_parser().parse_args(["serve", "--model", "m", *flags])
     worker_argv = ["worker", "--model", "m", *engine_flags_argv(serve)]
     assert engine_args(build_parser().parse_args(worker_argv)).async_scheduling is expected
+
+
+_PROBE = (
+    "import os, sys; from baton.cli import build_parser; build_parser(); "
+    "print('grpc' in sys.modules, repr(os.environ.get('GRPC_EXPERIMENTS')))"
+)
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [(None, "'-event_engine_client,-event_engine_listener'"), ("", "''"), ("x", "'x'")],
+)
+def test_grpc_core_setting_comes_before_grpc_and_yields_to_the_operator(
+    given: str | None, expected: str
+) -> None:
+    """gRPC core reads GRPC_EXPERIMENTS once, when it starts: every service command must set
+    its default before anything imports grpc, and keep an operator's own value (an empty one
+    restores gRPC's defaults). ``baton serve`` hands its environment to every process."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
+    if given is not None:
+        env["GRPC_EXPERIMENTS"] = given
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out == ["False", expected]
