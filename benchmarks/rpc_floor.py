@@ -4,7 +4,8 @@ services do); one client request at a time; p50 of ``--requests``.
 
     http  a FastAPI/uvicorn endpoint that validates a 64-token completion body and streams one
           SSE chunk back, timed to the first ``data:`` line (the gateway's in + out) by two
-          clients: httpx and aiohttp (the serving benchmark's)
+          clients: httpx and aiohttp (the serving benchmark's); once with Starlette's
+          StreamingResponse, once with the gateway's sse.EventStream
     grpc  a unary call (``Route``'s shape) and one message each way on an open bidirectional
           stream, grpc.aio
     route the real scheduler servicer (two idle workers): the gateway's Route as a unary
@@ -21,17 +22,21 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def http_server(port: int) -> None:
+def http_server(port: int, event_stream: bool = False) -> None:
+    """A bare FastAPI endpoint; it streams with Starlette's ``StreamingResponse``, or with the
+    gateway's ``sse.EventStream`` (``event_stream``)."""
     import uvicorn
     from fastapi import FastAPI
-    from fastapi.responses import StreamingResponse
+    from fastapi.responses import Response, StreamingResponse
     from pydantic import BaseModel
+
+    from services.gateway.sse import EventStream
 
     class Body(BaseModel):
         model: str
@@ -41,15 +46,19 @@ def http_server(port: int) -> None:
 
     app = FastAPI()
 
-    async def chunks() -> AsyncIterator[str]:
+    async def chunks() -> AsyncGenerator[str, None]:
         yield "data: " + json.dumps({"choices": [{"index": 0, "text": "x"}]}) + "\n\n"
         yield "data: [DONE]\n\n"
 
     @app.post("/v1/completions")
-    async def completions(body: Body) -> StreamingResponse:
+    async def completions(body: Body) -> Response:
+        if event_stream:
+            return EventStream(chunks())
         return StreamingResponse(chunks(), media_type="text/event-stream")
 
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", loop="uvloop")
+    uvicorn.run(
+        app, host="127.0.0.1", port=port, log_level="warning", loop="uvloop", access_log=False
+    )  # as the gateway runs
 
 
 def gateway_server(port: int) -> None:
@@ -247,12 +256,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--requests", type=int, default=500)
     p.add_argument(
-        "--serve", choices=["http", "grpc", "scheduler", "gateway"], help=argparse.SUPPRESS
+        "--serve",
+        choices=["http", "http-sse", "grpc", "scheduler", "gateway"],
+        help=argparse.SUPPRESS,
     )
     p.add_argument("--only-http", action="store_true", help="the bare endpoint and the gateway")
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
+        if args.serve == "http-sse":
+            http_server(args.port, event_stream=True)
+            return
         servers = {"http": http_server, "grpc": grpc_server, "scheduler": scheduler_server,
                    "gateway": gateway_server}  # fmt: skip
         servers[args.serve](args.port)
@@ -262,7 +276,8 @@ def main() -> None:
 
     from baton.launcher import free_port
 
-    kinds = ["http", "gateway"] if args.only_http else ["http", "grpc", "scheduler", "gateway"]
+    kinds = ["http", "http-sse", "gateway"]
+    kinds += [] if args.only_http else ["grpc", "scheduler"]
     ports = {kind: free_port() for kind in kinds}
     servers = [subprocess.Popen([sys.executable, __file__, "--serve", kind, "--port", str(port)])
                for kind, port in ports.items()]  # fmt: skip
@@ -273,11 +288,13 @@ def main() -> None:
         if not args.only_http:
             http = uvloop.run(time_http(ports["http"], args.requests))
             p50["http_streamed_first_chunk_httpx_ms"] = 1e3 * statistics.median(http)
-        bare, gateway = [], []
+        bare, own, gateway = [], [], []
         for _ in range(3):  # alternating: this machine's speed drifts
             bare += uvloop.run(time_aiohttp(ports["http"], args.requests // 3))
+            own += uvloop.run(time_aiohttp(ports["http-sse"], args.requests // 3))
             gateway += uvloop.run(time_aiohttp(ports["gateway"], args.requests // 3))
         p50["http_streamed_first_chunk_aiohttp_ms"] = 1e3 * statistics.median(bare)
+        p50["http_event_stream_first_chunk_aiohttp_ms"] = 1e3 * statistics.median(own)
         p50["gateway_app_first_chunk_aiohttp_ms"] = 1e3 * statistics.median(gateway)
         if not args.only_http:
             unary, stream = uvloop.run(time_grpc(ports["grpc"], args.requests))

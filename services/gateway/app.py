@@ -12,12 +12,12 @@ cancels its request, which aborts it on the workers.
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -29,6 +29,7 @@ from services.gateway.middleware import BodySizeLimit, RequestContext
 from services.gateway.orchestrator import Orchestrator, WorkerChannels
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.settings import GatewaySettings
+from services.gateway.sse import EventStream
 from shared import hop_trace, rpc
 from shared.lifecycle import TaskOwner
 from shared.logs import request_id_var
@@ -116,11 +117,7 @@ async def _serve(handler: Handler, body: Body, request: Request, include_usage: 
         lines = handler.stream(plan, include_usage)
         first = await anext(lines)  # an error before the first chunk keeps its HTTP status
         hop_trace.mark("gateway.first_chunk")
-        return StreamingResponse(
-            _stream_errors_inline(first, lines),
-            media_type="text/event-stream",
-            headers={"cache-control": "no-cache"},
-        )
+        return EventStream(_stream_errors_inline(first, lines), {"cache-control": "no-cache"})
     task = asyncio.ensure_future(handler.complete(plan))
     watcher = asyncio.ensure_future(_watch_disconnect(request))
     done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -134,7 +131,7 @@ async def _serve(handler: Handler, body: Body, request: Request, include_usage: 
     return JSONResponse(task.result())
 
 
-async def _stream_errors_inline(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+async def _stream_errors_inline(first: str, rest: AsyncIterator[str]) -> AsyncGenerator[str, None]:
     """After the headers are sent, an error is an ``error`` event, then ``[DONE]``."""
     yield first
     try:
