@@ -76,3 +76,28 @@ def test_grpc_core_setting_comes_before_grpc_and_yields_to_the_operator(
         [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, check=True
     ).stdout.split()
     assert out == ["False", expected]
+
+
+def test_grpc_core_knows_the_experiments_the_services_turn_off() -> None:
+    """gRPC core names an experiment it does not know on stderr and goes on with its defaults:
+    a grpcio upgrade that drops these would silently undo the setting."""
+    import os
+    import subprocess
+    import sys
+
+    probe = (
+        "import asyncio, baton.service_cli, grpc\n"
+        "async def main():\n"
+        "    await grpc.aio.insecure_channel('127.0.0.1:1').close()\n"
+        "asyncio.run(main())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
+    bogus = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+        env={**env, "GRPC_EXPERIMENTS": "-no_such_experiment"},
+    )  # fmt: skip
+    assert "Unknown experiment: no_such_experiment" in bogus.stderr  # the check can fail
+    ours = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=env
+    )
+    assert "Unknown experiment" not in ours.stderr
