@@ -141,12 +141,17 @@ class StepTrace:
             out[kind] = {
                 "steps": int(b["steps"]),
                 "seconds": round(b["seconds"], 3),
-                "memory_bound_fraction": round(b["memory_s"] / b["seconds"], 3),
-                "roofline_fraction": round(b["roofline_s"] / b["seconds"], 3),
-                "serial_bound_fraction": round(b["serial_s"] / b["seconds"], 3),
-                "memory_bound_fraction_at_serial_bound": round(b["memory_s"] / b["serial_s"], 3),
+                # three significant digits: a tiny model on a CPU is at 1e-4 of its bounds
+                "memory_bound_fraction": _sig(b["memory_s"] / b["seconds"]),
+                "roofline_fraction": _sig(b["roofline_s"] / b["seconds"]),
+                "serial_bound_fraction": _sig(b["serial_s"] / b["seconds"]),
+                "memory_bound_fraction_at_serial_bound": _sig(b["memory_s"] / b["serial_s"]),
             }
         return out
+
+
+def _sig(x: float) -> float:
+    return float(f"{x:.3g}")
 
 
 def _batch_bin(rows: int) -> str:
