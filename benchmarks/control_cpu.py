@@ -1,4 +1,5 @@
-"""CPU each service spends per request: sequential one-token streamed completions through
+"""CPU each service spends per request: sequential streamed completions (one token each,
+or ``--max-tokens``) through
 ``baton serve`` (one colocated worker), each process's user + system time read from /proc
 before and after (Linux).
 
@@ -39,14 +40,16 @@ def children(pid: int) -> list[int]:
     return out
 
 
-async def drive(url: str, model: str, n: int, prompt_len: int, vocab: int, seed: int) -> float:
+async def drive(
+    url: str, model: str, n: int, prompt_len: int, vocab: int, seed: int, max_tokens: int = 1
+) -> float:
     rng = random.Random(seed)
     async with client(60) as http:
         start = time.perf_counter()
         for _ in range(n):
             ids = [rng.randrange(300, vocab) for _ in range(prompt_len)]
-            body = {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0,
-                    "stream": True}  # fmt: skip
+            body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+                    "stream": True, "ignore_eos": True}  # fmt: skip
             async with http.post(f"{url}/completions", json=body) as resp:
                 async for _ in resp.content:  # to the end: the connection is reused
                     pass
@@ -59,6 +62,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=1, help="tokens per request, streamed")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args()
@@ -73,10 +77,22 @@ def main() -> None:
         pids = {name: proc.pid for name, proc in cluster.procs.items()}
         (core,) = children(pids["worker-0"])  # the worker's engine core process
         pids["engine-core"] = core
-        asyncio.run(drive(cluster.url, model, args.warmup, args.prompt_len, vocab, args.seed))
+        asyncio.run(
+            drive(
+                cluster.url, model, args.warmup, args.prompt_len, vocab, args.seed, args.max_tokens
+            )
+        )
         before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         seconds = asyncio.run(
-            drive(cluster.url, model, args.requests, args.prompt_len, vocab, args.seed + 1)
+            drive(
+                cluster.url,
+                model,
+                args.requests,
+                args.prompt_len,
+                vocab,
+                args.seed + 1,
+                args.max_tokens,
+            )
         )
         after = {name: cpu_seconds(pid) for name, pid in pids.items()}
     per_request = {n: 1e3 * (after[n] - before[n]) / args.requests for n in pids}

@@ -7,9 +7,10 @@ engine, so its KV blocks are freed at once.
 """
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 from grpc import aio
@@ -48,6 +49,34 @@ class _StreamGone(Exception):
     """A write to a GenerateStream failed: the stream is closed or broken."""
 
 
+class _Stopped(Exception):
+    """A request on a GenerateStream was stopped (aborted, or its deadline passed) while one
+    of its events was being written; it ends as that write returns."""
+
+
+_ABORTED, _LATE = "aborted", "deadline"
+
+
+class _StreamCall:
+    """One request on a GenerateStream: its task, whether one of its events is being written,
+    and why it must stop. ``stop`` cancels the task at once, unless a write is in flight: that
+    write completes first (gRPC allows one outstanding write per call, and a cancelled awaiter
+    would not stop it), and ``send`` raises ``_Stopped`` as it returns."""
+
+    __slots__ = ("task", "why", "writing")
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[None] | None = None
+        self.writing = False
+        self.why: str | None = None
+
+    def stop(self, why: str) -> None:
+        if self.why is None:
+            self.why = why
+            if not self.writing and self.task is not None:
+                self.task.cancel()
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, settings: WorkerSettings, engine: AsyncLLM):
         self.settings = settings
@@ -74,52 +103,52 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """Many Generate calls over one stream: each start runs as its own task, which writes
         its responses, tagged with its request id, straight to the stream (one write at a
         time), the last one ``finished`` — or, when it ends otherwise, a ``CallEnd``. An abort
-        cancels the task, which aborts the request in the engine as leaving a unary Generate
+        stops the task, which aborts the request in the engine as leaving a unary Generate
         does. When the gateway closes its side the stream ends after the requests on it; when
         it goes away, they are all aborted."""
-        running: dict[str, asyncio.Task[None]] = {}
+        running: dict[str, _StreamCall] = {}
         writing = asyncio.Lock()
 
-        async def send(event: worker_pb2.GenerateEvent) -> None:
+        async def send(call: _StreamCall, event: worker_pb2.GenerateEvent) -> None:
             """One write at a time, and a write once started is finished: gRPC allows one
-            outstanding write per call, and cancelling the task that awaits a write (an abort
-            arriving meanwhile) does not stop the write itself. So the lock is released when
-            the write completes, not when its caller leaves; a caller that leaves has its event
-            still sent."""
-            await writing.acquire()
-            try:
-                write = asyncio.ensure_future(context.write(event))
-            except BaseException:
-                writing.release()
-                raise
-            write.add_done_callback(_release)
-            try:
-                await asyncio.shield(write)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # the stream is gone (closed, reset, the gateway left)
-                raise _StreamGone from e
+            outstanding write per call, and cancelling the task that awaits a write would not
+            stop the write, only let the next one start too early. So an abort or a deadline
+            that comes during the write waits for it (``_StreamCall.stop``) and takes effect
+            here, as it returns."""
+            async with writing:  # waiting here may be cancelled: nothing is in flight yet
+                call.writing = True
+                try:
+                    await context.write(event)
+                except Exception as e:  # the stream is gone (closed, reset, the gateway left)
+                    raise _StreamGone from e
+                finally:
+                    call.writing = False
+            if call.why is not None:
+                raise _Stopped
 
-        def _release(write: "asyncio.Future[None]") -> None:
-            writing.release()
-            if not write.cancelled():
-                write.exception()  # retrieved: a broken stream is seen by the next read
-
-        async def serve(call: worker_pb2.GenerateCall) -> None:
-            rid = call.start.request_id
-            if call.trace_id:
-                request_id_var.set(call.trace_id)  # this task's own context
+        async def serve(start: worker_pb2.GenerateCall, call: _StreamCall) -> None:
+            rid = start.start.request_id
+            if start.trace_id:
+                request_id_var.set(start.trace_id)  # this task's own context
+            timer = None
+            if start.timeout_s > 0:
+                timer = asyncio.get_running_loop().call_later(start.timeout_s, call.stop, _LATE)
             end = worker_pb2.CallEnd()
             finished = False  # its last response said so: that ends it, no CallEnd needed
             try:
                 try:
-                    async with asyncio.timeout(call.timeout_s if call.timeout_s > 0 else None):
-                        async for response in self._generate(call.start):
+                    async with contextlib.aclosing(self._generate(start.start)) as responses:
+                        async for response in responses:
                             finished = response.finished
-                            await send(worker_pb2.GenerateEvent(request_id=rid, response=response))
+                            event = worker_pb2.GenerateEvent(request_id=rid, response=response)
+                            await send(call, event)
                 except CallRejected as e:
                     end.code, end.message = e.code.value[0], e.message
-                except TimeoutError:
+                except (asyncio.CancelledError, _Stopped) as e:
+                    if call.why != _LATE:
+                        raise  # aborted, or the stream is ending: nobody waits for an end
+                    if isinstance(e, asyncio.CancelledError):
+                        asyncio.current_task().uncancel()  # type: ignore[union-attr]
                     end.code = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
                     end.message = "the request's deadline passed"
                 except _StreamGone:
@@ -130,35 +159,41 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     end.message = f"the worker failed the request: {e}"
                 running.pop(rid, None)
                 if not (finished and end.code == 0):
-                    await send(worker_pb2.GenerateEvent(request_id=rid, end=end))
-            except _StreamGone:
-                pass  # the handler's exit cancels the rest
+                    call.why = None  # its end is the one write still owed
+                    await send(call, worker_pb2.GenerateEvent(request_id=rid, end=end))
+            except (_StreamGone, _Stopped):
+                pass  # the stream is gone, or an abort came during the end's write
             finally:
+                if timer is not None:
+                    timer.cancel()
                 running.pop(rid, None)
 
         try:
-            async for call in calls:
-                if call.WhichOneof("call") == "start":
-                    rid = call.start.request_id
+            async for message in calls:
+                if message.WhichOneof("call") == "start":
+                    rid = message.start.request_id
                     if rid in running:
                         end = worker_pb2.CallEnd(
                             code=grpc.StatusCode.ALREADY_EXISTS.value[0],
                             message=f"request {rid} is already running on this stream",
                         )
-                        await send(worker_pb2.GenerateEvent(request_id=rid, end=end))
+                        await send(_StreamCall(), worker_pb2.GenerateEvent(request_id=rid, end=end))
                         continue
-                    running[rid] = asyncio.create_task(serve(call), name=f"generate-{rid}")
-                elif (task := running.get(call.abort)) is not None:
-                    task.cancel()
+                    new = running[rid] = _StreamCall()
+                    new.task = asyncio.create_task(serve(message, new), name=f"generate-{rid}")
+                elif (aborted := running.get(message.abort)) is not None:
+                    aborted.stop(_ABORTED)
             while running:  # the gateway is done sending: finish what it started
-                await asyncio.gather(*running.values(), return_exceptions=True)
+                await asyncio.gather(*(c.task for c in running.values() if c.task),
+                                     return_exceptions=True)  # fmt: skip
         finally:
-            for task in list(running.values()):
-                task.cancel()
+            for left in list(running.values()):
+                if left.task is not None:
+                    left.task.cancel()
 
     async def _generate(
         self, request: worker_pb2.GenerateRequest
-    ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[worker_pb2.GenerateResponse, None]:
         """One Generate, for either transport; CallRejected carries a refusal's status."""
         hop_trace.mark("worker.generate_in")
         params = self._admit(request.params)

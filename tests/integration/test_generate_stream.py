@@ -222,6 +222,70 @@ async def test_an_abort_during_a_write_leaves_the_stream_whole(tiny_model: Path)
     assert not any(e.HasField("end") for e in context.events if e.request_id in ("a", "c"))
 
 
+class SlowWrite(OneWriteAtATime):
+    """One request's third event takes 0.5 s to write; ``slow`` is set while it is in flight."""
+
+    def __init__(self, rid: str) -> None:
+        super().__init__()
+        self.rid, self.seen, self.slow = rid, 0, asyncio.Event()
+
+    async def _complete(self, event: worker_pb2.GenerateEvent) -> None:
+        if event.request_id == self.rid:
+            self.seen += 1
+            if self.seen == 3:
+                self.slow.set()
+                await asyncio.sleep(0.5)
+        await super()._complete(event)
+
+
+@pytest.mark.parametrize("stop", ["deadline", "abort"])
+async def test_a_stop_during_a_write_waits_for_it_and_spares_the_others(
+    tiny_model: Path, stop: str
+) -> None:
+    """A request stopped while one of its events is being written (its deadline passes, or
+    the gateway aborts it) ends once that write is done; the stream's other requests get
+    everything. Cancelling the request's task mid-write instead would let the next write
+    start while gRPC still has this one in flight: it fails, and so does its request."""
+    servicer = WorkerServicer(WorkerSettings(engine=EngineArgs(model=str(tiny_model))), None)  # type: ignore[arg-type]
+    stopped: list[str] = []
+
+    async def generate(request: worker_pb2.GenerateRequest):  # type: ignore[no-untyped-def]
+        try:
+            for i in range(30):
+                yield worker_pb2.GenerateResponse(
+                    deltas=[worker_pb2.CompletionDelta(token_ids=[i])]
+                )
+        finally:  # the engine's abort
+            stopped.append(request.request_id)
+
+    servicer._generate = generate  # type: ignore[method-assign]
+    context = SlowWrite("x")
+
+    async def calls() -> AsyncIterator[worker_pb2.GenerateCall]:
+        for rid in ("a", "x", "c"):
+            # x's third write starts within ~15 ms (2 ms a write) and lasts 0.5 s
+            timeout = 0.25 if (rid == "x" and stop == "deadline") else 0.0
+            start = worker_pb2.GenerateRequest(request_id=rid)
+            yield worker_pb2.GenerateCall(start=start, timeout_s=timeout)
+        if stop == "abort":
+            await context.slow.wait()
+            yield worker_pb2.GenerateCall(abort="x")
+
+    await asyncio.wait_for(servicer.GenerateStream(calls(), context), 10)  # type: ignore[arg-type]
+    assert context.slow.is_set()
+    for rid in ("a", "c"):
+        got = [e for e in context.events if e.request_id == rid]
+        assert [e.response.deltas[0].token_ids[0] for e in got[:-1]] == list(range(30))
+        assert got[-1].HasField("end") and got[-1].end.code == 0
+    x = [e for e in context.events if e.request_id == "x"]
+    assert [e.response.deltas[0].token_ids[0] for e in x if e.HasField("response")] == [0, 1, 2]
+    if stop == "deadline":
+        assert x[-1].end.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    else:
+        assert not x[-1].HasField("end")  # an aborted request owes nobody an end
+    assert sorted(stopped) == ["a", "c", "x"]  # every generator closed, x's early
+
+
 async def test_a_request_the_engine_fails_ends_with_internal_not_silence(tiny_model: Path) -> None:
     servicer = WorkerServicer(WorkerSettings(engine=EngineArgs(model=str(tiny_model))), None)  # type: ignore[arg-type]
 
