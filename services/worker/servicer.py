@@ -8,6 +8,7 @@ engine, so its KV blocks are freed at once.
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -75,6 +76,11 @@ class _StreamCall:
             self.why = why
             if not self.writing and self.task is not None:
                 self.task.cancel()
+
+
+def _forget(running: dict[str, _StreamCall], rid: str, call: _StreamCall, _: object) -> None:
+    if running.get(rid) is call:
+        del running[rid]
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -145,12 +151,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 except CallRejected as e:
                     end.code, end.message = e.code.value[0], e.message
                 except (asyncio.CancelledError, _Stopped) as e:
-                    if call.why != _LATE:
+                    # stopped during its last response's write, it had finished all the same
+                    if call.why != _LATE and not (finished and isinstance(e, _Stopped)):
                         raise  # aborted, or the stream is ending: nobody waits for an end
                     if isinstance(e, asyncio.CancelledError):
                         asyncio.current_task().uncancel()  # type: ignore[union-attr]
-                    end.code = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
-                    end.message = "the request's deadline passed"
+                    if not finished:
+                        end.code = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+                        end.message = "the request's deadline passed"
                 except _StreamGone:
                     raise
                 except Exception as e:  # the engine failed it: its caller hears so now
@@ -181,6 +189,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         continue
                     new = running[rid] = _StreamCall()
                     new.task = asyncio.create_task(serve(message, new), name=f"generate-{rid}")
+                    # an abort may cancel the task before it ever runs (and pops itself)
+                    new.task.add_done_callback(functools.partial(_forget, running, rid, new))
                 elif (aborted := running.get(message.abort)) is not None:
                     aborted.stop(_ABORTED)
             while running:  # the gateway is done sending: finish what it started

@@ -286,6 +286,56 @@ async def test_a_stop_during_a_write_waits_for_it_and_spares_the_others(
     assert sorted(stopped) == ["a", "c", "x"]  # every generator closed, x's early
 
 
+async def test_a_deadline_during_the_last_write_leaves_a_finished_request_finished(
+    tiny_model: Path,
+) -> None:
+    """Its finished response is on the wire when the deadline passes: the request ended well,
+    and no DEADLINE_EXCEEDED end may follow it."""
+    servicer = WorkerServicer(WorkerSettings(engine=EngineArgs(model=str(tiny_model))), None)  # type: ignore[arg-type]
+
+    async def generate(request: worker_pb2.GenerateRequest):  # type: ignore[no-untyped-def]
+        for i in range(3):
+            delta = worker_pb2.CompletionDelta(token_ids=[i])
+            yield worker_pb2.GenerateResponse(deltas=[delta], finished=i == 2)
+
+    servicer._generate = generate  # type: ignore[method-assign]
+    context = SlowWrite("x")  # the third, finished response takes 0.5 s to write
+
+    async def calls() -> AsyncIterator[worker_pb2.GenerateCall]:
+        start = worker_pb2.GenerateRequest(request_id="x")
+        yield worker_pb2.GenerateCall(start=start, timeout_s=0.25)
+
+    await asyncio.wait_for(servicer.GenerateStream(calls(), context), 10)  # type: ignore[arg-type]
+    assert context.slow.is_set()
+    assert [e.WhichOneof("event") for e in context.events] == ["response"] * 3
+    assert context.events[-1].response.finished
+
+
+async def test_an_abort_right_behind_its_start_ends_the_stream(tiny_model: Path) -> None:
+    """An abort read before its request's task first ran cancels that task before it starts;
+    the stream must still forget the request and end when the gateway closes its side."""
+    servicer = WorkerServicer(WorkerSettings(engine=EngineArgs(model=str(tiny_model))), None)  # type: ignore[arg-type]
+    started: list[str] = []
+
+    async def generate(request: worker_pb2.GenerateRequest):  # type: ignore[no-untyped-def]
+        started.append(request.request_id)
+        yield worker_pb2.GenerateResponse(deltas=[worker_pb2.CompletionDelta(token_ids=[1])])
+
+    servicer._generate = generate  # type: ignore[method-assign]
+    context = OneWriteAtATime()
+
+    async def calls() -> AsyncIterator[worker_pb2.GenerateCall]:
+        yield worker_pb2.GenerateCall(start=worker_pb2.GenerateRequest(request_id="y"))
+        yield worker_pb2.GenerateCall(abort="y")  # no await between: the task has not run
+        yield worker_pb2.GenerateCall(start=worker_pb2.GenerateRequest(request_id="z"))
+
+    await asyncio.wait_for(servicer.GenerateStream(calls(), context), 10)  # type: ignore[arg-type]
+    assert started == ["z"]  # "y" never ran
+    assert [(e.request_id, e.WhichOneof("event")) for e in context.events] == [
+        ("z", "response"), ("z", "end"),
+    ]  # fmt: skip
+
+
 async def test_a_request_the_engine_fails_ends_with_internal_not_silence(tiny_model: Path) -> None:
     servicer = WorkerServicer(WorkerSettings(engine=EngineArgs(model=str(tiny_model))), None)  # type: ignore[arg-type]
 
