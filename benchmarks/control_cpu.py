@@ -77,23 +77,15 @@ def main() -> None:
         pids = {name: proc.pid for name, proc in cluster.procs.items()}
         (core,) = children(pids["worker-0"])  # the worker's engine core process
         pids["engine-core"] = core
-        asyncio.run(
-            drive(
-                cluster.url, model, args.warmup, args.prompt_len, vocab, args.seed, args.max_tokens
-            )
-        )
+
+        def run(n: int, seed: int) -> float:
+            url = cluster.url
+            assert url is not None
+            return asyncio.run(drive(url, model, n, args.prompt_len, vocab, seed, args.max_tokens))
+
+        run(args.warmup, args.seed)
         before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-        seconds = asyncio.run(
-            drive(
-                cluster.url,
-                model,
-                args.requests,
-                args.prompt_len,
-                vocab,
-                args.seed + 1,
-                args.max_tokens,
-            )
-        )
+        seconds = run(args.requests, args.seed + 1)
         after = {name: cpu_seconds(pid) for name, pid in pids.items()}
     per_request = {n: 1e3 * (after[n] - before[n]) / args.requests for n in pids}
     yardstick = per_request["scheduler"]

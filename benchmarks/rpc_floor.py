@@ -17,6 +17,7 @@ services do); one client request at a time; p50 of ``--requests``.
 """
 
 import argparse
+import functools
 import json
 import statistics
 import subprocess
@@ -24,14 +25,28 @@ import sys
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+async def _one_chunk() -> AsyncGenerator[str, None]:
+    """What every HTTP floor server streams: one completion chunk, then [DONE]."""
+    yield "data: " + json.dumps({"choices": [{"index": 0, "text": "x"}]}) + "\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def _serve_app(app: Any, port: int) -> None:
+    import uvicorn
+
+    # as the gateway runs: uvloop, no access log
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", loop="uvloop",
+                access_log=False)  # fmt: skip
 
 
 def http_server(port: int, event_stream: bool = False) -> None:
     """A bare FastAPI endpoint; it streams with Starlette's ``StreamingResponse``, or with the
     gateway's ``sse.EventStream`` (``event_stream``)."""
-    import uvicorn
     from fastapi import FastAPI
     from fastapi.responses import Response, StreamingResponse
     from pydantic import BaseModel
@@ -46,24 +61,18 @@ def http_server(port: int, event_stream: bool = False) -> None:
 
     app = FastAPI()
 
-    async def chunks() -> AsyncGenerator[str, None]:
-        yield "data: " + json.dumps({"choices": [{"index": 0, "text": "x"}]}) + "\n\n"
-        yield "data: [DONE]\n\n"
-
     @app.post("/v1/completions")
     async def completions(body: Body) -> Response:
         if event_stream:
-            return EventStream(chunks())
-        return StreamingResponse(chunks(), media_type="text/event-stream")
+            return EventStream(_one_chunk())
+        return StreamingResponse(_one_chunk(), media_type="text/event-stream")
 
-    uvicorn.run(
-        app, host="127.0.0.1", port=port, log_level="warning", loop="uvloop", access_log=False
-    )  # as the gateway runs
+    _serve_app(app, port)
 
 
 def gateway_server(port: int) -> None:
     """The gateway's app with its Handler replaced by one that answers at once."""
-    import uvicorn
+    import tempfile
 
     from baton.tiny_model import train_tokenizer
     from services.gateway import app as gateway_app
@@ -76,19 +85,14 @@ def gateway_server(port: int) -> None:
         async def plan(self, body: object, request_id: str) -> object:
             return body
 
-        async def stream(self, plan: object, include_usage: bool) -> AsyncIterator[str]:
-            yield "data: " + json.dumps({"choices": [{"index": 0, "text": "x"}]}) + "\n\n"
-            yield "data: [DONE]\n\n"
-
-    import tempfile
+        def stream(self, plan: object, include_usage: bool) -> AsyncIterator[str]:
+            return _one_chunk()
 
     tokenizer = Path(tempfile.mkdtemp())
     train_tokenizer(tokenizer)
     gateway_app.Handler = Instant  # type: ignore[assignment,misc]
     settings = GatewaySettings(scheduler_address="127.0.0.1:1", models={"m": str(tokenizer)})
-    app = gateway_app.create_app(settings)
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", loop="uvloop",
-                access_log=False)  # fmt: skip
+    _serve_app(gateway_app.create_app(settings), port)
 
 
 def grpc_server(port: int) -> None:
@@ -264,10 +268,9 @@ def main() -> None:
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
-        if args.serve == "http-sse":
-            http_server(args.port, event_stream=True)
-            return
-        servers = {"http": http_server, "grpc": grpc_server, "scheduler": scheduler_server,
+        servers = {"http": http_server,
+                   "http-sse": functools.partial(http_server, event_stream=True),
+                   "grpc": grpc_server, "scheduler": scheduler_server,
                    "gateway": gateway_server}  # fmt: skip
         servers[args.serve](args.port)
         return

@@ -78,7 +78,10 @@ class _StreamCall:
                 self.task.cancel()
 
 
-def _forget(running: dict[str, _StreamCall], rid: str, call: _StreamCall, _: object) -> None:
+def _forget(
+    running: dict[str, _StreamCall], rid: str, call: _StreamCall, _done: object = None
+) -> None:
+    """Drop ``call`` from a stream's table, and not a later request that reused its id."""
     if running.get(rid) is call:
         del running[rid]
 
@@ -165,7 +168,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     logger.exception("request %s failed", rid)
                     end.code = grpc.StatusCode.INTERNAL.value[0]
                     end.message = f"the worker failed the request: {e}"
-                running.pop(rid, None)
+                _forget(running, rid, call)  # an abort from here on finds nothing to stop
                 if not (finished and end.code == 0):
                     call.why = None  # its end is the one write still owed
                     await send(call, worker_pb2.GenerateEvent(request_id=rid, end=end))
@@ -174,7 +177,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             finally:
                 if timer is not None:
                     timer.cancel()
-                running.pop(rid, None)
 
         try:
             async for message in calls:
@@ -189,7 +191,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         continue
                     new = running[rid] = _StreamCall()
                     new.task = asyncio.create_task(serve(message, new), name=f"generate-{rid}")
-                    # an abort may cancel the task before it ever runs (and pops itself)
+                    # however it ends, even cancelled by an abort before it ever ran
                     new.task.add_done_callback(functools.partial(_forget, running, rid, new))
                 elif (aborted := running.get(message.abort)) is not None:
                     aborted.stop(_ABORTED)
