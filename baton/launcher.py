@@ -25,6 +25,8 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from shared.affinity import assign_cpus
+
 SCHEDULER_START_S = 30.0
 WORKER_START_S = 600.0
 GATEWAY_START_S = 60.0
@@ -103,7 +105,9 @@ class Cluster:
 
     def _start(self) -> str:
         a = self.args
-        argv = ["global-scheduler", "--port", "0", "--metrics-port", "0"]
+        roles = self.worker_roles()
+        cpus = self.cpus(["scheduler", *(name for name, _ in roles), "gateway"])
+        argv = ["global-scheduler", "--port", "0", "--metrics-port", "0", *cpus["scheduler"]]
         if a.redis_url:
             argv += ["--redis-url", a.redis_url]
         if a.routing_policy:
@@ -112,7 +116,6 @@ class Cluster:
         sched_addr = self.wait_ready("scheduler", sched, SCHEDULER_START_S)["address"]
         workers = []
         gpus = self.gpus()
-        roles = self.worker_roles()
         if gpus and len(roles) > len(gpus) and not (a.num_kv_blocks or a.kv_cache_memory_bytes):
             print(f"baton serve: {len(roles)} workers share {len(gpus)} GPU(s), and each sizes "
                   "its KV cache from the memory it finds free: give each a size "
@@ -122,6 +125,7 @@ class Cluster:
                     "--role", role]  # fmt: skip
             if a.worker_metrics:
                 argv += ["--metrics-port", "0"]
+            argv += cpus[name]
             env = {"OMP_NUM_THREADS": str(self._threads_per_worker())}
             if gpus:  # one GPU each, round robin: P/D pools land on different GPUs
                 env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
@@ -135,7 +139,7 @@ class Cluster:
         for key in a.api_key or ():
             argv += ["--api-key", key]
         argv += ["--no-generate-stream"] if a.no_generate_stream else []
-        self.spawn("gateway", argv, ready=False)
+        self.spawn("gateway", argv + cpus["gateway"], ready=False)
         url = f"http://{a.host}:{a.port}"
         self.wait_http("gateway", f"{url}/health", GATEWAY_START_S)
         self.url = f"{url}/v1"
@@ -171,6 +175,19 @@ class Cluster:
         if "OMP_NUM_THREADS" in os.environ:
             return int(os.environ["OMP_NUM_THREADS"])
         return max(1, (os.cpu_count() or 1) // max(1, len(self.worker_roles())))
+
+    def cpus(self, names: list[str]) -> dict[str, list[str]]:
+        """Each service's ``--cpus`` flag: one CPU of its own with ``--pin-cpus``, else none."""
+        spec = getattr(self.args, "pin_cpus", None)
+        if spec is None:
+            return {name: [] for name in names}
+        try:
+            chosen = assign_cpus(names, spec)
+        except ValueError as e:
+            raise RuntimeError(str(e)) from None
+        print("baton serve: " + ", ".join(f"{n} on CPU {c}" for n, c in chosen.items()),
+              flush=True)  # fmt: skip
+        return {name: ["--cpus", str(cpu)] for name, cpu in chosen.items()}
 
     def gpus(self) -> list[str]:
         """The GPUs the workers are spread over: ``--gpus``, else CUDA_VISIBLE_DEVICES, else

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 import uvloop  # the event loop of every service (gRPC p99 latency ~7× lower than asyncio's here)
 
+from shared.affinity import check_cpus, parse_cpus  # imports no grpc (see below)
+
 # gRPC core's transport for every service: the poll-based I/O manager instead of EventEngine
 # endpoints. With EventEngine a received message goes from an EventEngine thread to grpc.aio's
 # poller thread, then to the event loop; with the older one the poller thread reads the socket
@@ -103,7 +105,7 @@ def run_worker(args: argparse.Namespace) -> None:
         advertise_host=args.advertise_host,
         scheduler_addresses=tuple(a for a in (args.scheduler or '').split(',') if a),
         worker_id=args.worker_id or "", metrics_port=args.metrics_port,
-        drain_timeout_s=args.drain_timeout, ready_file=args.ready_file,
+        drain_timeout_s=args.drain_timeout, ready_file=args.ready_file, cpus=_cpus(args),
     )  # fmt: skip
     uvloop.run(serve(settings))
 
@@ -118,7 +120,7 @@ def run_scheduler(args: argparse.Namespace) -> None:
         host=args.host, port=args.port, heartbeat_timeout_s=args.heartbeat_timeout,
         metrics_port=args.metrics_port, ready_file=args.ready_file,
         routing_policy=load_policy(args.routing_policy) if args.routing_policy else None,
-        redis_url=args.redis_url,
+        redis_url=args.redis_url, cpus=_cpus(args),
     )  # fmt: skip
     uvloop.run(serve(settings))
 
@@ -134,8 +136,32 @@ def run_gateway(args: argparse.Namespace) -> None:
         scheduler_address=args.scheduler, models={name: args.model}, host=args.host,
         port=args.port, api_keys=tuple(args.api_key or ()), max_body_bytes=args.max_body_bytes,
         request_timeout_s=args.request_timeout, generate_stream=not args.no_generate_stream,
+        cpus=_cpus(args),
     )  # fmt: skip
     serve(settings)
+
+
+def _cpus(args: argparse.Namespace) -> tuple[int, ...]:
+    return args.cpus or ()
+
+
+def _cpu_list(spec: str) -> tuple[int, ...]:
+    """``--cpus``, checked as the flags are read: a CPU this process may not use fails before
+    the service starts, with the CPUs it may use."""
+    try:
+        return check_cpus(parse_cpus(spec))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_cpus_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--cpus",
+        type=_cpu_list,
+        default=None,
+        help="pin this service's threads to these CPUs once it serves (e.g. 3 or 2,5-7); "
+        "a worker's engine core keeps every CPU",
+    )
 
 
 def run_serve(args: argparse.Namespace) -> None:
@@ -163,6 +189,7 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--kv-transfer", action="store_true", help="NIXL KV transfer (on for prefill/decode)"
     )
+    _add_cpus_flag(p)
     add_engine_flags(p)
     p.set_defaults(func=run_worker)
 
@@ -174,12 +201,14 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--routing-policy", default=None, help="YAML/JSON file (see routing.py)")
     p.add_argument("--redis-url", default=None, help="share the prefix directory in Redis")
     p.add_argument("--ready-file", default=None)
+    _add_cpus_flag(p)
     p.set_defaults(func=run_scheduler)
 
     p = sub.add_parser("gateway", help="the OpenAI-compatible HTTP API")
     _gateway_flags(p)
     p.add_argument("--scheduler", required=True, help="host:port of the global scheduler")
     p.add_argument("--served-model-name", default=None)
+    _add_cpus_flag(p)
     p.set_defaults(func=run_gateway)
 
     p = sub.add_parser("serve", help="scheduler + workers + gateway on this machine")
@@ -196,6 +225,16 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="comma-separated GPU ids; worker i gets GPU i mod their number "
         "(default: CUDA_VISIBLE_DEVICES, else every GPU nvidia-smi lists)",
+    )
+    p.add_argument(
+        "--pin-cpus",
+        nargs="?",
+        const="auto",
+        default=None,
+        metavar="CPUS",
+        help="give the scheduler, each worker's front and the gateway a CPU of its own: the "
+        "highest-numbered ones, leaving one or more to the engine cores; or CPUS dealt out in "
+        "order (e.g. 8-15). Lower added latency on an idle many-core machine",
     )
     add_engine_flags(p)
     p.set_defaults(func=run_serve)

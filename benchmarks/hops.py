@@ -85,8 +85,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the p50s as JSON here")
     p.add_argument(
-        "--no-generate-stream", action="store_true", help="the gateway calls Generate unary"
+        "--no-generate-stream", action="store_true", help="the gateway calls Generate extra"
     )
+    p.add_argument("--pin-cpus", nargs="?", const="auto", default=None, metavar="CPUS",
+                   help="baton serve --pin-cpus: a CPU of its own for each service")  # fmt: skip
     args = p.parse_args()
 
     from baton.launcher import serving
@@ -94,9 +96,10 @@ def main() -> None:
 
     os.environ["BATON_HOP_TRACE"] = "1"  # the services inherit it
     log_dir = Path(tempfile.mkdtemp(prefix="baton-hops-"))
-    unary = ["--no-generate-stream"] if args.no_generate_stream else []
+    extra = ["--no-generate-stream"] if args.no_generate_stream else []
+    extra += ["--pin-cpus", args.pin_cpus] if args.pin_cpus else []
     with serving("--model", args.model, "--workers", "1", "--num-kv-blocks", "4096",
-                 "--log-dir", str(log_dir), *unary) as cluster:  # fmt: skip
+                 "--log-dir", str(log_dir), *extra) as cluster:  # fmt: skip
         vocab = load_arch_config(args.model).vocab_size
         sent = asyncio.run(drive(cluster.url, Path(args.model).name, args, vocab))
     p50 = breakdown(log_dir, sent)

@@ -258,6 +258,7 @@ def serve_flags(args: argparse.Namespace, layout: list[str]) -> list[str]:
     """``baton serve`` flags for this benchmark's cluster in ``layout``."""
     flags = ["--model", args.model, "--worker-metrics", *layout]
     flags += ["--no-generate-stream"] if args.no_generate_stream else []
+    flags += ["--pin-cpus", args.pin_cpus] if args.pin_cpus else []
     for flag in ("num_kv_blocks", "max_model_len", "max_num_batched_tokens",
                  "gpu_memory_utilization", "load_format", "log_dir"):  # fmt: skip
         value = getattr(args, flag)
@@ -360,6 +361,14 @@ def main() -> None:
     p.add_argument("--skip-overhead", action="store_true")
     p.add_argument(
         "--no-generate-stream", action="store_true", help="the gateway calls Generate unary"
+    )
+    p.add_argument(
+        "--pin-cpus",
+        nargs="?",
+        const="auto",
+        default=None,
+        metavar="CPUS",
+        help="baton serve --pin-cpus: a CPU of its own for each service",
     )
     p.add_argument(
         "--compare-pd",

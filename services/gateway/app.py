@@ -31,6 +31,7 @@ from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.settings import GatewaySettings
 from services.gateway.sse import EventStream
 from shared import hop_trace, rpc
+from shared.affinity import pin_threads
 from shared.lifecycle import TaskOwner
 from shared.logs import request_id_var
 from shared.protos.baton.v1 import scheduler_pb2_grpc
@@ -57,6 +58,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         owner.spawn(catalog.refresh_forever(), "catalog-refresh")
         orchestrator = Orchestrator(scheduler, catalog, workers)
         state["handler"] = Handler(orchestrator, catalog, settings.request_timeout_s)
+        if settings.cpus:
+            pin_threads(settings.cpus)
         yield
         await owner.cancel_all()
         await orchestrator.close()

@@ -14,6 +14,7 @@ class GatewaySettings:
     request_timeout_s: float = 600.0  # no request runs longer than this
     generate_stream: bool = True  # Generate over one long-lived stream per worker (else unary)
     log_level: str = "info"
+    cpus: tuple[int, ...] = ()  # pin every thread here once serving (shared/affinity.py)
 
     def __post_init__(self) -> None:
         if not self.models:

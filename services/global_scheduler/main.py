@@ -17,6 +17,7 @@ from services.global_scheduler.routing import RoutingPolicy
 from services.global_scheduler.server import SchedulerServicer
 from services.global_scheduler.settings import SchedulerSettings
 from shared import rpc
+from shared.affinity import pin_threads
 from shared.lifecycle import StopSignal, TaskOwner
 from shared.protos.baton.v1 import scheduler_pb2_grpc
 
@@ -51,6 +52,8 @@ async def serve(settings: SchedulerSettings, stop: StopSignal | None = None) -> 
         owner.spawn(directory.probe_forever(), "directory-probe")
         address = f"{settings.host}:{port}"
         logger.info("global scheduler listening on %s", address)
+        if settings.cpus:
+            pin_threads(settings.cpus)
         if settings.ready_file:
             tmp = Path(settings.ready_file + ".tmp")
             tmp.write_text(json.dumps({"address": address, "metrics_port": metrics_port}))

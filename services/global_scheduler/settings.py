@@ -18,6 +18,7 @@ class SchedulerSettings:
     routing_policy: dict[str, Any] | None = field(default=None, hash=False)  # None: default
     redis_url: str | None = None  # the shared prefix directory; None: in this process
     ready_file: str | None = None
+    cpus: tuple[int, ...] = ()  # pin every thread here once serving (shared/affinity.py)
 
     def __post_init__(self) -> None:
         if self.heartbeat_timeout_s <= 0 or self.sweep_interval_s <= 0:

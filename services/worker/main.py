@@ -19,6 +19,7 @@ from services.worker.heartbeat import Heartbeat
 from services.worker.servicer import ROLES, WorkerServicer
 from services.worker.settings import WorkerSettings, new_incarnation
 from shared import rpc
+from shared.affinity import pin_threads
 from shared.kv_events import KVEventBatch
 from shared.lifecycle import StopSignal, TaskOwner, wait_or_forced
 from shared.protos.baton.v1 import scheduler_pb2, worker_pb2_grpc
@@ -84,6 +85,8 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> Non
         owner.spawn(_watch_engine(engine, stop), "engine-watch")
         logger.info("worker %s (%s) serving %s on %s", settings.worker_id, settings.role,
                     engine.model_name, address)  # fmt: skip
+        if settings.cpus:  # the engine core runs in its own process, which keeps every CPU
+            pin_threads(settings.cpus)
         if settings.ready_file:
             _write_ready(settings.ready_file, address, metrics_port)
         await stop.wait()

@@ -25,6 +25,7 @@ class WorkerSettings:
     heartbeat_interval_s: float = 0.5
     drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may finish
     ready_file: str | None = None  # written with the bound address once serving (for launchers)
+    cpus: tuple[int, ...] = ()  # pin the front's threads here once serving; not the engine core
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "both"):

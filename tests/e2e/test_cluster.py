@@ -3,6 +3,7 @@
 middle of a stream, and a client that disconnects. Waits poll the scheduler with a bound."""
 
 import asyncio
+import os
 import signal
 from pathlib import Path
 
@@ -186,3 +187,28 @@ def test_one_request_id_in_every_services_logs(tiny_model: Path, tmp_path: Path)
         logs = {name: (tmp_path / f"{name}.log") for name in ("gateway", "scheduler", "worker-0")}
         wait_for(lambda: all("[trace-4242]" in p.read_text() for p in logs.values()), 5.0,
                  "the request id in every log")  # fmt: skip
+
+
+def _thread_cpus(pid: int) -> dict[int, list[int]]:
+    return {int(t.name): sorted(os.sched_getaffinity(int(t.name)))
+            for t in Path(f"/proc/{pid}/task").iterdir()}  # fmt: skip
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux only")
+def test_pin_cpus_pins_every_service_thread_but_not_the_engine(tiny_model: Path) -> None:
+    """``baton serve --pin-cpus CPU``: every thread of the scheduler, the worker's front and the
+    gateway on that CPU, before and after serving a request; the engine core keeps them all."""
+    allowed = sorted(os.sched_getaffinity(0))
+    cpu = allowed[-1]
+    with running_cluster(tiny_model, 1, "--pin-cpus", str(cpu)) as cluster:
+        resp = httpx.post(f"{cluster.url}/completions", timeout=30,
+                          json={"model": MODEL, "prompt": "pinned", "max_tokens": 3})  # fmt: skip
+        assert resp.status_code == 200, resp.text
+        services = {name: proc.pid for name, proc in cluster.procs.items()}
+        assert set(services) == {"scheduler", "worker-0", "gateway"}
+        for name, pid in services.items():
+            threads = _thread_cpus(pid)
+            assert len(threads) >= 2 and all(c == [cpu] for c in threads.values()), (name, threads)
+        tasks = Path(f"/proc/{services['worker-0']}/task").iterdir()  # any thread may fork
+        (core,) = (int(c) for t in tasks for c in (t / "children").read_text().split())
+        assert all(c == allowed for c in _thread_cpus(core).values())
