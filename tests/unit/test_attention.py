@@ -87,6 +87,9 @@ CASES = {
     "decode-long": [(70, 1), (3, 1), (129, 1)],  # split over the context (see the fixture)
     "prefill-only": [(0, 7), (0, 1), (0, 13)],
     "mixed-with-prefix": [(8, 6), (0, 9), (21, 1), (3, 1), (12, 5)],
+    # the trailing one-query rows of a mixed step (the runner puts them last) go through the
+    # Triton backend's decode kernel, split over the context for the long one
+    "mixed-trailing-decodes": [(5, 1), (8, 6), (0, 9), (21, 1), (3, 1), (70, 1)],
 }
 
 
@@ -102,6 +105,15 @@ def small_decode_splits(monkeypatch: pytest.MonkeyPatch) -> None:
 # Inputs are rounded to the dtype first, so only the kernel's own rounding is measured.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_metadata_counts_the_trailing_decode_rows() -> None:
+    _, _, _, _, meta, _, _ = build_case(0, 2, 1, 8, CASES["mixed-trailing-decodes"])
+    assert (meta.num_decodes, meta.max_decode_seq_len) == (3, 71)
+    _, _, _, _, meta, _, _ = build_case(0, 2, 1, 8, CASES["mixed-with-prefix"])
+    assert (meta.num_decodes, meta.max_decode_seq_len) == (0, 0)
+    _, _, _, _, meta, _, _ = build_case(0, 2, 1, 8, CASES["decode-only"])
+    assert (meta.num_decodes, meta.max_decode_seq_len) == (4, 31)
 
 
 @pytest.mark.parametrize("backend", known_backends())

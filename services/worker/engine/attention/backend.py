@@ -12,7 +12,7 @@ causally to every position before it, read from the paged cache through ``block_
 """
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,18 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
+    # The trailing requests with one query each (a mixed step's decode rows, which the model
+    # runner puts last) and their longest context: a backend may serve them as decode.
+    num_decodes: int = field(init=False)
+    max_decode_seq_len: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        qsl, n = self.query_start_loc_cpu, len(self.query_start_loc_cpu) - 1
+        d = 0
+        while d < n and qsl[n - d] - qsl[n - d - 1] == 1:
+            d += 1
+        self.num_decodes = d
+        self.max_decode_seq_len = max(self.seq_lens_cpu[n - d :], default=0)
 
 
 @dataclass

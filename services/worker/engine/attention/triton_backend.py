@@ -1,6 +1,8 @@
-"""The Triton paged-attention backend (the GPU default). Prefill and mixed steps go through
-``_prefill``; steps where every request has one query (decode) go through ``_decode``, split
-over the context when the batch is too small to fill the GPU, then ``_combine``.
+"""The Triton paged-attention backend (the GPU default). Requests with more than one query
+(prefill chunks) go through ``_prefill``; requests with one (decode rows: the whole batch of a
+decode step, the trailing rows of a mixed one) through ``_decode``, which reads each kv head's
+K/V once for its whole query group, split over the context when the rows are too few to fill
+the GPU, then ``_combine``.
 
 It needs only device values from the metadata plus ``max_query_len`` and ``max_seq_len`` —
 which the CUDA-graph path pins to 1 and ``max_model_len`` — so decode can be captured.
@@ -66,8 +68,12 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         if metadata.max_query_len == 1:
             self._decode(q, kv_cache, metadata, out)
-        else:
-            self._prefill(q, kv_cache, metadata, out)
+            return out
+        num_reqs = metadata.seq_lens.shape[0]
+        decodes = metadata.num_decodes
+        self._prefill(q, kv_cache, metadata, out, num_reqs - decodes)
+        if decodes:
+            self._decode(q, kv_cache, metadata, out, num_reqs - decodes)
         return out
 
     def _write_kv(
@@ -98,10 +104,15 @@ class TritonAttentionBackend(AttentionBackend):
         }  # fmt: skip
 
     def _prefill(
-        self, q: torch.Tensor, kv: LayerKVCache, meta: AttentionMetadata, out: torch.Tensor
+        self,
+        q: torch.Tensor,
+        kv: LayerKVCache,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+        num_reqs: int,
     ) -> None:
+        """The first ``num_reqs`` requests of the batch."""
         block_m, block_n = (64, 64) if q.is_cuda else (16, 16)
-        num_reqs = meta.seq_lens.shape[0]
         grid = (triton.cdiv(meta.max_query_len, block_m), num_reqs, self.num_heads)
         _prefill[grid](
             q, kv.key, kv.value, out, meta.block_tables, meta.query_start_loc, meta.seq_lens,
@@ -110,10 +121,17 @@ class TritonAttentionBackend(AttentionBackend):
         )  # fmt: skip
 
     def _decode(
-        self, q: torch.Tensor, kv: LayerKVCache, meta: AttentionMetadata, out: torch.Tensor
+        self,
+        q: torch.Tensor,
+        kv: LayerKVCache,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+        first: int = 0,
     ) -> None:
-        num_reqs = meta.seq_lens.shape[0]
-        splits = num_decode_splits(num_reqs, self.num_kv_heads, meta.max_seq_len, self._sms(q))
+        """The requests from ``first`` on, one query each."""
+        num_reqs = meta.seq_lens.shape[0] - first
+        longest = meta.max_seq_len if first == 0 else meta.max_decode_seq_len
+        splits = num_decode_splits(num_reqs, self.num_kv_heads, longest, self._sms(q))
         part_acc = part_ml = out  # unused placeholders when there is a single split
         if splits > 1:
             shape = (num_reqs, self.num_heads, splits)
@@ -122,14 +140,15 @@ class TritonAttentionBackend(AttentionBackend):
         common = self._common(q, kv, meta, out)
         _decode[(num_reqs, self.num_kv_heads, splits)](
             q, kv.key, kv.value, out, part_acc, part_ml,
-            meta.block_tables, meta.query_start_loc, meta.seq_lens,
+            meta.block_tables, meta.query_start_loc, meta.seq_lens, first,
             GROUP_PAD=max(16, triton.next_power_of_2(self.group)),
             BLOCK_N=self.DECODE_BLOCK_N if q.is_cuda else 16, NUM_SPLITS=splits, **common,
             **self._decode_launch(q),
         )  # fmt: skip
         if splits > 1:
             _combine[(num_reqs, self.num_heads)](
-                out, part_acc, part_ml, meta.query_start_loc, out.stride(0), out.stride(1),
+                out, part_acc, part_ml, meta.query_start_loc, first, out.stride(0),
+                out.stride(1),
                 HEAD_DIM=self.head_dim, BLOCK_D=self.block_d, NUM_SPLITS=splits,
             )  # fmt: skip
 

@@ -10,8 +10,10 @@ Two kernels and a combine step:
       query m sits at position seq_len - q_len + m and sees keys [0, that position]
 
   Keys are gathered token by token through the block table, so BLOCK_N need not match the
-  KV block size. It also serves mixed batches (a decode row is a query tile of one).
-- ``_decode``: grid (requests, kv heads, splits). One query per request; the GROUP query heads
+  KV block size. It can serve a decode row too (a query tile of one), at GROUP times the
+  reads of ``_decode``; the backend gives a mixed step's trailing decode rows to ``_decode``.
+- ``_decode``: grid (requests, kv heads, splits) over the requests from ``first_req`` on
+  (0 in a pure decode step). One query per request; the GROUP query heads
   that share a kv head are packed into the M dimension of one tile, so K/V are read once per
   group. The context is cut into NUM_SPLITS ranges processed in parallel (long contexts, small
   batches); ``_combine`` merges the partial results with their log-sum-exp.
@@ -30,7 +32,9 @@ LOG2E = 1.4426950408889634
 # integer argument (== 1, divisible by 16, other): the block table's row stride is the widest
 # scheduled request's block count, so without this a busy engine compiled a fresh variant of
 # these kernels (a second each) at its first step of a new class, long after start-up.
+# ``first_req`` likewise: where a mixed step's decode rows start (0 in a pure decode step).
 PER_STEP = ["stride_bt"]
+DECODE_PER_STEP = ["stride_bt", "first_req"]
 
 
 @triton.jit
@@ -114,10 +118,10 @@ def _prefill(
     )
 
 
-@triton.jit(do_not_specialize=PER_STEP)
+@triton.jit(do_not_specialize=DECODE_PER_STEP)
 def _decode(
     Q, K, V, Out, part_acc, part_ml,
-    block_tables, query_start_loc, seq_lens,
+    block_tables, query_start_loc, seq_lens, first_req,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
     qk_scale,
@@ -125,7 +129,8 @@ def _decode(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    req = tl.program_id(0)
+    local = tl.program_id(0)  # the partials are indexed by this, from 0
+    req = first_req + local
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP
@@ -166,25 +171,25 @@ def _decode(
         )
     else:
         # partials: acc [reqs, heads, splits, BLOCK_D], (max, sum) [reqs, heads, splits, 2]
-        slot = (req.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
+        slot = (local.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
         # whole padded rows (the columns past HEAD_DIM are zeros), so _combine reads no garbage
         tl.store(part_acc + slot[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_ok[:, None])
         tl.store(part_ml + slot * 2, m_i, mask=g_ok)
         tl.store(part_ml + slot * 2 + 1, l_i, mask=g_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_req"])
 def _combine(
-    Out, part_acc, part_ml, query_start_loc, stride_ot, stride_oh,
+    Out, part_acc, part_ml, query_start_loc, first_req, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):  # fmt: skip
-    req = tl.program_id(0)
+    local = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
-    row = tl.load(query_start_loc + req).to(tl.int64)
+    row = tl.load(query_start_loc + first_req + local).to(tl.int64)
     offs_s = tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, BLOCK_D)
-    slot = (req.to(tl.int64) * num_heads + head) * NUM_SPLITS + offs_s
+    slot = (local.to(tl.int64) * num_heads + head) * NUM_SPLITS + offs_s
     m = tl.load(part_ml + slot * 2)
     l_s = tl.load(part_ml + slot * 2 + 1)
     m_max = tl.max(m, 0)

@@ -83,7 +83,12 @@ def build_step_inputs(
     Runs on the host every step, for up to max_num_seqs requests, while the GPU waits: decode
     rows (one token) take a plain-int path; numpy only pays off for long prefill chunks.
     """
-    req_ids = [r.req_id for r in sched.new_reqs] + [r.req_id for r in sched.cached_reqs]
+    # Requests with one token this step go last, so that a mixed step's decode rows are one
+    # run the attention backend can serve as decode (AttentionMetadata.num_decodes).
+    req_ids = sorted(
+        [r.req_id for r in sched.new_reqs] + [r.req_id for r in sched.cached_reqs],
+        key=lambda rid: sched.num_scheduled_tokens[rid] == 1,
+    )
     bs = block_size
     ids: list[int] = []
     pos: list[int] = []
