@@ -101,3 +101,20 @@ def test_grpc_core_knows_the_experiments_the_services_turn_off() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=env
     )
     assert "Unknown experiment" not in ours.stderr
+
+
+def test_pin_cpus_becomes_each_services_cpus_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--pin-cpus``: each child gets ``--cpus`` with its own CPU; none without the flag; too
+    few CPUs for ``auto`` is an error before anything starts."""
+    from shared import affinity
+
+    names = ["scheduler", "worker-0", "gateway"]
+    assert cluster().cpus(names) == {n: [] for n in names}
+    monkeypatch.setattr(affinity, "allowed_cpus", lambda: tuple(range(8)))
+    assert cluster("--pin-cpus").cpus(names) == {
+        "scheduler": ["--cpus", "5"], "worker-0": ["--cpus", "6"], "gateway": ["--cpus", "7"],
+    }  # fmt: skip
+    assert cluster("--pin-cpus", "2").cpus(names) == {n: ["--cpus", "2"] for n in names}
+    monkeypatch.setattr(affinity, "allowed_cpus", lambda: (0, 1, 2))
+    with pytest.raises(RuntimeError, match="3 services need 4 CPUs"):
+        cluster("--pin-cpus").cpus(names)
