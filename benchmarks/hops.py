@@ -85,7 +85,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the p50s as JSON here")
     p.add_argument(
-        "--no-generate-stream", action="store_true", help="the gateway calls Generate extra"
+        "--no-generate-stream", action="store_true", help="the gateway calls Generate unary"
     )
     p.add_argument("--pin-cpus", nargs="?", const="auto", default=None, metavar="CPUS",
                    help="baton serve --pin-cpus: a CPU of its own for each service")  # fmt: skip
