@@ -164,6 +164,20 @@ def _add_cpus_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_pin_cpus_flag(p: argparse.ArgumentParser) -> None:
+    """``baton serve --pin-cpus [CPUS]`` (and the benchmarks that start a cluster)."""
+    p.add_argument(
+        "--pin-cpus",
+        nargs="?",
+        const="auto",
+        default=None,
+        metavar="CPUS",
+        help="give the scheduler, each worker's front and the gateway a CPU of its own: the "
+        "highest-numbered ones, leaving one or more to the engine cores; or CPUS dealt out in "
+        "order (e.g. 8-15). Lower added latency on an idle many-core machine",
+    )
+
+
 def run_serve(args: argparse.Namespace) -> None:
     from baton.launcher import Cluster
 
@@ -226,16 +240,7 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
         help="comma-separated GPU ids; worker i gets GPU i mod their number "
         "(default: CUDA_VISIBLE_DEVICES, else every GPU nvidia-smi lists)",
     )
-    p.add_argument(
-        "--pin-cpus",
-        nargs="?",
-        const="auto",
-        default=None,
-        metavar="CPUS",
-        help="give the scheduler, each worker's front and the gateway a CPU of its own: the "
-        "highest-numbered ones, leaving one or more to the engine cores; or CPUS dealt out in "
-        "order (e.g. 8-15). Lower added latency on an idle many-core machine",
-    )
+    add_pin_cpus_flag(p)
     add_engine_flags(p)
     p.set_defaults(func=run_serve)
 

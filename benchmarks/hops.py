@@ -77,6 +77,8 @@ def breakdown(log_dir: Path, sent: dict[str, tuple[int, int]]) -> dict[str, floa
 
 
 def main() -> None:
+    from baton.service_cli import add_pin_cpus_flag
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--requests", type=int, default=200)
@@ -87,8 +89,7 @@ def main() -> None:
     p.add_argument(
         "--no-generate-stream", action="store_true", help="the gateway calls Generate unary"
     )
-    p.add_argument("--pin-cpus", nargs="?", const="auto", default=None, metavar="CPUS",
-                   help="baton serve --pin-cpus: a CPU of its own for each service")  # fmt: skip
+    add_pin_cpus_flag(p)
     args = p.parse_args()
 
     from baton.launcher import serving

@@ -340,6 +340,10 @@ def worker_counters(cluster: Any, worker: str) -> dict[str, float]:
 
 
 def main() -> None:
+    # here, not at the top: service_cli sets gRPC's I/O manager for the process that imports
+    # it, and rpc_floor imports this module for its HTTP client
+    from baton.service_cli import add_pin_cpus_flag
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint directory")
     p.add_argument("--shape", default=None, help="a benchmarks/shapes.py shape, dummy weights")
@@ -362,14 +366,7 @@ def main() -> None:
     p.add_argument(
         "--no-generate-stream", action="store_true", help="the gateway calls Generate unary"
     )
-    p.add_argument(
-        "--pin-cpus",
-        nargs="?",
-        const="auto",
-        default=None,
-        metavar="CPUS",
-        help="baton serve --pin-cpus: a CPU of its own for each service",
-    )
+    add_pin_cpus_flag(p)
     p.add_argument(
         "--compare-pd",
         action="store_true",
