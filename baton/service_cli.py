@@ -105,7 +105,7 @@ def run_worker(args: argparse.Namespace) -> None:
         advertise_host=args.advertise_host,
         scheduler_addresses=tuple(a for a in (args.scheduler or '').split(',') if a),
         worker_id=args.worker_id or "", metrics_port=args.metrics_port,
-        drain_timeout_s=args.drain_timeout, ready_file=args.ready_file, cpus=_cpus(args),
+        drain_timeout_s=args.drain_timeout, ready_file=args.ready_file, cpus=args.cpus,
     )  # fmt: skip
     uvloop.run(serve(settings))
 
@@ -120,7 +120,7 @@ def run_scheduler(args: argparse.Namespace) -> None:
         host=args.host, port=args.port, heartbeat_timeout_s=args.heartbeat_timeout,
         metrics_port=args.metrics_port, ready_file=args.ready_file,
         routing_policy=load_policy(args.routing_policy) if args.routing_policy else None,
-        redis_url=args.redis_url, cpus=_cpus(args),
+        redis_url=args.redis_url, cpus=args.cpus,
     )  # fmt: skip
     uvloop.run(serve(settings))
 
@@ -136,13 +136,9 @@ def run_gateway(args: argparse.Namespace) -> None:
         scheduler_address=args.scheduler, models={name: args.model}, host=args.host,
         port=args.port, api_keys=tuple(args.api_key or ()), max_body_bytes=args.max_body_bytes,
         request_timeout_s=args.request_timeout, generate_stream=not args.no_generate_stream,
-        cpus=_cpus(args),
+        cpus=args.cpus,
     )  # fmt: skip
     serve(settings)
-
-
-def _cpus(args: argparse.Namespace) -> tuple[int, ...]:
-    return args.cpus or ()
 
 
 def _cpu_list(spec: str) -> tuple[int, ...]:
@@ -158,7 +154,7 @@ def _add_cpus_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cpus",
         type=_cpu_list,
-        default=None,
+        default=(),
         help="pin this service's threads to these CPUs once it serves (e.g. 3 or 2,5-7); "
         "a worker's engine core keeps every CPU",
     )

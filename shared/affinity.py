@@ -50,7 +50,7 @@ def check_cpus(cpus: Iterable[int]) -> tuple[int, ...]:
         raise ValueError("an empty CPU list")
     outside = sorted(set(cpus) - set(allowed))
     if outside:
-        raise ValueError(f"CPUs {outside} are not available here (allowed: {_ranges(allowed)})")
+        raise ValueError(f"CPUs {outside} are not available here (allowed: {format_cpus(allowed)})")
     return cpus
 
 
@@ -65,7 +65,7 @@ def pin_threads(cpus: Iterable[int]) -> int:
             with contextlib.suppress(ProcessLookupError):  # the thread ended in the meantime
                 os.sched_setaffinity(tid, mask)
         done |= new
-    logger.info("pinned %d threads to CPUs %s", len(done), _ranges(sorted(mask)))
+    logger.info("pinned %d threads to CPUs %s", len(done), format_cpus(mask))
     return len(done)
 
 
@@ -80,7 +80,7 @@ def assign_cpus(names: Sequence[str], spec: str) -> dict[str, int]:
         if len(allowed) < len(names) + 1:
             raise ValueError(
                 f"--pin-cpus: {len(names)} services need {len(names) + 1} CPUs (one each and one "
-                f"for the engines); this process may use {len(allowed)} ({_ranges(allowed)})"
+                f"for the engines); this process may use {len(allowed)} ({format_cpus(allowed)})"
             )
         pool = list(allowed[-len(names) :])
     else:
@@ -90,12 +90,8 @@ def assign_cpus(names: Sequence[str], spec: str) -> dict[str, int]:
 
 def format_cpus(cpus: Iterable[int]) -> str:
     """The inverse of ``parse_cpus``: ``(0, 4, 5, 6)`` → ``"0,4-6"``."""
-    return _ranges(sorted(set(cpus)))
-
-
-def _ranges(cpus: Sequence[int]) -> str:
     runs: list[str] = []
-    for c in cpus:
+    for c in sorted(set(cpus)):
         if runs and c == int(runs[-1].rpartition("-")[2]) + 1:
             runs[-1] = f"{runs[-1].partition('-')[0]}-{c}"
         else:

@@ -130,8 +130,9 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> None:
         """The requests from ``first`` on, one query each."""
         num_reqs = meta.seq_lens.shape[0] - first
-        longest = meta.max_seq_len if first == 0 else meta.max_decode_seq_len
-        splits = num_decode_splits(num_reqs, self.num_kv_heads, longest, self._sms(q))
+        splits = num_decode_splits(
+            num_reqs, self.num_kv_heads, meta.max_decode_seq_len, self._sms(q)
+        )
         part_acc = part_ml = out  # unused placeholders when there is a single split
         if splits > 1:
             shape = (num_reqs, self.num_heads, splits)
