@@ -2,6 +2,10 @@
 launch configurations, as achieved GB/s of KV read against the copy bandwidth measured in the
 same run. Picks TritonAttentionBackend's DECODE_* defaults.
 
+The requests are taken longest context first, as the engine's runner orders them
+(``AttentionMetadata.decode_order``); the default configuration is also timed in batch order,
+alternating with the first, ``--rounds`` times.
+
     python benchmarks/attention_sweep.py --batch 256 --min-ctx 100 --max-ctx 1024
 """
 
@@ -34,6 +38,7 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=28)  # the cache's layout stride, as in a model
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--output")
     args = p.parse_args()
     dev, bs = torch.device("cuda"), 16
@@ -59,6 +64,8 @@ def main() -> None:
         max_query_len=1,
         max_seq_len=max(lens),
     )
+    longest_first = torch.argsort(meta.seq_lens, descending=True, stable=True).to(torch.int32)
+    meta.decode_order = longest_first
     q = torch.randn(args.batch, args.heads, args.head_dim, device=dev, dtype=torch.bfloat16)
     out = torch.empty_like(q)
     kv_bytes = sum(lens) * args.kv_heads * args.head_dim * 2 * 2  # K and V, bf16
@@ -87,11 +94,21 @@ def main() -> None:
         TritonAttentionBackend.DECODE_WARPS,
         TritonAttentionBackend.DECODE_STAGES,
     )
+    backend.DECODE_BLOCK_N, backend.DECODE_WARPS, backend.DECODE_STAGES = default
+    orders: dict[str, list[float]] = {"longest_first": [], "batch_order": []}
+    for _ in range(args.rounds):
+        for name, order in (("longest_first", longest_first), ("batch_order", None)):
+            meta.decode_order = order
+            ms = triton.testing.do_bench(
+                lambda: backend._decode(q, cache, meta, out), return_mode="median"
+            )
+            orders[name].append(round(kv_bytes / ms / 1e6, 1))
     summary = {
         "copy_bandwidth_GBps": round(bandwidth / 1e9, 1),
         "kv_MB": round(kv_bytes / 1e6, 1),
         "best": ok[:5],
         "default": [r for r in ok if (r["block_n"], r["warps"], r["stages"]) == default],
+        "default_GBps_by_order": orders,
     }
     print(json.dumps(summary, indent=1))
     if args.output:

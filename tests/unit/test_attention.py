@@ -123,13 +123,35 @@ def test_metadata_counts_the_trailing_decode_rows() -> None:
 def test_backend_matches_dense_attention(
     backend: str, case: str, hq: int, hkv: int, d: int, dtype: torch.dtype
 ) -> None:
+    check_backend(backend, case, hq, hkv, d, dtype, longest_first=False)
+
+
+@pytest.mark.parametrize("case", [c for c in sorted(CASES) if "decode" in c])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(8, 2, 32), (6, 1, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_triton_decode_rows_in_longest_first_order(
+    case: str, hq: int, hkv: int, d: int, dtype: torch.dtype
+) -> None:
+    """With ``decode_order`` (the runner always gives one) the decode kernel takes its
+    requests in that order: each must still land in its own output row and partials."""
+    check_backend("triton", case, hq, hkv, d, dtype, longest_first=True)
+
+
+def check_backend(
+    backend: str, case: str, hq: int, hkv: int, d: int, dtype: torch.dtype, longest_first: bool
+) -> None:
     if backend == "triton" and dtype == torch.bfloat16 and DEVICE == "cpu":
         pytest.skip("Triton's CPU interpreter has no bfloat16 matmul (numpy); runs on the GPU")
     q, k, v, _, meta, expected, kv = build_case(7, hq, hkv, d, CASES[case], dtype)
+    if longest_first:
+        tail = meta.seq_lens[len(meta.seq_lens) - meta.num_decodes :]
+        meta.decode_order = torch.argsort(tail, descending=True, stable=True).to(torch.int32)
+        assert not torch.equal(meta.decode_order, torch.arange(meta.num_decodes))
     q, k, v, kv = q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), kv.to(DEVICE)
     v = torch.cat([v, torch.zeros_like(v)], dim=1)[:, :hkv]  # a strided view, unlike k
-    for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
-        setattr(meta, name, getattr(meta, name).to(DEVICE))
+    for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping", "decode_order"):
+        if getattr(meta, name) is not None:
+            setattr(meta, name, getattr(meta, name).to(DEVICE))
     cache = layer_views(kv, LAYER)
     other_layers = kv[:, [i for i in range(LAYERS) if i != LAYER]].clone()
     impl = get_backend(backend)(hq, hkv, d, scale=d**-0.5)

@@ -30,6 +30,10 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
+    # int32 [num_decodes] or None: the trailing decode rows, as offsets from the first of them,
+    # longest context first. A backend may start their work in this order, so that the last
+    # programs to run are short ones (the longest-first rule); None is batch order.
+    decode_order: torch.Tensor | None = None
     # The trailing requests with one query each (a mixed step's decode rows, which the model
     # runner puts last) and their longest context: a backend may serve them as decode.
     num_decodes: int = field(init=False)

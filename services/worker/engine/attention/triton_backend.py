@@ -128,7 +128,7 @@ class TritonAttentionBackend(AttentionBackend):
         out: torch.Tensor,
         first: int = 0,
     ) -> None:
-        """The requests from ``first`` on, one query each."""
+        """The requests from ``first`` on, one query each, in ``meta.decode_order``."""
         num_reqs = meta.seq_lens.shape[0] - first
         splits = num_decode_splits(
             num_reqs, self.num_kv_heads, meta.max_decode_seq_len, self._sms(q)
@@ -139,9 +139,14 @@ class TritonAttentionBackend(AttentionBackend):
             part_acc = torch.empty((*shape, self.block_d), dtype=torch.float32, device=q.device)
             part_ml = torch.empty((*shape, 2), dtype=torch.float32, device=q.device)
         common = self._common(q, kv, meta, out)
-        _decode[(num_reqs, self.num_kv_heads, splits)](
+        order = meta.decode_order
+        grid = (num_reqs, self.num_kv_heads, splits)
+        if order is not None:
+            grid = (self.num_kv_heads, num_reqs, splits)
+        _decode[grid](
             q, kv.key, kv.value, out, part_acc, part_ml,
             meta.block_tables, meta.query_start_loc, meta.seq_lens, first,
+            order if order is not None else meta.seq_lens, ORDERED=order is not None,
             GROUP_PAD=max(16, triton.next_power_of_2(self.group)),
             BLOCK_N=self.DECODE_BLOCK_N if q.is_cuda else 16, NUM_SPLITS=splits, **common,
             **self._decode_launch(q),

@@ -13,7 +13,10 @@ Two kernels and a combine step:
   KV block size. It can serve a decode row too (a query tile of one), at GROUP times the
   reads of ``_decode``; the backend gives a mixed step's trailing decode rows to ``_decode``.
 - ``_decode``: grid (requests, kv heads, splits) over the requests from ``first_req`` on
-  (0 in a pure decode step). One query per request; the GROUP query heads
+  (0 in a pure decode step); with ``ORDERED``, grid (kv heads, requests, splits) with the
+  requests taken in the order ``order`` gives (the runner's: longest context first, so the
+  last programs to start are short ones and no long one runs alone at the end of the launch;
+  measured: docs/performance.md). One query per request; the GROUP query heads
   that share a kv head are packed into the M dimension of one tile, so K/V are read once per
   group. The context is cut into NUM_SPLITS ranges processed in parallel (long contexts, small
   batches); ``_combine`` merges the partial results with their log-sum-exp.
@@ -121,19 +124,25 @@ def _prefill(
 @triton.jit(do_not_specialize=DECODE_PER_STEP)
 def _decode(
     Q, K, V, Out, part_acc, part_ml,
-    block_tables, query_start_loc, seq_lens, first_req,
+    block_tables, query_start_loc, seq_lens, first_req, order,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
     qk_scale,
     KV_BLOCK: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, ORDERED: tl.constexpr = False,
 ):  # fmt: skip
-    local = tl.program_id(0)  # the partials are indexed by this, from 0
+    # ``local``: the request's offset from first_req, which also indexes the partials
+    if ORDERED:  # every kv head of one request, then the next request of ``order``
+        local = tl.load(order + tl.program_id(1))
+        kv_head = tl.program_id(0)
+        num_heads = tl.num_programs(0) * GROUP
+    else:
+        local = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        num_heads = tl.num_programs(1) * GROUP
     req = first_req + local
-    kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    num_heads = tl.num_programs(1) * GROUP
     seq_len = tl.load(seq_lens + req)
     row = tl.load(query_start_loc + req).to(tl.int64)
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N

@@ -41,6 +41,10 @@ class CudaGraphRunner:
         self.seq_lens = torch.ones(top, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.full((top, width), pad_block, dtype=torch.int32, device=device)
+        # the rows' order for the decode kernel (longest context first; a batch of one has
+        # nothing to order and is captured without); padding rows keep theirs, at the end
+        self.rows = torch.arange(top, dtype=torch.int32, device=device)
+        self.decode_order = self.rows.clone()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
 
@@ -78,7 +82,11 @@ class CudaGraphRunner:
         width = inputs.block_table.shape[1]
         table = host_tensor(inputs.block_table, i32, dev)
         self.block_tables[:b, :width].copy_(table, non_blocking=True)
+        if size > 1:
+            order = host_tensor(inputs.decode_order, i32, dev)
+            self.decode_order[:b].copy_(order, non_blocking=True)
         if size > b:  # padding rows: harmless single-token requests on the spare block
+            self.decode_order[b:size].copy_(self.rows[b:size])
             self.input_ids[b:size].zero_()
             self.positions[b:size].zero_()
             self.slot_mapping[b:size].fill_(self.pad_slot)
@@ -98,6 +106,7 @@ class CudaGraphRunner:
             seq_lens_cpu=[self.max_model_len] * size,
             max_query_len=1,
             max_seq_len=self.max_model_len,  # fixes the decode kernel's split count
+            decode_order=self.decode_order[:size] if size > 1 else None,
         )
 
     def _forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:

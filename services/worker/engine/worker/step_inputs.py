@@ -29,6 +29,7 @@ class StepInputs:
     sample_rows: list[int]  # batch rows whose next token is sampled this step
     logits_indices: list[int]  # the token index of each sampled row's last token
     pending_rows: list[int]  # decode rows whose input is the previous step's sampled token
+    decode_order: np.ndarray  # int32: the trailing decode rows, longest context first
 
     @property
     def num_tokens(self) -> int:
@@ -54,6 +55,7 @@ class StepInputs:
             seq_lens_cpu=self.seq_lens,
             max_query_len=self.max_query_len,
             max_seq_len=max(self.seq_lens),
+            decode_order=to_device(self.decode_order, i32, device),
         )
         return (
             to_device(self.input_ids, i64, device),
@@ -128,6 +130,10 @@ def build_step_inputs(
         if start + n == known + state.num_pending:  # every token computed: sample the next
             sample_rows.append(row)
             logits_idx.append(qsl[-1] - 1)
+    # the one-token rows, last in the batch, as offsets from the first, longest context first
+    decodes = sum(sched.num_scheduled_tokens[rid] == 1 for rid in req_ids)
+    tail = np.asarray(seq_lens[len(req_ids) - decodes :], dtype=np.int64)
+    order = np.argsort(-tail, kind="stable").astype(np.int32)
     width = max(map(len, tables))
     table = np.zeros((len(tables), width), dtype=np.int32)
     for i, t in enumerate(tables):
@@ -143,4 +149,5 @@ def build_step_inputs(
         sample_rows=sample_rows,
         logits_indices=logits_idx,
         pending_rows=pending_rows,
+        decode_order=order,
     )
