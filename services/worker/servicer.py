@@ -65,16 +65,16 @@ class _StreamCall:
     would not stop it), and ``send`` raises ``_Stopped`` as it returns."""
 
     __slots__ = ("task", "why", "writing")
+    task: "asyncio.Task[None]"  # set as its request starts; a refusal's call has none
 
     def __init__(self) -> None:
-        self.task: asyncio.Task[None] | None = None
         self.writing = False
         self.why: str | None = None
 
     def stop(self, why: str) -> None:
         if self.why is None:
             self.why = why
-            if not self.writing and self.task is not None:
+            if not self.writing:
                 self.task.cancel()
 
 
@@ -196,12 +196,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 elif (aborted := running.get(message.abort)) is not None:
                     aborted.stop(_ABORTED)
             while running:  # the gateway is done sending: finish what it started
-                await asyncio.gather(*(c.task for c in running.values() if c.task),
-                                     return_exceptions=True)  # fmt: skip
+                await asyncio.gather(*(c.task for c in running.values()), return_exceptions=True)
         finally:
             for left in list(running.values()):
-                if left.task is not None:
-                    left.task.cancel()
+                left.task.cancel()
 
     async def _generate(
         self, request: worker_pb2.GenerateRequest

@@ -45,6 +45,8 @@ class StepInputs:
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """(input_ids, positions, attention metadata, logits indices) on ``device``."""
         i32, i64 = torch.int32, torch.int64
+        # none to order in a step without decode rows
+        order = to_device(self.decode_order, i32, device) if self.decode_order.size else None
         meta = AttentionMetadata(
             num_tokens=self.num_tokens,
             query_start_loc=to_device(self.query_start_loc, i32, device),
@@ -55,7 +57,7 @@ class StepInputs:
             seq_lens_cpu=self.seq_lens,
             max_query_len=self.max_query_len,
             max_seq_len=max(self.seq_lens),
-            decode_order=to_device(self.decode_order, i32, device),
+            decode_order=order,
         )
         return (
             to_device(self.input_ids, i64, device),
@@ -101,6 +103,7 @@ def build_step_inputs(
     logits_idx: list[int] = []
     pending_rows: list[int] = []
     tables: list[list[int]] = []
+    decodes = 0  # the one-token rows, all at the end
     for row, rid in enumerate(req_ids):
         state = requests[rid]
         n = sched.num_scheduled_tokens[rid]
@@ -108,6 +111,7 @@ def build_step_inputs(
         blocks = state.block_ids
         known = len(state.token_ids)
         if n == 1:
+            decodes += 1
             if start < known:
                 ids.append(state.token_ids[start])
             else:  # sampled by the step in flight: filled in on the device
@@ -130,8 +134,7 @@ def build_step_inputs(
         if start + n == known + state.num_pending:  # every token computed: sample the next
             sample_rows.append(row)
             logits_idx.append(qsl[-1] - 1)
-    # the one-token rows, last in the batch, as offsets from the first, longest context first
-    decodes = sum(sched.num_scheduled_tokens[rid] == 1 for rid in req_ids)
+    # the one-token rows as offsets from the first, longest context first
     tail = np.asarray(seq_lens[len(req_ids) - decodes :], dtype=np.int64)
     order = np.argsort(-tail, kind="stable").astype(np.int32)
     width = max(map(len, tables))
