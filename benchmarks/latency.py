@@ -32,24 +32,27 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "eager": {"enforce_eager": True},
     "unfused": {"fused_ops": False},
     "cublas_gemv": {},  # the default, but one-token linear layers through cuBLAS (F.linear)
+    "no_pdl": {},  # the default, but Triton kernels launched without programmatic dependence
 }
 
 
 @contextlib.contextmanager
 def _variant_patches(variant: str) -> Iterator[None]:
-    """``cublas_gemv``: the linear layers' Triton GEMV swapped for F.linear while the engine
-    is built (its CUDA graphs capture whichever is in place) and used."""
-    if variant != "cublas_gemv":
-        yield
-        return
+    """``cublas_gemv``: the linear layers' Triton GEMV swapped for F.linear; ``no_pdl``: the
+    Triton kernels launched without PDL (engine/dependent_launch.py). Either holds while the
+    engine is built (its CUDA graphs capture whichever is in place) and used."""
+    from services.worker.engine import dependent_launch
     from services.worker.engine.models.layers import gemv
 
-    original = gemv.gemv
-    gemv.gemv = lambda x, w, b=None: torch.nn.functional.linear(x, w, b)  # type: ignore[assignment]
+    original = gemv.gemv, dependent_launch.supported
+    if variant == "cublas_gemv":
+        gemv.gemv = lambda x, w, b=None: torch.nn.functional.linear(x, w, b)  # type: ignore[assignment]
+    if variant == "no_pdl":
+        dependent_launch.supported = lambda device_index: False  # type: ignore[assignment]
     try:
         yield
     finally:
-        gemv.gemv = original
+        gemv.gemv, dependent_launch.supported = original
 
 
 def _timed(llm: LLM, ids: list[int], max_tokens: int) -> float:

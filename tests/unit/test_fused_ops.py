@@ -109,9 +109,10 @@ def test_qk_norm_fused_into_rotary(dtype: torch.dtype, tokens: int) -> None:
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n,k", [(37, 70), (64, 256), (5, 1030)])
+@pytest.mark.parametrize("n,k", [(37, 70), (64, 256), (5, 1030), (3, 40)])
 def test_gemv_equals_linear(n: int, k: int, dtype: torch.dtype, bias: bool) -> None:
-    """One token through the Triton GEMV equals F.linear (sizes off the tiles: masked edges)."""
+    """One token through the Triton GEMV equals F.linear (sizes off the tiles: masked edges;
+    a K shorter than one tile: only the tile read before the loop)."""
     import torch.nn.functional as F
 
     from services.worker.engine.models.layers.gemv import gemv
@@ -142,3 +143,11 @@ def test_linear_layers_take_the_gemv_for_one_token_on_a_gpu_only() -> None:
             layer.cuda()(torch.randn(1, 8, device="cuda"))
             layer(torch.randn(3, 8, device="cuda"))
             assert spy.call_count == 1
+
+
+def test_kernels_launch_without_pdl_on_cpu() -> None:
+    """Triton's interpreter has no programmatic dependent launch: CPU launches ask for none
+    (on a GPU, tests/gpu/test_dependent_launch.py checks the launches that do)."""
+    from services.worker.engine.dependent_launch import launch_options
+
+    assert launch_options(torch.zeros(1)) == {"USE_PDL": False}

@@ -25,6 +25,7 @@ from services.worker.engine.attention.triton_kernels import (
     _prefill,
     _write_kv,
 )
+from services.worker.engine.dependent_launch import launch_options
 
 MAX_SPLITS = 16
 TOKENS_PER_SPLIT = 512  # below this a split's work is too small to pay for the combine step
@@ -86,6 +87,7 @@ class TritonAttentionBackend(AttentionBackend):
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             kv.key.stride(0), kv.key.stride(1), kv.key.stride(2),
             KV_BLOCK=kv.block_size, HEAD_DIM=self.head_dim, BLOCK_D=self.block_d,
+            **launch_options(k),
         )  # fmt: skip
 
     def _common(
@@ -117,7 +119,7 @@ class TritonAttentionBackend(AttentionBackend):
         _prefill[grid](
             q, kv.key, kv.value, out, meta.block_tables, meta.query_start_loc, meta.seq_lens,
             BLOCK_M=block_m, BLOCK_N=block_n, **self._common(q, kv, meta, out),
-            **({"num_warps": 4, "num_stages": 2} if q.is_cuda else {}),
+            **({"num_warps": 4, "num_stages": 2} if q.is_cuda else {}), **launch_options(q),
         )  # fmt: skip
 
     def _decode(
@@ -156,12 +158,16 @@ class TritonAttentionBackend(AttentionBackend):
                 out, part_acc, part_ml, meta.query_start_loc, first, out.stride(0),
                 out.stride(1),
                 HEAD_DIM=self.head_dim, BLOCK_D=self.block_d, NUM_SPLITS=splits,
+                **launch_options(q),
             )  # fmt: skip
 
-    def _decode_launch(self, q: torch.Tensor) -> dict[str, int]:
+    def _decode_launch(self, q: torch.Tensor) -> dict[str, int | bool]:
         if not q.is_cuda:
             return {}
-        return {"num_warps": self.DECODE_WARPS, "num_stages": self.DECODE_STAGES}
+        return {
+            "num_warps": self.DECODE_WARPS, "num_stages": self.DECODE_STAGES,
+            **launch_options(q),
+        }  # fmt: skip
 
     def _sms(self, q: torch.Tensor) -> int:
         if self._num_sms is None:

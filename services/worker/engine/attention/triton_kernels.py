@@ -28,6 +28,8 @@ read only device values (lengths, tables), so they can be captured in CUDA graph
 import triton
 import triton.language as tl
 
+from services.worker.engine.dependent_launch import await_inputs
+
 LOG2E = 1.4426950408889634
 
 
@@ -75,8 +77,9 @@ def _prefill(
     KV_BLOCK: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    await_inputs(USE_PDL)
     tile = tl.program_id(0)
     req = tl.program_id(1)
     head = tl.program_id(2)
@@ -131,7 +134,9 @@ def _decode(
     KV_BLOCK: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, ORDERED: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    await_inputs(USE_PDL)
     # ``local``: the request's offset from first_req, which also indexes the partials
     if ORDERED:  # every kv head of one request, then the next request of ``order``
         local = tl.load(order + tl.program_id(1))
@@ -191,7 +196,9 @@ def _decode(
 def _combine(
     Out, part_acc, part_ml, query_start_loc, first_req, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    await_inputs(USE_PDL)
     local = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
@@ -217,8 +224,10 @@ def _write_kv(
     K_new, V_new, K, V, slot_mapping,
     stride_nt, stride_nh, stride_vt, stride_vh, stride_kb, stride_ks, stride_kh,
     KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Store one token's key and value of one kv head into its cache slot (one launch for all)."""
+    await_inputs(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     slot = tl.load(slot_mapping + t)

@@ -10,13 +10,16 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.engine.dependent_launch import await_inputs, launch_options
+
 
 @triton.jit
 def _rms_norm(
     X, R, W, Y, stride_xt, stride_xh, stride_rt, stride_yt, stride_yh, N, eps,
-    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One row (token, head) per program: [r = x + r (stored)]; y = w * norm(r or x)."""
+    await_inputs(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -40,7 +43,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     n = x3.shape[-1]
     _rms_norm[(x3.shape[0], x3.shape[1])](
         x3, x3, weight, y, x3.stride(0), x3.stride(1), 0, y.stride(0), y.stride(1), n, eps,
-        BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=False,
+        BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=False, **launch_options(x),
     )  # fmt: skip
     return y if x.dim() == 3 else y.squeeze(1)
 
@@ -53,13 +56,14 @@ def add_rms_norm(
     n = x.shape[-1]
     _rms_norm[(x.shape[0], 1)](
         x, residual, weight, y, x.stride(0), 0, residual.stride(0), y.stride(0), 0, n, eps,
-        BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=True,
+        BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=True, **launch_options(x),
     )  # fmt: skip
     return y, residual
 
 
 @triton.jit
-def _silu_mul(X, Y, stride_x, stride_y, N, BLOCK: tl.constexpr):
+def _silu_mul(X, Y, stride_x, stride_y, N, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    await_inputs(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
@@ -74,7 +78,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     n = x.shape[-1] // 2
     y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(n))
-    _silu_mul[(x.shape[0], triton.cdiv(n, block))](x, y, x.stride(0), y.stride(0), n, BLOCK=block)
+    _silu_mul[(x.shape[0], triton.cdiv(n, block))](
+        x, y, x.stride(0), y.stride(0), n, BLOCK=block, **launch_options(x)
+    )
     return y
 
 
@@ -86,6 +92,7 @@ def _rotary(
     Q, K, positions, COS, SIN, QW, KW, eps, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEADS: tl.constexpr,
     HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """In place, HEADS heads of one token per program, as a [HEADS, half] tile: programs
     (t, 0 .. q groups - 1) take q's heads, the rest k's. Many tokens: a whole q or k per
@@ -95,6 +102,7 @@ def _rotary(
     [x = w · norm(x)   per head (Qwen3's q/k norm), rounded as ``_rms_norm`` rounds]
     out[:half] = x1·cos − x2·sin,  out[half:] = x2·cos + x1·sin   (rotate-half style)
     """
+    await_inputs(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + t).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -160,6 +168,6 @@ def rotary_(
         q, k, positions, cos, sin, qw, kw, eps, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), cos.stride(0), NUM_Q_HEADS=q.shape[1], NUM_K_HEADS=k.shape[1],
         HEADS=heads, HALF=half, BLOCK=block, HAS_NORM=norm_weights is not None,
-        NORM_BLOCK=triton.next_power_of_2(2 * half),
+        NORM_BLOCK=triton.next_power_of_2(2 * half), **launch_options(q),
         **({"num_warps": 4 if heads * block <= 1024 else 8} if q.is_cuda else {}),
     )  # fmt: skip

@@ -13,17 +13,27 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.engine.dependent_launch import await_inputs, launch_options
+
 
 @triton.jit
 def _gemv_kernel(
     X, W, B, Y, N, K, stride_wn,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = W + rows[:, None].to(tl.int64) * stride_wn
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # the first weight tile is read before waiting for the kernel before (no kernel of a step
+    # writes weights), so with PDL that read overlaps the previous kernel's tail
+    cols = tl.arange(0, BLOCK_K)
+    col_ok = cols < K
+    w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    await_inputs(USE_PDL)
+    x = tl.load(X + cols, mask=col_ok, other=0.0)
+    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         col_ok = cols < K
         w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
@@ -55,7 +65,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     b = bias if bias is not None else y  # (unused without HAS_BIAS)
     if x.is_cuda:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        _gemv_tuned[grid](x, weight, b, y, n, k, weight.stride(0), HAS_BIAS=bias is not None)
+        _gemv_tuned[grid](
+            x, weight, b, y, n, k, weight.stride(0), HAS_BIAS=bias is not None,
+            **launch_options(x),
+        )  # fmt: skip
     else:  # Triton's interpreter (tests on CPU): one fixed tile, nothing to tune
         _gemv_kernel[(triton.cdiv(n, 4),)](
             x, weight, b, y, n, k, weight.stride(0),
