@@ -43,8 +43,7 @@ def launch_options(x: torch.Tensor) -> dict[str, bool]:
     ``launch_pdl``."""
     if x.shape[0] != 1 or not x.is_cuda:
         return {"USE_PDL": False}
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if not supported(index):
+    if not supported(x.get_device()):
         return {"USE_PDL": False}
     return {"USE_PDL": True, "launch_pdl": True}
 

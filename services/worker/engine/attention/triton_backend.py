@@ -119,7 +119,7 @@ class TritonAttentionBackend(AttentionBackend):
         _prefill[grid](
             q, kv.key, kv.value, out, meta.block_tables, meta.query_start_loc, meta.seq_lens,
             BLOCK_M=block_m, BLOCK_N=block_n, **self._common(q, kv, meta, out),
-            **({"num_warps": 4, "num_stages": 2} if q.is_cuda else {}), **launch_options(q),
+            **({"num_warps": 4, "num_stages": 2} if q.is_cuda else {}),
         )  # fmt: skip
 
     def _decode(

@@ -77,9 +77,8 @@ def _prefill(
     KV_BLOCK: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
-    await_inputs(USE_PDL)
     tile = tl.program_id(0)
     req = tl.program_id(1)
     head = tl.program_id(2)
