@@ -10,6 +10,8 @@ from typing import Any
 
 import grpc
 
+from shared.protos.baton.v1 import worker_pb2
+
 
 @dataclass
 class APIError(Exception):
@@ -60,6 +62,15 @@ def no_worker(detail: str) -> APIError:
 
 def timeout(what: str) -> APIError:
     return APIError(504, f"Timed out: {what}", type="server_error", code="timeout")
+
+
+def from_engine(code: worker_pb2.ErrorCode, message: str) -> APIError:
+    """A request the worker's engine ended in error, by the kind the protos give it."""
+    if code == worker_pb2.ERROR_CODE_INVALID_REQUEST:
+        return bad_request(message)
+    if code == worker_pb2.ERROR_CODE_KV_TRANSFER_FAILED:
+        return APIError(502, message, type="server_error", code="kv_transfer_failed")
+    return APIError(500, message, type="server_error", code="engine_error")
 
 
 def from_grpc(e: grpc.aio.AioRpcError, what: str) -> APIError:

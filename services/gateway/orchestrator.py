@@ -313,11 +313,7 @@ class _ChoiceState:
 
     def apply(self, resp: worker_pb2.GenerateResponse) -> list[ChoiceDelta]:
         if resp.error:
-            if resp.error_code == "kv_transfer_failed":
-                raise errors.APIError(502, resp.error, type="server_error", code=resp.error_code)
-            if resp.error_code == "invalid_request":
-                raise errors.bad_request(resp.error)
-            raise errors.APIError(500, resp.error, type="server_error", code="engine_error")
+            raise errors.from_engine(resp.error_code, resp.error)
         deltas = []
         for d in resp.deltas:
             delta = ChoiceDelta(self.index, "", list(d.token_ids))

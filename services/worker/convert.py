@@ -1,11 +1,16 @@
 """The one place where the worker translates between protobuf and the engine's structs."""
 
 from services.worker.engine.kv_transfer.params import RemoteKV
-from services.worker.engine.messages import EngineStats
+from services.worker.engine.messages import EngineStats, ErrorCode
 from services.worker.engine.outputs import CompletionOutput, RequestOutput
 from services.worker.engine.params import RequestOutputKind, SamplingParams
 from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from shared.protos.baton.v1 import common_pb2, scheduler_pb2, worker_pb2
+
+ERROR_CODES: dict[ErrorCode | None, worker_pb2.ErrorCode] = {
+    ErrorCode.INVALID_REQUEST: worker_pb2.ERROR_CODE_INVALID_REQUEST,
+    ErrorCode.KV_TRANSFER_FAILED: worker_pb2.ERROR_CODE_KV_TRANSFER_FAILED,
+}
 
 
 def sampling_params(p: common_pb2.SamplingParams) -> SamplingParams:
@@ -39,7 +44,7 @@ def generate_response(out: RequestOutput) -> worker_pb2.GenerateResponse:
         num_cached_tokens=out.num_cached_tokens,
         finished=out.finished,
         error=out.error or "",
-        error_code=out.error_code or "",
+        error_code=ERROR_CODES.get(out.error_code, worker_pb2.ERROR_CODE_UNSPECIFIED),
     )
 
 

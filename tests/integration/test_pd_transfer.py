@@ -10,7 +10,7 @@ import pytest
 
 from baton import LLM, RequestOutput, SamplingParams
 from services.worker.engine.kv_transfer.params import KVTransferParams, RemoteKV
-from services.worker.engine.messages import ERROR_KV_TRANSFER
+from services.worker.engine.messages import ErrorCode
 from shared.text.tokenizer import TextTokenizer
 
 KW = {"num_kv_blocks": 128, "max_model_len": 1024}
@@ -145,7 +145,7 @@ def test_unpulled_lease_expires(tiny_model: Path, engines) -> None:  # type: ign
             [{"prompt_token_ids": ids, "kv_transfer": leg}], SamplingParams(max_tokens=4)
         )[0]
         assert late.outputs[0].finish_reason == "error" and "expired" in (late.error or "")
-        assert late.error_code == ERROR_KV_TRANSFER
+        assert late.error_code == ErrorCode.KV_TRANSFER_FAILED
         after = decode.get_stats()
         assert after.kv_stale_handles == before.kv_stale_handles + 1
         assert after.kv_pulls == before.kv_pulls  # nothing was read
@@ -174,7 +174,8 @@ def test_failed_pull_is_an_error_or_a_recompute(tiny_model: Path, engines) -> No
                 assert [want[0], *out.token_ids] == want
             else:
                 assert out.finish_reason == "error" and out.token_ids == []
-                assert res.error_code == ERROR_KV_TRANSFER  # the gateway's 502 comes from it
+                # the gateway's 502 comes from it
+                assert res.error_code == ErrorCode.KV_TRANSFER_FAILED
             assert llm.get_stats().num_free_blocks == llm.get_stats().num_blocks
         finally:
             llm.shutdown()
@@ -189,3 +190,25 @@ def test_bad_handles_are_clear_errors(engines, tiny_model: Path) -> None:  # typ
         [{"prompt_token_ids": ids, "kv_transfer": leg}], SamplingParams(max_tokens=2)
     )[0]
     assert out.outputs[0].finish_reason == "error" and "covers" in (out.error or "")
+
+
+def test_fake_connector_through_the_engine(tiny_model: Path) -> None:
+    """The same P/D path with the in-process connector (``kv_connector="fake"``): the core
+    reaches it only through its executor, and the output equals colocated."""
+    ref = LLM(model=str(tiny_model), **KW)  # type: ignore[arg-type]
+    pd = {"kv_transfer": True, "kv_connector": "fake", **KW}
+    prefill = LLM(model=str(tiny_model), **pd)  # type: ignore[arg-type]
+    decode = LLM(model=str(tiny_model), **pd)  # type: ignore[arg-type]
+    try:
+        ids = prompt(tiny_model, "The quick brown fox jumps over the lazy dog " * 3)
+        params = SamplingParams(temperature=0, max_tokens=12)
+        want = ref.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids
+        first, rest = disaggregated(prefill, decode, ids, params)
+        assert first.outputs[0].token_ids + rest.outputs[0].token_ids == want
+        stats = decode.get_stats()
+        assert stats.kv_pulls == 1 and stats.kv_pull_bytes > 0 and stats.kv_pull_failures == 0
+        prefill.generate([{"prompt_token_ids": ids[:5]}], params)  # a step polls the notice
+        assert prefill.get_stats().kv_leases_released == 1
+    finally:
+        for e in (ref, prefill, decode):
+            e.shutdown()

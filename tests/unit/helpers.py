@@ -1,6 +1,7 @@
 """Builders for engine bookkeeping tests (no model, no torch)."""
 
 from services.worker.engine.config import CacheConfig, SchedulerConfig
+from services.worker.engine.kv_transfer.scheduler_side import KVTransferBookkeeping
 from services.worker.engine.params import SamplingParams
 from services.worker.engine.request import Request
 from services.worker.engine.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -24,11 +25,13 @@ def make_scheduler(
     max_num_seqs: int = 8,
     chunked: bool = True,
     caching: bool = True,
+    transfer: KVTransferBookkeeping | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_seqs, budget, chunked, max_model_len=256),
         CacheConfig(4, caching, num_blocks, None, 0.9),
         num_blocks,
+        transfer,
     )
 
 

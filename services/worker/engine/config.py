@@ -72,6 +72,7 @@ class KVTransferConfig:
     side_channel_host: str  # where the handshake socket listens (its port is chosen at start)
     lease_seconds: float  # prefill side: how long finished blocks wait to be pulled
     recompute_on_failure: bool  # decode side: a failed pull recomputes the prompt locally
+    connector: str = "nixl"  # the worker half, a name in kv_transfer/connector.CONNECTORS
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ class EngineArgs:
     kv_lease_seconds: float = 30.0
     kv_side_channel_host: str = "127.0.0.1"
     kv_recompute_on_failure: bool = False
+    kv_connector: str = "nixl"  # nixl | fake (in-process tensor copies, for tests)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -132,6 +134,11 @@ class EngineArgs:
         )
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet (layers are TP-ready)")
+        from services.worker.engine.kv_transfer.connector import CONNECTORS
+
+        if self.kv_connector not in CONNECTORS:
+            known = ", ".join(sorted(CONNECTORS))
+            raise ValueError(f"unknown kv_connector {self.kv_connector!r}; known: {known}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -182,6 +189,7 @@ class EngineArgs:
                 side_channel_host=self.kv_side_channel_host,
                 lease_seconds=self.kv_lease_seconds,
                 recompute_on_failure=self.kv_recompute_on_failure,
+                connector=self.kv_connector,
             ),
         )
 

@@ -27,12 +27,12 @@ from services.worker.engine.executor.executor import StepResult, UniprocExecutor
 from services.worker.engine.kv_transfer.params import KVTransferParams
 from services.worker.engine.kv_transfer.scheduler_side import KVTransferBookkeeping
 from services.worker.engine.messages import (
-    ERROR_INVALID_REQUEST,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreUtility,
     EngineStats,
+    ErrorCode,
     ModelInfo,
     UtilityResult,
 )
@@ -62,12 +62,11 @@ class EngineCore:
         transfer = None
         if config.kv_transfer.enabled:
             transfer = KVTransferBookkeeping(
-                config.cache.block_size, config.kv_transfer.lease_seconds,
-                config.kv_transfer.engine_id, self.executor.side_channel,
+                config.kv_transfer, config.cache.block_size,
+                self.executor.transfer_info().side_channel,
             )  # fmt: skip
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, transfer)
-        self.scheduler.recompute_on_failure = config.kv_transfer.recompute_on_failure
-        self._rejected: list[EngineCoreOutput] = []
+        self._ended: list[EngineCoreOutput] = []  # requests that ended outside a step
         self.async_scheduling = config.scheduler.async_scheduling
         self._in_flight: tuple[SchedulerOutput, StepResult] | None = None  # submitted, not done
         self._kv_event_seq = 0
@@ -77,7 +76,7 @@ class EngineCore:
         )
 
     def step(self) -> EngineCoreOutputs:
-        outputs, self._rejected = self._rejected, []
+        outputs, self._ended = self._ended, []
         busy = self.scheduler.has_requests() or self.scheduler.needs_polling()
         outputs += self._run_step(busy)
         return EngineCoreOutputs(outputs=outputs, kv_events=self._take_kv_events())
@@ -105,17 +104,17 @@ class EngineCore:
         start = time.perf_counter()
         pending = self.executor.submit(sched)
         self._model_seconds += time.perf_counter() - start
-        outputs += self.scheduler.finish_transfers(*pending.take_transfers())
+        outputs += self.scheduler.update_from_transfers(pending.transfers)
         return sched, pending
 
     def add_request(self, req: EngineCoreRequest) -> None:
         try:
             self.scheduler.add_request(self._make_request(req))
         except ValueError as e:
-            self._rejected.append(
+            self._ended.append(
                 EngineCoreOutput(
                     req.request_id, [], finish_reason=FinishReason.ERROR, error=str(e),
-                    error_code=ERROR_INVALID_REQUEST,
+                    error_code=ErrorCode.INVALID_REQUEST,
                 )
             )  # fmt: skip
 
@@ -123,7 +122,7 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_requests() or bool(self._rejected) or self._in_flight is not None
+        return self.scheduler.has_requests() or bool(self._ended) or self._in_flight is not None
 
     def needs_polling(self) -> bool:
         """KV pulls in flight or prefill leases held: step now and then even when idle."""
@@ -132,25 +131,20 @@ class EngineCore:
     def needs_idle_progress(self) -> bool:
         """A NIXL agent without a progress thread (CPU): it must be progressed even when this
         engine is idle, or a peer's READ or notification waits for our next request."""
-        connector = self.executor.worker.connector
-        return connector is not None and not connector.progress_thread
+        return self.executor.transfer_info().needs_idle_progress
 
     def progress_transfers(self) -> None:
         """Idle: let the agent answer its peers. A decode engine may still be reading blocks
         whose lease an abort has just ended (its request was aborted too, but the pull must
-        end before its blocks are free); a late release notification ends nothing."""
-        connector = self.executor.worker.connector
-        if connector is not None:
-            for rid in connector.poll().released:
-                self.scheduler.end_lease(rid)
+        end before its blocks are free); a late release notification ends nothing. What it
+        reports goes the way a step's transfers go; outputs leave with the next step."""
+        self._ended += self.scheduler.update_from_transfers(self.executor.poll_transfers())
 
     def call_utility(self, call: EngineCoreUtility) -> UtilityResult:
         if call.method == "get_stats":
             stats = self.scheduler.stats()
             extra: dict[str, object] = {"model_seconds": self._model_seconds}
-            connector = self.executor.worker.connector
-            if connector is not None:
-                extra.update(connector.stats)
+            extra.update(self.executor.transfer_info().stats)
             transfer = self.scheduler.transfer
             if transfer is not None:
                 extra["kv_leases_released"] = transfer.num_released
@@ -204,22 +198,7 @@ class EngineCore:
     def _attach_kv_transfer(self, request: Request, params: KVTransferParams) -> None:
         if not self.config.kv_transfer.enabled:
             raise ValueError("this engine was started without KV transfer (kv_transfer=True)")
-        request.kv_transfer = params
-        if params.remote is None:
-            return
-        if params.first_token_id is None:
-            raise ValueError("a decode leg needs the prefill leg's first token")
-        if params.remote.num_tokens != request.num_prompt_tokens:
-            raise ValueError(
-                f"the KV handle covers {params.remote.num_tokens} tokens, the prompt has "
-                f"{request.num_prompt_tokens}"
-            )
-        if len(params.remote.block_ids) != -(
-            -request.num_prompt_tokens // self.config.cache.block_size
-        ):
-            raise ValueError("the KV handle's block count does not match the prompt")
-        request.append_output_token(params.first_token_id)  # sampled there, not again here
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        request.attach_kv_transfer(params)
 
     def _take_kv_events(self) -> KVEventBatch | None:
         events = self.scheduler.take_kv_events()

@@ -5,6 +5,8 @@ boundary of ``EngineCoreProc`` as msgpack. Decoders are typed (a tagged union), 
 socket can construct an arbitrary object.
 """
 
+import enum
+
 import msgspec
 
 from services.worker.engine.kv_transfer.params import KVTransferParams, RemoteKV
@@ -48,10 +50,12 @@ class SampleLogprobs(msgspec.Struct, array_like=True):
     sampled_rank: int  # 1 = the most likely token
 
 
-# Why a request ended in error (EngineCoreOutput.error_code; the worker's GenerateResponse
-# carries it to the gateway, which picks the HTTP status from it).
-ERROR_INVALID_REQUEST = "invalid_request"  # refused on admission: the client's fault
-ERROR_KV_TRANSFER = "kv_transfer_failed"  # a decode leg could not pull its prompt's KV
+class ErrorCode(enum.StrEnum):
+    """Why a request ended in error (EngineCoreOutput.error_code). The worker maps it to the
+    protos' ErrorCode for the gateway, which picks the HTTP status from it."""
+
+    INVALID_REQUEST = "invalid_request"  # refused on admission: the client's fault
+    KV_TRANSFER_FAILED = "kv_transfer_failed"  # a decode leg could not pull its prompt's KV
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -64,7 +68,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None  # with finish_reason ERROR
     queued_seconds: float = 0.0  # time it waited in the scheduler before its first step
     kv_handle: RemoteKV | None = None  # a finished prefill leg: where its KV waits (leased)
-    error_code: str | None = None  # with error: one of the ERROR_* codes above
+    error_code: ErrorCode | None = None  # with error: its kind, when it has one
 
 
 class EngineStats(msgspec.Struct):

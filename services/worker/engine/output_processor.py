@@ -12,7 +12,12 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from services.worker.engine.kv_transfer.params import RemoteKV
-from services.worker.engine.messages import EngineCoreOutput, EngineCoreRequest, SampleLogprobs
+from services.worker.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    ErrorCode,
+    SampleLogprobs,
+)
 from services.worker.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from services.worker.engine.params import RequestOutputKind, SamplingParams
 from shared.text.detokenizer import IncrementalDetokenizer
@@ -62,7 +67,7 @@ class _RequestState:
     num_cached_tokens: int = 0
     queued_seconds: float = 0.0
     error: str | None = None
-    error_code: str | None = None
+    error_code: ErrorCode | None = None
     kv_handle: RemoteKV | None = None
 
     @property

@@ -5,6 +5,7 @@ logprobs as one {token_id: Logprob} dict per generated token)."""
 from dataclasses import dataclass, field
 
 from services.worker.engine.kv_transfer.params import RemoteKV
+from services.worker.engine.messages import ErrorCode
 
 
 @dataclass
@@ -37,6 +38,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None
-    error_code: str | None = None  # messages.ERROR_*: why it ended in error
+    error_code: ErrorCode | None = None  # why it ended in error
     metrics: dict[str, float] = field(default_factory=dict)
     kv_handle: RemoteKV | None = None  # a finished prefill leg: where its KV waits

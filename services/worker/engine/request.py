@@ -110,6 +110,27 @@ class Request:
                 parent=self.block_hashes[-1] if self.block_hashes else ROOT_HASH,
             )
 
+    def attach_kv_transfer(self, params: KVTransferParams) -> None:
+        """Make this request a leg of a disaggregated one. A decode leg (``params.remote``)
+        arrives with the prefill leg's first token as its first output and waits for its
+        prompt's KV (``WAITING_FOR_REMOTE_KV``); raises ValueError for a handle that does not
+        fit the prompt."""
+        self.kv_transfer = params
+        remote = params.remote
+        if remote is None:
+            return
+        if params.first_token_id is None:
+            raise ValueError("a decode leg needs the prefill leg's first token")
+        if remote.num_tokens != self.num_prompt_tokens:
+            raise ValueError(
+                f"the KV handle covers {remote.num_tokens} tokens, the prompt has "
+                f"{self.num_prompt_tokens}"
+            )
+        if len(remote.block_ids) != -(-self.num_prompt_tokens // self._block_size):
+            raise ValueError("the KV handle's block count does not match the prompt")
+        self.append_output_token(params.first_token_id)  # sampled there, not again here
+        self.status = RequestStatus.WAITING_FOR_REMOTE_KV
+
     def check_stop(self) -> RequestStatus | None:
         """After appending a token: the final status it causes, if any."""
         last = self.output_token_ids[-1]

@@ -1,22 +1,27 @@
 """The executor seam between the engine core and its workers.
 
 ``UniprocExecutor`` runs the single worker in the core's own process (tp=1). A multiprocess
-executor for tensor parallelism keeps the same four calls, broadcasting the scheduler output.
+executor for tensor parallelism keeps the same calls, broadcasting the scheduler output. The
+core reaches its workers, and their KV connectors, only through these calls.
 """
 
 from abc import ABC, abstractmethod
 from typing import Protocol
 
 from services.worker.engine.config import EngineConfig
+from services.worker.engine.kv_transfer.connector import ConnectorInfo, TransferResults
 from services.worker.engine.messages import ModelInfo
 from services.worker.engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from services.worker.engine.worker.worker import Worker
 
 
 class StepResult(Protocol):
-    def result(self) -> ModelRunnerOutput: ...
+    # KV-transfer progress seen as the step was submitted: the core applies it at once
+    transfers: TransferResults
 
-    def take_transfers(self) -> tuple[list[str], list[str], list[str]]: ...
+    def result(self) -> ModelRunnerOutput:
+        """Wait for rank 0's sampled tokens of this step."""
+        ...
 
 
 class Executor(ABC):
@@ -26,11 +31,21 @@ class Executor(ABC):
 
     @abstractmethod
     def initialize_cache(self, num_blocks: int) -> None:
-        """Allocate the KV cache on every worker; called once, before the first step."""
+        """Allocate the KV cache on every worker (and its KV connector, when KV transfer is
+        on); called once, before the first step."""
 
     @abstractmethod
     def submit(self, sched: SchedulerOutput) -> StepResult:
-        """Start one step without waiting for it; ``result()`` waits for rank 0's tokens."""
+        """Start one step without waiting for it: the model's work is queued, this step's KV
+        pulls started and the transfers polled."""
+
+    @abstractmethod
+    def poll_transfers(self) -> TransferResults:
+        """Progress the KV connector between steps (an idle engine); empty without one."""
+
+    @abstractmethod
+    def transfer_info(self) -> ConnectorInfo:
+        """The KV connector's side channel, idle-progress need and counters."""
 
     @abstractmethod
     def model_info(self) -> ModelInfo:
@@ -55,13 +70,14 @@ class UniprocExecutor(Executor):
     def submit(self, sched: SchedulerOutput) -> StepResult:
         return self.worker.submit(sched)
 
+    def poll_transfers(self) -> TransferResults:
+        return self.worker.poll_transfers()
+
+    def transfer_info(self) -> ConnectorInfo:
+        return self.worker.transfer_info()
+
     def model_info(self) -> ModelInfo:
         return self.worker.runner.model_info()
-
-    @property
-    def side_channel(self) -> str:
-        """The KV-transfer handshake address ("" when KV transfer is off)."""
-        return self.worker.side_channel
 
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -29,13 +29,13 @@ import numpy as np
 import torch
 import zmq
 
+from services.worker.engine.kv_transfer.connector import ConnectorInfo, KVConnector, TransferResults
 from services.worker.engine.kv_transfer.params import KVLoad, RemoteKV
 
 logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_MS = 5_000
 TRANSFER_TIMEOUT_S = 30.0
-PROTOCOL_VERSION = 1
 UCX_MAX_POLL = 4096  # copies one progress call may complete (a 64k-token pull: 4,096 blocks)
 T = TypeVar("T")
 
@@ -69,14 +69,7 @@ class _Pull:
     started: float = field(default_factory=time.monotonic)
 
 
-@dataclass
-class TransferResults:
-    finished: list[str] = field(default_factory=list)  # loads complete: KV is in place
-    failed: list[str] = field(default_factory=list)  # loads that cannot complete
-    released: list[str] = field(default_factory=list)  # leased requests a peer has pulled
-
-
-class NixlConnector:
+class NixlConnector(KVConnector):
     def __init__(self, engine_id: str, kv_cache: torch.Tensor, compat_hash: str, host: str):
         from nixl._api import nixl_agent, nixl_agent_config
 
@@ -106,7 +99,7 @@ class NixlConnector:
         blocks = [(base + i * self.block_bytes, self.block_bytes, self.device_id)
                   for i in range(self.num_blocks)]  # fmt: skip
         self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", blocks, self.mem_type)
-        self.stats = {"kv_pulls": 0, "kv_pull_failures": 0, "kv_pull_bytes": 0,
+        self.stats: dict[str, float] = {"kv_pulls": 0, "kv_pull_failures": 0, "kv_pull_bytes": 0,
                       "kv_pull_descriptors": 0, "kv_pull_seconds": 0.0,
                       "kv_notify_seconds": 0.0}  # fmt: skip
         self._peers: dict[str, _Peer] = {}  # side channel → peer
@@ -217,6 +210,9 @@ class NixlConnector:
     def busy(self) -> bool:
         return bool(self._pulls)
 
+    def info(self) -> ConnectorInfo:
+        return ConnectorInfo(self.side_channel, not self.progress_thread, dict(self.stats))
+
     def _peer(self, remote: RemoteKV) -> _Peer:
         peer = self._peers.get(remote.side_channel)
         if peer is not None:
@@ -266,11 +262,3 @@ class NixlConnector:
         self._thread.join(timeout=2)
         self._rep.close(linger=0)
         self._ctx.term()
-
-
-def compat_hash(model: str, dtype: str, block_size: int, shape: tuple[int, ...]) -> str:
-    """What must agree for one engine to read another's blocks byte for byte."""
-    import hashlib
-
-    text = f"v{PROTOCOL_VERSION}|{model}|{dtype}|{block_size}|{shape[1:]}"
-    return hashlib.sha256(text.encode()).hexdigest()[:16]

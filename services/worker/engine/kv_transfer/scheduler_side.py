@@ -5,6 +5,8 @@ Decode leg (a request that arrives with ``KVTransferParams.remote``)::
     WAITING_FOR_REMOTE_KV ──blocks allocated, pull started (KVLoad)──▶ loading
         loading ──finished──▶ kv_ready, back to the queue's head ──▶ RUNNING (decodes on)
         loading ──failed──▶ recompute the prompt here (if configured) | FINISHED_ERROR
+    WAITING_FOR_REMOTE_KV ──its handle's lease expired while it waited──▶ failed the same way,
+        unread (the prefill engine may have given those blocks to another prompt)
 
     prompt blocks:   | hit | hit | pull | pull | pull (partial) |
                        └ already held here ┘└─ READ from the prefill engine ─┘
@@ -16,6 +18,7 @@ lease ends when the decode side says it has pulled them, on abort, or at expiry.
 import time
 from dataclasses import dataclass
 
+from services.worker.engine.config import KVTransferConfig
 from services.worker.engine.kv_transfer.params import KVLoad, RemoteKV
 from services.worker.engine.request import Request
 from shared.ids import RequestId
@@ -28,11 +31,12 @@ class Lease:
 
 
 class KVTransferBookkeeping:
-    def __init__(self, block_size: int, lease_seconds: float, engine_id: str, side_channel: str):
+    def __init__(self, config: KVTransferConfig, block_size: int, side_channel: str):
         self.block_size = block_size
-        self.lease_seconds = lease_seconds
-        self.engine_id = engine_id
-        self.side_channel = side_channel
+        self.lease_seconds = config.lease_seconds
+        self.engine_id = config.engine_id
+        self.recompute_on_failure = config.recompute_on_failure  # decode side, on a failed pull
+        self.side_channel = side_channel  # the worker half's, handed out in KV handles
         self.loading: dict[RequestId, Request] = {}
         self.leases: dict[RequestId, Lease] = {}
         self.num_released = 0  # leases ended by the decode side (or an abort)

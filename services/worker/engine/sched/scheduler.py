@@ -14,9 +14,10 @@ from collections.abc import Iterable
 
 from services.worker.engine.config import CacheConfig, SchedulerConfig
 from services.worker.engine.kv_cache.manager import KVCacheBlocks, KVCacheManager
+from services.worker.engine.kv_transfer.connector import TransferResults
 from services.worker.engine.kv_transfer.params import RemoteKV
 from services.worker.engine.kv_transfer.scheduler_side import KVTransferBookkeeping
-from services.worker.engine.messages import ERROR_KV_TRANSFER, EngineCoreOutput, EngineStats
+from services.worker.engine.messages import EngineCoreOutput, EngineStats, ErrorCode
 from services.worker.engine.request import FINISH_REASONS, FinishReason, Request, RequestStatus
 from services.worker.engine.sched.output import (
     CachedRequestData,
@@ -28,6 +29,10 @@ from shared.ids import RequestId
 from shared.kv_events import KVEvent
 
 _LEASABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+PULL_FAILED = "pulling the prompt's KV cache from the prefill worker failed"
+LEASE_EXPIRED = (
+    "the prefill worker's lease on the prompt's KV cache expired before this worker could read it"
+)
 
 
 class Scheduler:
@@ -40,13 +45,12 @@ class Scheduler:
     ):
         self.config = config
         self.transfer = transfer  # None: this engine does no KV transfer
-        self.recompute_on_failure = False
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.requests: dict[RequestId, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_since_last_step: set[str] = set()
-        self._stale_pulls: list[str] = []  # decode legs that came after their lease expired
+        self._ended: list[EngineCoreOutput] = []  # failed decode legs not reported yet
         self._num_preemptions = 0
         self._prompt_tokens = 0
         self._prefix_hit_tokens = 0
@@ -198,8 +202,7 @@ class Scheduler:
         assert self.transfer is not None
         if self.transfer.lease_expired(request):
             self.waiting.popleft()
-            self.transfer.loading[request.request_id] = request
-            self._stale_pulls.append(request.request_id)
+            self._fail_pull(request, LEASE_EXPIRED)  # (a recompute goes back to the head)
             return True
         hits, num_hit = self.kv.get_computed_blocks(request)
         num_hit = min(num_hit, request.num_prompt_tokens)
@@ -213,49 +216,48 @@ class Scheduler:
         out.kv_loads.append(self.transfer.load_for(request, block_ids, num_hit))
         return True
 
-    def finish_transfers(
-        self, finished: list[str], failed: list[str], released: list[str]
-    ) -> list[EngineCoreOutput]:
-        """KV transfer progress: pulls that ended decode on, recompute, or fail (an abort
-        meanwhile frees them); leases a peer has read end. The core applies this as soon as a
-        step is submitted (``EngineCore._submit``), not when its tokens come back, so a pulled
-        request is scheduled by the very next step; stale handles found while scheduling that
-        step fail here too."""
-        if self.transfer is None:
-            return []
-        outputs = []
-        stale, self._stale_pulls = self._stale_pulls, []
-        for rid in finished + failed + stale:
-            request = self.transfer.loading.pop(RequestId(rid), None)
-            if request is None:
-                continue
-            if request.status.finished:  # aborted while its pull ran
-                self._free(request, request.status)
-            elif rid in finished:
-                request.kv_ready = True
-                request.num_computed_tokens = request.num_prompt_tokens
-                self.kv.index_blocks(request, request.num_prompt_tokens)
-                self.waiting.appendleft(request)
-            elif self.recompute_on_failure:
-                self.kv.free(request)
-                request.status, request.num_computed_tokens = RequestStatus.WAITING, 0
-                self.waiting.appendleft(request)
-            else:
-                self._free(request, RequestStatus.FINISHED_ERROR)
-                error = (
-                    "the prefill worker's lease on the prompt's KV cache expired before this "
-                    "worker could read it" if rid in stale
-                    else "pulling the prompt's KV cache from the prefill worker failed"
-                )  # fmt: skip
-                outputs.append(
-                    EngineCoreOutput(
-                        rid, [], finish_reason=FinishReason.ERROR, error=error,
-                        error_code=ERROR_KV_TRANSFER,
-                    )
-                )  # fmt: skip
-        for rid in released:
-            self.end_lease(rid)
-        return outputs
+    def update_from_transfers(self, results: TransferResults) -> list[EngineCoreOutput]:
+        """The one way in for KV-transfer progress: pulls that ended decode on, recompute or
+        fail (an abort meanwhile frees them); leases a peer has read end. Returns the outputs
+        of the decode legs that failed since the last call (here or while scheduling: a stale
+        handle). The core applies a step's transfers as soon as the step is submitted
+        (``EngineCore._submit``), not when its tokens come back, so a pulled request is
+        scheduled by the very next step."""
+        if self.transfer is not None:
+            for rid in results.finished + results.failed:
+                request = self.transfer.loading.pop(RequestId(rid), None)
+                if request is None:
+                    continue
+                if request.status.finished:  # aborted while its pull ran
+                    self._free(request, request.status)
+                elif rid in results.finished:
+                    request.kv_ready = True
+                    request.num_computed_tokens = request.num_prompt_tokens
+                    self.kv.index_blocks(request, request.num_prompt_tokens)
+                    self.waiting.appendleft(request)
+                else:
+                    self._fail_pull(request, PULL_FAILED)
+            for rid in results.released:
+                self.end_lease(rid)
+        ended, self._ended = self._ended, []
+        return ended
+
+    def _fail_pull(self, request: Request, error: str) -> None:
+        """A decode leg without its KV (no longer loading nor queued): recomputed here from the
+        head of the queue when configured, else ended with a ``kv_transfer_failed`` error."""
+        assert self.transfer is not None
+        if self.transfer.recompute_on_failure:
+            self.kv.free(request)
+            request.status, request.num_computed_tokens = RequestStatus.WAITING, 0
+            self.waiting.appendleft(request)
+            return
+        self._free(request, RequestStatus.FINISHED_ERROR)
+        self._ended.append(
+            EngineCoreOutput(
+                request.request_id, [], finish_reason=FinishReason.ERROR, error=error,
+                error_code=ErrorCode.KV_TRANSFER_FAILED,
+            )
+        )  # fmt: skip
 
     def end_lease(self, request_id: str, expired: bool = False) -> None:
         request = self.transfer.end_lease(request_id, expired) if self.transfer else None

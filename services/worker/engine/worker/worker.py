@@ -2,21 +2,23 @@
 runs steps through its ModelRunner. The executor talks to one Worker per tensor-parallel rank.
 """
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from services.worker.engine.config import EngineConfig
+from services.worker.engine.kv_transfer.connector import (
+    NO_CONNECTOR,
+    ConnectorInfo,
+    KVConnector,
+    TransferResults,
+    compat_hash,
+    make_connector,
+)
 from services.worker.engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from services.worker.engine.worker.model_runner import ModelRunner, StepHandle
 
 CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on CPU: 1 GiB
 MAX_BLOCKS = 1 << 20  # the block pool keeps a Python object per block: bound its bookkeeping
 CUDA_GRAPH_RESERVE_BYTES = 512 << 20  # decode graphs' private pool (activations of ≤ 512 rows)
-
-
-if TYPE_CHECKING:
-    from services.worker.engine.kv_transfer.nixl_connector import NixlConnector
 
 
 class Worker:
@@ -29,7 +31,7 @@ class Worker:
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.model.seed)
         self.runner = ModelRunner(config, self.device)
-        self.connector: NixlConnector | None = None  # KV transfer (worker half), when enabled
+        self.connector: KVConnector | None = None  # KV transfer (worker half), when enabled
 
     def load_model(self, show_progress: bool = True) -> None:
         self.runner.load_model(show_progress)
@@ -76,19 +78,15 @@ class Worker:
         self.runner.initialize_kv_cache(num_blocks)
         transfer = self.config.kv_transfer
         if transfer.enabled:
-            from services.worker.engine.kv_transfer.nixl_connector import (
-                NixlConnector,
-                compat_hash,
-            )
-
             assert self.runner.kv_cache is not None
             compat = compat_hash(
                 self.config.model.served_model_name, self.config.model.dtype,
                 self.config.cache.block_size, tuple(self.runner.kv_cache.shape),
             )  # fmt: skip
-            self.connector = NixlConnector(
-                transfer.engine_id, self.runner.kv_cache, compat, transfer.side_channel_host
-            )
+            self.connector = make_connector(
+                transfer.connector, transfer.engine_id, self.runner.kv_cache, compat,
+                transfer.side_channel_host,
+            )  # fmt: skip
 
     def submit(self, sched: SchedulerOutput) -> "WorkerStep":
         """One step: queue the model's work, start this step's KV pulls, poll the transfers.
@@ -100,16 +98,19 @@ class Worker:
         previous = self.runner.last_step
         step = self.runner.submit(sched)
         if self.connector is None:
-            return WorkerStep(step)
+            return WorkerStep(step, TransferResults())
         if sched.kv_loads and previous is not None:
             previous.wait()
         failed = self.connector.start_loads(sched.kv_loads)
         results = self.connector.poll()
-        return WorkerStep(step, results.finished, failed + results.failed, results.released)
+        results.failed = failed + results.failed
+        return WorkerStep(step, results)
 
-    @property
-    def side_channel(self) -> str:
-        return self.connector.side_channel if self.connector is not None else ""
+    def poll_transfers(self) -> TransferResults:
+        return self.connector.poll() if self.connector is not None else TransferResults()
+
+    def transfer_info(self) -> ConnectorInfo:
+        return self.connector.info() if self.connector is not None else NO_CONNECTOR
 
     def shutdown(self) -> None:
         if self.connector is not None:
@@ -119,22 +120,12 @@ class Worker:
 
 
 class WorkerStep:
-    """A submitted step and the KV-transfer progress seen when it was submitted."""
+    """A submitted step and the KV-transfer progress seen when it was submitted (the core
+    applies ``transfers`` at once, not when the step's tokens come back)."""
 
-    def __init__(
-        self,
-        step: StepHandle,
-        finished: list[str] | None = None,
-        failed: list[str] | None = None,
-        released: list[str] | None = None,
-    ):
+    def __init__(self, step: StepHandle, transfers: TransferResults):
         self.step = step
-        self.transfers = (finished or [], failed or [], released or [])
-
-    def take_transfers(self) -> tuple[list[str], list[str], list[str]]:
-        """(finished, failed, released): the core applies them when it submits the step."""
-        transfers, self.transfers = self.transfers, ([], [], [])
-        return transfers
+        self.transfers = transfers
 
     def result(self) -> ModelRunnerOutput:
         return self.step.result()
