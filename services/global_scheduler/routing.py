@@ -21,23 +21,31 @@ Scorers
                uncached tokens) ÷ the worker's measured tokens/s (+ KV transfer time, zero for
                a colocated worker). One scorer that prices a prefix hit against a queue in
                seconds, instead of weights tuned by hand; see docs/routing.md for when it wins.
-Decider (``decider: {min_uncached_tokens: 64, max_prefill_queue: 4}``)
-    when the chosen decode worker would have to compute at least ``min_uncached_tokens`` of
-    the prompt and a prefill worker has fewer than ``max_prefill_queue`` requests queued, that
-    worker (picked by the same pipeline) runs the prompt and hands its KV over (NIXL);
-    otherwise the decode worker prefills locally (a saturated prefill pool overflows onto
-    the decode pool instead of queueing without bound)
 Pickers
     max          highest weighted sum; ties go to the shorter queue, then to an order drawn
                  from a hash of (request id, worker id): replicas that see the same state make
                  the same choice, and equal workers share the load
     round_robin  ignore the scores, take turns (a baseline for benchmarks)
+Deciders (the last stage, once the decode worker is picked: where the prompt runs, and why;
+``"decider": {"name": "prefix_based", "min_uncached_tokens": 64, "max_prefill_queue": 4}``)
+    prefix_based  (the default; ``name`` may be left out) a prefill-pool worker runs the
+                  prompt and hands its KV over (NIXL) when the decode worker would compute at
+                  least ``min_uncached_tokens`` of it itself (prompt − its prefix hits) and a
+                  prefill worker has fewer than ``max_prefill_queue`` requests queued (picked
+                  by the same pipeline, for the prefill leg); otherwise the decode worker
+                  prefills locally: a saturated prefill pool overflows onto the decode pool
+                  instead of queueing without bound. Without a prefill pool, always local.
+
+    RoutingPolicy.route(query, candidates) → RouteDecision(decode, prefill | None, reason)
 """
 
+import dataclasses
+import inspect
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from enum import StrEnum
+from typing import Any, Protocol
 
 import xxhash
 
@@ -171,13 +179,13 @@ class RoutingPolicy:
         if self.picker not in PICKERS:
             raise ValueError(f"unknown picker {self.picker!r}; known: {', '.join(PICKERS)}")
         self._turn = itertools.count()
-        decider = dict(policy.get("decider", {}))
-        self.min_uncached_tokens = int(decider.pop("min_uncached_tokens", 64))
-        self.max_prefill_queue = int(decider.pop("max_prefill_queue", 4))
-        if decider or self.min_uncached_tokens < 0 or self.max_prefill_queue < 1:
-            raise ValueError(
-                "decider takes min_uncached_tokens (>= 0) and max_prefill_queue (>= 1) only"
-            )
+        self.decider = make_decider(policy.get("decider", {}))
+
+    def route(self, query: RouteQuery, candidates: list[Candidate]) -> "RouteDecision":
+        """The whole pipeline: the decode worker (``pick``), then the decider's choice of
+        where the prompt runs. Raises NoWorkerError when no decode worker passes."""
+        decode = self.pick(query, candidates)
+        return self.decider.decide(query, decode, candidates, self.pick)
 
     def filter(self, query: RouteQuery, candidates: list[Candidate]) -> list[Candidate]:
         for name, keep in self.filters:
@@ -212,3 +220,76 @@ class RoutingPolicy:
     def reason(c: Candidate) -> str:
         parts = " ".join(f"{k}={v:.2f}" for k, v in c.scores.items())
         return f"{c.worker.worker_id}: {parts} total={c.total:.2f}"
+
+
+class Reason(StrEnum):
+    """Why the decider chose as it did (the ``reason`` label of the decisions metric)."""
+
+    NO_PREFILL_POOL = "no_prefill_pool"  # no worker of role prefill: local
+    SHORT_PROMPT = "short_prompt"  # too few uncached tokens to pay for a transfer: local
+    POOL_BUSY = "pool_busy"  # every prefill worker is full, draining or excluded: local
+    LONG_PROMPT = "long_prompt"  # disaggregated
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    decode: Candidate  # runs the decode leg (and the prompt, when prefill is None)
+    prefill: Candidate | None  # runs the prompt and hands its KV over; None: local prefill
+    reason: Reason
+
+
+Picker = Callable[[RouteQuery, list[Candidate]], Candidate]  # RoutingPolicy.pick
+
+
+class Decider(Protocol):
+    def decide(
+        self, query: RouteQuery, decode: Candidate, candidates: list[Candidate], pick: Picker
+    ) -> RouteDecision:
+        """Given the picked decode worker and every live candidate of the model. Pure: it
+        reads the snapshot and changes nothing but the scores ``pick`` writes."""
+        ...
+
+
+class PrefixBasedDecider:
+    def __init__(self, min_uncached_tokens: int = 64, max_prefill_queue: int = 4):
+        if min_uncached_tokens < 0 or max_prefill_queue < 1:
+            raise ValueError(
+                "decider prefix_based takes min_uncached_tokens (>= 0) and max_prefill_queue (>= 1)"
+            )
+        self.min_uncached_tokens = min_uncached_tokens
+        self.max_prefill_queue = max_prefill_queue
+
+    def decide(
+        self, query: RouteQuery, decode: Candidate, candidates: list[Candidate], pick: Picker
+    ) -> RouteDecision:
+        pool = [c for c in candidates if c.worker.role == "prefill"]
+        if not pool:
+            return RouteDecision(decode, None, Reason.NO_PREFILL_POOL)
+        uncached = query.num_prompt_tokens - decode.matched_blocks * decode.worker.block_size
+        if uncached < self.min_uncached_tokens:
+            return RouteDecision(decode, None, Reason.SHORT_PROMPT)
+        room = [Candidate(c.worker, c.matched_blocks) for c in pool
+                if c.worker.queue_depth < self.max_prefill_queue]  # fmt: skip
+        try:
+            prefill = pick(dataclasses.replace(query, leg="prefill"), room)
+        except NoWorkerError:
+            return RouteDecision(decode, None, Reason.POOL_BUSY)
+        return RouteDecision(decode, prefill, Reason.LONG_PROMPT)
+
+
+DECIDERS: dict[str, Callable[..., Decider]] = {"prefix_based": PrefixBasedDecider}
+
+
+def make_decider(spec: dict[str, Any]) -> Decider:
+    """The policy's ``decider`` entry: its ``name`` (default prefix_based) and settings."""
+    kw = dict(spec)
+    name = kw.pop("name", "prefix_based")
+    if name not in DECIDERS:
+        raise ValueError(f"unknown decider {name!r}; known: {', '.join(sorted(DECIDERS))}")
+    accepted = set(inspect.signature(DECIDERS[name]).parameters)
+    if set(kw) - accepted:
+        raise ValueError(
+            f"decider takes only {name}'s settings ({', '.join(sorted(accepted))}); unknown "
+            f"settings {sorted(set(kw) - accepted)}"
+        )
+    return DECIDERS[name](**kw)

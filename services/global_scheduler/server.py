@@ -3,7 +3,6 @@ routing policy do the work. Workers leave the registry when their heartbeat stre
 once) or goes silent (``sweep``, within ``heartbeat_timeout_s`` + one sweep interval)."""
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -14,7 +13,13 @@ from grpc import aio
 from services.global_scheduler import convert, metrics
 from services.global_scheduler.directory import PrefixDirectory
 from services.global_scheduler.registry import WorkerRegistry, WorkerState
-from services.global_scheduler.routing import Candidate, NoWorkerError, RouteQuery, RoutingPolicy
+from services.global_scheduler.routing import (
+    Candidate,
+    NoWorkerError,
+    Reason,
+    RouteQuery,
+    RoutingPolicy,
+)
 from shared import hop_trace
 from shared.ids import BlockHash, WorkerId
 from shared.logs import request_id_var
@@ -151,11 +156,16 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
             exclude=frozenset(request.exclude_workers),
         )  # fmt: skip
         try:
-            best = self.policy.pick(query, [Candidate(w, matched[w.worker_id]) for w in workers])
+            decision = self.policy.route(
+                query, [Candidate(w, matched[w.worker_id]) for w in workers]
+            )
         except NoWorkerError as e:
             metrics.ROUTES.labels("no_worker", "filters").inc()
             raise RouteFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from None
-        prefill = self._decide_prefill(query, best, workers, matched)
+        best, prefill = decision.decode, decision.prefill
+        if decision.reason != Reason.NO_PREFILL_POOL:
+            where = "local" if prefill is None else "remote"
+            metrics.PREFILL_DECISIONS.labels(where, decision.reason.value).inc()
         for chosen in (best, prefill):
             if chosen is not None:
                 chosen.worker.routed(request.request_id)
@@ -174,33 +184,6 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
             response.prefill.CopyFrom(_ref(prefill))
         hop_trace.mark("scheduler.route_out")
         return response
-
-    def _decide_prefill(
-        self,
-        query: RouteQuery,
-        decode: Candidate,
-        workers: list[WorkerState],
-        matched: dict[WorkerId, int],
-    ) -> Candidate | None:
-        """The P/D decider: a prefill-pool worker when the decode worker would have to compute
-        at least ``min_uncached_tokens`` of the prompt itself and the pool has room (a worker
-        with fewer than ``max_prefill_queue`` requests), else None (local prefill)."""
-        uncached = query.num_prompt_tokens - decode.matched_blocks * decode.worker.block_size
-        pool = [w for w in workers if w.role == "prefill"]
-        if not pool:
-            return None
-        if uncached < self.policy.min_uncached_tokens:
-            metrics.PREFILL_DECISIONS.labels("local", "short_prompt").inc()
-            return None
-        room = [w for w in pool if w.queue_depth < self.policy.max_prefill_queue]
-        leg = dataclasses.replace(query, leg="prefill")
-        try:
-            chosen = self.policy.pick(leg, [Candidate(w, matched[w.worker_id]) for w in room])
-        except NoWorkerError:  # every prefill worker is full, draining or gone
-            metrics.PREFILL_DECISIONS.labels("local", "pool_busy").inc()
-            return None
-        metrics.PREFILL_DECISIONS.labels("remote", "long_prompt").inc()
-        return chosen
 
     async def ListWorkers(
         self, request: scheduler_pb2.ListWorkersRequest, context: aio.ServicerContext

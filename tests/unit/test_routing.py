@@ -121,21 +121,16 @@ def test_the_decider_sends_long_prompts_to_a_prefill_worker_with_room() -> None:
     """Short prompts (or mostly cached ones) prefill on the decode worker; long ones go to the
     prefill pool, until every prefill worker holds ``max_prefill_queue`` requests: then the
     overflow prefills locally instead of queueing without bound."""
-    from services.global_scheduler.directory import InMemoryDirectory
-    from services.global_scheduler.registry import WorkerRegistry
-    from services.global_scheduler.server import SchedulerServicer
-
     policy = RoutingPolicy({"decider": {"min_uncached_tokens": 64, "max_prefill_queue": 2}})
-    servicer = SchedulerServicer(WorkerRegistry(1.5), InMemoryDirectory(), policy)
     decode, p0, p1 = worker("d", "decode"), worker("p0", "prefill"), worker("p1", "prefill")
     workers = [decode, p0, p1]
-    matched = {w.worker_id: 0 for w in workers}
 
     def decide(prompt_tokens: int, hit_blocks: int = 0) -> WorkerState | None:
         q = RouteQuery("m", -(-prompt_tokens // 16), request_id="r",
                        num_prompt_tokens=prompt_tokens)  # fmt: skip
-        chosen = servicer._decide_prefill(q, Candidate(decode, hit_blocks), workers, matched)
-        return None if chosen is None else chosen.worker
+        candidates = [Candidate(w, 0) for w in workers]
+        chosen = policy.decider.decide(q, Candidate(decode, hit_blocks), candidates, policy.pick)
+        return None if chosen.prefill is None else chosen.prefill.worker
 
     assert decide(40) is None  # short
     assert decide(400, hit_blocks=22) is None  # 400 - 352 cached = 48 uncached: short
