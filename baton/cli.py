@@ -1,7 +1,14 @@
-"""The ``baton`` command. Sub-commands import what they need lazily so ``baton --help`` is fast."""
+"""The ``baton`` command. Sub-commands import their service lazily, so ``baton --help`` is fast
+and ``baton gateway`` never imports the engine.
+
+    cli (the parser) → service_cli (service flags → settings) → launcher (baton serve)
+    serving (tests, benchmarks: ``baton serve FLAGS`` in this process) → cli, service_cli
+"""
 
 import argparse
 import sys
+
+from baton.service_cli import add_service_commands
 
 
 def _make_tiny_model(args: argparse.Namespace) -> None:
@@ -47,8 +54,6 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from baton.service_cli import add_service_commands
-
     parser = argparse.ArgumentParser(prog="baton", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -2,15 +2,15 @@
 
     global scheduler ──ready file──▶ N workers ──ready files──▶ gateway ──/health──▶ print URL
 
-Each child is a plain ``baton <service>`` process (what a Kubernetes pod runs). Every wait is
-bounded and notices a child that exits. Ctrl-C (or SIGTERM) stops the gateway first, then the
-workers (they drain), then the scheduler; anything still alive after the bound is killed. A
-worker that dies while serving is reported and the others keep serving; the scheduler or the
-gateway dying stops everything.
+The launcher takes a frozen ``ClusterSpec`` (``baton/service_cli.py`` builds one from the
+flags; ``baton/serving.py`` runs one for tests and benchmarks) and imports nothing of the
+command line. Each child is a plain ``baton <service>`` process (what a Kubernetes pod runs).
+Every wait is bounded and notices a child that exits. Ctrl-C (or SIGTERM) stops the gateway
+first, then the workers (they drain), then the scheduler; anything still alive after the bound
+is killed. A worker that dies while serving is reported and the others keep serving; the
+scheduler or the gateway dying stops everything.
 """
 
-import argparse
-import contextlib
 import ctypes
 import json
 import os
@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from shared.affinity import assign_cpus
@@ -61,10 +61,36 @@ def _die_with_parent() -> None:
         _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What ``baton serve`` starts: the flags of ``baton serve``, parsed once."""
+
+    model: str
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"  # the gateway's
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()
+    max_body_bytes: int = 4 * 1024 * 1024
+    request_timeout: float = 600.0
+    generate_stream: bool = True  # False: one unary Generate per request
+    workers: int | None = None  # colocated (role both); None: 1 unless a P/D pool is asked for
+    prefill_workers: int = 0
+    decode_workers: int = 0
+    worker_metrics: bool = False  # give each worker /metrics
+    log_dir: str | None = None  # each service's output to DIR/<name>.log
+    redis_url: str | None = None
+    routing_policy: str | None = None  # a YAML/JSON file
+    gpus: str | None = None  # comma-separated ids; None: CUDA_VISIBLE_DEVICES, else nvidia-smi
+    pin_cpus: str | None = None  # "auto" or a CPU list (shared/affinity.assign_cpus)
+    device: str = "auto"
+    kv_sized: bool = False  # the engine flags give the KV cache an explicit size
+    engine_argv: tuple[str, ...] = ()  # the engine flags every worker gets, as argv
+
+
 class Cluster:
-    def __init__(self, args: argparse.Namespace, engine_argv: list[str]):
-        self.args = args
-        self.engine_argv = engine_argv
+    def __init__(self, spec: ClusterSpec):
+        self.spec = spec
+        self.engine_argv = list(spec.engine_argv)
         self.tmp = Path(tempfile.mkdtemp(prefix="baton-serve-"))
         self.procs: dict[str, subprocess.Popen] = {}
         self.ready: dict[str, dict] = {}  # name → what it wrote when ready (address, ports)
@@ -93,7 +119,7 @@ class Cluster:
 
     @property
     def model_name(self) -> str:
-        return self.args.served_model_name or Path(self.args.model).name
+        return self.spec.served_model_name or Path(self.spec.model).name
 
     def start(self) -> str:
         """Start everything and return the OpenAI base URL; on failure nothing is left running."""
@@ -104,7 +130,7 @@ class Cluster:
             raise
 
     def _start(self) -> str:
-        a = self.args
+        a = self.spec
         roles = self.worker_roles()
         cpus = self.cpus(["scheduler", *(name for name, _ in roles), "gateway"])
         argv = ["global-scheduler", "--port", "0", "--metrics-port", "0", *cpus["scheduler"]]
@@ -116,7 +142,7 @@ class Cluster:
         sched_addr = self.wait_ready("scheduler", sched, SCHEDULER_START_S)["address"]
         workers = []
         gpus = self.gpus()
-        if gpus and len(roles) > len(gpus) and not (a.num_kv_blocks or a.kv_cache_memory_bytes):
+        if gpus and len(roles) > len(gpus) and not a.kv_sized:
             print(f"baton serve: {len(roles)} workers share {len(gpus)} GPU(s), and each sizes "
                   "its KV cache from the memory it finds free: give each a size "
                   "(--kv-cache-memory-bytes or --num-kv-blocks)", file=sys.stderr)  # fmt: skip
@@ -136,9 +162,9 @@ class Cluster:
                 "--port", str(a.port), "--served-model-name", self.model_name,
                 "--max-body-bytes", str(a.max_body_bytes),
                 "--request-timeout", str(a.request_timeout)]  # fmt: skip
-        for key in a.api_key or ():
+        for key in a.api_keys:
             argv += ["--api-key", key]
-        argv += ["--no-generate-stream"] if a.no_generate_stream else []
+        argv += [] if a.generate_stream else ["--no-generate-stream"]
         self.spawn("gateway", argv + cpus["gateway"], ready=False)
         url = f"http://{a.host}:{a.port}"
         self.wait_http("gateway", f"{url}/health", GATEWAY_START_S)
@@ -178,7 +204,7 @@ class Cluster:
 
     def cpus(self, names: list[str]) -> dict[str, list[str]]:
         """Each service's ``--cpus`` flag: one CPU of its own with ``--pin-cpus``, else none."""
-        spec = getattr(self.args, "pin_cpus", None)
+        spec = self.spec.pin_cpus
         if spec is None:
             return {name: [] for name in names}
         try:
@@ -192,10 +218,9 @@ class Cluster:
     def gpus(self) -> list[str]:
         """The GPUs the workers are spread over: ``--gpus``, else CUDA_VISIBLE_DEVICES, else
         every GPU ``nvidia-smi`` lists; none with ``--device cpu`` or on a machine without."""
-        a = self.args
-        if getattr(a, "device", "auto") == "cpu":
+        if self.spec.device == "cpu":
             return []
-        spec = getattr(a, "gpus", None)
+        spec = self.spec.gpus
         spec = os.environ.get("CUDA_VISIBLE_DEVICES") if spec is None else spec
         if spec is not None:
             return [g for g in spec.split(",") if g.strip()]
@@ -209,7 +234,7 @@ class Cluster:
     def worker_roles(self) -> list[tuple[str, str]]:
         """(name, role) of every worker: ``--prefill-workers`` P, ``--decode-workers`` D and
         ``--workers`` N colocated (default 1 when no P/D pool is asked for)."""
-        a = self.args
+        a = self.spec
         both = (
             a.workers
             if a.workers is not None
@@ -235,9 +260,9 @@ class Cluster:
         # Ctrl-C in the terminal reaches the whole process group; children ignore the launcher's
         # SIGINT by running in their own session, and are stopped in order by stop().
         log = None
-        if self.args.log_dir:  # each service's output in its own file instead of this terminal
-            Path(self.args.log_dir).mkdir(parents=True, exist_ok=True)
-            log = open(Path(self.args.log_dir) / f"{name}.log", "ab")  # noqa: SIM115 (child owns it)
+        if self.spec.log_dir:  # each service's output in its own file instead of this terminal
+            Path(self.spec.log_dir).mkdir(parents=True, exist_ok=True)
+            log = open(Path(self.spec.log_dir) / f"{name}.log", "ab")  # noqa: SIM115 (child owns it)
         self.procs[name] = subprocess.Popen(
             cmd, start_new_session=True, env={**os.environ, **(env or {})}, stdout=log,
             stderr=subprocess.STDOUT if log else None, preexec_fn=_die_with_parent,
@@ -288,20 +313,3 @@ class Cluster:
                       file=sys.stderr, flush=True)  # fmt: skip
                 reported.add(name)
             time.sleep(0.2)
-
-
-@contextlib.contextmanager
-def serving(*flags: str) -> Iterator[Cluster]:
-    """``baton serve FLAGS`` run and stopped from this process (tests, benchmarks): the whole
-    cluster, ready, on a free port unless FLAGS name one."""
-    from baton.cli import build_parser
-    from baton.service_cli import engine_flags_argv
-
-    port = [] if "--port" in flags else ["--port", str(free_port())]
-    args = build_parser().parse_args(["serve", *flags, *port])
-    cluster = Cluster(args, engine_flags_argv(args))
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.stop()

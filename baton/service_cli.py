@@ -3,94 +3,95 @@
 hands them to the service's ``serve``; nothing else reads the command line."""
 
 import argparse
+import dataclasses
 import os
+import typing
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import uvloop  # the event loop of every service (gRPC p99 latency ~7× lower than asyncio's here)
 
-from shared.affinity import check_cpus, parse_cpus  # imports no grpc (see below)
+from baton.launcher import Cluster, ClusterSpec  # (no grpc, no torch: see below)
+from services.worker.engine.config import LOAD_FORMATS, EngineArgs
+from shared.affinity import check_cpus, parse_cpus
 
 # gRPC core's transport for every service: the poll-based I/O manager instead of EventEngine
 # endpoints. With EventEngine a received message goes from an EventEngine thread to grpc.aio's
 # poller thread, then to the event loop; with the older one the poller thread reads the socket
 # itself: one thread wake-up fewer per message, each ~0.1 ms on an idle many-core host
-# (docs/performance-notes.md, "gRPC's thread hops"). gRPC reads this once, when its core starts, so
+# (docs/results/h200-2026-11-30d/NOTES.md, "gRPC's thread hops"). gRPC reads this once, when its core starts, so
 # it is set before any service imports grpc; an operator's own GRPC_EXPERIMENTS (even empty,
 # for gRPC's defaults) wins, and so do tests that run services in their own process.
 GRPC_EXPERIMENTS = "-event_engine_client,-event_engine_listener"
 os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)
 
-if TYPE_CHECKING:
-    from services.worker.engine.config import EngineArgs
+# EngineArgs fields that are flags of ``baton worker`` and ``baton serve`` (``--field-name``).
+# Type, default and choices come from EngineArgs itself; a bool that defaults to True becomes
+# ``--no-<name>`` (without its ``enable_``), one that defaults to None ``--<name>/--no-<name>``.
+ENGINE_FLAGS = (
+    "served_model_name", "dtype", "load_format", "seed", "max_model_len", "block_size",
+    "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization", "max_num_seqs",
+    "max_num_batched_tokens", "attention_backend", "device", "enable_prefix_caching",
+    "enforce_eager", "async_scheduling", "kv_lease_seconds", "kv_recompute_on_failure",
+)  # fmt: skip
+ENGINE_HELP = {
+    "enforce_eager": "no CUDA graphs",
+    "async_scheduling": "schedule the next step while the device runs this one (default: on "
+    "for CUDA)",
+    "kv_lease_seconds": "prefill side: how long a prompt's KV waits to be pulled",
+    "kv_recompute_on_failure": "decode side: a failed KV pull recomputes the prompt instead "
+    "of failing",
+}
+_FIELDS = {f.name: f for f in dataclasses.fields(EngineArgs)}
 
-ENGINE_FLAGS: list[tuple[str, dict]] = [
-    ("--served-model-name", {"default": None}),
-    ("--dtype", {"default": "auto"}),
-    ("--load-format", {"default": "auto", "choices": ["auto", "safetensors", "dummy"]}),
-    ("--seed", {"type": int, "default": 0}),
-    ("--max-model-len", {"type": int, "default": None}),
-    ("--block-size", {"type": int, "default": 16}),
-    ("--num-kv-blocks", {"type": int, "default": None}),
-    ("--kv-cache-memory-bytes", {"type": int, "default": None}),
-    ("--gpu-memory-utilization", {"type": float, "default": 0.9}),
-    ("--max-num-seqs", {"type": int, "default": 256}),
-    ("--max-num-batched-tokens", {"type": int, "default": None}),
-    ("--attention-backend", {"default": "auto"}),
-    ("--device", {"default": "auto", "choices": ["auto", "cpu", "cuda"]}),
-    ("--kv-lease-seconds", {"type": float, "default": 30.0}),  # prefill side: unread KV kept
-]
+
+def _flag(name: str) -> str:
+    field = _FIELDS[name]
+    if field.type is bool and field.default is True:
+        return "--no-" + name.removeprefix("enable_").replace("_", "-")
+    return "--" + name.replace("_", "-")
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    for flag, kw in ENGINE_FLAGS:
+    for name in ENGINE_FLAGS:
+        field, flag = _FIELDS[name], _flag(name)
+        kw: dict[str, Any] = {"dest": name, "default": field.default, "help": ENGINE_HELP.get(name)}
+        if field.type is bool:
+            kw["action"] = "store_false" if field.default else "store_true"
+        elif typing.get_args(field.type) == (bool, type(None)):
+            kw["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(field.type) is typing.Literal:
+            kw["choices"] = typing.get_args(field.type)
+        else:  # str, int, float, or one of them | None
+            kw["type"] = next(t for t in (*typing.get_args(field.type), field.type)
+                              if t in (str, int, float))  # fmt: skip
+        if name == "load_format":
+            kw["choices"] = LOAD_FORMATS
         p.add_argument(flag, **kw)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="schedule the next step while the device runs this one (default: on for CUDA)",
-    )
-    p.add_argument(
-        "--kv-recompute-on-failure",
-        action="store_true",
-        help="decode side: a failed KV pull recomputes the prompt instead of failing",
-    )
 
 
-def engine_args(args: argparse.Namespace) -> "EngineArgs":
-    from services.worker.engine.config import EngineArgs
-
-    kw = {
-        flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
-        for flag, _ in ENGINE_FLAGS
-    }
+def engine_args(args: argparse.Namespace) -> EngineArgs:
     role = getattr(args, "role", "both")
     return EngineArgs(
         model=args.model,
-        enable_prefix_caching=not args.no_prefix_caching,
-        enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling,
         kv_transfer=role in ("prefill", "decode") or getattr(args, "kv_transfer", False),
-        kv_recompute_on_failure=args.kv_recompute_on_failure,
-        **kw,
+        **{name: getattr(args, name) for name in ENGINE_FLAGS},
     )
 
 
 def engine_flags_argv(args: argparse.Namespace) -> list[str]:
-    """The engine flags as given, to pass on to child ``baton worker`` processes."""
+    """The engine flags as given (those off their default), to pass on to ``baton worker``."""
     argv = []
-    for flag, kw in ENGINE_FLAGS:
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value != kw.get("default"):
+    for name in ENGINE_FLAGS:
+        value, default, flag = getattr(args, name), _FIELDS[name].default, _flag(name)
+        if value == default:
+            continue
+        if isinstance(value, bool) and isinstance(default, bool):
+            argv.append(flag)
+        elif isinstance(value, bool):  # --x / --no-x
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
             argv += [flag, str(value)]
-    argv += ["--no-prefix-caching"] if args.no_prefix_caching else []
-    argv += ["--enforce-eager"] if args.enforce_eager else []
-    if args.async_scheduling is not None:
-        argv += ["--async-scheduling" if args.async_scheduling else "--no-async-scheduling"]
-    argv += ["--kv-recompute-on-failure"] if args.kv_recompute_on_failure else []
     return argv
 
 
@@ -174,10 +175,23 @@ def add_pin_cpus_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
-def run_serve(args: argparse.Namespace) -> None:
-    from baton.launcher import Cluster
+def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
+    """``baton serve``'s flags as the launcher's frozen spec."""
+    return ClusterSpec(
+        model=args.model, served_model_name=args.served_model_name, host=args.host,
+        port=args.port, api_keys=tuple(args.api_key or ()), max_body_bytes=args.max_body_bytes,
+        request_timeout=args.request_timeout, generate_stream=not args.no_generate_stream,
+        workers=args.workers, prefill_workers=args.prefill_workers,
+        decode_workers=args.decode_workers, worker_metrics=args.worker_metrics,
+        log_dir=args.log_dir, redis_url=args.redis_url, routing_policy=args.routing_policy,
+        gpus=args.gpus, pin_cpus=args.pin_cpus, device=args.device,
+        kv_sized=bool(args.num_kv_blocks or args.kv_cache_memory_bytes),
+        engine_argv=tuple(engine_flags_argv(args)),
+    )  # fmt: skip
 
-    Cluster(args, engine_flags_argv(args)).run()
+
+def run_serve(args: argparse.Namespace) -> None:
+    Cluster(cluster_spec(args)).run()
 
 
 def add_service_commands(sub: argparse._SubParsersAction) -> None:

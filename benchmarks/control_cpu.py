@@ -67,7 +67,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args()
 
-    from baton.launcher import serving
+    from baton.serving import serving
     from services.worker.engine.model_config import load_arch_config
 
     vocab = load_arch_config(args.model).vocab_size

@@ -92,7 +92,7 @@ def main() -> None:
     add_pin_cpus_flag(p)
     args = p.parse_args()
 
-    from baton.launcher import serving
+    from baton.serving import serving
     from services.worker.engine.model_config import load_arch_config
 
     os.environ["BATON_HOP_TRACE"] = "1"  # the services inherit it

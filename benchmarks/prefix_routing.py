@@ -172,7 +172,7 @@ def main() -> None:
     p.add_argument("--out", default="bench-results")
     args = p.parse_args()
 
-    from baton.launcher import serving
+    from baton.serving import serving
     from services.worker.engine.model_config import load_arch_config
 
     arch = load_arch_config(args.model)

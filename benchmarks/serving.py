@@ -31,7 +31,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from baton.launcher import serving
+from baton.serving import serving
 
 
 @dataclass

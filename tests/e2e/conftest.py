@@ -12,8 +12,8 @@ import grpc
 import httpx
 import pytest
 
-from baton.cli import build_parser
-from baton.launcher import Cluster, serving
+from baton.launcher import Cluster, ClusterSpec
+from baton.serving import serving
 from shared.protos.baton.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from shared.text.tokenizer import TextTokenizer
 
@@ -96,4 +96,4 @@ def scheduler_metric(cluster: Cluster, name: str, service: str = "scheduler") ->
 def service_group(model: Path) -> Cluster:
     """An empty launcher: its ``spawn``/``wait_ready``/``wait_http`` start extra services
     (scheduler replicas, a second gateway) that its ``stop`` stops."""
-    return Cluster(build_parser().parse_args(["serve", "--model", str(model)]), [])
+    return Cluster(ClusterSpec(model=str(model)))

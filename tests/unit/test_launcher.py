@@ -5,10 +5,11 @@ import pytest
 
 from baton.cli import build_parser
 from baton.launcher import Cluster
+from baton.service_cli import cluster_spec
 
 
 def cluster(*argv: str) -> Cluster:
-    return Cluster(build_parser().parse_args(["serve", "--model", "m", *argv]), [])
+    return Cluster(cluster_spec(build_parser().parse_args(["serve", "--model", "m", *argv])))
 
 
 def test_worker_roles() -> None:
