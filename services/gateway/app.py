@@ -26,10 +26,11 @@ from services.gateway import errors, metrics
 from services.gateway.catalog import ModelCatalog
 from services.gateway.handler import SSE_DONE, Body, Handler, sse
 from services.gateway.middleware import BodySizeLimit, RequestContext
-from services.gateway.orchestrator import Orchestrator, WorkerChannels
+from services.gateway.orchestrator import Orchestrator
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.settings import GatewaySettings
 from services.gateway.sse import EventStream
+from services.gateway.worker_pool import WorkerChannels
 from shared import hop_trace, rpc
 from shared.affinity import pin_threads
 from shared.lifecycle import TaskOwner

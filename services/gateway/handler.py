@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 from services.gateway import errors, metrics
 from services.gateway.catalog import ModelCatalog
-from services.gateway.orchestrator import ChoiceDelta, Job, Orchestrator, merge
+from services.gateway.choice import ChoiceDelta
+from services.gateway.merge import merge
+from services.gateway.orchestrator import Job, Orchestrator
 from services.gateway.responses import Choice, Formatter, Usage
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from shared.protos.baton.v1 import common_pb2

@@ -16,16 +16,17 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import TypeVar
+from dataclasses import dataclass
 
 import grpc
 
 from services.gateway import errors, metrics
 from services.gateway.call_stream import CallFailed, status_of
 from services.gateway.catalog import ModelCatalog
-from services.gateway.generate_client import GenerateClient
+from services.gateway.choice import ChoiceDelta, ChoiceState
+from services.gateway.merge import merge
 from services.gateway.route_client import RouteClient
+from services.gateway.worker_pool import WorkerChannels
 from shared import hop_trace
 from shared.block_hash import hash_blocks
 from shared.ids import BlockHash
@@ -34,15 +35,13 @@ from shared.protos.baton.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
     worker_pb2,
-    worker_pb2_grpc,
 )
-from shared.rpc import channel, metadata
+from shared.rpc import metadata
 from shared.text.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
 ROUTE_TIMEOUT_S = 5.0
-T = TypeVar("T")
 
 
 @dataclass
@@ -62,52 +61,6 @@ class Job:
     block_size: int  # of the model's workers: the prompt is hashed in blocks of this size
     trace_id: str = "-"  # the client's x-request-id: in every service's log lines
     max_resumes: int = 2
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the top-N, most likely first
-
-
-@dataclass
-class ChoiceDelta:
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    num_cached_tokens: int | None = None  # set on the first delta of a choice
-
-
-class WorkerChannels:
-    """One gRPC channel per worker address, reused across requests, and on it one
-    GenerateClient (its long-lived GenerateStream)."""
-
-    def __init__(self, generate_stream: bool = True) -> None:
-        self._stubs: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerStub]] = {}
-        self._generate: dict[str, GenerateClient] = {}
-        self._generate_stream = generate_stream
-
-    def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
-        if address not in self._stubs:
-            ch = channel(address)
-            self._stubs[address] = (ch, worker_pb2_grpc.WorkerStub(ch))
-        return self._stubs[address][1]
-
-    def generate(self, address: str) -> GenerateClient:
-        if address not in self._generate:
-            self._generate[address] = GenerateClient(self.stub(address), self._generate_stream)
-        return self._generate[address]
-
-    async def close(self) -> None:
-        for client in self._generate.values():
-            await client.close()
-        self._generate.clear()
-        for ch, _ in self._stubs.values():
-            await ch.close()
-        self._stubs.clear()
 
 
 class Orchestrator:
@@ -172,7 +125,7 @@ class Orchestrator:
         num_logprobs: int | None,
     ) -> AsyncIterator[ChoiceDelta]:
         """Run choice ``index`` to its end, resuming on another worker if one fails."""
-        state = _ChoiceState(
+        state = ChoiceState(
             index,
             IncrementalDetokenizer(
                 self.catalog.tokenizers[job.model].tokenizer, job.prompt_ids, job.stop,
@@ -223,7 +176,7 @@ class Orchestrator:
         params: common_pb2.SamplingParams,
         route: scheduler_pb2.RouteResponse,
         hashes: list[BlockHash],
-        state: "_ChoiceState",
+        state: ChoiceState,
         handoff: worker_pb2.PrefillResponse | None,
     ) -> AsyncIterator[ChoiceDelta]:
         """The decode leg (or the whole request), resumed on another worker if one fails."""
@@ -288,48 +241,6 @@ class Orchestrator:
         return resp
 
 
-@dataclass
-class _ChoiceState:
-    """One choice's progress across worker calls: tokens so far, its detokenizer."""
-
-    index: int
-    detok: IncrementalDetokenizer
-    num_logprobs: int | None
-    generated: list[int] = field(default_factory=list)
-    cached: int | None = None
-
-    def apply_first(self, handoff: worker_pb2.PrefillResponse) -> ChoiceDelta:
-        """The prefill leg's first token, as if the decode stream had sent it."""
-        lps = [handoff.first_logprobs] if handoff.HasField("first_logprobs") else []
-        delta = worker_pb2.CompletionDelta(
-            index=self.index, token_ids=[handoff.first_token_id], logprobs=lps,
-            finish_reason=handoff.finish_reason,
-        )  # fmt: skip
-        resp = worker_pb2.GenerateResponse(
-            deltas=[delta], num_prompt_tokens=handoff.num_prompt_tokens,
-            num_cached_tokens=handoff.num_cached_tokens, finished=bool(handoff.finish_reason),
-        )  # fmt: skip
-        return self.apply(resp)[0]
-
-    def apply(self, resp: worker_pb2.GenerateResponse) -> list[ChoiceDelta]:
-        if resp.error:
-            raise errors.from_engine(resp.error_code, resp.error)
-        deltas = []
-        for d in resp.deltas:
-            delta = ChoiceDelta(self.index, "", list(d.token_ids))
-            if self.cached is None:
-                self.cached = delta.num_cached_tokens = resp.num_cached_tokens
-            self.generated += d.token_ids
-            delta.logprobs = [_logprob(lp, self.num_logprobs) for lp in d.logprobs]
-            hit = self.detok.update(d.token_ids)
-            delta.finish_reason = "stop" if hit is not None else (d.finish_reason or None)
-            delta.text = self.detok.new_text(delta.finish_reason is not None)
-            deltas.append(delta)
-            if delta.finish_reason is not None:
-                break
-        return deltas
-
-
 def _generate_request(
     job: Job,
     index: int,
@@ -367,46 +278,3 @@ def _remaining(params: common_pb2.SamplingParams, done: int) -> common_pb2.Sampl
         rest.max_tokens = max(rest.max_tokens - done, 1)
     rest.min_tokens = max(rest.min_tokens - done, 0)
     return rest
-
-
-def _logprob(lp: common_pb2.TokenLogprobs, n: int | None) -> TokenLogprob:
-    entries = list(zip(lp.token_ids, lp.logprobs, strict=True))
-    top = sorted(entries, key=lambda e: -e[1])[: n or 0]
-    return TokenLogprob(entries[0][0], entries[0][1], top)
-
-
-async def merge(sources: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
-    """Items of several async iterators as they come, tagged with the source's index. One
-    source is iterated directly (no task, no queue: the common n = 1 path stays lean); an
-    error in any source is raised here, and leaving early cancels every source."""
-    if len(sources) == 1:
-        async for item in sources[0]:
-            yield 0, item
-        return
-    queue: asyncio.Queue[tuple[int, T] | BaseException | None] = asyncio.Queue()
-
-    async def pump(i: int, src: AsyncIterator[T]) -> None:
-        try:
-            async for item in src:
-                queue.put_nowait((i, item))
-            queue.put_nowait(None)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:
-            queue.put_nowait(e)
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(sources)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            got = await queue.get()
-            if got is None:
-                remaining -= 1
-            elif isinstance(got, BaseException):
-                raise got
-            else:
-                yield got
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.gateway.orchestrator import ChoiceDelta, TokenLogprob
+from services.gateway.choice import ChoiceDelta, TokenLogprob
 from shared.text.tokenizer import TextTokenizer
 
 

@@ -2,7 +2,7 @@
 
 from typing import Any, cast
 
-from services.gateway.orchestrator import TokenLogprob
+from services.gateway.choice import TokenLogprob
 from services.gateway.responses import Formatter
 
 

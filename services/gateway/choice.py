@@ -1,0 +1,78 @@
+"""One choice's progress across worker calls: the token deltas of its GenerateResponses become
+``ChoiceDelta``s — detokenized incrementally, cut at a stop string, logprobs converted — and an
+engine's error becomes the client's (``errors.from_engine``).
+
+    GenerateResponse (token ids) ─▶ ChoiceState.apply ─▶ ChoiceDelta (text, ids, logprobs, finish)
+    PrefillResponse (first token) ─▶ ChoiceState.apply_first ─┘
+"""
+
+from dataclasses import dataclass, field
+
+from services.gateway import errors
+from shared.protos.baton.v1 import common_pb2, worker_pb2
+from shared.text.detokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the top-N, most likely first
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_cached_tokens: int | None = None  # set on the first delta of a choice
+
+
+@dataclass
+class ChoiceState:
+    """One choice's progress across worker calls: tokens so far, its detokenizer."""
+
+    index: int
+    detok: IncrementalDetokenizer
+    num_logprobs: int | None
+    generated: list[int] = field(default_factory=list)
+    cached: int | None = None
+
+    def apply_first(self, handoff: worker_pb2.PrefillResponse) -> ChoiceDelta:
+        """The prefill leg's first token, as if the decode stream had sent it."""
+        lps = [handoff.first_logprobs] if handoff.HasField("first_logprobs") else []
+        delta = worker_pb2.CompletionDelta(
+            index=self.index, token_ids=[handoff.first_token_id], logprobs=lps,
+            finish_reason=handoff.finish_reason,
+        )  # fmt: skip
+        resp = worker_pb2.GenerateResponse(
+            deltas=[delta], num_prompt_tokens=handoff.num_prompt_tokens,
+            num_cached_tokens=handoff.num_cached_tokens, finished=bool(handoff.finish_reason),
+        )  # fmt: skip
+        return self.apply(resp)[0]
+
+    def apply(self, resp: worker_pb2.GenerateResponse) -> list[ChoiceDelta]:
+        if resp.error:
+            raise errors.from_engine(resp.error_code, resp.error)
+        deltas = []
+        for d in resp.deltas:
+            delta = ChoiceDelta(self.index, "", list(d.token_ids))
+            if self.cached is None:
+                self.cached = delta.num_cached_tokens = resp.num_cached_tokens
+            self.generated += d.token_ids
+            delta.logprobs = [_logprob(lp, self.num_logprobs) for lp in d.logprobs]
+            hit = self.detok.update(d.token_ids)
+            delta.finish_reason = "stop" if hit is not None else (d.finish_reason or None)
+            delta.text = self.detok.new_text(delta.finish_reason is not None)
+            deltas.append(delta)
+            if delta.finish_reason is not None:
+                break
+        return deltas
+
+
+def _logprob(lp: common_pb2.TokenLogprobs, n: int | None) -> TokenLogprob:
+    entries = list(zip(lp.token_ids, lp.logprobs, strict=True))
+    top = sorted(entries, key=lambda e: -e[1])[: n or 0]
+    return TokenLogprob(entries[0][0], entries[0][1], top)
