@@ -11,9 +11,10 @@ without.
 
 Only one-token launches use it. With more tokens the linear layers are cuBLAS GEMMs between
 our kernels and the kernels are long; PDL on every launch measured no faster above 128 rows,
-1–3 % slower at 2–128 rows and 4–5 % slower on prefill steps (docs/results/h200-2026-11-30g/NOTES.md). A
-launch of more tokens compiles to the same PTX as before PDL existed here (checked for
-``_decode`` and ``_silu_mul``: ``USE_PDL`` is a constexpr, so its branch compiles away).
+1–3 % slower at 2–128 rows and 4–5 % slower on prefill steps
+(docs/results/h200-2026-11-30g/NOTES.md). A launch of more tokens compiles to the same PTX as
+before PDL existed here (checked for ``_decode`` and ``_silu_mul``: ``USE_PDL`` is a
+constexpr, so its branch compiles away).
 
 The rule every kernel here keeps: ``await_inputs`` comes before any read of what an earlier
 kernel wrote and before any write, in every program (the GEMV reads its first weight tile

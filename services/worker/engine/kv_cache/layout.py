@@ -6,8 +6,8 @@
 Moving a request's KV to another worker is then one descriptor per block (or per run of
 consecutive blocks), not one per layer per block: NIXL's speed is decided by the descriptor
 count (between two H200s over NVLink, 8,192 descriptors of 32 KiB — one layer's K or V of a
-16-token block — moved at 5.8 GB/s, one 256 MiB descriptor at 362 GB/s). Each layer sees its K and V as a
-strided view [num_blocks, block_size, num_kv_heads, head_dim].
+16-token block — moved at 5.8 GB/s, one 256 MiB descriptor at 362 GB/s). Each layer sees its
+K and V as a strided view [num_blocks, block_size, num_kv_heads, head_dim].
 """
 
 from dataclasses import dataclass
