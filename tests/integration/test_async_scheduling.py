@@ -52,6 +52,19 @@ def run(tiny_model: Path, async_scheduling: bool) -> tuple[list, int]:
     return got, llm.get_stats().num_preemptions
 
 
+def assert_same_outputs(got: list, want: list) -> None:
+    """Tokens, finish reasons, and each position's logprob tokens and ranks exactly; logprob
+    values to float32 rounding. A step of async scheduling can carry a row that the one-step
+    engine has already dropped (a request that stopped), and on some CPUs (MKL on AMD EPYC, seen
+    2026-12-01) a float32 matmul of another row count rounds the last bits differently."""
+    assert [(t, r) for t, r, _ in got] == [(t, r) for t, r, _ in want]
+    for (_, _, lps_got), (_, _, lps_want) in zip(got, want, strict=True):
+        for at_got, at_want in zip(lps_got, lps_want, strict=True):
+            assert [(t, lp.rank) for t, lp in at_got] == [(t, lp.rank) for t, lp in at_want]
+            for (_, a), (_, b) in zip(at_got, at_want, strict=True):
+                assert a.logprob == pytest.approx(b.logprob, rel=1e-6, abs=1e-6)
+
+
 def test_async_scheduling_equals_the_synchronous_engine(
     tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -66,6 +79,6 @@ def test_async_scheduling_equals_the_synchronous_engine(
 
     monkeypatch.setattr(model_runner, "build_step_inputs", counting)
     overlapped, preemptions = run(tiny_model, async_scheduling=True)
-    assert overlapped == sync
+    assert_same_outputs(overlapped, sync)
     assert sum(fed) > 100  # decode inputs really came from the device, not the host
     assert preemptions > 0  # 14 blocks of 16 tokens cannot hold every request at once
