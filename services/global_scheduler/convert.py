@@ -35,6 +35,7 @@ def load(msg: scheduler_pb2.WorkerLoad) -> WorkerLoad:
     return WorkerLoad(
         msg.num_running, msg.num_waiting, msg.kv_usage, msg.num_in_flight, msg.draining,
         msg.pending_prefill_tokens, msg.prefill_tokens_per_s, msg.num_received,
+        msg.prefix_hit_tokens,
     )  # fmt: skip
 
 
@@ -67,5 +68,5 @@ def load_msg(load: WorkerLoad) -> scheduler_pb2.WorkerLoad:
         num_running=load.num_running, num_waiting=load.num_waiting, kv_usage=load.kv_usage,
         num_in_flight=load.num_in_flight, draining=load.draining,
         pending_prefill_tokens=load.pending_prefill_tokens, prefill_tokens_per_s=load.tokens_per_s,
-        num_received=load.num_received,
+        num_received=load.num_received, prefix_hit_tokens=load.prefix_hit_tokens,
     )  # fmt: skip

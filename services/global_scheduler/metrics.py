@@ -18,7 +18,13 @@ PREFILL_DECISIONS = Counter(
 )
 PREDICTED_HIT_TOKENS = Counter(
     "baton_scheduler_predicted_prefix_hit_tokens",
-    "Prompt tokens the directory says the chosen worker already holds",
+    "Prompt tokens the directory says the chosen worker holds (confirmed by its KV events) or "
+    "is about to hold (pending: routed there, not confirmed yet)",
+    ["source"],  # confirmed | pending
+)
+ENGINE_HIT_TOKENS = Counter(
+    "baton_scheduler_engine_prefix_hit_tokens",
+    "Prompt tokens the engines served from their prefix caches, as the workers report them",
 )
 WORKER_EVENTS = Counter(
     "baton_scheduler_worker_events", "Worker registrations and removals", ["event"]

@@ -23,6 +23,7 @@ class WorkerLoad:
     pending_prefill_tokens: int = 0  # prompt tokens admitted, not yet computed
     tokens_per_s: float = 0.0  # measured model throughput; 0 until measured
     num_received: int = 0  # Prefill/Generate calls the worker has received since it started
+    prefix_hit_tokens: int = 0  # prompt tokens its engine served from its prefix cache, ditto
 
 
 # A route the worker has not reported receiving after this long was never sent (the client

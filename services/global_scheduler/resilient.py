@@ -2,7 +2,8 @@
 single request. When a call raises ``DirectoryUnavailable`` it goes *degraded*:
 
 - lookups answer "no worker holds anything", so routing runs on load alone;
-- KV events are dropped (nothing to apply them to), so the picture would be stale later;
+- KV events and pending entries are dropped (nothing to apply them to), so the picture would
+  be stale later;
 - a metric (``baton_scheduler_directory_degraded``) says so and one log line is written;
 - a probe pings the backend every ``probe_interval_s``; when it answers, the directory is
   healthy again and ``on_recover`` runs: the server asks every worker to re-announce its
@@ -15,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from services.global_scheduler import metrics
-from services.global_scheduler.directory import DirectoryUnavailable, PrefixDirectory
+from services.global_scheduler.directory import DirectoryUnavailable, Match, PrefixDirectory
 from shared.ids import BlockHash, WorkerId
 from shared.kv_events import KVEventBatch
 
@@ -34,10 +35,15 @@ class ResilientDirectory:
     async def apply(self, worker: WorkerId, incarnation: str, batch: KVEventBatch) -> None:
         await self._guarded(lambda: self.inner.apply(worker, incarnation, batch), None)
 
+    async def record_pending(
+        self, holders: list[tuple[WorkerId, str]], hashes: list[BlockHash], ttl_s: float
+    ) -> None:
+        await self._guarded(lambda: self.inner.record_pending(holders, hashes, ttl_s), None)
+
     async def longest_prefix(
         self, hashes: list[BlockHash], live: dict[WorkerId, str]
-    ) -> dict[WorkerId, int]:
-        no_hits = dict.fromkeys(live, 0)
+    ) -> dict[WorkerId, Match]:
+        no_hits = dict.fromkeys(live, Match())
         return await self._guarded(lambda: self.inner.longest_prefix(hashes, live), no_hits)
 
     async def forget(self, worker: WorkerId, incarnation: str) -> None:

@@ -14,13 +14,20 @@ Filters
     healthy    not draining
     capacity   queue depth (running + waiting + just routed) below ``max_queue``
 Scorers
-    prefix     fraction of the prompt's full blocks the worker already holds
+    prefix     fraction of the prompt's full blocks the worker already holds, or is about to
+               hold (pending entries of requests just routed there: directory.py), those
+               counted at ``pending_weight`` (default 1: like held blocks)
     queue      1 − depth / (largest depth among the candidates); 1 for every idle worker
     kv_usage   1 − the worker's fraction of KV blocks in use
     ttft       predicted time to first token, best / this: (prefill backlog + the prompt's
                uncached tokens) ÷ the worker's measured tokens/s (+ KV transfer time, zero for
                a colocated worker). One scorer that prices a prefix hit against a queue in
                seconds, instead of weights tuned by hand; see docs/routing.md for when it wins.
+Pending entries (``"pending": {"ttl_s": 10}``)
+    every route records its prompt's blocks as pending on the chosen worker (and on the
+    prefill worker of a disaggregated request) until KV events confirm them or ``ttl_s``
+    passes; ``ttl_s: 0`` records none (routing then waits for KV events, as before they
+    existed)
 Pickers
     max          highest weighted sum; ties go to the shorter queue, then to an order drawn
                  from a hash of (request id, worker id): replicas that see the same state make
@@ -62,6 +69,12 @@ DEFAULT_POLICY: dict[str, Any] = {
 }
 
 
+# How long a route's pending entries count without a KV event confirming them: a worker's
+# events come every 0.5 s and a prompt's blocks are announced when the step that computes them
+# is scheduled, so only a request that waits in a queue longer than this loses its entries.
+DEFAULT_PENDING_TTL_S = 10.0
+
+
 @dataclass(frozen=True)
 class RouteQuery:
     model: str
@@ -75,7 +88,8 @@ class RouteQuery:
 @dataclass
 class Candidate:
     worker: WorkerState
-    matched_blocks: int  # from the prefix directory
+    matched_blocks: int  # leading blocks it holds or is about to hold (the prefix directory)
+    pending_blocks: int = 0  # of those, the ones only pending (not confirmed by KV events)
     scores: dict[str, float] = field(default_factory=dict)
     total: float = 0.0
 
@@ -102,8 +116,15 @@ def _capacity(max_queue: int = 1024, **_: Any) -> Filter:
     return lambda q, c: c.worker.queue_depth < max_queue
 
 
-def _prefix(**_: Any) -> Scorer:
-    return lambda q, c, _all: c.matched_blocks / q.num_blocks if q.num_blocks else 0.0
+def _prefix(pending_weight: float = 1.0, **_: Any) -> Scorer:
+    if not 0.0 <= pending_weight <= 1.0:
+        raise ValueError("scorer prefix: pending_weight must be in [0, 1]")
+
+    def score(q: RouteQuery, c: Candidate, _all: list[Candidate]) -> float:
+        held = c.matched_blocks - (1.0 - pending_weight) * c.pending_blocks
+        return held / q.num_blocks if q.num_blocks else 0.0
+
+    return score
 
 
 def _queue(**_: Any) -> Scorer:
@@ -158,7 +179,7 @@ def _spec(item: str | dict[str, Any], kind: str, known: dict[str, Any]) -> tuple
 
 class RoutingPolicy:
     def __init__(self, policy: dict[str, Any] | None = None):
-        unknown = set(policy or {}) - {"filters", "scorers", "picker", "decider"}
+        unknown = set(policy or {}) - {"filters", "scorers", "picker", "decider", "pending"}
         if unknown:
             raise ValueError(f"unknown routing policy keys: {sorted(unknown)}")
         policy = {**DEFAULT_POLICY, **(policy or {})}  # a key left out keeps its default
@@ -180,6 +201,10 @@ class RoutingPolicy:
             raise ValueError(f"unknown picker {self.picker!r}; known: {', '.join(PICKERS)}")
         self._turn = itertools.count()
         self.decider = make_decider(policy.get("decider", {}))
+        pending = dict(policy.get("pending", {}))
+        self.pending_ttl_s = float(pending.pop("ttl_s", DEFAULT_PENDING_TTL_S))
+        if pending or self.pending_ttl_s < 0:
+            raise ValueError("pending takes ttl_s (>= 0 seconds; 0: record no pending entries)")
 
     def route(self, query: RouteQuery, candidates: list[Candidate]) -> "RouteDecision":
         """The whole pipeline: the decode worker (``pick``), then the decider's choice of

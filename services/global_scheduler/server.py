@@ -60,10 +60,11 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
             async for msg in request_iterator:
                 if worker is None:
                     worker = await self._register(msg, context)
-                elif not self.registry.heartbeat(
-                    worker.worker_id, worker.incarnation, convert.load(msg.load)
-                ):
-                    return  # expired meanwhile: the worker reconnects and registers again
+                else:
+                    load, hits = convert.load(msg.load), worker.load.prefix_hit_tokens
+                    if not self.registry.heartbeat(worker.worker_id, worker.incarnation, load):
+                        return  # expired meanwhile: the worker reconnects and registers again
+                    metrics.ENGINE_HIT_TOKENS.inc(max(load.prefix_hit_tokens - hits, 0))
                 for batch in msg.kv_events:
                     await self.directory.apply(
                         worker.worker_id, worker.incarnation, convert.kv_event_batch(batch)
@@ -149,16 +150,17 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
             )
         hashes = [BlockHash(h) for h in request.block_hashes]
         live = {w.worker_id: w.incarnation for w in workers}
-        matched = await self.directory.longest_prefix(hashes, live)
+        matches = await self.directory.longest_prefix(hashes, live)
         query = RouteQuery(
             request.model, len(hashes), request_id=request.request_id,
             num_prompt_tokens=request.num_prompt_tokens,
             exclude=frozenset(request.exclude_workers),
         )  # fmt: skip
+        candidates = [
+            Candidate(w, matches[w.worker_id].blocks, matches[w.worker_id].pending) for w in workers
+        ]
         try:
-            decision = self.policy.route(
-                query, [Candidate(w, matched[w.worker_id]) for w in workers]
-            )
+            decision = self.policy.route(query, candidates)
         except NoWorkerError as e:
             metrics.ROUTES.labels("no_worker", "filters").inc()
             raise RouteFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from None
@@ -166,12 +168,18 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
         if decision.reason != Reason.NO_PREFILL_POOL:
             where = "local" if prefill is None else "remote"
             metrics.PREFILL_DECISIONS.labels(where, decision.reason.value).inc()
-        for chosen in (best, prefill):
-            if chosen is not None:
-                chosen.worker.routed(request.request_id)
+        chosen = [c for c in (best, prefill) if c is not None]
+        for c in chosen:
+            c.worker.routed(request.request_id)
+        if hashes and self.policy.pending_ttl_s > 0:  # where this prompt's blocks will be
+            holders = [(c.worker.worker_id, c.worker.incarnation) for c in chosen]
+            await self.directory.record_pending(holders, hashes, self.policy.pending_ttl_s)
         factor = "prefix" if best.matched_blocks else "load"
         metrics.ROUTES.labels("disaggregated" if prefill else "routed", factor).inc()
-        metrics.PREDICTED_HIT_TOKENS.inc(best.matched_blocks * best.worker.block_size)
+        block = best.worker.block_size
+        confirmed = best.matched_blocks - best.pending_blocks
+        metrics.PREDICTED_HIT_TOKENS.labels("confirmed").inc(confirmed * block)
+        metrics.PREDICTED_HIT_TOKENS.labels("pending").inc(best.pending_blocks * block)
         metrics.ROUTE_SECONDS.observe(time.perf_counter() - start)
         reason = self.policy.reason(best)
         if prefill is not None:

@@ -86,6 +86,7 @@ def load(
         pending_prefill_tokens=stats.pending_prefill_tokens,
         prefill_tokens_per_s=tokens_per_s,
         num_received=received,
+        prefix_hit_tokens=stats.prefix_hit_tokens,
     )
 
 

@@ -3,6 +3,7 @@ agree on every route, and Redis dying under load fails no request (routing falls
 load, the degraded metric rises and falls, and cache-aware routing comes back)."""
 
 import functools
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -35,17 +36,23 @@ MODEL = "qwen3"
 
 
 @pytest.fixture()
-def replicas(tiny_model: Path, redis_server: RedisServer) -> Iterator[dict]:
-    """Two scheduler replicas on one Redis; two workers heartbeating to both."""
+def replicas(tiny_model: Path, redis_server: RedisServer, tmp_path: Path) -> Iterator[dict]:
+    """Two scheduler replicas on one Redis; two workers heartbeating to both. They record no
+    pending entries (``pending: {ttl_s: 0}``): a route of one would change what the other then
+    sees, and the test below asks whether two replicas given the same state choose alike
+    (``test_back_to_back.py`` runs replicas with pending entries)."""
+    policy = tmp_path / "policy.json"
+    policy.write_text(json.dumps({"pending": {"ttl_s": 0}}))
     group = service_group(tiny_model)
     try:
         addrs = []
         for i in range(2):
             ready = group.spawn(
                 f"scheduler-{i}",
-                ["global-scheduler", "--port", "0", "--redis-url", redis_server.url],
+                ["global-scheduler", "--port", "0", "--redis-url", redis_server.url,
+                 "--routing-policy", str(policy)],
                 ready=True,
-            )
+            )  # fmt: skip
             addrs.append(group.wait_ready(f"scheduler-{i}", ready, 30)["address"])
         workers = []
         for i in range(2):

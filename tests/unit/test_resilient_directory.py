@@ -11,6 +11,7 @@ from shared.block_hash import hash_blocks
 from shared.ids import WorkerId
 from shared.kv_events import BlockStored, KVEventBatch
 from tests.redis_server import RedisServer
+from tests.unit.test_directory import held
 
 H = hash_blocks(list(range(64)), 16)
 W = WorkerId("w")
@@ -24,7 +25,7 @@ async def test_unreachable_redis_fails_fast_with_a_typed_error() -> None:
     d = create_directory("redis", url="redis://127.0.0.1:1/0")  # nothing listens on port 1
     start = time.monotonic()
     try:
-        await d.longest_prefix(H, {W: "a"})
+        held(await d.longest_prefix(H, {W: "a"}))
     except DirectoryUnavailable:
         pass
     else:
@@ -41,9 +42,9 @@ async def test_degrade_route_on_load_then_recover_and_resync() -> None:
     d.on_recover = lambda: resyncs.append(1)
     try:
         await d.apply(W, "a", KVEventBatch(1, [BlockStored(H, None, 16)]))
-        assert await d.longest_prefix(H, {W: "a"}) == {W: 4}
+        assert held(await d.longest_prefix(H, {W: "a"})) == {W: 4}
         server.kill()
-        assert await d.longest_prefix(H, {W: "a"}) == {W: 0}  # no error: load alone decides
+        assert held(await d.longest_prefix(H, {W: "a"})) == {W: 0}  # no error: load alone decides
         assert d.degraded and degraded_metric() == 1
         await d.apply(W, "a", KVEventBatch(2, [BlockStored(H, None, 16)]))  # dropped, no error
         server.restart()
