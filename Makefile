@@ -53,9 +53,13 @@ bench-model/config.json:
 	$(PY) -m baton.cli make-tiny-model bench-model --arch qwen3 --hidden-size 256 --layers 4 --heads 4 --kv-heads 2 \
 		--max-position-embeddings 4096
 
-bench-prefix: bench-model/config.json  ## cache-aware vs round-robin routing, multi-turn, 4 workers
-	$(PY) benchmarks/prefix_routing.py --model bench-model --workers 4 --doc-len 1024 \
-		--conversation-rate 1 --think-ms 1000 --num-kv-blocks 2048 --out bench-results
+PREFIX := $(PY) benchmarks/prefix_routing.py --model bench-model --workers 4 --doc-len 1024 \
+	--conversation-rate 1 --num-kv-blocks 2048 --out bench-results
+
+bench-prefix: bench-model/config.json  ## routing policies on chats over documents, 4 workers
+	$(PREFIX) --think-ms 1000 --name think-1s       # the user reads for 1 s between turns
+	$(PREFIX) --think-ms 0 --name zero-think        # each turn as soon as the answer is back
+	$(PREFIX) --think-ms 0 --burst 4 --name burst-4 # and each turn 4 requests at once
 
 clean:
 	rm -rf $(TINY) bench-model bench-results .pytest_cache .mypy_cache .ruff_cache

@@ -6,15 +6,24 @@ replies are fixed token strings standing in for the model's, so every prompt is 
 advance). Each policy gets a fresh cluster of ``--workers`` workers; conversations run
 concurrently, turns in order. Reported per policy: prompt tokens the engines served from their
 prefix caches as a fraction of the **oracle** (for each request, the full blocks of its prompt
-that some earlier finished request had computed, capped as the engine caps a hit), and TTFT
-p50/p99. Writes JSON and a PNG.
+that some request sent before it had in its own prompt, capped as the engine caps a hit), and
+TTFT p50/p99. Writes JSON and a PNG.
+
+Policies: ``cache-aware`` (the default: prefix + queue + kv_usage, with pending entries),
+``events-only`` (the same without pending entries: the directory learns of blocks from KV
+events alone, as before pending entries existed) and ``round-robin``.
 
 ``--doc-len`` gives each conversation's first message a document of its own (what makes a
 conversation's prefix worth following); ``--conversation-rate`` and ``--think-ms`` spread the
-load over time (default: all conversations at once, no pause).
+load over time (default: all conversations at once, no pause: each turn is sent as soon as the
+previous answer is back); ``--burst K`` sends each turn as K requests at once, K questions over
+the same history (``n`` parallel requests, an agent's tool calls), the conversation going on
+from the first.
 
+    make bench-prefix   # the three workloads below, 4 workers, each under the three policies
     python benchmarks/prefix_routing.py --model bench-model --workers 4 --doc-len 1024 \
-        --conversation-rate 1 --think-ms 1000 --num-kv-blocks 2048          # make bench-prefix
+        --conversation-rate 1 --think-ms 1000 --num-kv-blocks 2048 --name think-1s
+    ... --think-ms 0 --name zero-think;   ... --think-ms 0 --burst 4 --name burst-4
 """
 
 import argparse
@@ -35,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from shared.block_hash import hash_blocks
 
 POLICIES = {
-    "cache-aware": None,  # the default policy: prefix + queue + kv_usage
+    "cache-aware": None,  # the default policy: prefix + queue + kv_usage, pending entries
+    "events-only": {"pending": {"ttl_s": 0}},  # the same, waiting for KV events
     "round-robin": {"filters": ["role", "healthy"], "picker": "round_robin"},
 }
 
@@ -50,19 +60,19 @@ def conversations(args: argparse.Namespace, vocab: int) -> list[list[list[int]]]
     system = tokens(args.system_len)
     convs = []
     for _ in range(args.conversations):
-        history, prompts = system + tokens(args.doc_len), []
+        history, turns = system + tokens(args.doc_len), []
         for _ in range(args.turns):
-            history += tokens(args.user_len)
-            prompts.append(list(history))
-            history += tokens(args.reply_len)  # the reply, as the next turn's prompt carries it
-        convs.append(prompts)
+            asks = [tokens(args.user_len) for _ in range(args.burst)]
+            turns.append([history + ask for ask in asks])  # the burst: K questions at once
+            history += asks[0] + tokens(args.reply_len)  # the first's reply carries on
+        convs.append(turns)
     return convs
 
 
 async def run_policy(
-    url: str, model: str, convs: list[list[list[int]]], block: int, args: argparse.Namespace
+    url: str, model: str, convs: list[list[list[list[int]]]], block: int, args: argparse.Namespace
 ) -> dict:
-    seen: set[bytes] = set()  # block hashes of every finished request's prompt
+    seen: set[bytes] = set()  # block hashes of every prompt sent so far
     records: list[dict[str, float]] = []
 
     async def one(http: httpx.AsyncClient, ids: list[int]) -> None:
@@ -73,6 +83,7 @@ async def run_policy(
                 break
             matched += 1
         oracle = min(matched, (len(ids) - 1) // block) * block
+        seen.update(hashes)
         body = {
             "model": model, "prompt": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True},
@@ -88,16 +99,17 @@ async def run_policy(
                     cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
                 elif chunk.get("choices") and ttft is None:
                     ttft = time.perf_counter() - start
-        seen.update(hashes)
         records.append({"ttft": ttft or float("nan"), "cached": cached, "oracle": oracle,
                         "prompt": len(ids)})  # fmt: skip
 
-    async def conversation(http: httpx.AsyncClient, prompts: list[list[int]], at: float) -> None:
+    async def conversation(
+        http: httpx.AsyncClient, turns: list[list[list[int]]], at: float
+    ) -> None:
         await asyncio.sleep(at)
-        for turn, ids in enumerate(prompts):
-            if turn:
+        for turn, burst in enumerate(turns):
+            if turn and args.think_ms:
                 await asyncio.sleep(args.think_ms / 1e3)  # the user reads, then types
-            await one(http, ids)
+            await asyncio.gather(*(one(http, ids) for ids in burst))
 
     rng = random.Random(args.seed + 1)
     starts, t = [], 0.0
@@ -165,6 +177,8 @@ def main() -> None:
         help="conversations start as a Poisson process at this rate (per second)",
     )
     p.add_argument("--think-ms", type=float, default=0.0, help="pause before each next turn")
+    p.add_argument("--burst", type=int, default=1, help="requests sent at once per turn")
+    p.add_argument("--name", default="prefix_routing", help="stem of the JSON and PNG files")
     p.add_argument("--user-len", type=int, default=48)
     p.add_argument("--reply-len", type=int, default=32)
     p.add_argument("--num-kv-blocks", type=int, default=1024)
@@ -177,7 +191,7 @@ def main() -> None:
 
     arch = load_arch_config(args.model)
     convs = conversations(args, arch.vocab_size)
-    longest = max(len(c[-1]) for c in convs) + 4
+    longest = max(len(ids) for c in convs for ids in c[-1]) + 4
     if longest > arch.max_position_embeddings:
         limit = arch.max_position_embeddings
         p.error(f"prompts reach {longest} tokens but {args.model} takes {limit}: remake it "
@@ -198,14 +212,16 @@ def main() -> None:
     aware, rr = results["cache-aware"], results["round-robin"]
     summary = {
         "ttft_p50_speedup": rr["ttft_p50_ms"] / aware["ttft_p50_ms"],
-        "cached_fraction_cache_aware": aware["fraction_of_oracle"],
-        "cached_fraction_round_robin": rr["fraction_of_oracle"],
-    }
+        "ttft_p50_speedup_over_events_only": results["events-only"]["ttft_p50_ms"]
+        / aware["ttft_p50_ms"],
+        **{f"cached_fraction_{n.replace('-', '_')}": r["fraction_of_oracle"]
+           for n, r in results.items()},
+    }  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    plot(results, out / "prefix_routing.png")
+    plot(results, out / f"{args.name}.png")
     clean = {n: {k: v for k, v in r.items() if k[0] != "_"} for n, r in results.items()}
-    (out / "prefix_routing.json").write_text(
+    (out / f"{args.name}.json").write_text(
         json.dumps({"args": vars(args), "results": clean, "summary": summary}, indent=2)
     )
     print(json.dumps(summary, indent=2))

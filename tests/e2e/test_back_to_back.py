@@ -8,10 +8,11 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
-from baton.launcher import free_port
+from baton.launcher import Cluster, free_port
 from shared.text.tokenizer import TextTokenizer
 from tests.e2e.conftest import (
     TEST_ENGINE_FLAGS,
@@ -42,6 +43,14 @@ def back_to_back(clients: list[openai.OpenAI], ids: list[int]) -> list[int]:
     return cached
 
 
+def metrics(cluster: Cluster) -> dict[str, float]:
+    """The scheduler's /metrics samples, by name with labels."""
+    port = cluster.ready["scheduler"]["metrics_port"]
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    lines = (line.rsplit(" ", 1) for line in text.splitlines() if line and line[0] != "#")
+    return {name: float(value) for name, value in lines}
+
+
 def assert_all_hit_after_the_first(cached: list[int], prompt_len: int) -> None:
     assert cached[0] == 0, cached
     assert all(c >= 0.9 * prompt_len for c in cached[1:]), cached
@@ -52,9 +61,17 @@ def test_colocated_workers(tiny_model: Path, workers: int) -> None:
     with running_cluster(tiny_model, workers) as cluster:
         wait_for(lambda: len(list_workers(cluster)) == workers, 10.0, "every worker registered")
         c = openai.OpenAI(base_url=cluster.url, api_key="x", max_retries=0, timeout=60)
+        hits = 0
         for salt in ("first document", "second document"):  # two prompts: two runs of K
             ids = prompt_ids(tiny_model, salt)
-            assert_all_hit_after_the_first(back_to_back([c], ids), len(ids))
+            cached = back_to_back([c], ids)
+            assert_all_hit_after_the_first(cached, len(ids))
+            hits += sum(cached)
+        # the prediction, by source, and the engines' real hits, as an operator reads them
+        pending = 'baton_scheduler_predicted_prefix_hit_tokens_total{source="pending"}'
+        assert metrics(cluster)[pending] >= 2 * (K - 1) * 900  # routed on pending entries
+        engine = "baton_scheduler_engine_prefix_hit_tokens_total"
+        wait_for(lambda: metrics(cluster)[engine] >= hits, 5.0, "the engines' hits reported")
 
 
 def test_through_a_prefill_pool(tiny_model: Path, tmp_path: Path) -> None:
