@@ -85,6 +85,7 @@ class ClusterSpec:
     device: str = "auto"
     kv_sized: bool = False  # the engine flags give the KV cache an explicit size
     engine_argv: tuple[str, ...] = ()  # the engine flags every worker gets, as argv
+    gateway_argv: tuple[str, ...] = ()  # flags the gateway gets besides those above (limits)
 
 
 class Cluster:
@@ -165,6 +166,7 @@ class Cluster:
         for key in a.api_keys:
             argv += ["--api-key", key]
         argv += [] if a.generate_stream else ["--no-generate-stream"]
+        argv += a.gateway_argv
         self.spawn("gateway", argv + cpus["gateway"], ready=False)
         url = f"http://{a.host}:{a.port}"
         self.wait_http("gateway", f"{url}/health", GATEWAY_START_S)

@@ -12,6 +12,7 @@ from typing import Any
 import uvloop  # the event loop of every service (gRPC p99 latency ~7× lower than asyncio's here)
 
 from baton.launcher import Cluster, ClusterSpec  # (no grpc, no torch: see below)
+from services.gateway.settings import InputLimits
 from services.worker.engine.config import LOAD_FORMATS, EngineArgs
 from shared.affinity import check_cpus, parse_cpus
 
@@ -69,6 +70,20 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         if name == "load_format":
             kw["choices"] = LOAD_FORMATS
         p.add_argument(flag, **kw)
+
+
+LIMIT_FIELDS = [f.name for f in dataclasses.fields(InputLimits)]  # each a --max-… flag
+
+
+def input_limits(args: argparse.Namespace) -> InputLimits:
+    return InputLimits(**{name: getattr(args, name) for name in LIMIT_FIELDS})
+
+
+def limit_flags_argv(args: argparse.Namespace) -> list[str]:
+    """The input-limit flags off their defaults, for a child ``baton gateway``."""
+    default = InputLimits()
+    return [item for name in LIMIT_FIELDS if getattr(args, name) != getattr(default, name)
+            for item in ("--" + name.replace("_", "-"), str(getattr(args, name)))]  # fmt: skip
 
 
 def engine_args(args: argparse.Namespace) -> EngineArgs:
@@ -138,7 +153,7 @@ def run_gateway(args: argparse.Namespace) -> None:
         scheduler_address=args.scheduler, models={name: args.model}, host=args.host,
         port=args.port, api_keys=tuple(args.api_key or ()), max_body_bytes=args.max_body_bytes,
         request_timeout_s=args.request_timeout, generate_stream=not args.no_generate_stream,
-        cpus=args.cpus,
+        cpus=args.cpus, limits=input_limits(args),
     )  # fmt: skip
     serve(settings)
 
@@ -187,7 +202,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         log_dir=args.log_dir, redis_url=args.redis_url, routing_policy=args.routing_policy,
         gpus=args.gpus, pin_cpus=args.pin_cpus, device=args.device,
         kv_sized=bool(args.num_kv_blocks or args.kv_cache_memory_bytes),
-        engine_argv=tuple(engine_flags_argv(args)),
+        engine_argv=tuple(engine_flags_argv(args)), gateway_argv=tuple(limit_flags_argv(args)),
     )  # fmt: skip
 
 
@@ -263,6 +278,10 @@ def _gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", help="repeatable; none: no authentication")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--request-timeout", type=float, default=600.0)
+    defaults = InputLimits()
+    for name in LIMIT_FIELDS:
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name),
+                       help="an input limit per request (400 above it)")  # fmt: skip
     p.add_argument(
         "--no-generate-stream",
         action="store_true",

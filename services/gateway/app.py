@@ -1,7 +1,8 @@
 """The gateway's HTTP face (FastAPI): routes translate HTTP ⇄ ``Handler`` and nothing more.
 
     POST /v1/completions, /v1/chat/completions   OpenAI, streamed (SSE) or not
-    GET  /v1/models, /health, /metrics
+    GET  /v1/models, /health, /metrics, /openapi.json (every request body described by the
+         same pydantic models the routes validate with)
 
 Every error leaves as OpenAI's error JSON with its status (errors.py): 400 bad input (pydantic's
 422 included), 401 bad key, 404 unknown model or path, 413 body too large, 503 no worker,
@@ -17,6 +18,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
@@ -58,7 +60,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         owner = TaskOwner("gateway")
         owner.spawn(catalog.refresh_forever(), "catalog-refresh")
         orchestrator = Orchestrator(scheduler, catalog, workers)
-        state["handler"] = Handler(orchestrator, catalog, settings.request_timeout_s)
+        state["handler"] = Handler(
+            orchestrator, catalog, settings.request_timeout_s, settings.limits
+        )
         if settings.cpus:
             pin_threads(settings.cpus)
         yield
@@ -71,6 +75,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     app.add_middleware(RequestContext, api_keys=settings.api_keys)  # outermost: runs first
     _install_error_handlers(app)
+    _describe_bodies(app)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -101,6 +106,34 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+BODIES: dict[str, type[BaseModel]] = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+}
+
+
+def _describe_bodies(app: FastAPI) -> None:
+    """/openapi.json with each route's request body: the routes read the raw body and validate
+    it in one pass (``_parse``), so FastAPI does not see their models; the schema names them."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in BODIES.items():
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+                ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+                schema["paths"][path]["post"]["requestBody"] = {
+                    "required": True, "content": {"application/json": {"schema": ref}},
+                }  # fmt: skip
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 async def _parse(request: Request, schema: type[B]) -> B:

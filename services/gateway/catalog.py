@@ -21,6 +21,7 @@ class ModelLimits:
     max_model_len: int
     block_size: int
     num_workers: int
+    vocab_size: int = 0  # the smallest its workers report (0: none reported)
 
 
 class ModelCatalog:
@@ -69,5 +70,7 @@ class ModelCatalog:
                 old = limits.get(reg.model)
                 max_len = min(reg.max_model_len, old.max_model_len) if old else reg.max_model_len
                 count = old.num_workers + 1 if old else 1
-                limits[reg.model] = ModelLimits(max_len, reg.block_size, count)
+                vocabs = [v for v in (reg.vocab_size, old.vocab_size if old else 0) if v]
+                vocab = min(vocabs, default=0)
+                limits[reg.model] = ModelLimits(max_len, reg.block_size, count, vocab)
             self._limits, self._fetched_at = limits, time.monotonic()

@@ -17,10 +17,12 @@ from dataclasses import dataclass
 from services.gateway import errors, metrics
 from services.gateway.catalog import ModelCatalog
 from services.gateway.choice import ChoiceDelta
+from services.gateway.limits import check_limits
 from services.gateway.merge import merge
 from services.gateway.orchestrator import Job, Orchestrator
 from services.gateway.responses import Choice, Formatter, Usage
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from services.gateway.settings import InputLimits
 from shared.protos.baton.v1 import common_pb2
 from shared.text.tokenizer import ChatTemplateError
 
@@ -38,12 +40,20 @@ class Plan:
 
 
 class Handler:
-    def __init__(self, orchestrator: Orchestrator, catalog: ModelCatalog, timeout_s: float):
+    def __init__(
+        self,
+        orchestrator: Orchestrator,
+        catalog: ModelCatalog,
+        timeout_s: float,
+        limits: InputLimits,
+    ):
         self.orchestrator = orchestrator
         self.catalog = catalog
         self.timeout_s = timeout_s
+        self.limits = limits
 
     async def plan(self, body: Body, request_id: str) -> Plan:
+        check_limits(self.limits, body)
         if body.model not in self.catalog.tokenizers:
             raise errors.model_not_found(body.model, self.catalog.served)
         tok = self.catalog.tokenizers[body.model]
@@ -63,6 +73,7 @@ class Handler:
             limit, num_logprobs, echo = body.max_tokens, body.logprobs, body.echo
         deadline = time.monotonic() + self.timeout_s
         params = _params(body, limit, num_logprobs)
+        _check_vocabulary(prompts, body.stop_token_ids or [], limits.vocab_size)
         jobs = []
         for i, ids in enumerate(prompts):
             _check_length(ids, limit, limits.max_model_len)
@@ -151,6 +162,18 @@ def _params(body: Body, limit: int | None, num_logprobs: int | None) -> common_p
             f"min_tokens ({body.min_tokens}) > max_tokens ({limit})", "min_tokens"
         )
     return p
+
+
+def _check_vocabulary(prompts: list[list[int]], stop_ids: list[int], vocab: int) -> None:
+    """Token ids the model has (``vocab``: 0 when its workers do not say)."""
+    if not vocab:
+        return
+    for param, ids in [*(("prompt", p) for p in prompts), ("stop_token_ids", stop_ids)]:
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise errors.bad_request(
+                f"token id {bad} is outside the model's vocabulary [0, {vocab})", param
+            )
 
 
 def _check_length(ids: list[int], limit: int | None, max_model_len: int) -> None:

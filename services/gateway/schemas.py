@@ -4,6 +4,13 @@ What OpenAI accepts but Baton cannot honour (``logit_bias``, ``suffix``, tools, 
 Fields vLLM adds (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``,
 ``cache_salt``) are accepted too.
+
+Every number is bounded by what the wire to the workers can carry (the protobuf field's type:
+``max_tokens``, ``min_tokens``, token ids are uint32, ``top_k`` int32, ``seed`` int64) and
+every float is finite, so a value never fails while the request is built; counts (prompts,
+stop strings, messages, stop token ids) are bounded by the gateway's ``InputLimits``
+(``limits.py``), checked before any work is done, and the model's own limits (context length,
+vocabulary) by the handler.
 """
 
 from typing import Annotated, Any, Literal
@@ -12,10 +19,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_N = 16
 MAX_LOGPROBS = 20
+UINT32_MAX = 2**32 - 1
+INT32_MAX = 2**31 - 1
+TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -27,18 +37,18 @@ class _SamplingFields(_Body):
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[TokenId] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=UINT32_MAX)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = Field(None, min_length=1)
@@ -66,18 +76,16 @@ class _SamplingFields(_Body):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-Prompt = (
-    str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
-)
+Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 
 class CompletionRequest(_SamplingFields):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, le=UINT32_MAX)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
 
     @model_validator(mode="after")
     def _check(self) -> "CompletionRequest":
@@ -127,8 +135,8 @@ class ResponseFormat(_Body):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None

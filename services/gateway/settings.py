@@ -4,6 +4,23 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class InputLimits:
+    """How many of each repeated thing one request may carry (enforced by limits.py; each a
+    ``baton gateway --max-…`` flag; docs/security.md lists them)."""
+
+    max_prompts: int = 64  # prompts in one completions request (a batch)
+    max_stop: int = 16  # stop strings
+    max_stop_chars: int = 256  # characters in one stop string
+    max_stop_token_ids: int = 64
+    max_messages: int = 2048  # messages in one chat request
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+@dataclass(frozen=True)
 class GatewaySettings:
     scheduler_address: str
     models: dict[str, str] = field(hash=False)  # served model name → tokenizer directory
@@ -15,6 +32,7 @@ class GatewaySettings:
     generate_stream: bool = True  # Generate over one long-lived stream per worker (else unary)
     log_level: str = "info"
     cpus: tuple[int, ...] = ()  # pin every thread here once serving (shared/affinity.py)
+    limits: InputLimits = field(default_factory=InputLimits)  # counts per request (limits.py)
 
     def __post_init__(self) -> None:
         if not self.models:

@@ -28,6 +28,7 @@ def worker_state(reg: scheduler_pb2.WorkerRegistration) -> WorkerState:
         max_model_len=reg.max_model_len,
         block_size=reg.block_size,
         num_kv_blocks=reg.num_kv_blocks,
+        vocab_size=reg.vocab_size,
     )
 
 
@@ -59,7 +60,7 @@ def registration(w: WorkerState) -> scheduler_pb2.WorkerRegistration:
     return scheduler_pb2.WorkerRegistration(
         worker_id=w.worker_id, incarnation=w.incarnation, role=role, address=w.address,
         model=w.model, max_model_len=w.max_model_len, block_size=w.block_size,
-        num_kv_blocks=w.num_kv_blocks,
+        num_kv_blocks=w.num_kv_blocks, vocab_size=w.vocab_size,
     )  # fmt: skip
 
 

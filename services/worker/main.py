@@ -70,6 +70,7 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> Non
                 max_model_len=engine.config.model.max_model_len,
                 block_size=engine.config.cache.block_size,
                 num_kv_blocks=stats.num_blocks,
+                vocab_size=engine.config.model.arch.vocab_size,
             )
             for replica in settings.scheduler_addresses:  # one stream per scheduler replica
                 beat = Heartbeat(replica, registration, engine, load, settings.heartbeat_interval_s)

@@ -55,6 +55,29 @@ BAD_BODIES = [
     ("chat/completions", {**OK_CHAT, "response_format": {"type": "json_object"}}, 400, None),
     ("chat/completions", {**OK_CHAT, "max_completion_tokens": -1}, 400, "max_completion_tokens"),
     ("chat/completions", {**OK_CHAT, "model": "unknown"}, 404, "model"),
+    # numbers past what the wire to the workers carries (uint32, int32, int64), and the model
+    ("completions", {**OK_PROMPT, "max_tokens": 2**32}, 400, "max_tokens"),
+    ("completions", {**OK_PROMPT, "min_tokens": 2**32}, 400, "min_tokens"),
+    ("completions", {**OK_PROMPT, "top_k": 2**31}, 400, "top_k"),
+    ("completions", {**OK_PROMPT, "seed": 2**63}, 400, "seed"),
+    ("completions", {**OK_PROMPT, "prompt": [2**32]}, 400, "prompt"),
+    ("completions", {**OK_PROMPT, "prompt": [[5], [2**40]]}, 400, "prompt"),
+    ("completions", {**OK_PROMPT, "stop_token_ids": [2**32]}, 400, "stop_token_ids"),
+    ("completions", {**OK_PROMPT, "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
+    ("completions", {**OK_PROMPT, "n": 17}, 400, "n"),
+    ("chat/completions", {**OK_CHAT, "max_tokens": 2**32}, 400, "max_tokens"),
+    # counts past the gateway's input limits (settings.InputLimits)
+    ("completions", {**OK_PROMPT, "prompt": [[5, 6]] * 65}, 400, "prompt"),
+    ("completions", {**OK_PROMPT, "prompt": ["hi"] * 65}, 400, "prompt"),
+    ("completions", {**OK_PROMPT, "stop": ["a"] * 17}, 400, "stop"),
+    ("completions", {**OK_PROMPT, "stop": ["x" * 257]}, 400, "stop"),
+    ("completions", {**OK_PROMPT, "stop_token_ids": list(range(65))}, 400, "stop_token_ids"),
+    (
+        "chat/completions",
+        {**OK_CHAT, "messages": [{"role": "user", "content": "a"}] * 2049},
+        400,
+        "messages",
+    ),
 ]
 
 
@@ -77,7 +100,8 @@ def test_bad_body_gets_openai_error(
 
 
 def test_malformed_json_and_wrong_content(http: httpx.Client) -> None:
-    for content in (b"{not json", b"[1, 2]", b"null", b""):
+    nan = b'{"model": "qwen3", "prompt": "hi", "temperature": NaN}'
+    for content in (b"{not json", b"[1, 2]", b"null", b"", nan):
         resp = http.post("/completions", content=content,
                          headers={"content-type": "application/json"})  # fmt: skip
         assert resp.status_code == 400, (content, resp.text)
@@ -89,6 +113,26 @@ def test_oversized_body_is_413(http: httpx.Client) -> None:
     resp = http.post("/completions", content=big, headers={"content-type": "application/json"})
     assert resp.status_code == 413
     assert resp.json()["error"]["code"] == "request_too_large"
+
+
+def test_limits_at_their_bound_are_served(http: httpx.Client) -> None:
+    """The counts at the limit pass (the refusals above are about the limit, not the kind)."""
+    body = {**OK_PROMPT, "prompt": [[5, 6]] * 64, "max_tokens": 1, "stop": ["a"] * 16}
+    resp = http.post("/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    assert len(resp.json()["choices"]) == 64
+
+
+def test_openapi_describes_every_request_body(http: httpx.Client) -> None:
+    schema = httpx.get(str(http.base_url).removesuffix("/v1/") + "/openapi.json").json()
+    for path, model in (("/v1/completions", "CompletionRequest"),
+                        ("/v1/chat/completions", "ChatCompletionRequest")):  # fmt: skip
+        body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        assert body["schema"]["$ref"] == f"#/components/schemas/{model}"
+        fields = schema["components"]["schemas"][model]["properties"]
+        assert {"model", "max_tokens", "stop", "temperature"} <= set(fields)
+    max_tokens = schema["components"]["schemas"]["CompletionRequest"]["properties"]["max_tokens"]
+    assert {"maximum": 2**32 - 1, "minimum": 1, "type": "integer"} in max_tokens["anyOf"]
 
 
 def test_unknown_path_and_method_are_json_errors(http: httpx.Client) -> None:

@@ -119,3 +119,19 @@ def test_pin_cpus_becomes_each_services_cpus_flag(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(affinity, "allowed_cpus", lambda: (0, 1, 2))
     with pytest.raises(RuntimeError, match="3 services need 4 CPUs"):
         cluster("--pin-cpus").cpus(names)
+
+
+def test_input_limits_reach_the_gateway() -> None:
+    """``baton serve --max-stop 3`` hands the gateway that flag, whose settings carry it; a
+    limit left at its default is not passed on."""
+    from baton.service_cli import cluster_spec, input_limits
+
+    spec = cluster_spec(build_parser().parse_args(["serve", "--model", "m", "--max-stop", "3"]))
+    assert spec.gateway_argv == ("--max-stop", "3")
+    gateway = build_parser().parse_args(["gateway", "--model", "m", "--scheduler", "x:1",
+                                         *spec.gateway_argv])  # fmt: skip
+    limits = input_limits(gateway)
+    assert limits.max_stop == 3 and limits.max_prompts == 64
+    with pytest.raises(ValueError, match="max_stop must be >= 1"):
+        input_limits(build_parser().parse_args(["gateway", "--model", "m", "--scheduler",
+                                                "x:1", "--max-stop", "0"]))  # fmt: skip

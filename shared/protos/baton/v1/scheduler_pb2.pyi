@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerRegistration(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "role", "address", "model", "max_model_len", "block_size", "num_kv_blocks")
+    __slots__ = ("worker_id", "incarnation", "role", "address", "model", "max_model_len", "block_size", "num_kv_blocks", "vocab_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class WorkerRegistration(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     role: _common_pb2.WorkerRole
@@ -25,7 +26,8 @@ class WorkerRegistration(_message.Message):
     max_model_len: int
     block_size: int
     num_kv_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ...) -> None: ...
+    vocab_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
     __slots__ = ("num_running", "num_waiting", "kv_usage", "num_in_flight", "draining", "pending_prefill_tokens", "prefill_tokens_per_s", "num_received", "prefix_hit_tokens")

@@ -1,0 +1,30 @@
+"""The input limits, enforced: how many of each repeated thing one request may carry
+(``settings.InputLimits``), checked once at the edge, before a prompt is tokenized or anything
+is sent to a worker; each refusal is a 400 naming the field.
+
+What they bound: a request's work that the body-size limit alone would let grow large — every
+prompt is prefilled (``max_prompts`` × ``n`` requests reach the workers), every stop string is
+scanned on every token, every message is rendered by the chat template.
+"""
+
+from services.gateway import errors
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from services.gateway.settings import InputLimits
+
+
+def check_limits(limits: InputLimits, body: CompletionRequest | ChatCompletionRequest) -> None:
+    """Raise a 400 APIError for the first count over its limit."""
+    if isinstance(body, CompletionRequest):
+        _at_most("prompt", "prompts", len(body.prompts()), limits.max_prompts)
+    else:
+        _at_most("messages", "messages", len(body.messages), limits.max_messages)
+    _at_most("stop", "stop strings", len(body.stop_strings), limits.max_stop)
+    longest = max((len(s) for s in body.stop_strings), default=0)
+    _at_most("stop", "characters in a stop string", longest, limits.max_stop_chars)
+    ids = len(body.stop_token_ids or ())
+    _at_most("stop_token_ids", "stop token ids", ids, limits.max_stop_token_ids)
+
+
+def _at_most(param: str, what: str, count: int, limit: int) -> None:
+    if count > limit:
+        raise errors.bad_request(f"{count} {what}: at most {limit} are allowed", param)
