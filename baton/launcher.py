@@ -1,6 +1,6 @@
 """``baton serve``: the whole system as processes on this machine.
 
-    global scheduler ──ready file──▶ N workers ──ready files──▶ gateway ──/health──▶ print URL
+    global scheduler ──ready file──▶ N workers ──ready files──▶ gateway ──/ready──▶ print URL
 
 The launcher takes a frozen ``ClusterSpec`` (``baton/service_cli.py`` builds one from the
 flags; ``baton/serving.py`` runs one for tests and benchmarks) and imports nothing of the
@@ -169,7 +169,7 @@ class Cluster:
         argv += a.gateway_argv
         self.spawn("gateway", argv + cpus["gateway"], ready=False)
         url = f"http://{a.host}:{a.port}"
-        self.wait_http("gateway", f"{url}/health", GATEWAY_START_S)
+        self.wait_http("gateway", f"{url}/ready", GATEWAY_START_S)
         self.url = f"{url}/v1"
         return self.url
 

@@ -1,8 +1,12 @@
 """The gateway's HTTP face (FastAPI): routes translate HTTP ⇄ ``Handler`` and nothing more.
 
     POST /v1/completions, /v1/chat/completions   OpenAI, streamed (SSE) or not
-    GET  /v1/models, /health, /metrics, /openapi.json (every request body described by the
-         same pydantic models the routes validate with)
+    GET  /v1/models, /metrics, /openapi.json (every request body described by the same
+         pydantic models the routes validate with)
+    GET  /health  liveness: the process serves (always 200 while it does)
+    GET  /ready   readiness: the scheduler answers and a worker of a served model is
+                  registered (200), else 503 JSON with Retry-After (a load balancer stops
+                  sending traffic here until it is ready again)
 
 Every error leaves as OpenAI's error JSON with its status (errors.py): 400 bad input (pydantic's
 422 included), 401 bad key, 404 unknown model or path, 413 body too large, 503 no worker,
@@ -43,6 +47,7 @@ from shared.text.tokenizer import TextTokenizer
 logger = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.25
+RETRY_AFTER_S = 1  # a 503's Retry-After: a scheduler restart or a worker start takes seconds
 B = TypeVar("B", bound=BaseModel)
 
 
@@ -94,12 +99,18 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return {"object": "list", "data": data}
 
     @app.get("/health")
-    async def health() -> Response:
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> Response:
         catalog: ModelCatalog = state["catalog"]
-        ready = {m: (await catalog.limits(m)) is not None for m in sorted(tokenizers)}
-        status = 200 if any(ready.values()) else 503
-        return JSONResponse({"status": "ok" if status == 200 else "no workers", "models": ready},
-                            status_code=status)  # fmt: skip
+        models = {m: catalog.ready(m) for m in sorted(tokenizers)}
+        if any(models.values()):
+            return JSONResponse({"status": "ready", "models": models})
+        e = errors.not_ready("the scheduler does not answer, or no worker serves a model")
+        return JSONResponse({**e.body(), "models": models}, status_code=e.status,
+                            headers={"retry-after": str(RETRY_AFTER_S)})  # fmt: skip
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -186,7 +197,9 @@ async def _watch_disconnect(request: Request) -> None:
 
 
 def _error(e: errors.APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    """OpenAI's error JSON; a 503 also says when to retry (the system is healing or scaling)."""
+    headers = {"retry-after": str(RETRY_AFTER_S)} if e.status == 503 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -6,6 +6,7 @@ model has no entry, so a request normally never waits for it."""
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -30,13 +31,22 @@ class ModelCatalog:
         tokenizers: dict[str, TextTokenizer],
         scheduler: scheduler_pb2_grpc.GlobalSchedulerStub,
         refresh_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.tokenizers = tokenizers
         self.scheduler = scheduler
         self.refresh_s = refresh_s
+        self.clock = clock
         self._limits: dict[str, ModelLimits] = {}
-        self._fetched_at = 0.0
+        self._fetched_at = -1e9  # when the scheduler last answered (by clock)
         self._lock = asyncio.Lock()
+
+    def ready(self, model: str) -> bool:
+        """The scheduler answered within the last ``3 × refresh_s`` and named a live worker of
+        ``model``: what ``/ready`` reports. A list older than that is stale, whatever it says
+        (the scheduler is down, so every request would fail)."""
+        fresh = self.clock() - self._fetched_at <= 3 * self.refresh_s
+        return fresh and model in self._limits
 
     @property
     def served(self) -> list[str]:
@@ -55,7 +65,7 @@ class ModelCatalog:
 
     async def refresh(self) -> None:
         async with self._lock:
-            if time.monotonic() - self._fetched_at < 0.05:
+            if self.clock() - self._fetched_at < 0.05:
                 return  # another request just refreshed
             try:
                 resp = await self.scheduler.ListWorkers(
@@ -73,4 +83,4 @@ class ModelCatalog:
                 vocabs = [v for v in (reg.vocab_size, old.vocab_size if old else 0) if v]
                 vocab = min(vocabs, default=0)
                 limits[reg.model] = ModelLimits(max_len, reg.block_size, count, vocab)
-            self._limits, self._fetched_at = limits, time.monotonic()
+            self._limits, self._fetched_at = limits, self.clock()

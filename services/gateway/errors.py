@@ -60,6 +60,10 @@ def no_worker(detail: str) -> APIError:
                     code="no_worker_available")  # fmt: skip
 
 
+def not_ready(detail: str) -> APIError:
+    return APIError(503, f"Not ready: {detail}", type="server_error", code="not_ready")
+
+
 def timeout(what: str) -> APIError:
     return APIError(504, f"Timed out: {what}", type="server_error", code="timeout")
 

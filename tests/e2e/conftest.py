@@ -1,5 +1,5 @@
 """A real Baton cluster for end-to-end tests: ``baton serve``'s own launcher starts the global
-scheduler, the workers and the gateway as processes (readiness by ready files and /health,
+scheduler, the workers and the gateway as processes (readiness by ready files and /ready,
 never a sleep), and stops them after the tests."""
 
 import contextlib

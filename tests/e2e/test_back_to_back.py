@@ -116,7 +116,7 @@ def replicas(tiny_model: Path, redis_server: RedisServer) -> Iterator[list[str]]
             port = free_port()
             group.spawn(f"gateway-{i}", ["gateway", "--model", str(tiny_model), "--port",
                                          str(port), "--scheduler", addr], ready=False)  # fmt: skip
-            group.wait_http(f"gateway-{i}", f"http://127.0.0.1:{port}/health", 60)
+            group.wait_http(f"gateway-{i}", f"http://127.0.0.1:{port}/ready", 60)
             urls.append(f"http://127.0.0.1:{port}/v1")
         yield urls
     finally:

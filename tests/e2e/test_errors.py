@@ -157,7 +157,7 @@ def keyed_gateway(cluster: Cluster, tiny_model: Path) -> Iterator[str]:
             cluster.ready["scheduler"]["address"], "--api-key", "k1", "--api-key", "k2",
         ], ready=False)  # fmt: skip
         url = f"http://127.0.0.1:{port}"
-        group.wait_http("gateway", f"{url}/health", 60)
+        group.wait_http("gateway", f"{url}/ready", 60)
         yield url
     finally:
         group.stop()
