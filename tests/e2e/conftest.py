@@ -93,6 +93,24 @@ def scheduler_metric(cluster: Cluster, name: str, service: str = "scheduler") ->
     raise AssertionError(f"{name} not exported")
 
 
+def start_replicas(
+    group: Cluster, model: Path, redis_url: str, *scheduler_flags: str
+) -> tuple[list[str], list[str]]:
+    """Two scheduler replicas sharing one Redis and two workers heartbeating to both, started
+    in ``group``: (scheduler addresses, worker addresses)."""
+    addrs = []
+    for i in range(2):
+        argv = ["global-scheduler", "--port", "0", "--redis-url", redis_url, *scheduler_flags]
+        ready = group.spawn(f"scheduler-{i}", argv, ready=True)
+        addrs.append(group.wait_ready(f"scheduler-{i}", ready, 30)["address"])
+    workers = []
+    for i in range(2):
+        argv = ["worker", "--model", str(model), "--worker-id", f"w{i}",
+                "--scheduler", ",".join(addrs), *TEST_ENGINE_FLAGS]  # fmt: skip
+        workers.append(group.wait_ready(f"w{i}", group.spawn(f"w{i}", argv, ready=True), 120))
+    return addrs, [w["address"] for w in workers]
+
+
 def service_group(model: Path) -> Cluster:
     """An empty launcher: its ``spawn``/``wait_ready``/``wait_http`` start extra services
     (scheduler replicas, a second gateway) that its ``stop`` stops."""

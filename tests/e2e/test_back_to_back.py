@@ -15,11 +15,11 @@ import pytest
 from baton.launcher import Cluster, free_port
 from shared.text.tokenizer import TextTokenizer
 from tests.e2e.conftest import (
-    TEST_ENGINE_FLAGS,
     list_workers,
     long_prompt,
     running_cluster,
     service_group,
+    start_replicas,
     wait_for,
 )
 from tests.redis_server import RedisServer
@@ -99,18 +99,7 @@ def replicas(tiny_model: Path, redis_server: RedisServer) -> Iterator[list[str]]
     on each replica: the base URLs of the two gateways."""
     group = service_group(tiny_model)
     try:
-        addrs = []
-        for i in range(2):
-            ready = group.spawn(
-                f"scheduler-{i}",
-                ["global-scheduler", "--port", "0", "--redis-url", redis_server.url],
-                ready=True,
-            )
-            addrs.append(group.wait_ready(f"scheduler-{i}", ready, 30)["address"])
-        for i in range(2):
-            argv = ["worker", "--model", str(tiny_model), "--worker-id", f"w{i}",
-                    "--scheduler", ",".join(addrs), *TEST_ENGINE_FLAGS]  # fmt: skip
-            group.wait_ready(f"w{i}", group.spawn(f"w{i}", argv, ready=True), 120)
+        addrs, _ = start_replicas(group, tiny_model, redis_server.url)
         urls = []
         for i, addr in enumerate(addrs):
             port = free_port()

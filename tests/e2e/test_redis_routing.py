@@ -23,11 +23,11 @@ from shared.protos.baton.v1 import (
 )
 from shared.text.tokenizer import TextTokenizer
 from tests.e2e.conftest import (
-    TEST_ENGINE_FLAGS,
     long_prompt,
     running_cluster,
     scheduler_metric,
     service_group,
+    start_replicas,
     wait_for,
 )
 from tests.redis_server import RedisServer
@@ -45,21 +45,10 @@ def replicas(tiny_model: Path, redis_server: RedisServer, tmp_path: Path) -> Ite
     policy.write_text(json.dumps({"pending": {"ttl_s": 0}}))
     group = service_group(tiny_model)
     try:
-        addrs = []
-        for i in range(2):
-            ready = group.spawn(
-                f"scheduler-{i}",
-                ["global-scheduler", "--port", "0", "--redis-url", redis_server.url,
-                 "--routing-policy", str(policy)],
-                ready=True,
-            )  # fmt: skip
-            addrs.append(group.wait_ready(f"scheduler-{i}", ready, 30)["address"])
-        workers = []
-        for i in range(2):
-            argv = ["worker", "--model", str(tiny_model), "--worker-id", f"w{i}",
-                    "--scheduler", ",".join(addrs), *TEST_ENGINE_FLAGS]  # fmt: skip
-            workers.append(group.wait_ready(f"w{i}", group.spawn(f"w{i}", argv, ready=True), 120))
-        yield {"schedulers": addrs, "workers": [w["address"] for w in workers]}
+        addrs, workers = start_replicas(
+            group, tiny_model, redis_server.url, "--routing-policy", str(policy)
+        )
+        yield {"schedulers": addrs, "workers": workers}
     finally:
         group.stop()
 
