@@ -169,8 +169,8 @@ def _check_vocabulary(prompts: list[list[int]], stop_ids: list[int], vocab: int)
     if not vocab:
         return
     for param, ids in [*(("prompt", p) for p in prompts), ("stop_token_ids", stop_ids)]:
-        bad = next((t for t in ids if t >= vocab), None)
-        if bad is not None:
+        if ids and max(ids) >= vocab:  # (max runs in C: a long prompt costs microseconds)
+            bad = next(t for t in ids if t >= vocab)
             raise errors.bad_request(
                 f"token id {bad} is outside the model's vocabulary [0, {vocab})", param
             )
