@@ -15,17 +15,18 @@ import ctypes
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from shared.affinity import assign_cpus
+from shared.tmpdirs import make_private_dir
 
 SCHEDULER_START_S = 30.0
 WORKER_START_S = 600.0
@@ -92,7 +93,7 @@ class Cluster:
     def __init__(self, spec: ClusterSpec):
         self.spec = spec
         self.engine_argv = list(spec.engine_argv)
-        self.tmp = Path(tempfile.mkdtemp(prefix="baton-serve-"))
+        self.tmp = make_private_dir("baton-serve-")  # removed by stop(); stale ones at start
         self.procs: dict[str, subprocess.Popen] = {}
         self.ready: dict[str, dict] = {}  # name → what it wrote when ready (address, ports)
         self._stopping = False
@@ -189,6 +190,7 @@ class Cluster:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait(timeout=5)
+        shutil.rmtree(self.tmp, ignore_errors=True)
         print("baton serve: stopped", flush=True)
 
     def _interrupt(self) -> None:

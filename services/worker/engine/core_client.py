@@ -16,7 +16,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections import deque
 from typing import Any
@@ -36,6 +35,7 @@ from services.worker.engine.messages import (
     EngineCoreUtility,
     UtilityResult,
 )
+from shared.tmpdirs import make_private_dir
 
 POLL_S = 0.5
 STARTUP_TIMEOUT_S = 600.0
@@ -108,7 +108,7 @@ class _CoreProcess:
     owns the two ZMQ sockets to it, bound here on ipc paths in a private temp dir."""
 
     def __init__(self, config: EngineConfig, startup_timeout_s: float):
-        self.tmp = tempfile.mkdtemp(prefix="baton-core-")
+        self.tmp = str(make_private_dir("baton-core-"))  # (and stale ones of dead owners go)
         self.ctx = zmq.Context()
         self.input = self.ctx.socket(zmq.PUSH)
         self.input.bind(f"ipc://{self.tmp}/input")
