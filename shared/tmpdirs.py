@@ -40,10 +40,11 @@ def sweep_stale(prefix: str, root: str | None = None) -> list[Path]:
 
 
 def _alive(pid: int) -> bool:
+    """Whether a process has this pid (another user's counts: kill(0) then says EPERM)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's process with that pid: alive
-        return True
+    except PermissionError:
+        pass
     return True

@@ -33,7 +33,7 @@ import importlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -62,11 +62,12 @@ class Match:
 
 
 def count_prefixes(
-    live: dict[WorkerId, str], blocks: list[tuple[set[str], set[str]]]
+    live: dict[WorkerId, str], blocks: Iterable[tuple[set[str], set[str]]]
 ) -> dict[WorkerId, Match]:
     """The matches from each block's holders and pending holders ("{incarnation}:{worker}"
     members), in prompt order: a prefix ends at the first block a worker neither holds nor
-    expects; its confirmed part ends at the first block it does not hold."""
+    expects; its confirmed part ends at the first block it does not hold. ``blocks`` is read
+    only up to the block where every worker's prefix has ended."""
     member = {f"{inc}:{w}": w for w, inc in live.items()}
     total = dict.fromkeys(live, 0)
     confirmed = dict.fromkeys(live, 0)
@@ -173,8 +174,8 @@ class InMemoryDirectory:
         self, hashes: list[BlockHash], live: dict[WorkerId, str]
     ) -> dict[WorkerId, Match]:
         self._expire()
-        return count_prefixes(
-            live, [(self._holders.get(h, set()), set(self._pending.get(h, ()))) for h in hashes]
+        return count_prefixes(  # (a generator: past the longest prefix nothing is copied)
+            live, ((self._holders.get(h, set()), set(self._pending.get(h, ()))) for h in hashes)
         )
 
     async def forget(self, worker: WorkerId, incarnation: str) -> None:

@@ -36,14 +36,6 @@ class TransferResults:
     failed: list[str] = field(default_factory=list)  # pulls that cannot complete
     released: list[str] = field(default_factory=list)  # our leased requests a peer has pulled
 
-    def __bool__(self) -> bool:
-        return bool(self.finished or self.failed or self.released)
-
-    def extend(self, other: "TransferResults") -> None:
-        self.finished += other.finished
-        self.failed += other.failed
-        self.released += other.released
-
 
 @dataclass(frozen=True)
 class ConnectorInfo:
