@@ -7,8 +7,14 @@ flags; ``baton/serving.py`` runs one for tests and benchmarks) and imports nothi
 command line. Each child is a plain ``baton <service>`` process (what a Kubernetes pod runs).
 Every wait is bounded and notices a child that exits. Ctrl-C (or SIGTERM) stops the gateway
 first, then the workers (they drain), then the scheduler; anything still alive after the bound
-is killed. A worker that dies while serving is reported and the others keep serving; the
-scheduler or the gateway dying stops everything.
+is killed.
+
+Supervision: a child that dies while serving is started again with the same flags (the
+scheduler on the port it had, so workers and the gateway reconnect to it) after a backoff
+(``RestartPolicy``: 0.5 s, doubling up to 8 s), and the others keep serving meanwhile. A child
+that dies more than ``max_restarts`` times within ``window_s`` is given up on: a worker stays
+down (the others serve), the scheduler or the gateway stops everything. Every death, restart
+and recovery is one log line.
 """
 
 import ctypes
@@ -20,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -63,6 +70,40 @@ def _die_with_parent() -> None:
 
 
 @dataclass(frozen=True)
+class RestartPolicy:
+    """How ``baton serve`` restarts a child that died: after ``delay_s``, doubling with each
+    death within ``window_s`` up to ``max_delay_s``; more than ``max_restarts`` deaths within
+    ``window_s`` and it is given up on (``max_restarts=0``: never restart)."""
+
+    max_restarts: int = 5
+    delay_s: float = 0.5
+    max_delay_s: float = 8.0
+    window_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0 or self.delay_s < 0 or self.max_delay_s < self.delay_s:
+            raise ValueError("max_restarts and delay_s must be >= 0, max_delay_s >= delay_s")
+
+    def delay(self, recent_deaths: int) -> float | None:
+        """Seconds to wait before the next start, or None: give up."""
+        if recent_deaths > self.max_restarts:
+            return None
+        return min(self.delay_s * 2 ** (recent_deaths - 1), self.max_delay_s)
+
+
+@dataclass
+class _Child:
+    """How to start one child again, and its restart bookkeeping."""
+
+    argv: list[str]
+    ready: bool
+    env: dict[str, str] | None
+    deaths: list[float]  # monotonic times of its deaths within the policy's window
+    due: float | None = None  # when it is to be started again
+    starting: float | None = None  # the deadline of a restart that is not ready yet
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     """What ``baton serve`` starts: the flags of ``baton serve``, parsed once."""
 
@@ -87,6 +128,7 @@ class ClusterSpec:
     kv_sized: bool = False  # the engine flags give the KV cache an explicit size
     engine_argv: tuple[str, ...] = ()  # the engine flags every worker gets, as argv
     gateway_argv: tuple[str, ...] = ()  # flags the gateway gets besides those above (limits)
+    restart: RestartPolicy = RestartPolicy()
 
 
 class Cluster:
@@ -96,7 +138,11 @@ class Cluster:
         self.tmp = make_private_dir("baton-serve-")  # removed by stop(); stale ones at start
         self.procs: dict[str, subprocess.Popen] = {}
         self.ready: dict[str, dict] = {}  # name → what it wrote when ready (address, ports)
+        self.children: dict[str, _Child] = {}
+        self.restarts: dict[str, int] = {}  # name → how many times it was started again
         self._stopping = False
+        self._lock = threading.Lock()  # stop() against a restart from the supervisor thread
+        self._supervisor: threading.Thread | None = None
         self.url: str | None = None  # the OpenAI base URL, once started
 
     def run(self) -> None:
@@ -141,7 +187,12 @@ class Cluster:
         if a.routing_policy:
             argv += ["--routing-policy", a.routing_policy]
         sched = self.spawn("scheduler", argv, ready=True)
-        sched_addr = self.wait_ready("scheduler", sched, SCHEDULER_START_S)["address"]
+        ready = self.wait_ready("scheduler", sched, SCHEDULER_START_S)
+        sched_addr = ready["address"]
+        # started again, it takes the same ports: the workers and the gateway reconnect to it
+        port = sched_addr.rsplit(":", 1)[1]
+        self.children["scheduler"].argv[1:5] = ["--port", port, "--metrics-port",
+                                                str(ready["metrics_port"])]  # fmt: skip
         workers = []
         gpus = self.gpus()
         if gpus and len(roles) > len(gpus) and not a.kv_sized:
@@ -174,9 +225,24 @@ class Cluster:
         self.url = f"{url}/v1"
         return self.url
 
+    def supervise_in_background(self) -> None:
+        """Restart dead children from a thread (``serving``: the caller's thread is its own)."""
+        self._supervisor = threading.Thread(target=self._supervise_quietly, daemon=True,
+                                            name="baton-supervisor")  # fmt: skip
+        self._supervisor.start()
+
+    def _supervise_quietly(self) -> None:
+        try:
+            self._supervise()
+        except RuntimeError as e:  # given up on the scheduler or the gateway: it stays down
+            print(f"baton serve: {e}", file=sys.stderr, flush=True)
+
     def stop(self) -> None:
         """Stop the children in order: gateway, workers, scheduler (each bounded)."""
-        self._stopping = True
+        with self._lock:
+            self._stopping = True
+        if self._supervisor is not None and self._supervisor is not threading.current_thread():
+            self._supervisor.join(timeout=5)
         workers = [n for n in self.procs if n not in ("gateway", "scheduler")]
         for group in (["gateway"], workers, ["scheduler"]):
             procs = [self.procs[n] for n in group if n in self.procs]
@@ -258,6 +324,9 @@ class Cluster:
         """Start ``baton <argv>`` as the child ``name`` (stopped by ``stop``); with ``ready``,
         it writes the returned path when it serves (``wait_ready`` reads it)."""
         ready_file = self.tmp / f"{name}.json"
+        ready_file.unlink(missing_ok=True)  # a previous run's (a restart)
+        child = self.children.get(name)
+        self.children[name] = _Child(list(argv), ready, env, child.deaths if child else [])
         cmd = [sys.executable, "-m", "baton.cli", *argv]
         if ready:
             cmd += ["--ready-file", str(ready_file)]
@@ -305,15 +374,77 @@ class Cluster:
             raise RuntimeError(f"{name} exited with code {code} while starting")
 
     def _supervise(self) -> None:
-        reported: set[str] = set()
+        """Until stopped: notice dead children, start them again when due (``RestartPolicy``),
+        and see the restarted ones become ready; raises when it gives up on the scheduler or
+        the gateway (the system cannot serve without either)."""
+        given_up: set[str] = set()
         while not self._stopping:
-            for name, p in self.procs.items():
-                code = p.poll()
-                if code is None or name in reported:
+            now = time.monotonic()
+            for name, p in list(self.procs.items()):
+                child = self.children[name]
+                if name in given_up:
                     continue
-                if name in ("scheduler", "gateway"):
-                    raise RuntimeError(f"{name} exited with code {code}")
-                print(f"baton serve: {name} exited with code {code}; the others keep serving",
-                      file=sys.stderr, flush=True)  # fmt: skip
-                reported.add(name)
-            time.sleep(0.2)
+                if child.due is not None:
+                    if now >= child.due:
+                        self._restart(name, child)
+                    continue
+                code = p.poll()
+                if code is None:
+                    if child.starting is not None:
+                        self._check_restarted(name, child, p, now)
+                    continue
+                child.starting = None
+                window = self.spec.restart.window_s
+                child.deaths = [t for t in child.deaths if now - t <= window] + [now]
+                delay = self.spec.restart.delay(len(child.deaths))
+                if delay is None:
+                    given_up.add(name)
+                    what = f"{name} exited with code {code}, {len(child.deaths)} times within " \
+                           f"{window:.0f} s: not restarting it"  # fmt: skip
+                    if name in ("scheduler", "gateway"):
+                        raise RuntimeError(what)
+                    self._log(what + "; the others keep serving")
+                    continue
+                child.due = now + delay
+                self._log(f"{name} exited with code {code}; starting it again in {delay:.1f} s")
+            time.sleep(0.1)
+
+    def _restart(self, name: str, child: _Child) -> None:
+        with self._lock:  # not once stop() has begun: it would leave this child running
+            if self._stopping:
+                return
+            child.due = None
+            self.spawn(name, child.argv, child.ready, child.env)
+            self.children[name].starting = time.monotonic() + (
+                SCHEDULER_START_S if name == "scheduler"
+                else GATEWAY_START_S if name == "gateway" else WORKER_START_S
+            )  # fmt: skip
+            self.restarts[name] = self.restarts.get(name, 0) + 1
+
+    def _check_restarted(self, name: str, child: _Child, p: subprocess.Popen, now: float) -> None:
+        """A restarted child is back once it is ready (ready file, or the gateway's /ready);
+        one that does not get there in time is killed (and counts as another death)."""
+        path = self.tmp / f"{name}.json"
+        if child.ready and path.exists():
+            self.ready[name] = dict(json.loads(path.read_text()))
+        elif not child.ready and self.url and _answers(self.url.removesuffix("/v1") + "/health"):
+            pass
+        else:
+            if child.starting is not None and now > child.starting:
+                self._log(f"{name} did not become ready again in time: killing it")
+                p.kill()
+            return
+        child.starting = None
+        self._log(f"{name} is serving again (restart {self.restarts.get(name, 0)})")
+
+    @staticmethod
+    def _log(line: str) -> None:
+        print(f"baton serve: {line}", file=sys.stderr, flush=True)
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=0.5) as resp:
+            return bool(resp.status == 200)
+    except OSError:
+        return False

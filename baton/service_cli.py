@@ -11,7 +11,7 @@ from typing import Any
 
 import uvloop  # the event loop of every service (gRPC p99 latency ~7× lower than asyncio's here)
 
-from baton.launcher import Cluster, ClusterSpec  # (no grpc, no torch: see below)
+from baton.launcher import Cluster, ClusterSpec, RestartPolicy  # (no grpc, no torch: see below)
 from services.gateway.settings import InputLimits
 from services.worker.engine.config import LOAD_FORMATS, EngineArgs
 from shared.affinity import check_cpus, parse_cpus
@@ -41,8 +41,8 @@ ENGINE_HELP = {
     "async_scheduling": "schedule the next step while the device runs this one (default: on "
     "for CUDA)",
     "kv_lease_seconds": "prefill side: how long a prompt's KV waits to be pulled",
-    "kv_recompute_on_failure": "decode side: a failed KV pull recomputes the prompt instead "
-    "of failing",
+    "kv_recompute_on_failure": "decode side: a failed KV pull fails its request with a 502 "
+    "instead of recomputing the prompt locally (the default)",
 }
 _FIELDS = {f.name: f for f in dataclasses.fields(EngineArgs)}
 
@@ -203,6 +203,8 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         gpus=args.gpus, pin_cpus=args.pin_cpus, device=args.device,
         kv_sized=bool(args.num_kv_blocks or args.kv_cache_memory_bytes),
         engine_argv=tuple(engine_flags_argv(args)), gateway_argv=tuple(limit_flags_argv(args)),
+        restart=RestartPolicy(max_restarts=args.max_restarts, delay_s=args.restart_delay,
+                              max_delay_s=max(args.restart_delay, RestartPolicy.max_delay_s)),
     )  # fmt: skip
 
 
@@ -266,6 +268,16 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
         help="comma-separated GPU ids; worker i gets GPU i mod their number "
         "(default: CUDA_VISIBLE_DEVICES, else every GPU nvidia-smi lists)",
     )
+    p.add_argument(
+        "--max-restarts", type=int, default=RestartPolicy.max_restarts,
+        help="restart a service that dies, up to N times within 5 minutes (0: never); past "
+        "that a worker stays down and the scheduler or the gateway stops the whole system",
+    )  # fmt: skip
+    p.add_argument(
+        "--restart-delay", type=float, default=RestartPolicy.delay_s,
+        help="seconds before the first restart of a service; doubled with each further "
+        "death, up to 8 s",
+    )  # fmt: skip
     add_pin_cpus_flag(p)
     add_engine_flags(p)
     p.set_defaults(func=run_serve)

@@ -13,6 +13,11 @@ _OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
+    # a peer that restarts (the scheduler, under ``baton serve`` or Kubernetes) is reconnected
+    # to within ~1 s of serving again, not after gRPC's default backoff (1 s growing to 120 s).
+    # (Not grpc.min_reconnect_backoff_ms: that is also the connect timeout, 20 s by default.)
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 

@@ -163,20 +163,34 @@ async def _serve(handler: Handler, body: Body, request: Request, include_usage: 
     plan = await handler.plan(body, request_id_var.get())
     if body.stream:
         lines = handler.stream(plan, include_usage)
-        first = await anext(lines)  # an error before the first chunk keeps its HTTP status
+        # an error before the first chunk keeps its HTTP status; a client that leaves before
+        # it (during the prefill) aborts the request at once, as it would later
+        first = asyncio.ensure_future(anext(lines))
+        if not await _unless_gone(first, request):
+            await lines.aclose()
+            return Response(status_code=499)
         hop_trace.mark("gateway.first_chunk")
-        return EventStream(_stream_errors_inline(first, lines), {"cache-control": "no-cache"})
+        return EventStream(_stream_errors_inline(first.result(), lines),
+                           {"cache-control": "no-cache"})  # fmt: skip
     task = asyncio.ensure_future(handler.complete(plan))
+    if not await _unless_gone(task, request):
+        return Response(status_code=499)
+    return JSONResponse(task.result())
+
+
+async def _unless_gone(task: "asyncio.Future[Any]", request: Request) -> bool:
+    """Wait for ``task``; False (the task cancelled, which aborts the request on its workers)
+    when the client leaves first."""
     watcher = asyncio.ensure_future(_watch_disconnect(request))
     done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     watcher.cancel()
-    if task not in done:  # the client went away: cancel, which aborts on the workers
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-        metrics.REQUESTS.labels(request.url.path, "disconnected").inc()
-        return Response(status_code=499)
-    return JSONResponse(task.result())
+    if task in done:
+        return True
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    metrics.REQUESTS.labels(request.url.path, "disconnected").inc()
+    return False
 
 
 async def _stream_errors_inline(first: str, rest: AsyncIterator[str]) -> AsyncGenerator[str, None]:

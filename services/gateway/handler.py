@@ -11,7 +11,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 from services.gateway import errors, metrics
@@ -102,7 +102,7 @@ class Handler:
                 choices[p * plan.n + i].text = text + choices[p * plan.n + i].text
         return plan.formatter.response(choices, usage)
 
-    async def stream(self, plan: Plan, include_usage: bool) -> AsyncIterator[str]:
+    async def stream(self, plan: Plan, include_usage: bool) -> AsyncGenerator[str, None]:
         """SSE lines; raises APIError (the caller turns one before the first line into a
         status, and a later one into an error event)."""
         usage = _usage(plan)

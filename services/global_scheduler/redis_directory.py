@@ -18,7 +18,8 @@ expire in Redis a second after that. A lookup is one pipelined round trip of SME
 ZRANGEBYSCORE (unexpired pending) per block; members of incarnations that are not live never
 count. ``forget`` purges an
 incarnation's entries (the server calls it off the routing path). Every call has a short
-timeout and no retries: when Redis is down the caller learns it at once
+timeout and one retry, on a fresh connection, when the connection it took turned out closed
+(one that went stale while Redis was away); when Redis is down the caller learns it at once
 (``DirectoryUnavailable``) and routes on load alone. Keys are computed inside the scripts, so
 this targets a single Redis (or a primary with replicas), not Redis Cluster.
 """
@@ -30,6 +31,7 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from services.global_scheduler.directory import DirectoryUnavailable, Match, count_prefixes
@@ -123,7 +125,10 @@ class RedisDirectory:
         self.clock = clock  # pending entries' expiry: wall clock, comparable across replicas
         self.redis = aioredis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0), retry_on_timeout=False,
+            # a pooled connection that went stale while Redis was away fails once, on a
+            # closed socket: that call is retried once on a fresh one; a timeout is not
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+            retry_on_timeout=False,
         )  # fmt: skip
         self._apply = self.redis.register_script(_APPLY)
         self._purge = self.redis.register_script(_PURGE)

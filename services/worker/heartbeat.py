@@ -1,12 +1,15 @@
 """The worker's life line to one global scheduler replica: one bidirectional stream per
 connection,
 
-    worker → registration (+ load), then every ``heartbeat_interval_s``: load + KV events
+    worker → registration (+ load + every cached block), then every ``heartbeat_interval_s``:
+             load + KV events
     scheduler → commands (re-announce the KV blocks: its directory lost events)
 
 and a reconnect with backoff when the stream breaks. On every (re)connection the engine is
-asked to re-announce its prefix index (all-cleared, then every cached block), so a restarted
-scheduler converges to the exact picture by applying the events in order. A worker keeps one
+asked to re-announce its prefix index (all-cleared, then every cached block), and the
+registration carries it, so a restarted scheduler has the exact picture as soon as a worker is
+back; a re-announce command is answered at once too (the engine core sends the events with its
+answer, busy or idle). A worker keeps one
 ``Heartbeat`` per scheduler replica; ``main`` fans the engine's KV events out to all of them.
 """
 
@@ -25,7 +28,7 @@ from shared.rpc import channel
 
 logger = logging.getLogger(__name__)
 
-MAX_BACKOFF_S = 2.0
+MAX_BACKOFF_S = 1.0  # a restarted scheduler hears from every worker within about a second
 
 
 class Heartbeat:
@@ -64,6 +67,7 @@ class Heartbeat:
                         if command.resync_kv_events:
                             logger.info("scheduler asks for the KV blocks: %s", command.reason)
                             await self.engine.resync_kv_events()
+                            self._wake.set()  # the blocks leave now, not a heartbeat later
                     logger.info("the scheduler at %s ended the heartbeat stream", self.address)
                 backoff = 0.1
             except grpc.aio.AioRpcError as e:
@@ -81,8 +85,11 @@ class Heartbeat:
 
     async def _messages(self) -> AsyncIterator[scheduler_pb2.WorkerHeartbeat]:
         self._events.clear()  # superseded by the re-announcement below
-        await self.engine.resync_kv_events()
-        yield scheduler_pb2.WorkerHeartbeat(registration=self.registration, load=await self.load())
+        await self.engine.resync_kv_events()  # (its events are in self._events when it returns)
+        events, self._events = self._events, []
+        yield scheduler_pb2.WorkerHeartbeat(
+            registration=self.registration, load=await self.load(), kv_events=events
+        )
         self.connected.set()
         logger.info("registered with the global scheduler at %s", self.address)
         while not self._stopped:

@@ -280,6 +280,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             stats = await self.engine.get_stats()
             response.num_running, response.num_waiting = stats.num_running, stats.num_waiting
             response.kv_usage = stats.kv_usage
+            response.num_cached_blocks = stats.num_cached_blocks
         return response
 
     def _require_kv_transfer(self) -> None:

@@ -3,6 +3,9 @@ scheduler, the workers and the gateway as processes (readiness by ready files an
 never a sleep), and stops them after the tests."""
 
 import contextlib
+import dataclasses
+import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -115,3 +118,101 @@ def service_group(model: Path) -> Cluster:
     """An empty launcher: its ``spawn``/``wait_ready``/``wait_http`` start extra services
     (scheduler replicas, a second gateway) that its ``stop`` stops."""
     return Cluster(ClusterSpec(model=str(model)))
+
+
+WORKER_PREFIXES = ("worker-", "prefill-", "decode-")
+
+
+def directory_is_whole(cluster: Cluster) -> bool:
+    """The scheduler's directory holds, for every worker of the cluster, as many blocks as the
+    worker's own prefix cache (and at least one worker holds some)."""
+    held = {w.registration.worker_id: w.num_cached_blocks for w in list_workers(cluster)}
+    names = [n for n in cluster.procs if n.startswith(WORKER_PREFIXES)]
+    cached = {n: worker_health(cluster, n).num_cached_blocks for n in names}
+    return held == cached and any(cached.values())
+
+
+@dataclasses.dataclass
+class Outcome:
+    """One request of a ``StreamLoad``."""
+
+    start: float
+    prompt: str = ""
+    first: float | None = None  # when its first chunk came
+    end: float = 0.0
+    status: int = 0
+    text: str = ""
+    error: str = ""  # the error JSON's message (a non-200, or an error event in the stream)
+    retry_after: str | None = None
+
+
+class StreamLoad:
+    """``clients`` threads streaming completions back to back (greedy, ``max_tokens`` each)
+    until stopped, every outcome kept; a 503 is retried after a short pause, as a client
+    honouring Retry-After would."""
+
+    def __init__(
+        self, url: str, clients: int = 16, max_tokens: int = 16,
+        prompt: Callable[[int, int], str] = lambda c, i: f"client {c} request {i}",
+    ):  # fmt: skip
+        self.url, self.max_tokens, self.prompt = url, max_tokens, prompt
+        self.outcomes: list[Outcome] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._client, args=(c,), daemon=True)
+                         for c in range(clients)]  # fmt: skip
+
+    def __enter__(self) -> "StreamLoad":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in self._threads), "a client hung"
+
+    def ok(self, since: float = 0.0) -> list[Outcome]:
+        return [o for o in self.outcomes if o.status == 200 and not o.error and o.start >= since]
+
+    def failed(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.status != 200 or o.error]
+
+    def _client(self, c: int) -> None:
+        i = 0
+        with httpx.Client(timeout=60) as http:
+            while not self._stop.is_set():
+                self.outcomes.append(self._one(http, self.prompt(c, i)))
+                if self.outcomes[-1].status == 503:
+                    time.sleep(0.2)
+                i += 1
+
+    def _one(self, http: httpx.Client, prompt: str) -> Outcome:
+        body = {"model": "qwen3", "prompt": prompt, "max_tokens": self.max_tokens,
+                "temperature": 0, "stream": True}  # fmt: skip
+        out = Outcome(time.monotonic(), prompt)
+        try:
+            with http.stream("POST", f"{self.url}/completions", json=body) as resp:
+                out.status = resp.status_code
+                if resp.status_code != 200:
+                    resp.read()
+                    out.error = resp.json()["error"]["message"]
+                    out.retry_after = resp.headers.get("retry-after")
+                    return out
+                for line in resp.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line.removeprefix("data: "))
+                    if "error" in event:
+                        out.error = event["error"]["message"]
+                    else:
+                        out.first = out.first or time.monotonic()
+                        out.text += event["choices"][0]["text"]
+        except (httpx.HTTPError, ValueError, KeyError) as e:
+            out.error = f"{type(e).__name__}: {e}"
+        finally:
+            out.end = time.monotonic()
+        return out

@@ -164,21 +164,22 @@ def is_idle(h: worker_pb2.HealthResponse) -> bool:
     return h.kv_usage == 0 and h.num_running == 0 and h.num_waiting == 0
 
 
-@pytest.mark.parametrize("recompute", [False, True], ids=["error", "recompute"])
+@pytest.mark.parametrize("recompute", [True, False], ids=["default-recompute", "opt-out-error"])
 def test_prefill_worker_killed_during_transfer(
     tiny_model: Path, tmp_path: Path, offline: LLM, recompute: bool
 ) -> None:
     """The prefill worker dies after handing over its KV handle, before the decode worker has
     read the blocks. The decode worker is held (SIGSTOP) from the route until the prefill
     worker is dead, so its READ meets a gone peer. The request ends within its deadline with
-    a typed 502 (``kv_transfer_failed``), or with ``--kv-recompute-on-failure`` with the same
-    text as offline; the decode worker stays healthy, leaks nothing, and serves what follows."""
+    the same text as offline (by default: the decode worker recomputes the prompt), or with
+    ``--no-kv-recompute-on-failure`` with a typed 502 (``kv_transfer_failed``); the decode
+    worker stays healthy, leaks nothing, and serves what follows."""
     import threading
     import time
 
     policy = tmp_path / "policy.json"
     policy.write_text(json.dumps({"decider": {"min_uncached_tokens": 32}}))
-    extra = ["--kv-recompute-on-failure"] if recompute else []
+    extra = [] if recompute else ["--no-kv-recompute-on-failure"]
     with running_cluster(tiny_model, 0, "--prefill-workers", "1", "--decode-workers", "1",
                          "--routing-policy", str(policy), *extra) as cluster:  # fmt: skip
         c = openai.OpenAI(base_url=cluster.url, api_key="x", max_retries=0, timeout=30)

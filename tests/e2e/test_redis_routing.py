@@ -4,7 +4,6 @@ load, the degraded metric rises and falls, and cache-aware routing comes back)."
 
 import functools
 import json
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +22,8 @@ from shared.protos.baton.v1 import (
 )
 from shared.text.tokenizer import TextTokenizer
 from tests.e2e.conftest import (
+    StreamLoad,
+    directory_is_whole,
     long_prompt,
     running_cluster,
     scheduler_metric,
@@ -119,50 +120,33 @@ def test_two_replicas_sharing_redis_route_alike(replicas: dict, tiny_model: Path
 
 
 def test_redis_killed_under_load_fails_nothing(tiny_model: Path) -> None:
+    """16 streams; Redis is killed under them (routing on load alone: no request fails), the
+    load stops, and Redis comes back empty: without any traffic the directory is whole again
+    within 2 s (the scheduler's probe sees Redis, every worker re-announces at once, and the
+    stale pooled connections are retried once instead of failing); then cache-aware again."""
     redis = RedisServer.start()
     try:
         with running_cluster(tiny_model, 2, "--redis-url", redis.url) as cluster:
-            c = openai.OpenAI(base_url=cluster.url, api_key="x", max_retries=0, timeout=60)
-            failures: list[BaseException] = []
-            done = 0
-            stop = threading.Event()
-
-            def load() -> None:
-                nonlocal done
-                i = 0
-                while not stop.is_set():
-                    try:
-                        c.completions.create(model=MODEL, prompt=f"load {i}", max_tokens=8)
-                        done += 1
-                    except BaseException as e:
-                        failures.append(e)
-                    i += 1
-
-            threads = [threading.Thread(target=load) for _ in range(4)]
-            for t in threads:
-                t.start()
-            try:
-                wait_for(lambda: done >= 8, 30.0, "load to flow")
+            with StreamLoad(cluster.url or "", clients=16) as load:
+                wait_for(lambda: len(load.ok()) >= 32, 60.0, "load to flow")
                 assert scheduler_metric(cluster, "baton_scheduler_directory_degraded") == 0
                 redis.kill()
                 wait_for(lambda: scheduler_metric(cluster, "baton_scheduler_directory_degraded")
                          == 1, 10.0, "degraded")  # fmt: skip
-                before = done
-                wait_for(lambda: done >= before + 8, 30.0, "requests while Redis is down")
-                redis.restart()
-                wait_for(lambda: scheduler_metric(cluster, "baton_scheduler_directory_degraded")
-                         == 0, 10.0, "recovered")  # fmt: skip
-                before = done
-                wait_for(lambda: done >= before + 8, 30.0, "requests after recovery")
-            finally:
-                stop.set()
-                for t in threads:
-                    t.join(timeout=60)
-            assert failures == []
-            # Cache-aware again: a shared prefix lands where its blocks are (after the resync).
+                down = time.monotonic()
+                wait_for(lambda: len(load.ok(since=down)) >= 32, 60.0, "requests, Redis down")
+            assert load.failed() == []
+            redis.restart()  # empty; no traffic from here until the directory is whole
+            took = wait_for(lambda: directory_is_whole(cluster), 2.0, "the directory whole")
+            assert scheduler_metric(cluster, "baton_scheduler_directory_degraded") == 0
+            print(f"directory whole {took:.2f} s after Redis came back")
+            with StreamLoad(cluster.url or "", clients=16) as load:
+                wait_for(lambda: len(load.ok()) >= 32, 60.0, "requests after recovery")
+            assert load.failed() == []
+            # Cache-aware again: a shared prefix lands where its blocks are.
+            c = openai.OpenAI(base_url=cluster.url, api_key="x", max_retries=0, timeout=60)
             prefix = long_prompt(tiny_model, 200, "after-recovery")
             c.completions.create(model=MODEL, prompt=prefix + " one", max_tokens=2)
-            time.sleep(0)  # (the next heartbeat carries the blocks; the wait below polls)
 
             def hit() -> bool:
                 out = c.completions.create(model=MODEL, prompt=prefix + " two", max_tokens=2)

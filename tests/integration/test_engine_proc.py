@@ -144,3 +144,23 @@ async def test_async_dead_core_fails_requests(engine: AsyncLLM) -> None:
     with pytest.raises(EngineDeadError):
         async for _ in engine.generate("doomed " * 10, params, "doomed"):
             os.kill(engine.client.core.proc.pid, signal.SIGKILL)  # type: ignore[attr-defined]
+
+
+async def test_idle_engine_answers_a_re_announce_at_once(engine: AsyncLLM) -> None:
+    """The re-announcement of every cached block comes with the answer to the call, though the
+    engine is idle (no step would carry it): a restarted scheduler or a recovered directory gets
+    the picture back without traffic."""
+    from shared.kv_events import AllBlocksCleared, BlockStored
+
+    async for _ in engine.generate("a prompt long enough to fill two blocks " * 4,
+                                   SamplingParams(max_tokens=2), "warm"):  # fmt: skip
+        pass
+    batches: list = []  # type: ignore[type-arg]
+    engine.kv_event_listener = batches.append
+    await asyncio.sleep(1.0)  # idle: nothing more comes by itself
+    batches.clear()
+    await engine.resync_kv_events()
+    events = [e for b in batches for e in b.events]
+    assert isinstance(events[0], AllBlocksCleared)
+    stored = [h for e in events[1:] if isinstance(e, BlockStored) for h in e.block_hashes]
+    assert len(stored) >= 2

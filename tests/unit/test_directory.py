@@ -210,3 +210,24 @@ async def test_two_replicas_routing_one_prefix_at_once_both_count(
     finally:
         await a.close()
         await b.close()
+
+
+async def test_redis_back_after_an_outage_fails_no_call() -> None:
+    """Connections pooled before Redis went away are stale when it is back: the first call on
+    each is retried once on a fresh connection instead of failing (and degrading routing)."""
+    from tests.redis_server import RedisServer
+
+    redis = RedisServer.start()
+    d = create_directory("redis", url=redis.url)
+    try:
+        for i in range(4):  # a few pooled connections, all used
+            await d.apply(W1, "a", stored(i + 1, H[:2]))
+            await d.longest_prefix(H, LIVE)
+        redis.kill()
+        redis.restart()  # empty, as after a crash
+        await d.apply(W1, "b", stored(1, H[:3]))  # no DirectoryUnavailable
+        assert held(await d.longest_prefix(H, {W1: "b"})) == {W1: 3}
+        await d.ping()
+    finally:
+        await d.close()
+        redis.stop()

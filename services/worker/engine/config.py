@@ -115,7 +115,7 @@ class EngineArgs:
     kv_transfer: bool = False  # disaggregated prefill/decode over NIXL
     kv_lease_seconds: float = 30.0
     kv_side_channel_host: str = "127.0.0.1"
-    kv_recompute_on_failure: bool = False
+    kv_recompute_on_failure: bool = True  # a failed pull: prompt recomputed (False: an error)
     kv_connector: str = "nixl"  # nixl | fake (in-process tensor copies, for tests)
 
     @classmethod

@@ -79,7 +79,7 @@ class EngineCore:
         outputs, self._ended = self._ended, []
         busy = self.scheduler.has_requests() or self.scheduler.needs_polling()
         outputs += self._run_step(busy)
-        return EngineCoreOutputs(outputs=outputs, kv_events=self._take_kv_events())
+        return EngineCoreOutputs(outputs=outputs, kv_events=self.take_kv_events())
 
     def _run_step(self, busy: bool) -> list[EngineCoreOutput]:
         """Finish the step in flight (submitting one first when none is), having submitted the
@@ -155,7 +155,7 @@ class EngineCore:
             result = self.executor.model_info()
         elif call.method == "reset_prefix_cache":
             result = self.scheduler.kv.reset_prefix_cache()
-        elif call.method == "resync_kv_events":
+        elif call.method == "resync_kv_events":  # the events leave with this call's answer
             self.scheduler.kv.pool.announce_all()
             result = True
         else:
@@ -200,7 +200,8 @@ class EngineCore:
             raise ValueError("this engine was started without KV transfer (kv_transfer=True)")
         request.attach_kv_transfer(params)
 
-    def _take_kv_events(self) -> KVEventBatch | None:
+    def take_kv_events(self) -> KVEventBatch | None:
+        """The KV events since the last call, as one numbered batch (None when there are none)."""
         events = self.scheduler.take_kv_events()
         if not events:
             return None

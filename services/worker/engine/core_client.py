@@ -190,8 +190,10 @@ class MPClient(EngineCoreClient):
             outs = self._recv()
             for result in outs.utility_results:
                 if result.call_id == call_id:
-                    if outs.outputs:
-                        self._pending.append(EngineCoreOutputs(outputs=outs.outputs))
+                    if outs.outputs or outs.kv_events is not None:
+                        self._pending.append(
+                            EngineCoreOutputs(outputs=outs.outputs, kv_events=outs.kv_events)
+                        )
                     return _decode_result(result, method)
             self._pending.append(outs)
 

@@ -100,7 +100,10 @@ class EngineCoreProc:
         elif isinstance(msg, EngineCoreAbort):
             self.core.abort_requests(msg.request_ids)
         elif isinstance(msg, EngineCoreUtility):
-            self._send(EngineCoreOutputs(utility_results=[self.core.call_utility(msg)]))
+            # with any KV events it made (a re-announce): an idle engine may not step for long
+            result = self.core.call_utility(msg)
+            events = self.core.take_kv_events()
+            self._send(EngineCoreOutputs(utility_results=[result], kv_events=events))
 
     def _send(self, outs: EngineCoreOutputs) -> None:
         if hop_trace.ENABLED:
