@@ -21,6 +21,7 @@ import ctypes
 import json
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.affinity import assign_cpus
+from shared.internal_auth import TLS_DIR_ENV, TOKEN_ENV, TOKEN_FILE_ENV
 from shared.tmpdirs import make_private_dir
 
 SCHEDULER_START_S = 30.0
@@ -129,6 +131,8 @@ class ClusterSpec:
     engine_argv: tuple[str, ...] = ()  # the engine flags every worker gets, as argv
     gateway_argv: tuple[str, ...] = ()  # flags the gateway gets besides those above (limits)
     restart: RestartPolicy = RestartPolicy()
+    internal_token_file: str | None = None  # None: $BATON_INTERNAL_TOKEN(_FILE), else a new one
+    internal_tls_dir: str | None = None  # None: $BATON_INTERNAL_TLS_DIR, else no TLS
 
 
 class Cluster:
@@ -144,6 +148,7 @@ class Cluster:
         self._lock = threading.Lock()  # stop() against a restart from the supervisor thread
         self._supervisor: threading.Thread | None = None
         self.url: str | None = None  # the OpenAI base URL, once started
+        self.security_env = self._security_env()  # every child's: the internal token, TLS
 
     def run(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -259,6 +264,20 @@ class Cluster:
         shutil.rmtree(self.tmp, ignore_errors=True)
         print("baton serve: stopped", flush=True)
 
+    def _security_env(self) -> dict[str, str]:
+        """The secret every child shares (in the environment, never on a command line): the
+        token file or token given, else one made now for this run; and the TLS directory."""
+        a, env = self.spec, {}
+        token_file = a.internal_token_file or os.environ.get(TOKEN_FILE_ENV)
+        if token_file:
+            env[TOKEN_FILE_ENV] = token_file
+        else:
+            env[TOKEN_ENV] = os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32)
+        tls_dir = a.internal_tls_dir or os.environ.get(TLS_DIR_ENV)
+        if tls_dir:
+            env[TLS_DIR_ENV] = tls_dir
+        return env
+
     def _interrupt(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):  # the first signal stops; later ones wait
             signal.signal(sig, signal.SIG_IGN)
@@ -337,7 +356,8 @@ class Cluster:
             Path(self.spec.log_dir).mkdir(parents=True, exist_ok=True)
             log = open(Path(self.spec.log_dir) / f"{name}.log", "ab")  # noqa: SIM115 (child owns it)
         self.procs[name] = subprocess.Popen(
-            cmd, start_new_session=True, env={**os.environ, **(env or {})}, stdout=log,
+            cmd, start_new_session=True, env={**os.environ, **self.security_env, **(env or {})},
+            stdout=log,
             stderr=subprocess.STDOUT if log else None, preexec_fn=_die_with_parent,
         )  # fmt: skip
         if log is not None:

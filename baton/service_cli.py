@@ -15,6 +15,7 @@ from baton.launcher import Cluster, ClusterSpec, RestartPolicy  # (no grpc, no t
 from services.gateway.settings import InputLimits
 from services.worker.engine.config import LOAD_FORMATS, EngineArgs
 from shared.affinity import check_cpus, parse_cpus
+from shared.internal_auth import TLS_DIR_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Security
 
 # gRPC core's transport for every service: the poll-based I/O manager instead of EventEngine
 # endpoints. With EventEngine a received message goes from an EventEngine thread to grpc.aio's
@@ -117,8 +118,17 @@ def run_worker(args: argparse.Namespace) -> None:
     from shared.logs import setup_logging
 
     setup_logging("worker")
+    security = _configure_security(args, "worker")
+    # the engine core (a child process) reads it for the KV side channel's handshakes
+    os.environ[TOKEN_ENV] = security.token or ""
+    # the KV side channel (and UCX) listen where peers are told to connect: never everywhere
+    kv_host = args.advertise_host or args.host
+    if kv_host in ("0.0.0.0", "::", ""):
+        raise SystemExit("baton worker: listening on all interfaces, it needs --advertise-host "
+                         "(the address its KV side channel and UCX listen on)")  # fmt: skip
+    engine = dataclasses.replace(engine_args(args), kv_side_channel_host=kv_host)
     settings = WorkerSettings(
-        engine=engine_args(args), role=args.role, host=args.host, port=args.port,
+        engine=engine, role=args.role, host=args.host, port=args.port,
         advertise_host=args.advertise_host,
         scheduler_addresses=tuple(a for a in (args.scheduler or '').split(',') if a),
         worker_id=args.worker_id or "", metrics_port=args.metrics_port,
@@ -133,6 +143,7 @@ def run_scheduler(args: argparse.Namespace) -> None:
     from shared.logs import setup_logging
 
     setup_logging("scheduler")
+    _configure_security(args, "global-scheduler")
     settings = SchedulerSettings(
         host=args.host, port=args.port, heartbeat_timeout_s=args.heartbeat_timeout,
         metrics_port=args.metrics_port, ready_file=args.ready_file,
@@ -148,6 +159,7 @@ def run_gateway(args: argparse.Namespace) -> None:
     from shared.logs import setup_logging
 
     setup_logging("gateway")
+    _configure_security(args, "gateway")
     name = args.served_model_name or Path(args.model).name
     settings = GatewaySettings(
         scheduler_address=args.scheduler, models={name: args.model}, host=args.host,
@@ -156,6 +168,32 @@ def run_gateway(args: argparse.Namespace) -> None:
         cpus=args.cpus, limits=input_limits(args),
     )  # fmt: skip
     serve(settings)
+
+
+def _configure_security(args: argparse.Namespace, service: str) -> Security:
+    """The internal token (required) and certificates (optional) for every gRPC channel and
+    server of this process."""
+    from shared import rpc
+
+    try:
+        security = Security.load(args.internal_token_file, args.internal_tls_dir)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"baton {service}: {e}") from None
+    rpc.configure(security.require_token(service))
+    return security
+
+
+def _add_security_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--internal-token-file", default=None,
+        help=f"a file holding the secret every internal call carries (default: "
+        f"${TOKEN_FILE_ENV}, else ${TOKEN_ENV}; baton serve makes one when none is given)",
+    )  # fmt: skip
+    p.add_argument(
+        "--internal-tls-dir", default=None,
+        help="a directory with tls.crt, tls.key and ca.crt (a Kubernetes TLS Secret): TLS "
+        f"with mutual authentication on every internal connection (default: ${TLS_DIR_ENV})",
+    )  # fmt: skip
 
 
 def _cpu_list(spec: str) -> tuple[int, ...]:
@@ -203,6 +241,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         gpus=args.gpus, pin_cpus=args.pin_cpus, device=args.device,
         kv_sized=bool(args.num_kv_blocks or args.kv_cache_memory_bytes),
         engine_argv=tuple(engine_flags_argv(args)), gateway_argv=tuple(limit_flags_argv(args)),
+        internal_token_file=args.internal_token_file, internal_tls_dir=args.internal_tls_dir,
         restart=RestartPolicy(max_restarts=args.max_restarts, delay_s=args.restart_delay,
                               max_delay_s=max(args.restart_delay, RestartPolicy.max_delay_s)),
     )  # fmt: skip
@@ -232,6 +271,7 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
         "--kv-transfer", action="store_true", help="NIXL KV transfer (on for prefill/decode)"
     )
     _add_cpus_flag(p)
+    _add_security_flags(p)
     add_engine_flags(p)
     p.set_defaults(func=run_worker)
 
@@ -244,6 +284,7 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--redis-url", default=None, help="share the prefix directory in Redis")
     p.add_argument("--ready-file", default=None)
     _add_cpus_flag(p)
+    _add_security_flags(p)
     p.set_defaults(func=run_scheduler)
 
     p = sub.add_parser("gateway", help="the OpenAI-compatible HTTP API")
@@ -251,6 +292,7 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--scheduler", required=True, help="host:port of the global scheduler")
     p.add_argument("--served-model-name", default=None)
     _add_cpus_flag(p)
+    _add_security_flags(p)
     p.set_defaults(func=run_gateway)
 
     p = sub.add_parser("serve", help="scheduler + workers + gateway on this machine")
@@ -279,6 +321,7 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
         "death, up to 8 s",
     )  # fmt: skip
     add_pin_cpus_flag(p)
+    _add_security_flags(p)
     add_engine_flags(p)
     p.set_defaults(func=run_serve)
 

@@ -1,10 +1,40 @@
 """gRPC helpers shared by every service: channel/server options, the request id in metadata,
-and the bounded deadlines every call carries."""
+the bounded deadlines every call carries, and the security of every internal connection.
+
+Security (``Security``, set once per process by ``configure`` before the first channel or
+server; docs/security.md):
+
+- a shared token that every call carries (``authorization: Bearer …`` metadata, attached by
+  ``metadata``/``auth``) and every server demands (an interceptor: UNAUTHENTICATED otherwise,
+  compared in constant time). The services refuse to start without one (``require_token``);
+  ``baton serve`` makes one for its children.
+- with certificates (a directory holding ``tls.crt``, ``tls.key`` and ``ca.crt``, the layout of a
+  Kubernetes TLS Secret mounted as a volume): TLS on every channel and server, and mutual
+  authentication: a server demands a client certificate signed by the same CA.
+"""
+
+import hmac
 
 import grpc
 from grpc import aio
 
+from shared.internal_auth import Security
 from shared.logs import REQUEST_ID_HEADER, request_id_var
+
+AUTH_HEADER = "authorization"
+
+_security = Security()
+
+
+def configure(security: Security) -> None:
+    """The security of every channel and server this process makes from now on."""
+    global _security
+    _security = security
+
+
+def security() -> Security:
+    return _security
+
 
 _OPTIONS = [
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
@@ -22,7 +52,58 @@ _OPTIONS = [
 
 
 def channel(address: str) -> aio.Channel:
-    return aio.insecure_channel(address, options=_OPTIONS)
+    if _security.tls_dir is None:
+        return aio.insecure_channel(address, options=_OPTIONS)
+    ca, key, cert = _security.files()
+    creds = grpc.ssl_channel_credentials(ca, key, cert)
+    return aio.secure_channel(address, creds, options=_OPTIONS)
+
+
+def add_port(server: aio.Server, address: str) -> int:
+    """Listen on ``address`` (TLS with mutual authentication when configured); the port."""
+    if _security.tls_dir is None:
+        return server.add_insecure_port(address)
+    ca, key, cert = _security.files()
+    creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                        require_client_auth=True)  # fmt: skip
+    return server.add_secure_port(address, creds)
+
+
+class _TokenCheck(aio.ServerInterceptor):
+    """Every call must carry the shared token; one that does not ends UNAUTHENTICATED before
+    its handler runs (the request's messages are never read)."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        for key, value in details.invocation_metadata or ():
+            if key == AUTH_HEADER:
+                given = value.encode() if isinstance(value, str) else bytes(value)
+                if hmac.compare_digest(given, self._expected):
+                    return handler
+        return None if handler is None else _denied(handler)
+
+
+def _denied(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    message = "this service needs the internal token (authorization metadata)"
+
+    async def unary(request: object, context: aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def stream(request: object, context: aio.ServicerContext):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # (a generator: the handler type of a streaming response)
+
+    kinds = {
+        (False, False): (grpc.unary_unary_rpc_method_handler, unary),
+        (False, True): (grpc.unary_stream_rpc_method_handler, stream),
+        (True, False): (grpc.stream_unary_rpc_method_handler, unary),
+        (True, True): (grpc.stream_stream_rpc_method_handler, stream),
+    }
+    make, fn = kinds[(handler.request_streaming, handler.response_streaming)]
+    return make(fn, handler.request_deserializer, handler.response_serializer)
 
 
 def server() -> aio.Server:
@@ -36,12 +117,19 @@ def server() -> aio.Server:
             *_OPTIONS,
             ("grpc.so_reuseport", 0),
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-        ]
+        ],
+        interceptors=[_TokenCheck(_security.token)] if _security.token else None,
     )
 
 
+def auth() -> tuple[tuple[str, str], ...]:
+    """The metadata that authenticates a call (none without a token)."""
+    token = _security.token
+    return ((AUTH_HEADER, f"Bearer {token}"),) if token else ()
+
+
 def metadata(request_id: str) -> tuple[tuple[str, str], ...]:
-    return ((REQUEST_ID_HEADER, request_id),)
+    return ((REQUEST_ID_HEADER, request_id), *auth())
 
 
 def adopt_request_id(context: aio.ServicerContext) -> str:

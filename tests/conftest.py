@@ -1,6 +1,7 @@
 """Shared fixtures: tiny Hugging Face checkpoints of every supported family, made once per run."""
 
 import os
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,6 +20,9 @@ if TYPE_CHECKING:
     from tests.redis_server import RedisServer
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The internal token every cluster a test starts shares (the launcher passes it on, as it
+# would its own); the e2e helpers' channels carry it.
+os.environ.setdefault("BATON_INTERNAL_TOKEN", secrets.token_urlsafe(24))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 # name → make_tiny_model kwargs. Together they cover: untied + tied embeddings, q/k/v bias,

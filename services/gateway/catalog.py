@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import grpc
 
 from shared.protos.baton.v1 import scheduler_pb2, scheduler_pb2_grpc
+from shared.rpc import auth
 from shared.text.tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class ModelCatalog:
                 return  # another request just refreshed
             try:
                 resp = await self.scheduler.ListWorkers(
-                    scheduler_pb2.ListWorkersRequest(), timeout=2.0
+                    scheduler_pb2.ListWorkersRequest(), timeout=2.0, metadata=auth()
                 )
             except grpc.aio.AioRpcError as e:
                 logger.warning("cannot list workers: %s", e.code().name)

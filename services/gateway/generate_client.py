@@ -24,7 +24,7 @@ import grpc
 from services.gateway import metrics
 from services.gateway.call_stream import CallFailed, CallStream, StreamClient
 from shared.protos.baton.v1 import worker_pb2, worker_pb2_grpc
-from shared.rpc import metadata
+from shared.rpc import auth, metadata
 
 
 class GenerateFailed(CallFailed):
@@ -121,7 +121,7 @@ class GenerateClient(StreamClient[worker_pb2.GenerateCall, worker_pb2.GenerateEv
                 stream.send(worker_pb2.GenerateCall(abort=rid))
 
     def _start_call(self) -> grpc.aio.StreamStreamCall:
-        return self.stub.GenerateStream()
+        return self.stub.GenerateStream(metadata=auth())
 
     def _on_message(self, stream: _GenerateStream, event: worker_pb2.GenerateEvent) -> None:
         inbox = stream.pending.get(event.request_id)

@@ -36,7 +36,7 @@ from shared.protos.baton.v1 import (
     scheduler_pb2_grpc,
     worker_pb2,
 )
-from shared.rpc import metadata
+from shared.rpc import auth, metadata
 from shared.text.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ class Orchestrator:
     async def _release(self, address: str, request_id: str) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError):
             await self.workers.stub(address).Abort(
-                worker_pb2.AbortRequest(request_ids=[request_id]), timeout=2.0
+                worker_pb2.AbortRequest(request_ids=[request_id]), timeout=2.0, metadata=auth()
             )
 
     async def _decode(

@@ -21,7 +21,7 @@ import grpc
 from services.gateway import metrics
 from services.gateway.call_stream import CallFailed, CallStream, StreamClient
 from shared.protos.baton.v1 import scheduler_pb2, scheduler_pb2_grpc
-from shared.rpc import metadata
+from shared.rpc import auth, metadata
 
 
 class RouteFailed(CallFailed):
@@ -104,7 +104,7 @@ class RouteClient(StreamClient[scheduler_pb2.RouteCall, scheduler_pb2.RouteReply
         return reply
 
     def _start_call(self) -> grpc.aio.StreamStreamCall:
-        return self.stub.RouteStream()
+        return self.stub.RouteStream(metadata=auth())
 
     def _on_message(self, stream: _RouteStream, reply: scheduler_pb2.RouteReply) -> None:
         future = stream.pending.get(reply.call_id)

@@ -41,7 +41,7 @@ async def serve(settings: SchedulerSettings, stop: StopSignal | None = None) -> 
     directory.on_recover = servicer.request_resync
     server = rpc.server()
     scheduler_pb2_grpc.add_GlobalSchedulerServicer_to_server(servicer, server)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    port = rpc.add_port(server, f"{settings.host}:{settings.port}")
     await server.start()
     try:
         metrics_port = None

@@ -24,7 +24,7 @@ from services.worker import convert
 from services.worker.engine.async_llm import AsyncLLM
 from shared.kv_events import KVEventBatch
 from shared.protos.baton.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from shared.rpc import channel
+from shared.rpc import auth, channel
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class Heartbeat:
             try:
                 async with channel(self.address) as ch:
                     stub = scheduler_pb2_grpc.GlobalSchedulerStub(ch)
-                    async for command in stub.Heartbeat(self._messages()):
+                    async for command in stub.Heartbeat(self._messages(), metadata=auth()):
                         if command.resync_kv_events:
                             logger.info("scheduler asks for the KV blocks: %s", command.reason)
                             await self.engine.resync_kv_events()

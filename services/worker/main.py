@@ -38,7 +38,7 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> Non
     try:
         servicer = WorkerServicer(settings, engine)
         worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
-        port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+        port = rpc.add_port(server, f"{settings.host}:{settings.port}")
         await server.start()
         address = f"{settings.advertise_host or settings.host}:{port}"
         metrics_port = _start_metrics(settings)

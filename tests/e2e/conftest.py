@@ -5,6 +5,7 @@ never a sleep), and stops them after the tests."""
 import contextlib
 import dataclasses
 import json
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,6 +18,7 @@ import pytest
 
 from baton.launcher import Cluster, ClusterSpec
 from baton.serving import serving
+from shared.internal_auth import TOKEN_ENV
 from shared.protos.baton.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from shared.text.tokenizer import TextTokenizer
 
@@ -33,8 +35,37 @@ def running_cluster(model: Path, workers: int, *extra: str) -> Iterator[Cluster]
         yield cluster
 
 
+class _WithToken(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds the internal token (the one the test session's clusters share) to every call."""
+
+    def _add(self, details):  # type: ignore[no-untyped-def]
+        token = os.environ[TOKEN_ENV]
+        metadata = [*(details.metadata or ()), ("authorization", f"Bearer {token}")]
+        return details._replace(metadata=metadata)
+
+    def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._add(details), request)
+
+    intercept_unary_stream = intercept_unary_unary
+
+    def intercept_stream_unary(self, continuation, details, requests):  # type: ignore[no-untyped-def]
+        return continuation(self._add(details), requests)
+
+    intercept_stream_stream = intercept_stream_unary
+
+
+def internal_channel(address: str) -> grpc.Channel:
+    """A channel to a service of a test cluster, authenticated as the gateway's would be."""
+    return grpc.intercept_channel(grpc.insecure_channel(address), _WithToken())
+
+
 def list_workers(cluster: Cluster) -> list[scheduler_pb2.WorkerInfo]:
-    with grpc.insecure_channel(cluster.ready["scheduler"]["address"]) as ch:
+    with internal_channel(cluster.ready["scheduler"]["address"]) as ch:
         stub = scheduler_pb2_grpc.GlobalSchedulerStub(ch)
         return list(stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=5).workers)
 
@@ -74,7 +105,7 @@ def wait_for(
 
 
 def worker_health(cluster: Cluster, name: str) -> worker_pb2.HealthResponse:
-    with grpc.insecure_channel(cluster.ready[name]["address"]) as ch:
+    with internal_channel(cluster.ready[name]["address"]) as ch:
         return worker_pb2_grpc.WorkerStub(ch).Health(worker_pb2.HealthRequest(), timeout=5)
 
 

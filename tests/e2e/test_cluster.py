@@ -7,7 +7,6 @@ import os
 import signal
 from pathlib import Path
 
-import grpc
 import httpx
 import openai
 import pytest
@@ -16,7 +15,14 @@ from baton import LLM, SamplingParams
 from baton.launcher import Cluster
 from shared.protos.baton.v1 import worker_pb2, worker_pb2_grpc
 from shared.text.tokenizer import TextTokenizer
-from tests.e2e.conftest import list_workers, long_prompt, running_cluster, wait_for, worker_health
+from tests.e2e.conftest import (
+    internal_channel,
+    list_workers,
+    long_prompt,
+    running_cluster,
+    wait_for,
+    worker_health,
+)
 
 MODEL = "qwen3"
 
@@ -161,7 +167,7 @@ def test_prefill_rpc_returns_the_first_token(cluster: Cluster, tiny_model: Path)
     ref = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=1,
                                                                     logprobs=2))[0]  # fmt: skip
     llm.shutdown()
-    with grpc.insecure_channel(cluster.ready["worker-0"]["address"]) as ch:
+    with internal_channel(cluster.ready["worker-0"]["address"]) as ch:
         got = worker_pb2_grpc.WorkerStub(ch).Prefill(
             worker_pb2.PrefillRequest(
                 request_id="prefill-test", prompt_token_ids=ids,

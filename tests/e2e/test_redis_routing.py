@@ -8,7 +8,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import openai
 import pytest
 
@@ -24,6 +23,7 @@ from shared.text.tokenizer import TextTokenizer
 from tests.e2e.conftest import (
     StreamLoad,
     directory_is_whole,
+    internal_channel,
     long_prompt,
     running_cluster,
     scheduler_metric,
@@ -55,7 +55,7 @@ def replicas(tiny_model: Path, redis_server: RedisServer, tmp_path: Path) -> Ite
 
 
 def route(address: str, request_id: str, ids: list[int]) -> scheduler_pb2.RouteResponse:
-    with grpc.insecure_channel(address) as ch:
+    with internal_channel(address) as ch:
         return scheduler_pb2_grpc.GlobalSchedulerStub(ch).Route(
             scheduler_pb2.RouteRequest(
                 request_id=request_id, model=MODEL, block_hashes=hash_blocks(ids, 16),
@@ -66,7 +66,7 @@ def route(address: str, request_id: str, ids: list[int]) -> scheduler_pb2.RouteR
 
 
 def cached_blocks(address: str) -> dict[str, int]:
-    with grpc.insecure_channel(address) as ch:
+    with internal_channel(address) as ch:
         resp = scheduler_pb2_grpc.GlobalSchedulerStub(ch).ListWorkers(
             scheduler_pb2.ListWorkersRequest(), timeout=5
         )
@@ -78,7 +78,7 @@ def heard_since(a: str, b: str, since: float) -> bool:
     which zeroes what each routed to it before, and hold the same load for each."""
     views = []
     for address in (a, b):
-        with grpc.insecure_channel(address) as ch:
+        with internal_channel(address) as ch:
             workers = (
                 scheduler_pb2_grpc.GlobalSchedulerStub(ch)
                 .ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=5)
@@ -96,7 +96,7 @@ def test_two_replicas_sharing_redis_route_alike(replicas: dict, tiny_model: Path
     wait_for(lambda: len(cached_blocks(a)) == 2 and len(cached_blocks(b)) == 2, 10.0,
              "both workers on both replicas")  # fmt: skip
     ids = TextTokenizer(tiny_model).encode(long_prompt(tiny_model, 160, "replicas"))
-    with grpc.insecure_channel(replicas["workers"][1]) as ch:  # w1 computes the prompt
+    with internal_channel(replicas["workers"][1]) as ch:  # w1 computes the prompt
         for _ in worker_pb2_grpc.WorkerStub(ch).Generate(
             worker_pb2.GenerateRequest(request_id="warm", prompt_token_ids=ids,
                                        params=common_pb2.SamplingParams(max_tokens=1)),

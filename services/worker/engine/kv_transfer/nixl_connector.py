@@ -1,8 +1,13 @@
 """The worker half of KV transfer: one NIXL agent per engine, the KV cache registered once.
 
-    handshake   a ZMQ REP socket (a daemon thread) answers peers with msgpack metadata: the
-                NIXL agent blob, a compatibility hash (model, dtype, block size, layout,
-                version), the cache's base address, block size in bytes and block count
+    handshake   a ZMQ REP socket (a daemon thread) on the worker's advertised address answers
+                peers with msgpack metadata: the NIXL agent blob, a compatibility hash (model,
+                dtype, block size, layout, version), the cache's base address, block size in
+                bytes and block count. Both sides prove they hold the internal token: the
+                hello carries an HMAC of a fresh nonce and the time (refused when wrong or
+                older than ``HELLO_MAX_AGE_S``), the answer an HMAC of that nonce and the
+                metadata (a decode worker reads from no peer that cannot make it). UCX's
+                listeners are bound to the interface of the same address (UCX_NET_DEVICES).
     pull        (decode side) per request, one READ of the missing blocks — one descriptor per
                 block, since a block is contiguous across layers (kv_cache/layout.py) — from
                 descriptor lists prepared once per peer; indices computed with numpy
@@ -16,8 +21,12 @@ for our next engine step); on the CPU it has none (steadier on few cores) and ``
 it.
 """
 
+import hashlib
+import hmac
 import logging
 import os
+import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -31,10 +40,12 @@ import zmq
 
 from services.worker.engine.kv_transfer.connector import ConnectorInfo, KVConnector, TransferResults
 from services.worker.engine.kv_transfer.params import KVLoad, RemoteKV
+from shared.internal_auth import TOKEN_ENV
 
 logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_MS = 5_000
+HELLO_MAX_AGE_S = 30.0
 TRANSFER_TIMEOUT_S = 30.0
 UCX_MAX_POLL = 4096  # copies one progress call may complete (a 64k-token pull: 4,096 blocks)
 T = TypeVar("T")
@@ -48,6 +59,44 @@ class PeerInfo(msgspec.Struct, frozen=True):
     num_blocks: int
     mem_type: str  # DRAM | VRAM
     device_id: int
+
+
+class Hello(msgspec.Struct, frozen=True):
+    """A decode worker's handshake request."""
+
+    time: float
+    nonce: bytes
+    mac: bytes
+
+
+class Answer(msgspec.Struct, frozen=True):
+    """The prefill worker's: its ``PeerInfo`` (msgpack) and the proof it holds the token."""
+
+    info: bytes
+    mac: bytes
+
+
+def _mac(key: bytes, *parts: bytes) -> bytes:
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    for part in parts:
+        h.update(len(part).to_bytes(4, "big") + part)
+    return h.digest()
+
+
+def _net_device(host: str) -> str | None:
+    """The network interface that holds ``host``'s address (None: none, or a wildcard)."""
+    import psutil
+
+    try:
+        addr = socket.gethostbyname(host)
+    except OSError:
+        return None
+    if addr in ("0.0.0.0", ""):
+        return None
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == addr for a in addrs):
+            return name
+    return None
 
 
 class IncompatiblePeer(RuntimeError):
@@ -76,6 +125,12 @@ class NixlConnector(KVConnector):
         self.engine_id = engine_id
         self.compat_hash = compat_hash
         self.kv_cache = kv_cache
+        self._key = os.environ.get(TOKEN_ENV, "").encode()  # (the worker's; "" in process)
+        device = _net_device(host)
+        if device is not None:  # UCX listens on this interface only, not on every one
+            os.environ.setdefault("UCX_NET_DEVICES", device)
+        else:
+            logger.warning("no network interface holds %s: UCX listens on every one", host)
         if kv_cache.is_cuda:  # (UCX warns about the variable where cuda_ipc is not loaded)
             # UCX's cuda_ipc completes at most MAX_POLL (default 16) copies per progress
             # call: one call per engine step must be able to finish a whole pull.
@@ -221,14 +276,21 @@ class NixlConnector(KVConnector):
         req.setsockopt(zmq.LINGER, 0)
         req.setsockopt(zmq.RCVTIMEO, HANDSHAKE_TIMEOUT_MS)
         req.setsockopt(zmq.SNDTIMEO, HANDSHAKE_TIMEOUT_MS)
+        nonce, now = secrets.token_bytes(16), time.time()
+        hello = Hello(now, nonce, _mac(self._key, b"hello", repr(now).encode(), nonce))
         try:
             req.connect(remote.side_channel)
-            req.send(b"info")
-            info = msgspec.msgpack.decode(req.recv(), type=PeerInfo)
+            req.send(msgspec.msgpack.encode(hello))
+            answer = msgspec.msgpack.decode(req.recv(), type=Answer)
         except zmq.Again:
             raise RuntimeError(f"no answer from {remote.side_channel} (handshake)") from None
+        except msgspec.DecodeError:
+            raise RuntimeError(f"{remote.side_channel} refused the handshake") from None
         finally:
             req.close()
+        if not hmac.compare_digest(answer.mac, _mac(self._key, b"info", nonce, answer.info)):
+            raise RuntimeError(f"{remote.side_channel} does not hold the internal token")
+        info = msgspec.msgpack.decode(answer.info, type=PeerInfo)
         if info.compat_hash != self.compat_hash:
             raise IncompatiblePeer(
                 f"peer {remote.engine_id} is incompatible (model, dtype, block size or layout "
@@ -250,12 +312,28 @@ class NixlConnector(KVConnector):
             if not self._rep.poll(200):
                 continue
             try:
-                self._rep.recv()
-                self._rep.send(self._info)
+                self._rep.send(self._answer(self._rep.recv()))
             except zmq.ZMQError as e:
                 if self._stop.is_set():
                     return
                 logger.warning("handshake socket: %s", e)
+
+    def _answer(self, raw: bytes) -> bytes:
+        """The metadata for a hello that proves the token and is fresh; else an empty reply
+        (a REP socket must answer), with nothing in it."""
+        try:
+            hello = msgspec.msgpack.decode(raw, type=Hello)
+        except msgspec.DecodeError:
+            return b""
+        expected = _mac(self._key, b"hello", repr(hello.time).encode(), hello.nonce)
+        if not hmac.compare_digest(hello.mac, expected):
+            logger.warning("KV handshake refused: the caller does not hold the internal token")
+            return b""
+        if abs(time.time() - hello.time) > HELLO_MAX_AGE_S:
+            logger.warning("KV handshake refused: a stale hello (replayed, or clocks apart)")
+            return b""
+        mac = _mac(self._key, b"info", hello.nonce, self._info)
+        return msgspec.msgpack.encode(Answer(self._info, mac))
 
     def close(self) -> None:
         self._stop.set()
