@@ -124,8 +124,9 @@ def test_a_pull_after_an_aborted_lease_still_ends(engines, tiny_model: Path) -> 
 
 def test_unpulled_lease_expires(tiny_model: Path, engines) -> None:  # type: ignore[no-untyped-def]
     """An unread lease frees its blocks; a decode leg that comes with its handle later fails
-    without reading them (the prefill engine may have reused them: wrong text, silently)."""
-    _, _, decode = engines
+    without reading them (the prefill engine may have reused them: wrong text, silently): by
+    default it recomputes the prompt and gives the colocated text; opted out, an error."""
+    ref, _, decode = engines
     llm = LLM(
         model=str(tiny_model), multiprocess=True, kv_transfer=True, kv_lease_seconds=0.3, **KW
     )
@@ -139,17 +140,29 @@ def test_unpulled_lease_expires(tiny_model: Path, engines) -> None:  # type: ign
         assert llm.get_stats().num_free_blocks < llm.get_stats().num_blocks  # leased
         assert 0.1 < wait_all_free(llm) < 3.0
         assert llm.get_stats().kv_leases_expired == 1
-        before = decode.get_stats()
         leg = KVTransferParams(remote=out.kv_handle, first_token_id=out.outputs[0].token_ids[0])
-        late = decode.generate(
-            [{"prompt_token_ids": ids, "kv_transfer": leg}], SamplingParams(max_tokens=4)
-        )[0]
-        assert late.outputs[0].finish_reason == "error" and "expired" in (late.error or "")
-        assert late.error_code == ErrorCode.KV_TRANSFER_FAILED
-        after = decode.get_stats()
-        assert after.kv_stale_handles == before.kv_stale_handles + 1
-        assert after.kv_pulls == before.kv_pulls  # nothing was read
-        assert after.num_free_blocks == after.num_blocks
+        greedy = SamplingParams(temperature=0, max_tokens=4)
+        first = out.outputs[0].token_ids[0]  # (sampled): the recompute goes on from it
+        rest = ref.generate([{"prompt_token_ids": [*ids, first]}], greedy.clone(max_tokens=3))
+        expected = rest[0].outputs[0].token_ids  # (the first token is the prefill leg's)
+        strict = LLM(model=str(tiny_model), multiprocess=True, kv_transfer=True,
+                     kv_recompute_on_failure=False, **KW)  # fmt: skip
+        try:
+            for engine, recompute in ((decode, True), (strict, False)):
+                before = engine.get_stats()
+                late = engine.generate([{"prompt_token_ids": ids, "kv_transfer": leg}], greedy)[0]
+                if recompute:
+                    assert late.outputs[0].token_ids == expected
+                else:
+                    assert late.outputs[0].finish_reason == "error"
+                    assert "expired" in (late.error or "")
+                    assert late.error_code == ErrorCode.KV_TRANSFER_FAILED
+                after = engine.get_stats()
+                assert after.kv_stale_handles == before.kv_stale_handles + 1
+                assert after.kv_pulls == before.kv_pulls  # nothing was read
+                wait_all_free(engine)
+        finally:
+            strict.shutdown()
     finally:
         llm.shutdown()
 

@@ -14,7 +14,9 @@ class Scheduler:
     def __init__(self) -> None:
         self.down = False
 
-    async def ListWorkers(self, request: Any, timeout: float) -> scheduler_pb2.ListWorkersResponse:
+    async def ListWorkers(
+        self, request: Any, timeout: float, metadata: Any = ()
+    ) -> scheduler_pb2.ListWorkersResponse:
         if self.down:
             raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
                                        grpc.aio.Metadata())  # fmt: skip
