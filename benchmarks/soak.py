@@ -44,14 +44,17 @@ MIX = [  # (kind, weight)
     ("stream", 40), ("long-stream", 20), ("abandon-after-first", 10),
     ("abandon-before-first", 5), ("unary", 15), ("bad-input", 10),
 ]  # fmt: skip
-BAD_BODIES = [
-    {"model": "qwen3", "prompt": "x", "max_tokens": 2**40},
-    {"model": "qwen3", "prompt": [[2**40]]},
-    {"model": "qwen3", "prompt": "x", "stop": ["s"] * 10_000},
-    {"model": "qwen3", "prompt": "x", "temperature": "hot"},
+BAD_BODIES = [  # "M": the served model's name
+    {"model": "M", "prompt": "x", "max_tokens": 2**40},
+    {"model": "M", "prompt": [[2**40]]},
+    {"model": "M", "prompt": "x", "stop": ["s"] * 10_000},
+    {"model": "M", "prompt": "x", "temperature": "hot"},
     {"model": "nope", "prompt": "x"},
-    {"model": "qwen3"},
+    {"model": "M"},
 ]
+
+
+ERRORS: list[str] = []  # the error events streams ended with (the first ones are reported)
 
 
 def start_redis() -> tuple[subprocess.Popen[bytes], str]:
@@ -124,29 +127,37 @@ class Sampler:
 
 
 async def client(
-    http: httpx.AsyncClient, url: str, rng: random.Random, long_text: str, stop_at: float,
-    think_s: float, counts: dict[str, dict[str, int]],
+    http: httpx.AsyncClient, url: str, model: str, rng: random.Random, long_text: str,
+    stop_at: float, think_s: float, counts: dict[str, dict[str, int]],
 ) -> None:  # fmt: skip
     kinds, weights = zip(*MIX, strict=True)
     i = 0
     while time.monotonic() < stop_at:
         kind = rng.choices(kinds, weights)[0]
         i += 1
-        status = await one(http, url, kind, rng, long_text, i)
+        status = await one(http, url, model, kind, rng, long_text, i)
         bucket = counts.setdefault(kind, {})
         bucket[status] = bucket.get(status, 0) + 1
         await asyncio.sleep(think_s)
 
 
 async def one(
-    http: httpx.AsyncClient, url: str, kind: str, rng: random.Random, long_text: str, i: int
+    http: httpx.AsyncClient,
+    url: str,
+    model: str,
+    kind: str,
+    rng: random.Random,
+    long_text: str,
+    i: int,
 ) -> str:
     if kind == "bad-input":
-        resp = await http.post(f"{url}/completions", json=rng.choice(BAD_BODIES))
+        bad = rng.choice(BAD_BODIES)
+        bad = {**bad, "model": model} if bad["model"] == "M" else bad
+        resp = await http.post(f"{url}/completions", json=bad)
         return str(resp.status_code)
     long = kind in ("long-stream", "abandon-before-first")
     prompt = f"{long_text} {i}" if long else f"soak request {i}: tell me"
-    body = {"model": "qwen3", "prompt": prompt, "max_tokens": rng.randint(8, 48),
+    body = {"model": model, "prompt": prompt, "max_tokens": rng.randint(8, 48),
             "temperature": rng.choice([0, 0.8]), "stream": kind != "unary"}  # fmt: skip
     if kind == "unary":
         return str((await http.post(f"{url}/completions", json=body)).status_code)
@@ -163,20 +174,23 @@ async def one(
             await resp.aread()
             return str(resp.status_code)
         async for line in resp.aiter_lines():
-            if '"error"' in line:
+            if line.startswith('data: {"error"'):  # an error event (not a token "error")
+                ERRORS.append(line[:300])
                 return "stream-error"
             if kind == "abandon-after-first" and line.startswith("data: "):
                 return "abandoned"
     return "200"
 
 
-async def drive(url: str, args: argparse.Namespace, long_text: str) -> dict[str, dict[str, int]]:
+async def drive(
+    url: str, model: str, args: argparse.Namespace, long_text: str
+) -> dict[str, dict[str, int]]:
     counts: dict[str, dict[str, int]] = {}
     stop_at = time.monotonic() + args.duration_s
     limits = httpx.Limits(max_connections=args.clients * 2)
     async with httpx.AsyncClient(timeout=120, limits=limits) as http:
         await asyncio.gather(*(
-            client(http, url, random.Random(args.seed + c), long_text, stop_at,
+            client(http, url, model, random.Random(args.seed + c), long_text, stop_at,
                    args.think_ms / 1000, counts)
             for c in range(args.clients)
         ))  # fmt: skip
@@ -249,10 +263,10 @@ def main() -> None:
              "--redis-url", redis_url, "--routing-policy", str(policy), "--worker-metrics",
              "--num-kv-blocks", "512", "--max-num-seqs", "16",
              "--max-model-len", "1024"]  # fmt: skip
-    long_text = " ".join(f"word{i}" for i in range(300))
+    long_text = " ".join(f"word{i}" for i in range(120))  # ~500 tokens: disaggregated
     try:
         with serving(*flags) as cluster, Sampler(cluster, args.sample_s) as sampler:
-            counts = asyncio.run(drive(cluster.url or "", args, long_text))
+            counts = asyncio.run(drive(cluster.url or "", cluster.model_name, args, long_text))
             loaded_s = time.monotonic() - sampler.start
             deadline = time.monotonic() + args.idle_s
             while time.monotonic() < deadline:  # idle: every block back
@@ -273,7 +287,7 @@ def main() -> None:
         "args": vars(args), "loaded_s": round(loaded_s, 1), "requests": total,
         "outcomes": counts, "five_xx": five_xx, "stream_errors": sum(
             v.get("stream-error", 0) for v in counts.values()),
-        "bad_input_not_4xx": bad_not_400, "restarts": restarts,
+        "bad_input_not_4xx": bad_not_400, "first_stream_errors": ERRORS[:10], "restarts": restarts,
         "kv_when_idle": idle["kv"], "summary": summarize(sampler.samples, warmup_s),
         "samples": sampler.samples,
     }  # fmt: skip

@@ -17,6 +17,22 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
+_TASKS_GAUGE: Any = None
+
+
+def export_task_count() -> None:
+    """``baton_asyncio_tasks`` on this process's /metrics: the tasks alive on the running loop
+    (read when scraped; a leak of tasks shows as growth). Once per process; a later call (a
+    test starting a service again) points it at the new loop."""
+    global _TASKS_GAUGE
+    from prometheus_client import Gauge
+
+    loop = asyncio.get_running_loop()
+    if _TASKS_GAUGE is None:
+        _TASKS_GAUGE = Gauge("baton_asyncio_tasks", "Tasks alive on the service's event loop")
+    _TASKS_GAUGE.set_function(lambda: len(asyncio.all_tasks(loop)))
+
+
 class TaskOwner:
     def __init__(self, name: str):
         self.name = name

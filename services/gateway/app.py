@@ -39,7 +39,7 @@ from services.gateway.sse import EventStream
 from services.gateway.worker_pool import WorkerChannels
 from shared import hop_trace, rpc
 from shared.affinity import pin_threads
-from shared.lifecycle import TaskOwner
+from shared.lifecycle import TaskOwner, export_task_count
 from shared.logs import request_id_var
 from shared.protos.baton.v1 import scheduler_pb2_grpc
 from shared.text.tokenizer import TextTokenizer
@@ -63,6 +63,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         workers = WorkerChannels(settings.generate_stream)
         state["catalog"] = catalog
         owner = TaskOwner("gateway")
+        export_task_count()
         owner.spawn(catalog.refresh_forever(), "catalog-refresh")
         orchestrator = Orchestrator(scheduler, catalog, workers)
         state["handler"] = Handler(

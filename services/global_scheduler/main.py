@@ -18,7 +18,7 @@ from services.global_scheduler.server import SchedulerServicer
 from services.global_scheduler.settings import SchedulerSettings
 from shared import rpc
 from shared.affinity import pin_threads
-from shared.lifecycle import StopSignal, TaskOwner
+from shared.lifecycle import StopSignal, TaskOwner, export_task_count
 from shared.protos.baton.v1 import scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -28,6 +28,7 @@ async def serve(settings: SchedulerSettings, stop: StopSignal | None = None) -> 
     stop = stop or StopSignal()
     stop.install()
     owner = TaskOwner("scheduler")
+    export_task_count()
     if settings.redis_url:
         inner = create_directory("redis", url=settings.redis_url)
     else:

@@ -21,7 +21,7 @@ from services.worker.settings import WorkerSettings, new_incarnation
 from shared import rpc
 from shared.affinity import pin_threads
 from shared.kv_events import KVEventBatch
-from shared.lifecycle import StopSignal, TaskOwner, wait_or_forced
+from shared.lifecycle import StopSignal, TaskOwner, export_task_count, wait_or_forced
 from shared.protos.baton.v1 import scheduler_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -33,6 +33,7 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> Non
     stop = stop or StopSignal()
     stop.install()
     owner = TaskOwner("worker")
+    export_task_count()
     engine = await asyncio.to_thread(AsyncLLM.from_engine_args, settings.engine)
     server = rpc.server()
     try:
