@@ -29,6 +29,7 @@ def worker_state(reg: scheduler_pb2.WorkerRegistration) -> WorkerState:
         block_size=reg.block_size,
         num_kv_blocks=reg.num_kv_blocks,
         vocab_size=reg.vocab_size,
+        kv_side_channel=reg.kv_side_channel,
     )
 
 

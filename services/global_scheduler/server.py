@@ -49,6 +49,9 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
         self.directory = directory
         self.policy = policy
         self._resync: set[WorkerId] = set()
+        # the side channels of the registered prefill-capable workers (a new tuple whenever
+        # the registry changes): each decode-capable worker is sent it when it changes
+        self._kv_peers: tuple[str, ...] = ()
 
     async def Heartbeat(
         self,
@@ -56,6 +59,7 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
         context: aio.ServicerContext,
     ) -> AsyncIterator[scheduler_pb2.SchedulerCommand]:
         worker: WorkerState | None = None
+        peers_sent: tuple[str, ...] | None = None
         try:
             async for msg in request_iterator:
                 if worker is None:
@@ -74,6 +78,11 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
                     self._resync.discard(worker.worker_id)
                     yield scheduler_pb2.SchedulerCommand(
                         resync_kv_events=True, reason="the prefix directory lost events"
+                    )
+                if worker.role != "prefill" and peers_sent is not self._kv_peers:
+                    peers_sent = self._kv_peers
+                    yield scheduler_pb2.SchedulerCommand(
+                        kv_peers=scheduler_pb2.KVPeers(side_channels=peers_sent)
                     )
         finally:
             if worker is not None:
@@ -247,7 +256,12 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
 
     def _update_alive(self) -> None:
         counts = dict.fromkeys(("prefill", "decode", "both"), 0)
+        peers = set()
         for w in self.registry.workers():
             counts[w.role] += 1
+            if w.role != "decode" and w.kv_side_channel:
+                peers.add(w.kv_side_channel)
+        if tuple(sorted(peers)) != self._kv_peers:
+            self._kv_peers = tuple(sorted(peers))
         for role, n in counts.items():
             metrics.WORKERS_ALIVE.labels(role).set(n)

@@ -3,7 +3,8 @@ connection,
 
     worker → registration (+ load + every cached block), then every ``heartbeat_interval_s``:
              load + KV events
-    scheduler → commands (re-announce the KV blocks: its directory lost events)
+    scheduler → commands (re-announce the KV blocks: its directory lost events; the KV side
+                channels of the registered prefill workers, whenever they change)
 
 and a reconnect with backoff when the stream breaks. On every (re)connection the engine is
 asked to re-announce its prefix index (all-cleared, then every cached block), and the
@@ -39,12 +40,14 @@ class Heartbeat:
         engine: AsyncLLM,
         load: Callable[[], Awaitable[scheduler_pb2.WorkerLoad]],
         interval_s: float,
+        on_kv_peers: Callable[[str, frozenset[str]], None] = lambda replica, peers: None,
     ):
         self.address = address
         self.registration = registration
         self.engine = engine
         self.load = load
         self.interval_s = interval_s
+        self.on_kv_peers = on_kv_peers  # (this replica's address, the peers it registered)
         self._events: list[common_pb2.KVEventBatch] = []
         self._wake = asyncio.Event()
         self._stopped = False
@@ -64,6 +67,9 @@ class Heartbeat:
                 async with channel(self.address) as ch:
                     stub = scheduler_pb2_grpc.GlobalSchedulerStub(ch)
                     async for command in stub.Heartbeat(self._messages(), metadata=auth()):
+                        if command.HasField("kv_peers"):
+                            self.on_kv_peers(self.address,
+                                             frozenset(command.kv_peers.side_channels))  # fmt: skip
                         if command.resync_kv_events:
                             logger.info("scheduler asks for the KV blocks: %s", command.reason)
                             await self.engine.resync_kv_events()

@@ -72,9 +72,11 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> Non
                 block_size=engine.config.cache.block_size,
                 num_kv_blocks=stats.num_blocks,
                 vocab_size=engine.config.model.arch.vocab_size,
+                kv_side_channel=(await engine.get_model_info()).kv_side_channel,
             )
             for replica in settings.scheduler_addresses:  # one stream per scheduler replica
-                beat = Heartbeat(replica, registration, engine, load, settings.heartbeat_interval_s)
+                beat = Heartbeat(replica, registration, engine, load, settings.heartbeat_interval_s,
+                                 servicer.set_kv_peers)  # fmt: skip
                 heartbeats.append(beat)
                 owner.spawn(beat.run(), f"heartbeat-{replica}")
 

@@ -21,6 +21,10 @@ PREFIX_HIT_TOKENS = Counter(
 )
 RUNNING = Gauge("baton_worker_running_requests", "Requests the engine is running")
 WAITING = Gauge("baton_worker_waiting_requests", "Requests queued in the engine")
+KV_HANDLES_REFUSED = Counter(
+    "baton_worker_kv_handles_refused",
+    "Decode legs whose KV handle pointed at no registered prefill worker (not read)",
+)
 KV_USAGE = Gauge("baton_worker_kv_usage", "Fraction of KV-cache blocks in use")
 IN_FLIGHT = Gauge("baton_worker_in_flight_requests", "Requests the worker service is serving")
 

@@ -95,6 +95,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.num_received = 0  # Prefill + Generate calls since start (heartbeats carry it)
         self._idle = asyncio.Event()
         self._idle.set()
+        # scheduler replica → the KV side channels of the prefill workers it registered
+        self._kv_peers: dict[str, frozenset[str]] = {}
+
+    def set_kv_peers(self, replica: str, peers: frozenset[str]) -> None:
+        """The prefill workers a scheduler replica has registered (its heartbeat stream says
+        so whenever they change): a decode leg's handle is read only from one of them."""
+        self._kv_peers[replica] = peers
+
+    def _kv_refusal(self, side_channel: str) -> str | None:
+        """Why a handle pointing at ``side_channel`` must not be read (None: it may). A
+        worker that runs without a scheduler has nobody to ask and reads from any peer."""
+        if not self.settings.scheduler_addresses:
+            return None
+        if any(side_channel in peers for peers in self._kv_peers.values()):
+            return None
+        metrics.KV_HANDLES_REFUSED.inc()
+        logger.warning("a KV handle points at %s, no prefill worker the scheduler registered: "
+                       "not reading from it", side_channel)  # fmt: skip
+        return f"{side_channel} is not a prefill worker the scheduler has registered"
 
     async def Generate(
         self, request: worker_pb2.GenerateRequest, context: aio.ServicerContext
@@ -214,9 +233,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 raise CallRejected(
                     grpc.StatusCode.INVALID_ARGUMENT, "remote_kv needs first_token_id"
                 )
+            remote = convert.remote_kv(request.remote_kv)
             leg = KVTransferParams(
-                remote=convert.remote_kv(request.remote_kv), first_token_id=request.first_token_id
-            )
+                remote=remote, first_token_id=request.first_token_id,
+                refused=self._kv_refusal(remote.side_channel),
+            )  # fmt: skip
         async for out in self._run(request, params, leg):
             hop_trace.mark("worker.output")
             yield convert.generate_response(out)

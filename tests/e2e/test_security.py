@@ -160,6 +160,53 @@ def test_a_registration_without_the_token_is_refused(pd: Cluster) -> None:
         )
 
 
+def test_decode_reads_only_from_registered_prefill_workers(pd: Cluster, tiny_model: Path) -> None:
+    """A token holder hands the decode worker a KV handle pointing at a socket that is no
+    prefill worker the scheduler registered: the worker never connects to it, and (by
+    default) recomputes the prompt, giving the text the real P/D path gives."""
+    import time
+
+    from shared.protos.baton.v1 import common_pb2
+    from shared.text.tokenizer import TextTokenizer
+    from tests.e2e.conftest import scheduler_metric
+
+    ids = TextTokenizer(tiny_model).encode(long_prompt(tiny_model, 100, "rogue-handle"))
+    greedy = common_pb2.SamplingParams(temperature=0, max_tokens=6)
+    with internal_channel(pd.ready["prefill-0"]["address"]) as ch:  # a real prefill leg
+        real = worker_pb2_grpc.WorkerStub(ch).Prefill(worker_pb2.PrefillRequest(
+            request_id="rogue-ref", prompt_token_ids=ids, params=greedy, keep_kv=False,
+        ), timeout=30)  # fmt: skip
+    ctx = zmq.Context()
+    trap = ctx.socket(zmq.REP)  # where the rogue handle points: it must hear nothing
+    port = trap.bind_to_random_port("tcp://127.0.0.1")
+    rogue = common_pb2.KVHandle(
+        engine_id="rogue", side_channel=f"tcp://127.0.0.1:{port}",
+        block_ids=list(range(-(-len(ids) // 16))), num_tokens=len(ids),
+        lease_expires_at=time.time() + 60, request_id="rogue",
+    )  # fmt: skip
+    before = scheduler_metric(pd, "baton_worker_kv_handles_refused_total", "decode-0")
+    try:
+        with internal_channel(pd.ready["decode-0"]["address"]) as ch:
+            outs = list(worker_pb2_grpc.WorkerStub(ch).Generate(worker_pb2.GenerateRequest(
+                request_id="rogue-leg", prompt_token_ids=ids, params=greedy, remote_kv=rogue,
+                first_token_id=real.first_token_id,
+            ), timeout=30))  # fmt: skip
+        assert trap.poll(500) == 0, "the decode worker connected to an unregistered peer"
+    finally:
+        trap.close(linger=0)
+        ctx.term()
+    tokens = [t for o in outs for d in o.deltas for t in d.token_ids]
+    with internal_channel(pd.ready["decode-0"]["address"]) as ch:  # the same, computed here
+        plain = list(worker_pb2_grpc.WorkerStub(ch).Generate(worker_pb2.GenerateRequest(
+            request_id="rogue-plain", prompt_token_ids=[*ids, real.first_token_id],
+            params=common_pb2.SamplingParams(temperature=0, max_tokens=5),
+        ), timeout=30))  # fmt: skip
+    assert tokens == [t for o in plain for d in o.deltas for t in d.token_ids]
+    assert len(tokens) == 5
+    after = scheduler_metric(pd, "baton_worker_kv_handles_refused_total", "decode-0")
+    assert after == before + 1
+
+
 def test_no_service_starts_without_a_token(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATON_INTERNAL")}
     out = subprocess.run([sys.executable, "-m", "baton.cli", "global-scheduler", "--port", "0"],

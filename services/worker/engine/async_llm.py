@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 
 from services.worker.engine.config import EngineArgs, EngineConfig
 from services.worker.engine.core_client import AsyncMPClient, EngineDeadError
-from services.worker.engine.messages import EngineStats
+from services.worker.engine.messages import EngineStats, ModelInfo
 from services.worker.engine.output_processor import OutputProcessor, fan_out
 from services.worker.engine.outputs import RequestOutput
 from services.worker.engine.params import SamplingParams
@@ -86,6 +86,11 @@ class AsyncLLM:
         self._ensure_output_task()
         stats: EngineStats = await self.client.call_utility_async("get_stats")
         return stats
+
+    async def get_model_info(self) -> ModelInfo:
+        self._ensure_output_task()
+        info: ModelInfo = await self.client.call_utility_async("get_model_info")
+        return info
 
     async def reset_prefix_cache(self) -> bool:
         self._ensure_output_task()

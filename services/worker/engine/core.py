@@ -153,6 +153,9 @@ class EngineCore:
             result: object = msgspec.structs.replace(stats, **extra)
         elif call.method == "get_model_info":
             result = self.executor.model_info()
+            if self.config.kv_transfer.enabled:
+                channel = self.executor.transfer_info().side_channel
+                result = msgspec.structs.replace(result, kv_side_channel=channel)
         elif call.method == "reset_prefix_cache":
             result = self.scheduler.kv.reset_prefix_cache()
         elif call.method == "resync_kv_events":  # the events leave with this call's answer

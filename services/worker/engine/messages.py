@@ -111,6 +111,7 @@ class ModelInfo(msgspec.Struct):
     # The input embedding table when it is not also the LM head (0 when tied): a step reads only
     # the rows of its tokens, and it multiplies nothing.
     untied_embedding_params: int = 0
+    kv_side_channel: str = ""  # where its KV side channel listens ("" without KV transfer)
 
 
 class UtilityResult(msgspec.Struct):

@@ -24,6 +24,9 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
     do_remote_decode: bool = False  # prefill leg: keep the blocks under a lease when finished
     remote: RemoteKV | None = None  # decode leg: pull these blocks instead of prefilling
     first_token_id: int | None = None  # decode leg: the token the prefill leg sampled
+    # decode leg: why its worker will not read from that peer (not a prefill worker the
+    # scheduler registered): the pull fails at once, unread (recompute, or an error)
+    refused: str | None = None
 
 
 class KVLoad(msgspec.Struct, frozen=True):

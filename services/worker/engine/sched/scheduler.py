@@ -197,12 +197,15 @@ class Scheduler:
     def _start_pull(self, request: Request, out: SchedulerOutput) -> bool:
         """Allocate a decode leg's prompt blocks (reusing local prefix hits, left out of the
         prefix index until filled) and ask the worker to pull the rest; False: no room yet.
-        A lease that has expired meanwhile fails the pull unread: the prefill engine may have
-        reused those blocks."""
+        A lease that has expired meanwhile fails the pull unread (the prefill engine may have
+        reused those blocks), and so does a handle its worker refused (an unregistered peer)."""
         assert self.transfer is not None
-        if self.transfer.lease_expired(request):
+        assert request.kv_transfer is not None
+        refused = request.kv_transfer.refused
+        if refused or self.transfer.lease_expired(request):
             self.waiting.popleft()
-            self._fail_pull(request, LEASE_EXPIRED)  # (a recompute goes back to the head)
+            # (a recompute goes back to the head)
+            self._fail_pull(request, refused or LEASE_EXPIRED)
             return True
         hits, num_hit = self.kv.get_computed_blocks(request)
         num_hit = min(num_hit, request.num_prompt_tokens)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerRegistration(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "role", "address", "model", "max_model_len", "block_size", "num_kv_blocks", "vocab_size")
+    __slots__ = ("worker_id", "incarnation", "role", "address", "model", "max_model_len", "block_size", "num_kv_blocks", "vocab_size", "kv_side_channel")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class WorkerRegistration(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_SIDE_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     role: _common_pb2.WorkerRole
@@ -27,7 +28,8 @@ class WorkerRegistration(_message.Message):
     block_size: int
     num_kv_blocks: int
     vocab_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    kv_side_channel: str
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_side_channel: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
     __slots__ = ("num_running", "num_waiting", "kv_usage", "num_in_flight", "draining", "pending_prefill_tokens", "prefill_tokens_per_s", "num_received", "prefix_hit_tokens")
@@ -62,12 +64,20 @@ class WorkerHeartbeat(_message.Message):
     def __init__(self, registration: _Optional[_Union[WorkerRegistration, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., kv_events: _Optional[_Iterable[_Union[_common_pb2.KVEventBatch, _Mapping]]] = ...) -> None: ...
 
 class SchedulerCommand(_message.Message):
-    __slots__ = ("resync_kv_events", "reason")
+    __slots__ = ("resync_kv_events", "reason", "kv_peers")
     RESYNC_KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    KV_PEERS_FIELD_NUMBER: _ClassVar[int]
     resync_kv_events: bool
     reason: str
-    def __init__(self, resync_kv_events: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    kv_peers: KVPeers
+    def __init__(self, resync_kv_events: _Optional[bool] = ..., reason: _Optional[str] = ..., kv_peers: _Optional[_Union[KVPeers, _Mapping]] = ...) -> None: ...
+
+class KVPeers(_message.Message):
+    __slots__ = ("side_channels",)
+    SIDE_CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    side_channels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, side_channels: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
     __slots__ = ("request_id", "model", "block_hashes", "num_prompt_tokens", "exclude_workers", "finished_request_ids")
