@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 PIP     := .venv/bin/pip
 TINY    := tiny-model
 
-.PHONY: install run demo protos test test-gpu lint format bench bench-serving bench-prefix clean
+.PHONY: install run demo protos test test-gpu lint format bench bench-serving bench-prefix bench-soak clean
 
 install:  ## redis-server (apt) + .venv with Baton and its pinned dependencies
 	command -v redis-server >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
@@ -60,6 +60,9 @@ bench-prefix: bench-model/config.json  ## routing policies on chats over documen
 	$(PREFIX) --think-ms 1000 --name think-1s       # the user reads for 1 s between turns
 	$(PREFIX) --think-ms 0 --name zero-think        # each turn as soon as the answer is back
 	$(PREFIX) --think-ms 0 --burst 4 --name burst-4 # and each turn 4 requests at once
+
+bench-soak: $(TINY)/config.json  ## baton serve (P/D, Redis) under a mixed load for 30 minutes: leaks
+	$(PY) benchmarks/soak.py --model $(TINY) --duration-s 1800 --out bench-results/soak
 
 clean:
 	rm -rf $(TINY) bench-model bench-results .pytest_cache .mypy_cache .ruff_cache

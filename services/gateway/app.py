@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from services.gateway import errors, metrics
 from services.gateway.catalog import ModelCatalog
@@ -231,6 +232,12 @@ def _install_error_handlers(app: FastAPI) -> None:
         where = ".".join(loc)
         message = f"{where}: {first['msg']}" if where else str(first["msg"])
         return _error(errors.bad_request(message, loc[0] if loc else None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def gone(request: Request, e: ClientDisconnect) -> Response:
+        # the client left while its body was being read: nobody to answer, and no error
+        metrics.REQUESTS.labels(request.url.path, "disconnected").inc()
+        return Response(status_code=499)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:

@@ -115,6 +115,34 @@ def test_oversized_body_is_413(http: httpx.Client) -> None:
     assert resp.json()["error"]["code"] == "request_too_large"
 
 
+def _requests_counted(http: httpx.Client, outcome: str) -> float:
+    text = httpx.get(str(http.base_url).removesuffix("/v1/") + "/metrics", timeout=5).text
+    key = f'baton_gateway_requests_total{{endpoint="/v1/completions",outcome="{outcome}"}}'
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(key))
+
+
+def test_client_leaving_in_the_middle_of_its_body_is_no_error(http: httpx.Client) -> None:
+    """Found by the soak: a client that closes its connection while the gateway reads its body
+    ended in the unexpected-error handler (a 500 in the metrics, a traceback in the log)."""
+    import socket
+    import time
+
+    host, port = http.base_url.host, http.base_url.port
+    errors, gone = _requests_counted(http, "500"), _requests_counted(http, "disconnected")
+    for _ in range(3):
+        with socket.create_connection((host, port or 80), timeout=5) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+                      b"content-type: application/json\r\ncontent-length: 1000\r\n\r\n"
+                      b'{"model": "qw')  # fmt: skip
+            time.sleep(0.2)
+    deadline = time.monotonic() + 5
+    while _requests_counted(http, "disconnected") < gone + 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _requests_counted(http, "disconnected") == gone + 3
+    assert _requests_counted(http, "500") == errors
+    assert http.post("/completions", json=OK_PROMPT).status_code == 200
+
+
 def test_limits_at_their_bound_are_served(http: httpx.Client) -> None:
     """The counts at the limit pass (the refusals above are about the limit, not the kind)."""
     body = {**OK_PROMPT, "prompt": [[5, 6]] * 64, "max_tokens": 1, "stop": ["a"] * 16}
