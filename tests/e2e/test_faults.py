@@ -61,7 +61,10 @@ def test_scheduler_killed_and_restarted_under_load(tiny_model: Path) -> None:
         assert all(len(o.text) > 0 for o in load.ok())
         # without traffic, the restarted scheduler's directory is whole again within 2 s
         # of the restart (the workers re-register with every cached block)
-        wait_for(lambda: directory_is_whole(cluster), 2.0, "the directory to be whole")
+        took = wait_for(lambda: directory_is_whole(cluster), 2.0, "the directory to be whole")
+        print(f"scheduler back after {back - killed:.1f} s; {len(refused)} requests refused "
+              f"meanwhile; directory whole {time.monotonic() - back:.2f} s after it was back "
+              f"(polled {took:.2f} s)")  # fmt: skip
         assert httpx.get(f"{base}/ready", timeout=5).status_code == 200
 
 
