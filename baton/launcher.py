@@ -442,7 +442,7 @@ class Cluster:
             self.restarts[name] = self.restarts.get(name, 0) + 1
 
     def _check_restarted(self, name: str, child: _Child, p: subprocess.Popen, now: float) -> None:
-        """A restarted child is back once it is ready (ready file, or the gateway's /ready);
+        """A restarted child is back once it is ready (its ready file, or the gateway's /health);
         one that does not get there in time is killed (and counts as another death)."""
         path = self.tmp / f"{name}.json"
         if child.ready and path.exists():

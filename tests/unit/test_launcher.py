@@ -135,3 +135,24 @@ def test_input_limits_reach_the_gateway() -> None:
     with pytest.raises(ValueError, match="max_stop must be >= 1"):
         input_limits(build_parser().parse_args(["gateway", "--model", "m", "--scheduler",
                                                 "x:1", "--max-stop", "0"]))  # fmt: skip
+
+
+def test_restart_backoff_doubles_to_its_cap_and_gives_up_past_the_bound() -> None:
+    from baton.launcher import RestartPolicy
+
+    policy = cluster("--max-restarts", "4", "--restart-delay", "2").spec.restart
+    assert [policy.delay(n) for n in range(1, 6)] == [2.0, 4.0, 8.0, 8.0, None]
+    assert RestartPolicy(max_restarts=0).delay(1) is None  # never restart
+    with pytest.raises(ValueError):
+        RestartPolicy(delay_s=-1)
+
+
+def test_children_share_one_secret_kept_off_the_command_line(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.delenv("BATON_INTERNAL_TOKEN", raising=False)
+    monkeypatch.delenv("BATON_INTERNAL_TOKEN_FILE", raising=False)
+    made = cluster().security_env
+    assert len(made["BATON_INTERNAL_TOKEN"]) >= 32 and made != cluster().security_env
+    token = tmp_path / "token"
+    token.write_text("a-token-from-a-mounted-secret")
+    env = cluster("--internal-token-file", str(token), "--internal-tls-dir", "/certs").security_env
+    assert env == {"BATON_INTERNAL_TOKEN_FILE": str(token), "BATON_INTERNAL_TLS_DIR": "/certs"}
