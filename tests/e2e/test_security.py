@@ -51,7 +51,7 @@ def _listening(proc: psutil.Process) -> list[tuple[str, int]]:
     return out
 
 
-def _zmq_probe(port: int) -> bytes | None:
+def _zmq_probe(port: int, hello: bytes = b"info") -> bytes | None:
     """What a ZMQ REQ without the secret gets from ``port``: None when nothing ZMQ answers."""
     ctx = zmq.Context()
     req = ctx.socket(zmq.REQ)
@@ -60,7 +60,9 @@ def _zmq_probe(port: int) -> bytes | None:
     req.setsockopt(zmq.SNDTIMEO, 1000)
     try:
         req.connect(f"tcp://127.0.0.1:{port}")
-        req.send(b"info")  # what a caller who knows the protocol but not the secret sends
+        req.send(
+            hello
+        )  # (b"info": what a caller who knows the old protocol but not the secret sends)
         return bytes(req.recv())
     except zmq.Again:
         return None
@@ -115,6 +117,8 @@ def test_every_listening_socket_is_bound_and_needs_the_secret(
             answer = _zmq_probe(port)
             if answer is not None:
                 assert answer == b"", "the side channel answered without the secret"
+                assert _zmq_probe(port, b"x" * 10_000) is None  # too big: dropped unanswered
+                assert _zmq_probe(port) == b""  # and it serves on
                 side_channels += 1
                 seen["side channel"] += 1
             else:

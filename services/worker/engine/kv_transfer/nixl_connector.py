@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_MS = 5_000
 HELLO_MAX_AGE_S = 30.0
+MAX_HELLO_BYTES = 1024  # a hello is ~70 bytes
 TRANSFER_TIMEOUT_S = 30.0
 UCX_MAX_POLL = 4096  # copies one progress call may complete (a 64k-token pull: 4,096 blocks)
 T = TypeVar("T")
@@ -161,6 +162,7 @@ class NixlConnector(KVConnector):
         self._pulls: dict[str, _Pull] = {}
         self._ctx = zmq.Context()
         self._rep = self._ctx.socket(zmq.REP)
+        self._rep.setsockopt(zmq.MAXMSGSIZE, MAX_HELLO_BYTES)  # a bigger one drops its peer
         port = self._rep.bind_to_random_port(f"tcp://{host}")
         self.side_channel = f"tcp://{host}:{port}"
         self._info = msgspec.msgpack.encode(
