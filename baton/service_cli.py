@@ -15,7 +15,7 @@ from baton.launcher import Cluster, ClusterSpec, RestartPolicy  # (no grpc, no t
 from services.gateway.settings import InputLimits
 from services.worker.engine.config import LOAD_FORMATS, EngineArgs
 from shared.affinity import check_cpus, parse_cpus
-from shared.internal_auth import TLS_DIR_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Security
+from shared.internal_auth import TLS_DIR_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Security, is_unspecified
 
 # gRPC core's transport for every service: the poll-based I/O manager instead of EventEngine
 # endpoints. With EventEngine a received message goes from an EventEngine thread to grpc.aio's
@@ -123,7 +123,7 @@ def run_worker(args: argparse.Namespace) -> None:
     os.environ[TOKEN_ENV] = security.token or ""
     # the KV side channel (and UCX) listen where peers are told to connect: never everywhere
     kv_host = args.advertise_host or args.host
-    if kv_host in ("0.0.0.0", "::", ""):
+    if is_unspecified(kv_host):
         raise SystemExit("baton worker: listening on all interfaces, it needs --advertise-host "
                          "(the address its KV side channel and UCX listen on)")  # fmt: skip
     engine = dataclasses.replace(engine_args(args), kv_side_channel_host=kv_host)

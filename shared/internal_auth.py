@@ -2,6 +2,7 @@
 the environment (no gRPC here: the launcher reads the names too). ``shared/rpc.py`` applies
 them to every channel and server; the NIXL side channel authenticates with the same token."""
 
+import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +11,17 @@ TOKEN_ENV = "BATON_INTERNAL_TOKEN"
 TOKEN_FILE_ENV = "BATON_INTERNAL_TOKEN_FILE"
 TLS_DIR_ENV = "BATON_INTERNAL_TLS_DIR"
 MIN_TOKEN_CHARS = 16
+
+
+def is_unspecified(host: str) -> bool:
+    """``host`` means every interface (0.0.0.0, ::, empty): nothing internal may listen there
+    unless the operator asked for it."""
+    if not host:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False  # a name: it resolves to one address
 
 
 @dataclass(frozen=True, repr=False)  # (no repr: the token must not reach a log line)

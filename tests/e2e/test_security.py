@@ -222,6 +222,11 @@ def test_no_service_starts_without_a_token(tmp_path: Path) -> None:
                           "--internal-token-file", str(short)], env=env, capture_output=True,
                          text=True, timeout=60)  # fmt: skip
     assert out.returncode != 0 and "at least 16 characters" in out.stderr, out.stderr
+    # a worker on every interface must name the one address its KV side channel and UCX use
+    out = subprocess.run([sys.executable, "-m", "baton.cli", "worker", "--model", "m",
+                          "--role", "decode", "--host", "0.0.0.0"], capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert out.returncode != 0 and "--advertise-host" in out.stderr, out.stderr
 
 
 def _certificates(d: Path) -> None:

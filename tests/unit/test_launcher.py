@@ -156,3 +156,10 @@ def test_children_share_one_secret_kept_off_the_command_line(tmp_path, monkeypat
     token.write_text("a-token-from-a-mounted-secret")
     env = cluster("--internal-token-file", str(token), "--internal-tls-dir", "/certs").security_env
     assert env == {"BATON_INTERNAL_TOKEN_FILE": str(token), "BATON_INTERNAL_TLS_DIR": "/certs"}
+
+
+def test_every_interface_is_told_apart_from_one_address() -> None:
+    from shared.internal_auth import is_unspecified
+
+    assert all(map(is_unspecified, ["", "0.0.0.0", "::", "[::]", "0:0::0"]))
+    assert not any(map(is_unspecified, ["127.0.0.1", "10.1.2.3", "::1", "worker-0.baton"]))

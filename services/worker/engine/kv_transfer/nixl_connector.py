@@ -40,7 +40,7 @@ import zmq
 
 from services.worker.engine.kv_transfer.connector import ConnectorInfo, KVConnector, TransferResults
 from services.worker.engine.kv_transfer.params import KVLoad, RemoteKV
-from shared.internal_auth import TOKEN_ENV
+from shared.internal_auth import TOKEN_ENV, is_unspecified
 
 logger = logging.getLogger(__name__)
 
@@ -85,14 +85,12 @@ def _mac(key: bytes, *parts: bytes) -> bytes:
 
 
 def _net_device(host: str) -> str | None:
-    """The network interface that holds ``host``'s address (None: none, or a wildcard)."""
+    """The network interface that holds ``host``'s address (None: none holds it)."""
     import psutil
 
     try:
         addr = socket.gethostbyname(host)
     except OSError:
-        return None
-    if addr in ("0.0.0.0", ""):
         return None
     for name, addrs in psutil.net_if_addrs().items():
         if any(a.family == socket.AF_INET and a.address == addr for a in addrs):
@@ -127,11 +125,14 @@ class NixlConnector(KVConnector):
         self.compat_hash = compat_hash
         self.kv_cache = kv_cache
         self._key = os.environ.get(TOKEN_ENV, "").encode()  # (the worker's; "" in process)
-        device = _net_device(host)
-        if device is not None:  # UCX listens on this interface only, not on every one
-            os.environ.setdefault("UCX_NET_DEVICES", device)
-        else:
-            logger.warning("no network interface holds %s: UCX listens on every one", host)
+        if is_unspecified(host):  # the side channel and UCX listen where peers connect
+            raise ValueError(f"the KV side channel needs one address to listen on, not {host!r}")
+        if "UCX_NET_DEVICES" not in os.environ:  # (the operator's choice wins)
+            device = _net_device(host)
+            if device is None:  # fail closed: UCX would listen on every interface
+                raise ValueError(f"no network interface of this host holds {host}: give the "
+                                 "worker its own address, or set UCX_NET_DEVICES")  # fmt: skip
+            os.environ["UCX_NET_DEVICES"] = device  # UCX listens on this interface only
         if kv_cache.is_cuda:  # (UCX warns about the variable where cuda_ipc is not loaded)
             # UCX's cuda_ipc completes at most MAX_POLL (default 16) copies per progress
             # call: one call per engine step must be able to finish a whole pull.
