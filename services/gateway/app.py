@@ -107,7 +107,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.get("/ready")
     async def ready() -> Response:
         catalog: ModelCatalog = state["catalog"]
-        models = {m: catalog.ready(m) for m in sorted(tokenizers)}
+        models = await catalog.readiness()
         if any(models.values()):
             return JSONResponse({"status": "ready", "models": models})
         e = errors.not_ready("the scheduler does not answer, or no worker serves a model")

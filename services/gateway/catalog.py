@@ -49,6 +49,16 @@ class ModelCatalog:
         fresh = self.clock() - self._fetched_at <= 3 * self.refresh_s
         return fresh and model in self._limits
 
+    async def readiness(self) -> dict[str, bool]:
+        """``ready`` for every served model, from a list fetched now when the one held says
+        some model is not ready: a worker that registered since the last refresh (after a
+        scheduler restart, say) makes ``/ready`` true at once, not a refresh period later."""
+        models = {m: self.ready(m) for m in self.served}
+        if not all(models.values()):
+            await self.refresh()
+            models = {m: self.ready(m) for m in self.served}
+        return models
+
     @property
     def served(self) -> list[str]:
         return sorted(self.tokenizers)

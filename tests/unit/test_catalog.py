@@ -43,3 +43,19 @@ async def test_ready_only_while_the_scheduler_answers() -> None:
     now[0] += 1.0
     await catalog.refresh()
     assert catalog.ready("m")
+
+
+async def test_readiness_asks_again_when_the_list_held_says_not_ready() -> None:
+    """A list fetched while no worker had registered yet (just after a scheduler restart) does
+    not keep ``/ready`` false for a refresh period: readiness fetches a fresh one."""
+    scheduler, now = Scheduler(), [100.0]
+    catalog = ModelCatalog({"m": None}, scheduler, refresh_s=1.0, clock=lambda: now[0])  # type: ignore[arg-type, dict-item]
+    scheduler.down = True
+    await catalog.refresh()
+    assert not catalog.ready("m")
+    scheduler.down = False
+    now[0] += 0.1  # well within one refresh period
+    assert await catalog.readiness() == {"m": True}
+    scheduler.down = True
+    now[0] += 3.1
+    assert await catalog.readiness() == {"m": False}  # stale and unanswered: not ready
