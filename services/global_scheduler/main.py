@@ -1,21 +1,26 @@
 """``baton global-scheduler``: lifecycle (shared/lifecycle.py)
 
-start gRPC → sweep silent workers every ``sweep_interval_s`` → SIGTERM → stop gRPC
+start gRPC → sweep silent workers every ``sweep_interval_s`` (and publish the pool signals)
+→ on Kubernetes: watch the worker pods, run the planner → SIGTERM → stop gRPC
 """
 
 import asyncio
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import start_http_server
 
 from services.global_scheduler.directory import create_directory
+from services.global_scheduler.discovery import PodDiscovery, kubernetes_api
+from services.global_scheduler.planner import Planner, PlannerConfig, pool_signals
 from services.global_scheduler.registry import WorkerRegistry
 from services.global_scheduler.resilient import ResilientDirectory
 from services.global_scheduler.routing import RoutingPolicy
+from services.global_scheduler.scaling import ScaleActuator, plan_forever, publish_signals
 from services.global_scheduler.server import SchedulerServicer
-from services.global_scheduler.settings import SchedulerSettings
+from services.global_scheduler.settings import SchedulerSettings, own_namespace
 from shared import rpc
 from shared.affinity import pin_threads
 from shared.lifecycle import StopSignal, TaskOwner, export_task_count
@@ -40,6 +45,7 @@ async def serve(settings: SchedulerSettings, stop: StopSignal | None = None) -> 
         RoutingPolicy(settings.routing_policy),
     )
     directory.on_recover = servicer.request_resync
+    api_client: Any = None
     server = rpc.server()
     scheduler_pb2_grpc.add_GlobalSchedulerServicer_to_server(servicer, server)
     port = rpc.add_port(server, f"{settings.host}:{settings.port}")
@@ -51,6 +57,7 @@ async def serve(settings: SchedulerSettings, stop: StopSignal | None = None) -> 
             metrics_port = int(http.server_port)
         owner.spawn(_sweep_forever(servicer, settings.sweep_interval_s), "sweep")
         owner.spawn(directory.probe_forever(), "directory-probe")
+        api_client = _start_kubernetes(settings, servicer, owner)
         address = f"{settings.host}:{port}"
         logger.info("global scheduler listening on %s", address)
         if settings.cpus:
@@ -62,6 +69,8 @@ async def serve(settings: SchedulerSettings, stop: StopSignal | None = None) -> 
         await stop.wait()
     finally:
         await owner.cancel_all()
+        if api_client is not None:
+            await api_client.close()
         await server.stop(grace=1.0)
         await directory.close()
         logger.info("global scheduler stopped")
@@ -71,3 +80,29 @@ async def _sweep_forever(servicer: SchedulerServicer, interval_s: float) -> None
     while True:
         await asyncio.sleep(interval_s)
         await servicer.sweep()
+        publish_signals(pool_signals(servicer.worker_signals()))
+
+
+def _start_kubernetes(settings: SchedulerSettings, servicer: SchedulerServicer,
+                      owner: TaskOwner) -> Any:  # fmt: skip
+    """Pod discovery and the planner, as configured; the API client to close (or None)."""
+    api_client = None
+    if settings.discovery == "kubernetes":
+        from kubernetes.aio import client
+
+        api_client = kubernetes_api(settings.kubernetes_api)
+        namespace = settings.namespace or own_namespace()
+        discovery = PodDiscovery(client.CoreV1Api(api_client), namespace, settings.pod_selector,
+                                 servicer, settings.unregistered_after_s)  # fmt: skip
+        owner.spawn(discovery.run_forever(), "pod-discovery")
+        owner.spawn(discovery.check_forever(), "pod-registration-check")
+        logger.info("pod discovery: namespace %s, pods %s", namespace, settings.pod_selector)
+    if settings.planner is not None:
+        actuator = None
+        if settings.scale_deployments:
+            actuator = ScaleActuator(api_client, settings.namespace or own_namespace(),
+                                     dict(settings.scale_deployments))  # fmt: skip
+        planner = Planner(PlannerConfig.from_dict(settings.planner), drains_first=bool(actuator))
+        owner.spawn(plan_forever(planner, servicer, actuator), "planner")
+        logger.info("planner on (%s)", "sets replicas" if actuator else "publishes only")
+    return api_client

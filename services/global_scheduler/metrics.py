@@ -34,3 +34,33 @@ DIRECTORY_DEGRADED = Gauge(
     "baton_scheduler_directory_degraded",
     "1 while the prefix directory's backend is unreachable (routing on load alone)",
 )
+DISCOVERY_EVENTS = Counter(
+    "baton_scheduler_discovery_events",
+    "What pod discovery did: cordoned (deletionTimestamp), removed (pod gone), watch_failed",
+    ["event"],
+)
+PODS_UNREGISTERED = Gauge(
+    "baton_scheduler_pods_unregistered",
+    "Worker pods Ready for a while that never registered (discovery on Kubernetes)",
+)
+# Scaling signals, per pool (prefill | decode | both), from the live registry only: a worker
+# that left stops counting at once (no stale per-pod gauge keeps a trigger high).
+POOL_WORKERS = Gauge("baton_pool_workers", "Registered workers, by pool", ["pool"])
+POOL_BACKLOG_S = Gauge(
+    "baton_pool_prefill_backlog_seconds",
+    "Uncached prompt tokens queued on the pool ÷ its measured prefill throughput",
+    ["pool"],
+)
+POOL_KV_USAGE = Gauge("baton_pool_kv_usage", "Mean KV-cache occupancy of the pool (0-1)", ["pool"])
+POOL_RUNNING = Gauge("baton_pool_running_requests", "Requests running on the pool", ["pool"])
+POOL_WAITING = Gauge("baton_pool_waiting_requests", "Requests waiting on the pool", ["pool"])
+DESIRED_REPLICAS = Gauge(
+    "baton_planner_desired_replicas",
+    "The planner's desired replicas per pool (what HPA/KEDA act on, or what it sets itself)",
+    ["pool"],
+)
+PLANNER_DRAINING = Gauge(
+    "baton_planner_draining_workers",
+    "Workers the planner is emptying (cordoned) before it lowers the pool's replicas",
+    ["pool"],
+)

@@ -52,6 +52,9 @@ class WorkerState:
     load: WorkerLoad = field(default_factory=WorkerLoad)
     last_seen: float = field(default_factory=time.monotonic)
     num_routed: int = 0  # requests routed to it since it registered
+    # no new routes (its pod is being deleted, or the planner is emptying it to scale down);
+    # it stays registered: what runs there finishes and its KV can still be pulled
+    cordoned: bool = False
     # Requests routed here that the worker had not received at its last heartbeat, oldest
     # first: its reported load cannot show them yet.
     routes: OrderedDict[str, Route] = field(default_factory=OrderedDict)
@@ -108,12 +111,36 @@ class WorkerRegistry:
     def __init__(self, heartbeat_timeout_s: float):
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._workers: dict[WorkerId, WorkerState] = {}
+        # worker id → why it takes no new routes; kept across re-registrations (a pod being
+        # deleted whose worker reconnects is still being deleted)
+        self._cordoned: dict[WorkerId, str] = {}
 
     def register(self, state: WorkerState) -> WorkerState | None:
         """Add a worker; returns the entry it replaced (an older incarnation), if any."""
         old = self._workers.get(state.worker_id)
+        state.cordoned = state.worker_id in self._cordoned
         self._workers[state.worker_id] = state
         return old
+
+    def cordon(self, worker_id: WorkerId, why: str) -> bool:
+        """No new routes to this worker (registered now or later); True if that is news."""
+        new = worker_id not in self._cordoned
+        self._cordoned[worker_id] = why
+        if (state := self._workers.get(worker_id)) is not None:
+            state.cordoned = True
+        return new
+
+    def uncordon(self, worker_id: WorkerId, why: str | None = None) -> bool:
+        """Routes again, unless it was cordoned for another reason than ``why`` (None: any)."""
+        if worker_id not in self._cordoned or why not in (None, self._cordoned[worker_id]):
+            return False
+        del self._cordoned[worker_id]
+        if (state := self._workers.get(worker_id)) is not None:
+            state.cordoned = False
+        return True
+
+    def cordoned(self) -> dict[WorkerId, str]:
+        return dict(self._cordoned)
 
     def heartbeat(self, worker_id: WorkerId, incarnation: str, load: WorkerLoad) -> bool:
         state = self.get(worker_id, incarnation)

@@ -11,7 +11,7 @@ Plugins live in registries keyed by name; a policy is data:
 
 Filters
     role       the worker can run the request's leg (decode leg: role decode or both)
-    healthy    not draining
+    healthy    not draining, not cordoned (its pod is being deleted, or the planner empties it)
     capacity   queue depth (running + waiting + just routed) below ``max_queue``
 Scorers
     prefix     fraction of the prompt's full blocks the worker already holds, or is about to
@@ -109,7 +109,9 @@ def _role(**_: Any) -> Filter:
 
 
 def _healthy(**_: Any) -> Filter:
-    return lambda q, c: not c.worker.load.draining and c.worker.worker_id not in q.exclude
+    return lambda q, c: (
+        not c.worker.load.draining and not c.worker.cordoned and c.worker.worker_id not in q.exclude
+    )
 
 
 def _capacity(max_queue: int = 1024, **_: Any) -> Filter:

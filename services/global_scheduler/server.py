@@ -12,6 +12,7 @@ from grpc import aio
 
 from services.global_scheduler import convert, metrics
 from services.global_scheduler.directory import PrefixDirectory
+from services.global_scheduler.planner import WorkerSignal
 from services.global_scheduler.registry import WorkerRegistry, WorkerState
 from services.global_scheduler.routing import (
     Candidate,
@@ -253,6 +254,37 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
             logger.info("worker %s removed: %s", worker.worker_id, why)
             metrics.WORKER_EVENTS.labels("removed").inc()
         self._update_alive()
+
+    # -- what pod discovery and the planner change (discovery.WorkerSink) ----------------
+
+    def cordon(self, worker_id: WorkerId, why: str) -> None:
+        self.registry.cordon(worker_id, why)
+
+    def uncordon(self, worker_id: WorkerId, why: str) -> None:
+        self.registry.uncordon(worker_id, why)
+
+    async def forget(self, worker_id: WorkerId, why: str) -> None:
+        """The worker is gone for good (its pod was deleted): out of the registry and the
+        directory now, whatever its heartbeat stream still does."""
+        state = self.registry.get(worker_id)
+        if state is not None:
+            await self._remove(state, why)
+        self.registry.uncordon(worker_id)
+
+    def is_registered(self, worker_id: WorkerId) -> bool:
+        return self.registry.get(worker_id) is not None
+
+    def worker_signals(self) -> list[WorkerSignal]:
+        cordoned = self.registry.cordoned()
+        out = []
+        for w in self.registry.workers():
+            load = w.load
+            out.append(WorkerSignal(
+                w.worker_id, w.role, load.num_running, load.num_waiting, load.num_in_flight,
+                load.kv_usage, load.pending_prefill_tokens, load.tokens_per_s,
+                cordoned.get(w.worker_id, ""),
+            ))  # fmt: skip
+        return out
 
     def _update_alive(self) -> None:
         counts = dict.fromkeys(("prefill", "decode", "both"), 0)
