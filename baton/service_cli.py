@@ -165,6 +165,20 @@ def _pool_deployment(spec: str) -> tuple[str, str]:
     return pool, name
 
 
+def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """--api-key values, then the keys in --api-key-file (one per line; a Kubernetes Secret)."""
+    keys = list(args.api_key or ())
+    if args.api_key_file:
+        try:
+            lines = Path(args.api_key_file).read_text().splitlines()
+        except OSError as e:
+            raise SystemExit(f"baton gateway: --api-key-file: {e}") from None
+        keys += [k.strip() for k in lines if k.strip() and not k.startswith("#")]
+        if not keys:
+            raise SystemExit(f"baton gateway: {args.api_key_file} holds no key")
+    return tuple(keys)
+
+
 def run_gateway(args: argparse.Namespace) -> None:
     from services.gateway.main import serve
     from services.gateway.settings import GatewaySettings
@@ -175,7 +189,7 @@ def run_gateway(args: argparse.Namespace) -> None:
     name = args.served_model_name or Path(args.model).name
     settings = GatewaySettings(
         scheduler_address=args.scheduler, models={name: args.model}, host=args.host,
-        port=args.port, api_keys=tuple(args.api_key or ()), max_body_bytes=args.max_body_bytes,
+        port=args.port, api_keys=_api_keys(args), max_body_bytes=args.max_body_bytes,
         request_timeout_s=args.request_timeout, generate_stream=not args.no_generate_stream,
         cpus=args.cpus, limits=input_limits(args),
     )  # fmt: skip
@@ -314,6 +328,8 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
     _gateway_flags(p)
     p.add_argument("--scheduler", required=True, help="host:port of the global scheduler")
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--api-key-file", default=None,
+                   help="API keys, one per line (added to --api-key)")  # fmt: skip
     _add_cpus_flag(p)
     _add_security_flags(p)
     p.set_defaults(func=run_gateway)

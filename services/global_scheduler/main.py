@@ -10,8 +10,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import start_http_server
-
 from services.global_scheduler.directory import create_directory
 from services.global_scheduler.discovery import PodDiscovery, kubernetes_api
 from services.global_scheduler.planner import Planner, PlannerConfig, pool_signals
@@ -24,6 +22,7 @@ from services.global_scheduler.settings import SchedulerSettings, own_namespace
 from shared import rpc
 from shared.affinity import pin_threads
 from shared.lifecycle import StopSignal, TaskOwner, export_task_count
+from shared.probes import LoopTicker, start_probe_server
 from shared.protos.baton.v1 import scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -52,9 +51,11 @@ async def serve(settings: SchedulerSettings, stop: StopSignal | None = None) -> 
     await server.start()
     try:
         metrics_port = None
-        if settings.metrics_port is not None:
-            http, _ = start_http_server(settings.metrics_port, addr=settings.host)
-            metrics_port = int(http.server_port)
+        ticker = LoopTicker()
+        owner.spawn(ticker.run(), "loop-ticker")
+        if settings.metrics_port is not None:  # with /health and /ready (it serves once here)
+            metrics_port = start_probe_server(settings.host, settings.metrics_port,
+                                              lambda: (True, "serving"), ticker.check)  # fmt: skip
         owner.spawn(_sweep_forever(servicer, settings.sweep_interval_s), "sweep")
         owner.spawn(directory.probe_forever(), "directory-probe")
         api_client = _start_kubernetes(settings, servicer, owner)

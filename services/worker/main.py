@@ -11,8 +11,6 @@ import json
 import logging
 from pathlib import Path
 
-from prometheus_client import start_http_server
-
 from services.worker import convert, metrics
 from services.worker.engine.async_llm import AsyncLLM
 from services.worker.heartbeat import Heartbeat
@@ -22,6 +20,7 @@ from shared import rpc
 from shared.affinity import pin_threads
 from shared.kv_events import KVEventBatch
 from shared.lifecycle import StopSignal, TaskOwner, export_task_count, wait_or_forced
+from shared.probes import LoopTicker, start_probe_server
 from shared.protos.baton.v1 import scheduler_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -42,7 +41,25 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> Non
         port = rpc.add_port(server, f"{settings.host}:{settings.port}")
         await server.start()
         address = f"{settings.advertise_host or settings.host}:{port}"
-        metrics_port = _start_metrics(settings)
+        heartbeats: list[Heartbeat] = []
+        serving = asyncio.Event()
+        ticker = LoopTicker()
+        owner.spawn(ticker.run(), "loop-ticker")
+
+        def ready() -> tuple[bool, str]:
+            """/ready (and the startupProbe): model loaded, registered everywhere, not
+            draining."""
+            missing = [h.address for h in heartbeats if not h.connected.is_set()]
+            if servicer.draining or engine.dead:
+                return False, "draining" if servicer.draining else "the engine died"
+            if missing or not serving.is_set():
+                return False, f"not registered with {missing}" if missing else "starting"
+            return True, "serving"
+
+        metrics_port = None
+        if settings.metrics_port is not None:
+            metrics_port = start_probe_server(settings.host, settings.metrics_port, ready,
+                                              ticker.check)  # fmt: skip
 
         rate = ThroughputMeter()
         counters = metrics.EngineCounters()
@@ -59,7 +76,6 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> Non
                 stats, servicer.in_flight, servicer.draining, tokens_per_s, servicer.num_received
             )
 
-        heartbeats: list[Heartbeat] = []
         if settings.scheduler_addresses:
             stats = await engine.get_stats()
             registration = scheduler_pb2.WorkerRegistration(
@@ -87,6 +103,7 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> Non
             engine.kv_event_listener = fan_out
             await _wait_registered(heartbeats)
         owner.spawn(_watch_engine(engine, stop), "engine-watch")
+        serving.set()
         logger.info("worker %s (%s) serving %s on %s", settings.worker_id, settings.role,
                     engine.model_name, address)  # fmt: skip
         if settings.cpus:  # the engine core runs in its own process, which keeps every CPU
@@ -145,13 +162,6 @@ async def _watch_engine(engine: AsyncLLM, stop: StopSignal) -> None:
     logger.error("the engine core died; stopping the worker")
     stop.trigger()
     stop.trigger()  # no drain: nothing can finish
-
-
-def _start_metrics(settings: WorkerSettings) -> int | None:
-    if settings.metrics_port is None:
-        return None
-    server, _ = start_http_server(settings.metrics_port, addr=settings.host)
-    return int(server.server_port)
 
 
 def _write_ready(path: str, address: str, metrics_port: int | None) -> None:
