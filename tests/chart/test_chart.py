@@ -59,8 +59,11 @@ def one(objs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
 
 
 def workers(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [o for o in objs if o["kind"] == "Deployment"
-            and o["spec"]["template"]["metadata"]["labels"].get("baton.dev/worker") == "true"]  # fmt: skip
+    def is_worker(o: dict[str, Any]) -> bool:
+        labels = o["spec"]["template"]["metadata"]["labels"]
+        return o["kind"] == "Deployment" and labels.get("baton.dev/worker") == "true"
+
+    return [o for o in objs if is_worker(o)]
 
 
 def pod_spec(o: dict[str, Any]) -> dict[str, Any]:
@@ -277,11 +280,21 @@ def test_network_policy_isolates_redis_and_the_workers() -> None:
     for o in objs:
         if o["kind"] in ("Deployment", "StatefulSet"):
             labels = o["spec"]["template"]["metadata"]["labels"]
-            covered = [p for p in objs if p["kind"] == "NetworkPolicy" and all(
-                labels.get(k) == v for k, v in p["spec"]["podSelector"]["matchLabels"].items())]
+            covered = [
+                p
+                for p in objs
+                if p["kind"] == "NetworkPolicy"
+                and all(
+                    labels.get(k) == v for k, v in p["spec"]["podSelector"]["matchLabels"].items()
+                )
+            ]
             assert covered, o["metadata"]["name"]
-            open_to_all = any("from" not in rule for p in covered for rule in p["spec"]["ingress"]
-                              if rule.get("ports") != [{"port": "metrics"}] and "ports" in rule)
+            open_to_all = any(
+                "from" not in rule
+                for p in covered
+                for rule in p["spec"]["ingress"]
+                if rule.get("ports") != [{"port": "metrics"}] and "ports" in rule
+            )
             assert open_to_all == o["metadata"]["name"].endswith("-gateway"), o["metadata"]["name"]
 
 
@@ -294,7 +307,8 @@ def test_monitoring_objects_only_with_the_operator_api() -> None:
             assert not {"ServiceMonitor", "PodMonitor"} & {o["kind"] for o in objs}
             for w in workers(objs):
                 assert w["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scrape"]
-    board = json.loads(one(objects("default"), "ConfigMap", "rel-baton-dashboard")["data"]["baton.json"])
+    board_map = one(objects("default"), "ConfigMap", "rel-baton-dashboard")
+    board = json.loads(board_map["data"]["baton.json"])
     exprs = " ".join(t["expr"] for p in board["panels"] for t in p["targets"])
     assert 'le="0.5"' in exprs and 'le="0.05"' in exprs and "__" not in exprs
     for metric in ("baton_gateway_ttft_seconds", "baton_planner_desired_replicas",
