@@ -60,8 +60,9 @@ def one(objs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
 
 def workers(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     def is_worker(o: dict[str, Any]) -> bool:
-        labels = o["spec"]["template"]["metadata"]["labels"]
-        return o["kind"] == "Deployment" and labels.get("baton.dev/worker") == "true"
+        if o["kind"] != "Deployment":
+            return False
+        return o["spec"]["template"]["metadata"]["labels"].get("baton.dev/worker") == "true"
 
     return [o for o in objs if is_worker(o)]
 
