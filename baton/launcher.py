@@ -121,6 +121,7 @@ class ClusterSpec:
     prefill_workers: int = 0
     decode_workers: int = 0
     worker_metrics: bool = False  # give each worker /metrics
+    drain_timeout_s: float = 30.0  # a worker's SIGTERM: how long in-flight requests may finish
     log_dir: str | None = None  # each service's output to DIR/<name>.log
     redis_url: str | None = None
     routing_policy: str | None = None  # a YAML/JSON file
@@ -206,7 +207,7 @@ class Cluster:
                   "(--kv-cache-memory-bytes or --num-kv-blocks)", file=sys.stderr)  # fmt: skip
         for i, (name, role) in enumerate(roles):
             argv = ["worker", "--model", a.model, "--scheduler", sched_addr, "--worker-id", name,
-                    "--role", role]  # fmt: skip
+                    "--role", role, "--drain-timeout", str(a.drain_timeout_s)]  # fmt: skip
             if a.worker_metrics:
                 argv += ["--metrics-port", "0"]
             argv += cpus[name]

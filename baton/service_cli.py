@@ -263,6 +263,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         request_timeout=args.request_timeout, generate_stream=not args.no_generate_stream,
         workers=args.workers, prefill_workers=args.prefill_workers,
         decode_workers=args.decode_workers, worker_metrics=args.worker_metrics,
+        drain_timeout_s=args.drain_timeout,
         log_dir=args.log_dir, redis_url=args.redis_url, routing_policy=args.routing_policy,
         gpus=args.gpus, pin_cpus=args.pin_cpus, device=args.device,
         kv_sized=bool(args.num_kv_blocks or args.kv_cache_memory_bytes),
@@ -340,6 +341,8 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-workers", type=int, default=0)
     p.add_argument("--decode-workers", type=int, default=0)
     p.add_argument("--worker-metrics", action="store_true", help="give each worker /metrics")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="a worker's SIGTERM: how long its requests may finish")  # fmt: skip
     p.add_argument("--log-dir", default=None, help="write each service's log to DIR/<name>.log")
     p.add_argument("--redis-url", default=None, help="prefix directory in Redis (default: memory)")
     p.add_argument("--routing-policy", default=None, help="YAML/JSON file (see routing.py)")

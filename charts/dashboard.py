@@ -54,7 +54,7 @@ PANELS: list[tuple[str, str, list[dict[str, str]]]] = [
      [q("sum(rate(baton_worker_kv_pull_bytes_total[5m]))", "pulled"),
       q("sum(rate(baton_worker_kv_pull_failures_total[5m]))", "failed pulls/s")]),
     ("Resumes after worker failures", "ops",
-     [q("sum(rate(baton_gateway_resumes_total[5m]))", "resumed choices")]),
+     [q("sum(rate(baton_gateway_resumes_total[5m])) by (stage)", "resumed {{stage}}")]),
     ("Replicas per pool: planner's desired vs registered", "short",
      [q("max(baton_planner_desired_replicas) by (pool)", "desired {{pool}}"),
       q("max(baton_pool_workers) by (pool)", "registered {{pool}}")]),

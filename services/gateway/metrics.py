@@ -28,7 +28,10 @@ CACHED_TOKENS = Counter(
     "baton_gateway_prefix_hit_tokens", "Prompt tokens the engines served from their prefix cache"
 )
 RESUMES = Counter(
-    "baton_gateway_resumes", "Choices resumed on another worker after a worker failed"
+    "baton_gateway_resumes",
+    "Choices resumed on another worker after a worker failed or drained, by stage: refused "
+    "(before that worker produced a token, e.g. it was draining) or mid_stream (cut short)",
+    ["stage"],
 )
 PREFILL_SECONDS = Histogram(
     "baton_gateway_prefill_seconds", "Prefill leg of disaggregated requests (to the KV handle)",

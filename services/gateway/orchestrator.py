@@ -182,6 +182,7 @@ class Orchestrator:
         """The decode leg (or the whole request), resumed on another worker if one fails."""
         failed: list[str] = []
         while True:
+            at_start = len(state.generated)  # tokens before this worker (P/D: the first)
             responses = self.workers.generate(route.decode.address).generate(
                 _generate_request(job, index, params, state.generated, handoff),
                 timeout=max(job.deadline - time.monotonic(), 0.001),
@@ -205,7 +206,9 @@ class Orchestrator:
                     "worker %s failed (%s): resuming choice %d after %d tokens",
                     route.decode.worker_id, details, index, len(state.generated),
                 )  # fmt: skip
-                metrics.RESUMES.inc()
+                # refused before it produced anything (draining, say), or cut short
+                stage = "mid_stream" if len(state.generated) > at_start else "refused"
+                metrics.RESUMES.labels(stage).inc()
                 route = await self._route(job, hashes, exclude=failed)
                 handoff = None  # resumed: the new worker computes prompt + tokens itself
             finally:

@@ -70,6 +70,7 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> Non
             metrics.WAITING.set(stats.num_waiting)
             metrics.KV_USAGE.set(stats.kv_usage)
             metrics.IN_FLIGHT.set(servicer.in_flight)
+            metrics.KV_LEASES_HELD.set(stats.kv_leases_held)
             counters.update(stats)
             tokens_per_s = rate.update(stats.computed_tokens, stats.model_seconds)
             return convert.load(
@@ -115,8 +116,16 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> Non
         servicer.draining = True
         for beat in heartbeats:
             beat.wake()
-        if not await wait_or_forced(servicer.wait_idle(), stop, settings.drain_timeout_s):
-            logger.warning("drain: %d requests still running, cancelling", servicer.in_flight)
+        # in-flight requests finish, and KV still leased is pulled, within the drain timeout;
+        # what is left then ends with the status the gateway resumes elsewhere
+        if not await wait_or_forced(servicer.drained(), stop, settings.drain_timeout_s):
+            logger.warning("drain: %d requests still running, ending them (resumable)",
+                           servicer.in_flight)  # fmt: skip
+            await servicer.end_the_rest()
+            try:
+                await asyncio.wait_for(servicer.wait_idle(), 5.0)
+            except TimeoutError:
+                logger.warning("drain: %d requests did not end", servicer.in_flight)
         for beat in heartbeats:
             beat.stop()
         await asyncio.sleep(0)  # let the streams end cleanly before the channels close

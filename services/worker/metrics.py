@@ -26,6 +26,9 @@ KV_HANDLES_REFUSED = Counter(
     "Decode legs whose KV handle pointed at no registered prefill worker (not read)",
 )
 KV_USAGE = Gauge("baton_worker_kv_usage", "Fraction of KV-cache blocks in use")
+KV_LEASES_HELD = Gauge(
+    "baton_worker_kv_leases_held", "Prefill side: finished prefills whose KV waits to be pulled"
+)
 IN_FLIGHT = Gauge("baton_worker_in_flight_requests", "Requests the worker service is serving")
 
 # KV transfer (disaggregated prefill/decode), mirrored from the engine's counters

@@ -92,6 +92,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.engine = engine
         self.draining = False
         self.in_flight = 0
+        self._running: set[str] = set()  # request ids of the calls in flight
+        self._evicted: set[str] = set()  # ended by end_the_rest
         self.num_received = 0  # Prefill + Generate calls since start (heartbeats carry it)
         self._idle = asyncio.Event()
         self._idle.set()
@@ -313,6 +315,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def wait_idle(self) -> None:
         await self._idle.wait()
 
+    async def drained(self, poll_s: float = 0.1) -> None:
+        """Nothing left to serve: no call in flight, and (a prefill worker) no KV lease held,
+        so no decode worker is still to pull from us. The caller bounds the wait."""
+        await self.wait_idle()
+        while not self.engine.dead and (await self.engine.get_stats()).kv_leases_held:
+            await asyncio.sleep(poll_s)
+            await self.wait_idle()
+
+    async def end_the_rest(self) -> None:
+        """The drain timed out: every request still running ends with UNAVAILABLE, the
+        status the gateway resumes on another worker (with the tokens streamed so far)."""
+        self._evicted.update(self._running)
+        for request_id in list(self._running):
+            await self.engine.abort(request_id)
+
     def _admit(self, p: "common_pb2.SamplingParams") -> SamplingParams:
         if self.draining:
             raise CallRejected(grpc.StatusCode.UNAVAILABLE, "the worker is draining")
@@ -336,6 +353,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             prompt["kv_transfer"] = leg
         self.in_flight += 1
         self.num_received += 1
+        self._running.add(request.request_id)
         self._idle.clear()
         start, outcome = time.perf_counter(), "error"
         first = True
@@ -356,10 +374,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise CallRejected(
                 grpc.StatusCode.UNAVAILABLE, f"the worker's engine died: {e}"
             ) from None
-        except (asyncio.CancelledError, GeneratorExit):
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            task = asyncio.current_task()
+            if request.request_id in self._evicted and not (task and task.cancelling()):
+                outcome = "evicted"
+                raise CallRejected(grpc.StatusCode.UNAVAILABLE, "the worker drained before this "
+                                   "request ended: resume it elsewhere") from None  # fmt: skip
+            raise
+        except GeneratorExit:
             outcome = "cancelled"
             raise
         finally:
+            self._running.discard(request.request_id)
+            self._evicted.discard(request.request_id)
             seconds = time.perf_counter() - start
             metrics.REQUESTS.labels(outcome=outcome).inc()
             metrics.E2E.observe(seconds)

@@ -97,3 +97,23 @@ def test_a_finished_request_stops_counting_at_once() -> None:
     assert w.in_transit == 2
     reg.heartbeat(WorkerId("w"), "a", WorkerLoad(num_received=3, num_running=1))  # got a, b
     assert list(w.routes) == ["c"] and w.queue_depth == 2
+
+
+def test_cordon_outlives_a_reregistration_and_routing_skips_it() -> None:
+    """Pod discovery cordons a pod being deleted; its worker reconnecting (a new incarnation)
+    is still cordoned; the healthy filter routes around it; only the same reason frees it."""
+    from services.global_scheduler.routing import Candidate, RouteQuery, RoutingPolicy
+
+    reg = WorkerRegistry(heartbeat_timeout_s=1.5)
+    reg.register(state("w1"))
+    reg.register(state("w2"))
+    assert reg.cordon(WorkerId("w1"), "pod-deleting")
+    reg.register(state("w1", "b"))  # it reconnects
+    assert reg.get(WorkerId("w1")).cordoned  # type: ignore[union-attr]
+    policy = RoutingPolicy()
+    for _ in range(20):
+        decision = policy.route(RouteQuery("m", 0), [Candidate(w, 0) for w in reg.workers()])
+        assert decision.decode.worker.worker_id == "w2"
+    assert not reg.uncordon(WorkerId("w1"), "planner")  # not the planner's to free
+    assert reg.uncordon(WorkerId("w1"), "pod-deleting")
+    assert not reg.get(WorkerId("w1")).cordoned and reg.cordoned() == {}  # type: ignore[union-attr]

@@ -150,6 +150,7 @@ class EngineCore:
                 extra["kv_leases_released"] = transfer.num_released
                 extra["kv_leases_expired"] = transfer.num_expired
                 extra["kv_stale_handles"] = transfer.num_stale
+                extra["kv_leases_held"] = len(transfer.leases)
             result: object = msgspec.structs.replace(stats, **extra)
         elif call.method == "get_model_info":
             result = self.executor.model_info()

@@ -96,6 +96,7 @@ class EngineStats(msgspec.Struct):
     kv_leases_released: int = 0  # prefill side: leases ended by the decode side's notification
     kv_leases_expired: int = 0  # prefill side: leases nobody pulled in time
     kv_stale_handles: int = 0  # decode side: handles whose lease had expired (not read)
+    kv_leases_held: int = 0  # prefill side: finished prefills whose KV still waits to be pulled
 
 
 class ModelInfo(msgspec.Struct):

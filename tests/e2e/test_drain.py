@@ -1,0 +1,160 @@
+"""Drain: SIGTERM (what Kubernetes sends a pod it scales down or replaces) to a worker in the
+middle of 16 streaming requests of disaggregated prompts. The worker stops taking new
+requests at once (the scheduler routes around it), lets what runs there finish, a prefill
+worker serves the pulls of the KV it still holds, and nothing fails: every output equals the
+offline engine's. When the drain timeout is shorter than what runs, the rest ends with the
+status the gateway resumes elsewhere, and still nothing fails."""
+
+import json
+import signal
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import httpx
+
+from tests.e2e.conftest import (
+    StreamLoad,
+    long_prompt,
+    running_cluster,
+    scheduler_metric,
+    wait_for,
+    worker_health,
+)
+
+if TYPE_CHECKING:
+    from baton import LLM
+
+MAX_TOKENS = 24
+
+
+def _setup(tiny_model: Path, tmp_path: Path, offline: "LLM", max_tokens: int = MAX_TOKENS):  # type: ignore[no-untyped-def]
+    """Prompts of 100-156 tokens, every one disaggregated: P/D from 32 uncached tokens, a
+    prefill queue that never counts as busy, and no pending entries (with the workers'
+    --no-prefix-caching, a prompt seen before is not taken for cached on the decode side)."""
+    from baton import SamplingParams
+
+    policy = tmp_path / "policy.json"
+    policy.write_text(json.dumps({"decider": {"min_uncached_tokens": 32, "max_prefill_queue": 64},
+                                  "pending": {"ttl_s": 0}}))  # fmt: skip
+    prompts = [long_prompt(tiny_model, 100 + 8 * k, f"drain-{k}") for k in range(8)]
+    refs = {p: o.outputs[0].text for p, o in zip(prompts, offline.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=max_tokens)), strict=True)}  # fmt: skip
+    return policy, prompts, refs
+
+
+def _resumes(cluster, stage: str) -> float:  # type: ignore[no-untyped-def]
+    """The gateway's resumes of one stage (mid_stream: a stream cut short on its worker)."""
+    base = (cluster.url or "").removesuffix("/v1")
+    key = f'baton_gateway_resumes_total{{stage="{stage}"}}'
+    text = httpx.get(f"{base}/metrics", timeout=5).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(key))
+
+
+def _drained_cleanly(load: StreamLoad, refs: dict[str, str], at: float) -> None:
+    assert load.failed() == [], load.failed()[:3]
+    assert all(o.text == refs[o.prompt] for o in load.ok()), "an output differs"
+    assert [o for o in load.outcomes if o.start < at < o.end], "none in flight at the SIGTERM"
+
+
+def test_sigterm_to_a_decode_worker_mid_stream_fails_nothing(
+    tiny_model: Path, tmp_path: Path, offline: "LLM"
+) -> None:
+    policy, prompts, refs = _setup(tiny_model, tmp_path, offline)
+    flags = ["--routing-policy", str(policy), "--no-prefix-caching"]
+    with running_cluster(tiny_model, 0, "--prefill-workers", "1", "--decode-workers", "2",
+                         *flags) as cluster:  # fmt: skip
+        decode = cluster.procs["decode-0"]
+
+        def prompt(c: int, i: int) -> str:
+            return prompts[(c + i) % len(prompts)]
+
+        with StreamLoad(
+            cluster.url or "", clients=16, max_tokens=MAX_TOKENS, prompt=prompt
+        ) as load:
+            wait_for(lambda: len(load.ok()) >= 16, 60.0, "load to flow")
+            wait_for(lambda: worker_health(cluster, "decode-0").num_running > 0, 10.0,
+                     "requests running on decode-0")  # fmt: skip
+            at = time.monotonic()
+            decode.send_signal(signal.SIGTERM)
+            decode.wait(timeout=40)  # it drained (its 30 s drain timeout is a bound, not a wait)
+            drained_in = time.monotonic() - at
+            wait_for(lambda: len(load.ok(since=at + drained_in)) >= 32, 60.0,
+                     "requests after the drain")  # fmt: skip
+        _drained_cleanly(load, refs, at)
+        # what ran on decode-0 finished there: nothing was cut short and resumed elsewhere
+        # (a request routed to it as it began draining is refused at once and resumed)
+        assert _resumes(cluster, "mid_stream") == 0
+        print(f"decode-0 drained in {drained_in:.2f} s; {len(load.ok())} requests, none failed; "
+              f"{_resumes(cluster, 'refused'):.0f} refused while draining")  # fmt: skip
+
+
+def test_sigterm_to_a_prefill_worker_mid_transfer_fails_nothing(
+    tiny_model: Path, tmp_path: Path, offline: "LLM"
+) -> None:
+    """One decode worker is held (SIGSTOP) so that prefill-0's finished prefills for it wait
+    to be pulled (the other keeps serving: holding the only one would leave new requests no
+    decode worker once its heartbeat lapses); prefill-0 gets SIGTERM then. It stays up while
+    its KV is leased, serves the pulls once the decode worker runs again, and only then exits:
+    no pull fails (nothing is recomputed), no request fails."""
+    policy, prompts, refs = _setup(tiny_model, tmp_path, offline)
+    flags = ["--routing-policy", str(policy), "--worker-metrics", "--no-prefix-caching"]
+    with running_cluster(tiny_model, 0, "--prefill-workers", "2", "--decode-workers", "2",
+                         *flags) as cluster:  # fmt: skip
+        prefill, decode = cluster.procs["prefill-0"], cluster.procs["decode-0"]
+
+        def prompt(c: int, i: int) -> str:
+            return prompts[(c + i) % len(prompts)]
+
+        load = StreamLoad(cluster.url or "", clients=16, max_tokens=MAX_TOKENS, prompt=prompt)
+        with load:
+            wait_for(lambda: len(load.ok()) >= 16, 60.0, "load to flow")
+            released = "baton_worker_kv_leases_released_total"
+            wait_for(lambda: scheduler_metric(cluster, released, "prefill-0") > 0, 30.0,
+                     "pulls from prefill-0")  # fmt: skip
+            decode.send_signal(signal.SIGSTOP)
+            try:
+                held = "baton_worker_kv_leases_held"
+                wait_for(lambda: scheduler_metric(cluster, held, "prefill-0") > 0, 10.0,
+                         "prefill-0 to hold KV nobody pulled yet")  # fmt: skip
+                at = time.monotonic()
+                prefill.send_signal(signal.SIGTERM)
+                time.sleep(1.5)
+                assert prefill.poll() is None, "prefill-0 left with its KV still leased"
+            finally:
+                decode.send_signal(signal.SIGCONT)
+            prefill.wait(timeout=40)
+            drained_in = time.monotonic() - at
+            wait_for(lambda: len(load.ok(since=at + drained_in)) >= 32, 60.0,
+                     "requests after the drain")  # fmt: skip
+        _drained_cleanly(load, refs, at)
+        failures = sum(scheduler_metric(cluster, "baton_worker_kv_pull_failures_total", name)
+                       for name in ("decode-0", "decode-1"))  # fmt: skip
+        assert failures == 0, f"{failures} pulls failed: the prefill worker left with KV leased"
+        print(f"prefill-0 drained in {drained_in:.2f} s (decode held 1.5 s); no pull failed")
+
+
+def test_a_drain_that_times_out_ends_the_rest_resumably(
+    tiny_model: Path, tmp_path: Path, offline: "LLM"
+) -> None:
+    """A 0.5 s drain timeout against streams of 200 tokens: what is still running on the
+    decode worker then ends with UNAVAILABLE, and the gateway resumes each on the other one
+    (the client sees one stream, with the same text)."""
+    policy, prompts, refs = _setup(tiny_model, tmp_path, offline, max_tokens=200)
+    with running_cluster(tiny_model, 0, "--prefill-workers", "1", "--decode-workers", "2",
+                         "--routing-policy", str(policy), "--drain-timeout", "0.5",
+                         "--max-restarts", "0", "--no-prefix-caching") as cluster:  # fmt: skip
+        decode = cluster.procs["decode-0"]
+
+        def prompt(c: int, i: int) -> str:
+            return prompts[(c + i) % len(prompts)]
+
+        with StreamLoad(cluster.url or "", clients=8, max_tokens=200, prompt=prompt) as load:
+            wait_for(lambda: worker_health(cluster, "decode-0").num_running > 0, 60.0,
+                     "requests running on decode-0")  # fmt: skip
+            at = time.monotonic()
+            decode.send_signal(signal.SIGTERM)
+            decode.wait(timeout=20)
+            wait_for(lambda: len(load.ok(since=at)) >= 8, 120.0, "requests after the drain")
+        _drained_cleanly(load, refs, at)
+        assert _resumes(cluster, "mid_stream") >= 1, "the drain timeout cut no stream short"
