@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 PIP     := .venv/bin/pip
 TINY    := tiny-model
 
-.PHONY: install run demo protos test test-gpu lint format bench bench-serving bench-prefix bench-soak clean
+.PHONY: install run demo protos test test-gpu test-images lint format bench bench-serving bench-prefix bench-soak clean
 
 install:  ## redis-server (apt) + .venv with Baton and its pinned dependencies
 	command -v redis-server >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
@@ -32,8 +32,13 @@ demo: $(TINY)/config.json  ## offline: generate text with the engine in this pro
 protos:  ## regenerate the gRPC stubs in shared/protos/ from protos/baton/v1/*.proto
 	$(PY) protos/generate.py
 
-test:  ## unit + integration + e2e on CPU (GPU tests are skipped without CUDA)
-	$(PY) -m pytest -q tests
+test:  ## unit + integration + e2e + the chart on CPU (GPU tests are skipped without CUDA)
+	$(PY) -m pytest -q -m "not image" tests
+
+test-images:  ## build the slim image with buildah (no daemon) and run it: minutes
+	command -v buildah >/dev/null && command -v debootstrap >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); $$SUDO apt-get install -y -q buildah debootstrap; }
+	$(PY) -m pytest -q -m image tests/images
 
 test-gpu:  ## the GPU tests only (run on the GPU machine)
 	$(PY) -m pytest -q -m gpu tests
