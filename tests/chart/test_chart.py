@@ -329,3 +329,26 @@ def test_api_keys_come_from_a_secret_and_redis_can_be_external() -> None:
     (s,) = pod_spec(one(ext, "StatefulSet", "rel-baton-scheduler"))["containers"]
     assert arg(s, "--redis-url") == "redis://redis.shared.svc:6379/3"
     assert arg(s, "--scale-deployment") is None  # two replicas: publish only
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_the_scheduler_accepts_the_configs_the_chart_writes(name: str) -> None:
+    """planner.json and routing-policy.json load as the scheduler loads them, and the planner
+    gets each pool's bounds and GPUs from the pool's values."""
+    from services.global_scheduler.planner import PlannerConfig
+    from services.global_scheduler.routing import RoutingPolicy
+
+    objs = objects(name)
+    data = one(objs, "ConfigMap", "rel-baton-scheduler")["data"]
+    config = PlannerConfig.from_dict(json.loads(data["planner.json"]))
+    RoutingPolicy(json.loads(data["routing-policy.json"]) or None)
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    values_set = yaml.safe_load((CHART / "ci" / f"{name}-values.yaml").read_text()) or {}
+    for w in workers(objs):
+        pool = w["metadata"]["name"].removeprefix("rel-baton-")
+        key = "colocated" if pool == "both" else pool
+        auto = {**values[key]["autoscaling"], **values_set.get(key, {}).get("autoscaling", {})}
+        bounds = config.bounds(pool)
+        assert (bounds.min_replicas, bounds.max_replicas) == (auto["minReplicas"],
+                                                              auto["maxReplicas"])  # fmt: skip
+        assert bounds.gpus_per_replica == values_set.get(key, {}).get("gpus", 1)
