@@ -27,12 +27,14 @@ from benchmarks.roofline import ModelCost, limits, limits_seen
 from benchmarks.shapes import write_shape
 
 VARIANTS: dict[str, dict[str, Any]] = {
-    "graphs": {},  # the default: CUDA graphs + fused kernels + Triton attention, async scheduling
+    "graphs": {},  # the default: CUDA graphs + fused kernels + attention "auto", async scheduling
     "sync": {"async_scheduling": False},  # the default, but the host waits for each step
     "eager": {"enforce_eager": True},
     "unfused": {"fused_ops": False},
     "cublas_gemv": {},  # the default, but one-token linear layers through cuBLAS (F.linear)
     "no_pdl": {},  # the default, but Triton kernels launched without programmatic dependence
+    "triton": {"attention_backend": "triton"},  # the default with the Triton attention backend
+    "flash_attn": {"attention_backend": "flash_attn"},  # ... with FlashAttention-4's prefill
 }
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from services.worker.engine.attention.backend import AttentionMetadata
+from services.worker.engine.attention.flash_attn_backend import available as flash_attn_available
 from services.worker.engine.attention.registry import get_backend, known_backends
 from services.worker.engine.kv_cache.layout import KVCacheLayout, layer_views
 
@@ -116,9 +117,15 @@ def test_metadata_counts_the_trailing_decode_rows() -> None:
     assert (meta.num_decodes, meta.max_decode_seq_len) == (4, 31)
 
 
+# on a GPU also the head dims of real models (FlashAttention's paged path takes only those)
+HEADS = [(4, 4, 16), (8, 2, 32), (6, 1, 8)] + (
+    [(8, 2, 64), (8, 4, 128)] if torch.cuda.is_available() else []
+)
+
+
 @pytest.mark.parametrize("backend", known_backends())
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 4, 16), (8, 2, 32), (6, 1, 8)])
+@pytest.mark.parametrize(("hq", "hkv", "d"), HEADS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_backend_matches_dense_attention(
     backend: str, case: str, hq: int, hkv: int, d: int, dtype: torch.dtype
@@ -140,8 +147,10 @@ def test_triton_decode_rows_in_longest_first_order(
 def check_backend(
     backend: str, case: str, hq: int, hkv: int, d: int, dtype: torch.dtype, longest_first: bool
 ) -> None:
-    if backend == "triton" and dtype == torch.bfloat16 and DEVICE == "cpu":
+    if backend in ("triton", "flash_attn") and dtype == torch.bfloat16 and DEVICE == "cpu":
         pytest.skip("Triton's CPU interpreter has no bfloat16 matmul (numpy); runs on the GPU")
+    if backend == "flash_attn" and not flash_attn_available():
+        pytest.skip("needs FlashAttention-4 on a Hopper GPU (pip install '.[flash-attn]')")
     q, k, v, _, meta, expected, kv = build_case(7, hq, hkv, d, CASES[case], dtype)
     if longest_first:
         tail = meta.seq_lens[len(meta.seq_lens) - meta.num_decodes :]

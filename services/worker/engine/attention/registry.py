@@ -7,6 +7,7 @@ from services.worker.engine.attention.backend import AttentionBackend
 _BACKENDS: dict[str, str] = {
     "torch": "services.worker.engine.attention.torch_ref:TorchAttentionBackend",
     "triton": "services.worker.engine.attention.triton_backend:TritonAttentionBackend",
+    "flash_attn": "services.worker.engine.attention.flash_attn_backend:FlashAttnBackend",
 }
 
 
@@ -15,9 +16,15 @@ def known_backends() -> list[str]:
 
 
 def resolve_backend_name(name: str, device: str) -> str:
-    """Turn "auto" into the best backend for ``device``; check any other name."""
+    """Turn "auto" into the best backend for ``device``; check any other name. On CUDA: the
+    FlashAttention backend on Hopper when FlashAttention-4 is installed (its prefill is the
+    faster one on long prompts: docs/performance.md), else Triton."""
     if name == "auto":
-        return "triton" if device == "cuda" else "torch"
+        if device != "cuda":
+            return "torch"
+        from services.worker.engine.attention.flash_attn_backend import available
+
+        return "flash_attn" if available() else "triton"
     if name not in _BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r}; known: auto, " + ", ".join(known_backends())

@@ -1,0 +1,79 @@
+"""The FlashAttention backend: FlashAttention-4 (PyPI ``flash-attn-4``, a CuTe DSL kernel with
+a Hopper forward path) for the prefill rows of a step, the Triton kernels for the rest.
+
+- Prefill rows (prefill chunks, also over a cached prefix): one varlen call, reading the paged
+  KV cache in place through the block table (``page_table``; no gather, no copy of K/V).
+  FlashAttention's causal mask is aligned to the end of each sequence, which is exactly
+  "request i's queries are the last q_len_i of its seq_lens[i] positions".
+- Decode rows (a decode step, the trailing rows of a mixed step): the Triton split-over-context
+  decode kernel, which CUDA graphs capture, as in the Triton backend.
+- K/V writes: the Triton ``_write_kv``; the cache layout (and what NIXL pulls) is unchanged.
+- float32 (which FlashAttention does not run), and head dims its paged path does not take
+  (other than 64, 128, 256), go to the Triton prefill kernel.
+
+FlashAttention reads whole pages: rows past a sequence's end in its last page are masked but
+must be finite, which holds since the KV cache is allocated zeroed (kv_cache/layout.py) and
+only ever holds finite keys and values.
+
+Imported only when this backend is chosen: CPU installs and CI do without the package.
+"""
+
+import importlib.util
+import warnings
+from typing import Any
+
+import torch
+
+from services.worker.engine.attention.backend import AttentionMetadata, LayerKVCache
+from services.worker.engine.attention.triton_backend import TritonAttentionBackend
+
+
+def available() -> bool:
+    """FlashAttention-4 is importable and this is a Hopper GPU (its fast forward path)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        return False
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+PAGED_HEAD_DIMS = (64, 128, 256)
+
+
+class FlashAttnBackend(TritonAttentionBackend):
+    name = "flash_attn"
+    supports_cuda_graphs = True  # decode runs the Triton kernel; prefill is never captured
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        with warnings.catch_warnings():  # its compiler's names it deprecated itself
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from flash_attn.cute import flash_attn_varlen_func  # the optional dependency
+
+        self._varlen: Any = flash_attn_varlen_func
+        # its paged path needs a head dim that fills its tiles; others run the Triton prefill
+        self._paged_ok = head_dim in PAGED_HEAD_DIMS
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        kv: LayerKVCache,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+        num_reqs: int,
+    ) -> None:
+        """The first ``num_reqs`` requests of the batch, in one FlashAttention call."""
+        if q.dtype not in (torch.bfloat16, torch.float16) or not q.is_cuda or not self._paged_ok:
+            super()._prefill(q, kv, meta, out, num_reqs)
+            return
+        n = meta.query_start_loc_cpu[num_reqs]
+        result = self._varlen(
+            q[:n], kv.key, kv.value,
+            cu_seqlens_q=meta.query_start_loc[: num_reqs + 1],
+            seqused_k=meta.seq_lens[:num_reqs],
+            max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_seq_len,
+            page_table=meta.block_tables[:num_reqs],
+            softmax_scale=self.scale, causal=True,
+        )  # fmt: skip
+        out[:n].copy_(result[0] if isinstance(result, tuple) else result)
