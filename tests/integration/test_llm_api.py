@@ -146,7 +146,8 @@ def test_bad_prompts(llm: LLM) -> None:
 def test_bad_engine_arguments(tiny_model: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(model=str(tiny_model), max_model_len=10**6)
-    with pytest.raises(ValueError, match=r"unknown attention backend .nope.; known: auto, torch"):
+    known = "auto, flash_attn, torch, triton"
+    with pytest.raises(ValueError, match=rf"unknown attention backend .nope.; known: {known}"):
         LLM(model=str(tiny_model), attention_backend="nope")
     with pytest.raises(ValueError, match="dtype"):
         LLM(model=str(tiny_model), dtype="float8")
