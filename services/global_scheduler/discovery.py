@@ -48,10 +48,13 @@ class WorkerSink(Protocol):
 @dataclass
 class PodView:
     name: str
-    ready: bool
-    deleting: bool
-    ready_since: float | None = None  # by the discovery's clock
+    deleting: bool = False
+    ready_since: float | None = None  # by the discovery's clock; None while not Ready
     reported: bool = False  # "Ready but not registered" was said already
+
+    @property
+    def ready(self) -> bool:
+        return self.ready_since is not None
 
 
 def parse_selector(selector: str) -> dict[str, str]:
@@ -98,7 +101,6 @@ class PodDiscovery:
         self.watch_timeout_s = watch_timeout_s
         self.clock = clock
         self.pods: dict[str, PodView] = {}
-        self.synced = asyncio.Event()  # set after the first successful list
 
     # -- the state machine (no I/O but the sink's) ---------------------------------------
 
@@ -114,12 +116,11 @@ class PodDiscovery:
         ready = _is_ready(pod) and not deleting
         view = self.pods.get(name)
         if view is None:
-            view = self.pods[name] = PodView(name, ready=False, deleting=False)
+            view = self.pods[name] = PodView(name)
         if ready and view.ready_since is None:
             view.ready_since = self.clock()
         elif not ready:
             view.ready_since, view.reported = None, False
-        view.ready = ready
         if deleting and not view.deleting:
             logger.info("pod %s is being deleted: no new routes to it", name)
             metrics.DISCOVERY_EVENTS.labels("cordoned").inc()
@@ -191,7 +192,6 @@ class PodDiscovery:
         body = json.loads(await resp.read())
         _raise_for_status(resp, body)
         await self.reconcile(list(body.get("items") or []))
-        self.synced.set()
         version = str((body.get("metadata") or {}).get("resourceVersion") or "")
         resp = await self.api.list_namespaced_pod_without_preload_content(
             self.namespace, label_selector=self.selector, watch=True,
