@@ -188,6 +188,7 @@ class StreamLoad:
     ):  # fmt: skip
         self.url, self.max_tokens, self.prompt = url, max_tokens, prompt
         self.outcomes: list[Outcome] = []
+        self._current: dict[int, Outcome] = {}  # each client's request in progress
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._client, args=(c,), daemon=True)
                          for c in range(clients)]  # fmt: skip
@@ -212,19 +213,23 @@ class StreamLoad:
     def failed(self) -> list[Outcome]:
         return [o for o in self.outcomes if o.status != 200 or o.error]
 
+    def streaming(self) -> list[Outcome]:
+        """The requests past their first chunk and not ended yet, at this moment."""
+        return [o for o in list(self._current.values()) if o.first is not None and not o.end]
+
     def _client(self, c: int) -> None:
         i = 0
         with httpx.Client(timeout=60) as http:
             while not self._stop.is_set():
-                self.outcomes.append(self._one(http, self.prompt(c, i)))
+                self.outcomes.append(self._one(http, c, self.prompt(c, i)))
                 if self.outcomes[-1].status == 503:
                     time.sleep(0.2)
                 i += 1
 
-    def _one(self, http: httpx.Client, prompt: str) -> Outcome:
+    def _one(self, http: httpx.Client, c: int, prompt: str) -> Outcome:
         body = {"model": "qwen3", "prompt": prompt, "max_tokens": self.max_tokens,
                 "temperature": 0, "stream": True}  # fmt: skip
-        out = Outcome(time.monotonic(), prompt)
+        out = self._current[c] = Outcome(time.monotonic(), prompt)
         try:
             with http.stream("POST", f"{self.url}/completions", json=body) as resp:
                 out.status = resp.status_code

@@ -37,6 +37,8 @@ def test_scheduler_killed_and_restarted_under_load(tiny_model: Path) -> None:
         assert ready.status_code == 200 and ready.json()["models"] == {MODEL: True}
         with StreamLoad(cluster.url or "", clients=16, max_tokens=24) as load:
             wait_for(lambda: len(load.ok()) >= 32, 60.0, "load to flow")
+            # kill it while a stream is past its first chunk: that stream must finish whole
+            wait_for(lambda: bool(load.streaming()), 10.0, "a stream in flight")
             killed = time.monotonic()
             sched.send_signal(signal.SIGKILL)
             sched.wait(timeout=10)
