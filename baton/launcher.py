@@ -129,11 +129,19 @@ class ClusterSpec:
     pin_cpus: str | None = None  # "auto" or a CPU list (shared/affinity.assign_cpus)
     device: str = "auto"
     kv_sized: bool = False  # the engine flags give the KV cache an explicit size
+    tensor_parallel_size: int = 1  # each worker's ranks: it gets this many GPUs
     engine_argv: tuple[str, ...] = ()  # the engine flags every worker gets, as argv
     gateway_argv: tuple[str, ...] = ()  # flags the gateway gets besides those above (limits)
     restart: RestartPolicy = RestartPolicy()
     internal_token_file: str | None = None  # None: $BATON_INTERNAL_TOKEN(_FILE), else a new one
     internal_tls_dir: str | None = None  # None: $BATON_INTERNAL_TLS_DIR, else no TLS
+
+
+def worker_gpus(gpus: list[str], index: int, tp: int) -> list[str]:
+    """The ``tp`` GPUs of worker ``index``: consecutive ids, in turn round the list (workers
+    share GPUs only when there are fewer than workers × tp)."""
+    start = (index * tp) % len(gpus)
+    return [gpus[(start + k) % len(gpus)] for k in range(tp)]
 
 
 class Cluster:
@@ -201,7 +209,11 @@ class Cluster:
                                                 str(ready["metrics_port"])]  # fmt: skip
         workers = []
         gpus = self.gpus()
-        if gpus and len(roles) > len(gpus) and not a.kv_sized:
+        tp = a.tensor_parallel_size
+        if gpus and len(gpus) < tp:
+            raise RuntimeError(f"--tensor-parallel-size {tp} needs {tp} GPUs per worker; "
+                               f"{len(gpus)} found ({','.join(gpus)})")  # fmt: skip
+        if gpus and len(roles) * tp > len(gpus) and not a.kv_sized:
             print(f"baton serve: {len(roles)} workers share {len(gpus)} GPU(s), and each sizes "
                   "its KV cache from the memory it finds free: give each a size "
                   "(--kv-cache-memory-bytes or --num-kv-blocks)", file=sys.stderr)  # fmt: skip
@@ -212,8 +224,8 @@ class Cluster:
                 argv += ["--metrics-port", "0"]
             argv += cpus[name]
             env = {"OMP_NUM_THREADS": str(self._threads_per_worker())}
-            if gpus:  # one GPU each, round robin: P/D pools land on different GPUs
-                env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
+            if gpus:  # tp GPUs each, round robin: P/D pools land on different GPUs
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(worker_gpus(gpus, i, tp))
             workers.append((name, self.spawn(name, argv + self.engine_argv, True, env)))
         for name, path in workers:
             self.wait_ready(name, path, WORKER_START_S)
@@ -290,7 +302,8 @@ class Cluster:
         An explicit OMP_NUM_THREADS wins."""
         if "OMP_NUM_THREADS" in os.environ:
             return int(os.environ["OMP_NUM_THREADS"])
-        return max(1, (os.cpu_count() or 1) // max(1, len(self.worker_roles())))
+        ranks = len(self.worker_roles()) * self.spec.tensor_parallel_size
+        return max(1, (os.cpu_count() or 1) // max(1, ranks))
 
     def cpus(self, names: list[str]) -> dict[str, list[str]]:
         """Each service's ``--cpus`` flag: one CPU of its own with ``--pin-cpus``, else none."""

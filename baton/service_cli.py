@@ -13,7 +13,7 @@ import uvloop  # the event loop of every service (gRPC p99 latency ~7× lower th
 
 from baton.launcher import Cluster, ClusterSpec, RestartPolicy  # (no grpc, no torch: see below)
 from services.gateway.settings import InputLimits
-from services.worker.engine.config import LOAD_FORMATS, EngineArgs
+from services.worker.engine.config import EXECUTOR_BACKENDS, LOAD_FORMATS, EngineArgs
 from shared.affinity import check_cpus, parse_cpus
 from shared.internal_auth import TLS_DIR_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Security, is_unspecified
 
@@ -36,6 +36,7 @@ ENGINE_FLAGS = (
     "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization", "max_num_seqs",
     "max_num_batched_tokens", "attention_backend", "device", "enable_prefix_caching",
     "enforce_eager", "async_scheduling", "kv_lease_seconds", "kv_recompute_on_failure",
+    "tensor_parallel_size", "distributed_executor_backend",
 )  # fmt: skip
 ENGINE_HELP = {
     "enforce_eager": "no CUDA graphs",
@@ -44,6 +45,11 @@ ENGINE_HELP = {
     "kv_lease_seconds": "prefill side: how long a prompt's KV waits to be pulled",
     "kv_recompute_on_failure": "decode side: a failed KV pull fails its request with a 502 "
     "instead of recomputing the prompt locally (the default)",
+    "tensor_parallel_size": "split the model over N ranks (GPUs), one process each "
+    "(baton serve gives each worker N GPUs)",
+    "distributed_executor_backend": "how the ranks run: uni (in the engine core, tp=1), mp (a "
+    "process per rank, the default at tp>1) or ray (a Ray actor per rank; RAY_ADDRESS names "
+    "the cluster)",
 }
 _FIELDS = {f.name: f for f in dataclasses.fields(EngineArgs)}
 
@@ -70,6 +76,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                               if t in (str, int, float))  # fmt: skip
         if name == "load_format":
             kw["choices"] = LOAD_FORMATS
+        if name == "distributed_executor_backend":
+            kw["choices"] = EXECUTOR_BACKENDS
         p.add_argument(flag, **kw)
 
 
@@ -267,6 +275,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         log_dir=args.log_dir, redis_url=args.redis_url, routing_policy=args.routing_policy,
         gpus=args.gpus, pin_cpus=args.pin_cpus, device=args.device,
         kv_sized=bool(args.num_kv_blocks or args.kv_cache_memory_bytes),
+        tensor_parallel_size=args.tensor_parallel_size,
         engine_argv=tuple(engine_flags_argv(args)), gateway_argv=tuple(limit_flags_argv(args)),
         internal_token_file=args.internal_token_file, internal_tls_dir=args.internal_tls_dir,
         restart=RestartPolicy(max_restarts=args.max_restarts, delay_s=args.restart_delay,

@@ -49,9 +49,14 @@ class SchedulerConfig:
     async_scheduling: bool = False  # schedule step N+1 while step N runs (core.py)
 
 
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    # uni: the one rank in the core's process | mp: a process per rank | ray: a Ray actor per rank
+    distributed_executor_backend: str = "uni"
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None: uni at tp=1, else mp
     attention_backend: str = "auto"
     fused_ops: bool | None = None  # None: on for CUDA, off for CPU
     enforce_eager: bool = False  # no CUDA graphs
@@ -132,8 +138,7 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             tensor_parallel_size=self.tensor_parallel_size,
         )
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet (layers are TP-ready)")
+        parallel = self._parallel_config(arch, device)
         from services.worker.engine.kv_transfer.connector import CONNECTORS
 
         if self.kv_connector not in CONNECTORS:
@@ -180,7 +185,7 @@ class EngineArgs:
                     device == "cuda" if self.async_scheduling is None else self.async_scheduling
                 ),
             ),
-            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel=parallel,
             attention=AttentionConfig(backend=resolve_backend_name(self.attention_backend, device)),
             device=DeviceConfig(device, self._graph_sizes(device)),
             kv_transfer=KVTransferConfig(
@@ -192,6 +197,47 @@ class EngineArgs:
                 connector=self.kv_connector,
             ),
         )
+
+    def _parallel_config(self, arch: ArchConfig, device: str) -> ParallelConfig:
+        """The ranks' executor, once the model's sizes are known to split over them."""
+        tp = self.tensor_parallel_size
+        backend = self.distributed_executor_backend or ("uni" if tp == 1 else "mp")
+        if backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+                f"got {backend!r}"
+            )
+        if tp == 1:
+            return ParallelConfig(1, backend)
+        if backend == "uni":
+            raise ValueError("tensor_parallel_size > 1 needs the mp or ray executor, not uni")
+        splits = {
+            "num_attention_heads": arch.num_heads,
+            "intermediate_size": arch.intermediate_size,
+        }
+        for name, size in splits.items():
+            if size % tp:
+                raise ValueError(f"{name}={size} does not split over tensor_parallel_size={tp}")
+        kv = arch.num_kv_heads
+        if kv % tp and tp % kv:
+            raise ValueError(
+                f"num_key_value_heads={kv} and tensor_parallel_size={tp}: one must divide the "
+                "other (KV heads are split across ranks, or each replicated on tp/kv ranks)"
+            )
+        if device == "cuda" and backend == "mp":
+            import torch
+
+            if tp > torch.cuda.device_count():
+                raise ValueError(
+                    f"tensor_parallel_size={tp} but this process sees "
+                    f"{torch.cuda.device_count()} GPU(s) (CUDA_VISIBLE_DEVICES)"
+                )
+        if self.kv_transfer:
+            raise ValueError(
+                "KV transfer (disaggregated prefill/decode) with tensor_parallel_size > 1 is "
+                "not supported yet: run P/D workers at tensor_parallel_size=1"
+            )
+        return ParallelConfig(tp, backend)
 
     def _graph_sizes(self, device: str) -> tuple[int, ...]:
         """1, 2, 4, 8, then every multiple of 16, up to the largest decode batch."""

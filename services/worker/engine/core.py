@@ -23,7 +23,7 @@ import time
 import msgspec
 
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.executor.executor import StepResult, UniprocExecutor
+from services.worker.engine.executor.executor import StepResult, make_executor
 from services.worker.engine.kv_transfer.params import KVTransferParams
 from services.worker.engine.kv_transfer.scheduler_side import KVTransferBookkeeping
 from services.worker.engine.messages import (
@@ -56,7 +56,7 @@ UTILITY_METHODS: dict[str, type] = {
 class EngineCore:
     def __init__(self, config: EngineConfig, show_progress: bool = True):
         self.config = config
-        self.executor = UniprocExecutor(config, show_progress)
+        self.executor = make_executor(config, show_progress)
         self.num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_cache(self.num_blocks)
         transfer = None

@@ -113,6 +113,8 @@ class ModelInfo(msgspec.Struct):
     # the rows of its tokens, and it multiplies nothing.
     untied_embedding_params: int = 0
     kv_side_channel: str = ""  # where its KV side channel listens ("" without KV transfer)
+    # ranks the model is split over; the sizes above are one rank's shard (rank 0's)
+    tensor_parallel_size: int = 1
 
 
 class UtilityResult(msgspec.Struct):

@@ -1,33 +1,27 @@
-"""Tensor-parallel process-group helpers (NCCL on GPU, gloo on CPU).
+"""Tensor parallelism inside one worker (``parallel_state.py``: the group and its collectives).
 
-Everything reads the group from ``torch.distributed``; with no group initialised the world is one
-rank and every collective is the identity, which is how tp=1 runs.
+The helpers below read the group of this process; in a process that joined none (tp=1) the world
+is one rank and every collective is the identity.
 """
 
 import torch
-import torch.distributed as dist
+
+from services.worker.engine.distributed.parallel_state import get_tp_group
 
 
 def tp_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return get_tp_group().rank
 
 
 def tp_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return get_tp_group().world_size
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum ``x`` over the tensor-parallel group, in place."""
-    if tp_size() > 1:
-        dist.all_reduce(x)
-    return x
+    return get_tp_group().all_reduce(x)
 
 
-def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
-    """Concatenate each rank's shard of the last dimension."""
-    size = tp_size()
-    if size == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=-1)
+def gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:
+    """Each rank's shard of the last dimension, concatenated on rank 0 (None elsewhere)."""
+    return get_tp_group().gather(x, dim=-1)

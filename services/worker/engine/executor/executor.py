@@ -1,8 +1,11 @@
 """The executor seam between the engine core and its workers.
 
-``UniprocExecutor`` runs the single worker in the core's own process (tp=1). A multiprocess
-executor for tensor parallelism keeps the same calls, broadcasting the scheduler output. The
-core reaches its workers, and their KV connectors, only through these calls.
+    UniprocExecutor    the one worker in the core's own process (tp=1, the default)
+    MultiprocExecutor  one process per tensor-parallel rank on this host (executor/multiproc.py)
+    RayExecutor        one Ray actor per rank, for ranks across machines (executor/ray_executor.py)
+
+The core reaches its workers, and their KV connectors, only through these calls; ``make_executor``
+picks one from ``ParallelConfig.distributed_executor_backend``.
 """
 
 from abc import ABC, abstractmethod
@@ -13,6 +16,10 @@ from services.worker.engine.kv_transfer.connector import ConnectorInfo, Transfer
 from services.worker.engine.messages import ModelInfo
 from services.worker.engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from services.worker.engine.worker.worker import Worker
+
+
+class RankFailedError(RuntimeError):
+    """A tensor-parallel rank died, failed a call or stopped answering: the engine cannot go on."""
 
 
 class StepResult(Protocol):
@@ -81,3 +88,16 @@ class UniprocExecutor(Executor):
 
     def shutdown(self) -> None:
         self.worker.shutdown()
+
+
+def make_executor(config: EngineConfig, show_progress: bool = True) -> Executor:
+    backend = config.parallel.distributed_executor_backend
+    if backend == "mp":
+        from services.worker.engine.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config, show_progress)
+    if backend == "ray":
+        from services.worker.engine.executor.ray_executor import RayExecutor
+
+        return RayExecutor(config, show_progress)
+    return UniprocExecutor(config, show_progress)

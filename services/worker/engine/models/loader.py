@@ -1,5 +1,9 @@
 """Weight loading: Hugging Face safetensors (single file or sharded with an index), or random
 "dummy" weights of the right shapes for benchmarks.
+
+Each checkpoint tensor reaches its layer's ``weight_loader`` as a lazy ``CheckpointTensor``
+(models/weights.py): a tensor-parallel rank narrows it to its own slice, and only that slice is
+read from the file.
 """
 
 import json
@@ -10,7 +14,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from services.worker.engine.models.layers.linear import copy_weight
+from services.worker.engine.models.weights import CheckpointTensor, ReadCounter, copy_weight
 
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -27,12 +31,15 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def load_safetensors(model: nn.Module, model_dir: str | Path, show_progress: bool = True) -> None:
+def load_safetensors(
+    model: nn.Module, model_dir: str | Path, show_progress: bool = True
+) -> ReadCounter:
     """Copy every checkpoint tensor into its parameter through the ``weight_loader`` of the
-    module that owns it (a plain copy for modules without one).
+    module that owns it (a plain copy for modules without one); returns what was read.
 
     Raises if a parameter is left unloaded: a half-loaded model would produce silent garbage.
     """
+    counter = ReadCounter()
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     packed: dict[str, tuple[str, str | int]] = getattr(model, "packed_modules", {})
@@ -51,16 +58,18 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, show_progress: boo
                 param = params[target]
                 owner = modules[target.rpartition(".")[0]]
                 loader = getattr(owner, "weight_loader", None)
+                tensor = CheckpointTensor.of(f.get_slice(name), counter)
                 if loader is not None:
-                    loader(param, f.get_tensor(name), shard)
+                    loader(param, tensor, shard)
                 else:
-                    copy_weight(param, f.get_tensor(name))
+                    copy_weight(param, tensor)
                 loaded.add(target)
     if tied:
         loaded.add("lm_head.weight")
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks weights for: {', '.join(missing[:8])}")
+    return counter
 
 
 def _map_name(name: str, packed: dict[str, tuple[str, str | int]]) -> tuple[str, str | int | None]:

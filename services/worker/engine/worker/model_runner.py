@@ -16,10 +16,12 @@ import torch
 
 from services.worker.engine.attention.registry import get_backend
 from services.worker.engine.config import EngineConfig
+from services.worker.engine.distributed.parallel_state import get_tp_group
 from services.worker.engine.kv_cache.layout import KVCacheLayout, layer_views
 from services.worker.engine.messages import ModelInfo, SampleLogprobs
 from services.worker.engine.models.loader import load_dummy, load_safetensors
 from services.worker.engine.models.registry import resolve_model_class
+from services.worker.engine.models.weights import ReadCounter
 from services.worker.engine.params import SamplingParams
 from services.worker.engine.sample.sampler import Sampler, SamplerOutput
 from services.worker.engine.sched.output import (
@@ -46,15 +48,18 @@ class ModelRunner:
         self.dtype = _DTYPES[config.model.dtype]
         self.block_size = config.cache.block_size
         arch = config.model.arch
+        self.tp = get_tp_group()  # this rank's group (a world of one without tensor parallelism)
         self.layout = KVCacheLayout(
-            arch.num_layers, arch.num_kv_heads, arch.head_dim, self.block_size, self.dtype
-        )
+            arch.num_layers, kv_heads_per_rank(arch.num_kv_heads, self.tp.world_size),
+            arch.head_dim, self.block_size, self.dtype,
+        )  # fmt: skip
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
         self.kv_cache: torch.Tensor | None = None
         self.graphs: CudaGraphRunner | None = None
         self.last_step: StepHandle | None = None  # the latest sampling step not yet taken
         self._rng = np.random.default_rng(config.model.seed)
+        self.read = ReadCounter()  # what loading read from the checkpoint (this rank's slices)
 
     def load_model(self, show_progress: bool = True) -> None:
         cfg = self.config.model
@@ -65,7 +70,7 @@ class ModelRunner:
         if cfg.load_format == "dummy":
             load_dummy(self.model, cfg.seed)
         else:
-            load_safetensors(self.model, cfg.model, show_progress)
+            self.read = load_safetensors(self.model, cfg.model, show_progress)
         self.model.train(False)  # inference mode for every submodule
 
     def _bind_kv_cache(self, num_blocks: int) -> None:
@@ -115,12 +120,14 @@ class ModelRunner:
         worst = [CachedRequestState("p", [0], 1, params, (), [], 0)] * sched.max_num_seqs
         meta_s = build_sampling_metadata(worst, cfg.arch.vocab_size, self.device)
         logits = self.model.compute_logits(rows)
-        self.sampler(logits, meta_s)
-        # The one-pass sampler's other variant (logits in the model's dtype: no truncation), so
-        # the first plain-temperature request compiles nothing (the top-k/top-p pass above gave
-        # it float32).
-        plain = [CachedRequestState("p", [0], 1, SamplingParams(temperature=1.0), (), [], 0)]
-        self.sampler(logits[:1], build_sampling_metadata(plain, cfg.arch.vocab_size, self.device))
+        if self.tp.is_driver:  # only rank 0 holds logits and samples
+            self.sampler(logits, meta_s)
+            # The one-pass sampler's other variant (logits in the model's dtype: no truncation),
+            # so the first plain-temperature request compiles nothing (the top-k/top-p pass
+            # above gave it float32).
+            plain = [CachedRequestState("p", [0], 1, SamplingParams(temperature=1.0), (), [], 0)]
+            plain_meta = build_sampling_metadata(plain, cfg.arch.vocab_size, self.device)
+            self.sampler(logits[:1], plain_meta)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base - kv_bytes
         self.release()
@@ -164,17 +171,28 @@ class ModelRunner:
         if logits is None:
             return StepHandle(self, inputs.req_ids, [], [], None)
         states = [self.requests[inputs.req_ids[r]] for r in inputs.sample_rows]
-        in_flight = self.last_step.in_flight if self.last_step is not None else None
-        base = int(self._rng.integers(1 << 62))  # the seed of this step's unseeded rows
-        meta = build_sampling_metadata(
-            states, self.config.model.arch.vocab_size, self.device, in_flight, base
-        )
-        result = self.sampler(logits, meta)
+        result = self._sample(logits, states)
         for state in states:
             state.num_pending += 1
         handle = StepHandle(self, inputs.req_ids, states, inputs.sample_rows, result)
         self.last_step = handle
         return handle
+
+    def _sample(self, logits: torch.Tensor, states: list[CachedRequestState]) -> SamplerOutput:
+        """Rank 0 samples; with tensor parallelism it broadcasts the sampled ids, so every rank
+        feeds the same tokens to the next step (the other ranks hold no logits: [rows, 0])."""
+        if self.tp.is_driver:
+            in_flight = self.last_step.in_flight if self.last_step is not None else None
+            base = int(self._rng.integers(1 << 62))  # the seed of this step's unseeded rows
+            meta = build_sampling_metadata(
+                states, self.config.model.arch.vocab_size, self.device, in_flight, base
+            )
+            result = self.sampler(logits, meta)
+        else:
+            sampled = torch.empty(len(states), dtype=torch.int64, device=self.device)
+            result = SamplerOutput(sampled, None, None, None, None)
+        self.tp.broadcast(result.sampled)
+        return result
 
     def _token_fill(self, inputs: StepInputs) -> TokenFill | None:
         """Where this step's inputs need the tokens the previous step sampled on the device."""
@@ -225,6 +243,12 @@ class ModelRunner:
             else:
                 state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads each rank holds: its share, or one replicated head when there are more ranks
+    than heads (consecutive ranks then share one; ``EngineArgs`` checks the sizes divide)."""
+    return max(1, num_kv_heads // tp_size)
 
 
 class StepHandle:

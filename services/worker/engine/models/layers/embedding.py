@@ -1,10 +1,16 @@
-"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocab."""
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocab.
+
+The embedding's ranks each look up the ids that fall in their slice and all-reduce the rows. The
+LM head's ranks each multiply their slice; the logits are gathered on rank 0 only, where the
+sampler runs (the other ranks get an empty [rows, 0] tensor: they sample nothing).
+"""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.engine.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from services.worker.engine.distributed import all_reduce, gather_last_dim, tp_rank, tp_size
+from services.worker.engine.models.weights import Loaded, copy_weight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -13,14 +19,14 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.shard = -(-vocab_size // self.tp_size)
         self.start = self.tp_rank * self.shard
+        self.rows = max(0, min(self.shard, vocab_size - self.start))  # the last may be short
         self.weight = nn.Parameter(torch.empty(self.shard, hidden), requires_grad=False)
 
     def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
+        self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None
     ) -> None:
-        part = loaded[self.start : self.start + self.shard]
-        param.data.zero_()
-        param.data[: part.shape[0]].copy_(part)
+        param.data.zero_()  # padding rows of the last shard: logits of 0, sliced off
+        copy_weight(param.data[: self.rows], loaded.narrow(0, self.start, self.rows))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -37,5 +43,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.vocab_size = vocab_size
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = gather_last_dim(F.linear(hidden, self.weight))
+        if logits is None:  # not rank 0
+            return hidden.new_empty(hidden.shape[0], 0)
         return logits[..., : self.vocab_size]

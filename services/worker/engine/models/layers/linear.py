@@ -7,7 +7,8 @@
 
 Each layer has ``weight_loader(param, loaded, shard_id)`` that copies this rank's slice of a
 checkpoint tensor into the right rows of its parameter, so the loader never needs to know the
-layout (models/loader.py calls the loader of the module that owns each parameter).
+layout (models/loader.py calls the loader of the module that owns each parameter). ``loaded`` is
+lazy (models/weights.py): narrowing it reads nothing, so a rank reads only its slice.
 """
 
 import torch
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.engine.distributed import all_reduce, tp_rank, tp_size
+from services.worker.engine.models.weights import Loaded, copy_weight
 
 
 class _LinearBase(nn.Module):
@@ -36,7 +38,7 @@ class _LinearBase(nn.Module):
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
 
     def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
+        self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None
     ) -> None:
         if self.split_dim is not None and self.split_dim < loaded.dim():
             size = param.shape[self.split_dim]
@@ -54,13 +56,6 @@ class _LinearBase(nn.Module):
         return F.linear(x, self.weight, bias)
 
 
-def copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy a checkpoint tensor into a parameter (or a slice of one), refusing a shape mismatch."""
-    if dst.shape != src.shape:
-        raise ValueError(f"checkpoint tensor of shape {tuple(src.shape)} != {tuple(dst.shape)}")
-    dst.data.copy_(src)
-
-
 class ColumnParallelLinear(_LinearBase):
     def __init__(
         self, in_features: int, out_features: int, bias: bool = False, fused: bool = False
@@ -75,10 +70,13 @@ class RowParallelLinear(_LinearBase):
         super().__init__(in_features // tp_size(), out_features, bias, split_dim=1, fused=fused)
 
     def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
+        self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None
     ) -> None:
-        if loaded.dim() == 1:  # the bias is added once, on rank 0 only
-            copy_weight(param, loaded if self.tp_rank == 0 else torch.zeros_like(loaded))
+        if loaded.dim() == 1:  # the bias is added once, on rank 0 only (forward adds no other)
+            if self.tp_rank == 0:
+                copy_weight(param, loaded)
+            else:
+                param.data.zero_()
             return
         super().weight_loader(param, loaded, shard_id)
 
@@ -96,7 +94,7 @@ class MergedColumnParallelLinear(_LinearBase):
         super().__init__(in_features, sum(self.out_sizes), bias, split_dim=0, fused=fused)
 
     def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
+        self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None
     ) -> None:
         assert isinstance(shard_id, int)  # the loader's packed-module table is ours
         size = self.out_sizes[shard_id]
@@ -121,11 +119,12 @@ class QKVParallelLinear(_LinearBase):
         self.total_kv_heads = num_kv_heads
         self.num_heads = num_heads // tp
         self.num_kv_heads = max(1, num_kv_heads // tp)  # kv heads replicate when tp > kv heads
+        # (the same count as worker/model_runner.kv_heads_per_rank, which sizes the KV cache)
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         super().__init__(hidden, out, bias, split_dim=0, fused=fused)
 
     def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
+        self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None
     ) -> None:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[str(shard_id)]

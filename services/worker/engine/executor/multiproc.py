@@ -1,0 +1,203 @@
+"""``MultiprocExecutor``: one process per tensor-parallel rank, on one host.
+
+    engine core ──PUSH ipc://<dir>/rank-N──▶ rank N (executor/rank_proc.py), one socket per rank
+                ◀──────PULL ipc://<dir>/replies── every rank's answers
+
+``<dir>`` is a private (0700) temp dir that also holds the ranks' ``FileStore``; nothing listens
+on a TCP port for the executor (gloo's and NCCL's own sockets are kept on the loopback interface
+unless ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` say otherwise). Each step costs one message
+to every rank, and one more (``Collect``) when the core takes its tokens; only rank 0 answers,
+with the sampled tokens. Every wait is bounded and watches the ranks: a rank that exits or
+reports an error fails the engine within ``POLL_MS`` with ``RankFailedError`` saying which rank,
+and the executor stops the others.
+"""
+
+import contextlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import msgspec
+import zmq
+
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.executor.executor import Executor, RankFailedError, StepResult
+from services.worker.engine.executor.rank import (
+    ANSWERS,
+    Collect,
+    GetModelInfo,
+    GetTransferInfo,
+    InitializeCache,
+    NumBlocks,
+    PollTransfers,
+    RankReply,
+    Shutdown,
+    Submit,
+    answered_by,
+)
+from services.worker.engine.kv_transfer.connector import ConnectorInfo, TransferResults
+from services.worker.engine.messages import ModelInfo
+from services.worker.engine.sched.output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 200
+START_TIMEOUT_S = 1800.0  # loading a large model from a slow disk takes many minutes
+CALL_TIMEOUT_S = 300.0  # the longest one step may take (a full token budget of prefill)
+STOP_TIMEOUT_S = 10.0
+
+
+class MultiprocExecutor(Executor):
+    def __init__(
+        self, config: EngineConfig, show_progress: bool = True,
+        start_timeout_s: float = START_TIMEOUT_S,
+    ):  # fmt: skip
+        self.config = config
+        self.world_size = config.parallel.tensor_parallel_size
+        self.kv_transfer = config.kv_transfer.enabled
+        self.failed: str | None = None
+        self._closed = False
+        self.tmp = tempfile.mkdtemp(prefix="baton-ranks-")
+        self.ctx = zmq.Context()
+        self.replies = self.ctx.socket(zmq.PULL)
+        self.replies.bind(f"ipc://{self.tmp}/replies")
+        self.calls = []
+        for rank in range(self.world_size):
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.bind(f"ipc://{self.tmp}/rank-{rank}")
+            self.calls.append(sock)
+        env = dict(os.environ)
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks of one host talk over loopback
+        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        config_json = msgspec.json.encode(config)
+        self.procs: list[subprocess.Popen[bytes]] = []
+        for rank in range(self.world_size):
+            cmd = [
+                sys.executable, "-m", "services.worker.engine.executor.rank_proc",
+                "--rank", str(rank), "--calls", f"ipc://{self.tmp}/rank-{rank}",
+                "--replies", f"ipc://{self.tmp}/replies", "--store", f"file:{self.tmp}/store",
+                "--parent-pid", str(os.getpid()),
+            ]  # fmt: skip
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env)
+            assert proc.stdin is not None
+            proc.stdin.write(config_json)
+            proc.stdin.close()
+            self.procs.append(proc)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(RankReply)
+        self.seq = 0
+        self._await(0, range(self.world_size), start_timeout_s, None)
+        logger.info("%d tensor-parallel rank(s) up: pids %s", self.world_size,
+                    [p.pid for p in self.procs])  # fmt: skip
+
+    # ---- the Executor seam ---------------------------------------------------------------
+    def determine_num_blocks(self) -> int:
+        return min(self._call(NumBlocks()).values())
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self._call(InitializeCache(num_blocks))
+
+    def submit(self, sched: SchedulerOutput) -> StepResult:
+        answers = self._call(Submit(sched))
+        return _RankStep(self, _merge(list(answers.values())))
+
+    def poll_transfers(self) -> TransferResults:
+        if not self.kv_transfer:
+            return TransferResults()
+        return _merge(list(self._call(PollTransfers()).values()))
+
+    def transfer_info(self) -> ConnectorInfo:
+        info = self._call(GetTransferInfo())[0]
+        assert isinstance(info, ConnectorInfo)
+        return info
+
+    def model_info(self) -> ModelInfo:
+        info = self._call(GetModelInfo())[0]
+        assert isinstance(info, ModelInfo)
+        return info
+
+    def collect(self) -> ModelRunnerOutput:
+        out = self._call(Collect())[0]
+        assert isinstance(out, ModelRunnerOutput)
+        return out
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for sock in self.calls:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.send(self.encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=STOP_TIMEOUT_S)
+        self.ctx.destroy(linger=0)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    # ---- calls and answers ---------------------------------------------------------------
+    def _call(self, call: object) -> dict[int, Any]:
+        if self.failed is not None:
+            raise RankFailedError(self.failed)
+        self.seq += 1
+        raw = self.encoder.encode(call)
+        for sock in self.calls:
+            sock.send(raw, copy=False)
+        ranks = answered_by(call, self.world_size, self.kv_transfer)
+        return self._await(self.seq, ranks, CALL_TIMEOUT_S, ANSWERS.get(type(call)))
+
+    def _await(self, seq: int, ranks: range, timeout_s: float, kind: type | None) -> dict[int, Any]:
+        got: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(got) < len(ranks):
+            if self.replies.poll(POLL_MS):
+                reply = self.decoder.decode(self.replies.recv())
+                if reply.error:
+                    self._fail(reply.error)
+                if reply.seq != seq or reply.rank not in ranks:
+                    self._fail(f"rank {reply.rank} answered call {reply.seq}, expected {seq}")
+                got[reply.rank] = (
+                    msgspec.msgpack.decode(reply.result, type=kind) if kind is not None else None
+                )
+                continue
+            for rank, proc in enumerate(self.procs):
+                code = proc.poll()
+                if code is not None:
+                    self._fail(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code "
+                               f"{code}")  # fmt: skip
+            if time.monotonic() > deadline:
+                missing = sorted(set(ranks) - set(got))
+                self._fail(f"tensor-parallel rank(s) {missing} did not answer within "
+                           f"{timeout_s:.0f} s")  # fmt: skip
+        return got
+
+    def _fail(self, why: str) -> None:
+        self.failed = why
+        logger.error("the engine's ranks failed: %s", why)
+        self.shutdown()
+        raise RankFailedError(why)
+
+
+class _RankStep:
+    def __init__(self, executor: MultiprocExecutor, transfers: TransferResults):
+        self.executor = executor
+        self.transfers = transfers
+        self._output: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._output is None:
+            self._output = self.executor.collect()
+        return self._output
+
+
+def _merge(results: list[TransferResults]) -> TransferResults:
+    """Rank 0's transfer progress (KV transfer runs with one rank; ``EngineArgs`` refuses more)."""
+    return results[0] if results else TransferResults()

@@ -1,0 +1,149 @@
+"""One tensor-parallel rank: its ``Worker`` and the calls an executor makes on it.
+
+The calls are msgspec structs of one tagged union (``RankCall``), encoded as msgpack: the
+multiprocess executor sends them over ZMQ, the Ray executor as the bytes of an actor call; no
+pickled object crosses either. Every rank gets every call, in the same order, so the ranks run
+the same collectives in the same order.
+
+    call                 answered by      answer
+    NumBlocks            every rank       int: KV blocks that fit this rank (the core takes the min)
+    InitializeCache      every rank       True
+    Submit(sched)        every rank, only with KV transfer (else nobody: no round trip per step)
+                                          TransferResults seen as the step was submitted
+    Collect              rank 0           ModelRunnerOutput of the oldest submitted step
+    PollTransfers        every rank       TransferResults
+    GetTransferInfo      rank 0           ConnectorInfo
+    GetModelInfo         rank 0           ModelInfo (this rank's shard of the weights)
+    Shutdown             nobody           the rank exits
+
+A rank that fails a call answers ``RankReply(error=...)`` whatever the call and then exits: its
+collectives are out of step with its peers', so it cannot go on.
+"""
+
+from collections import deque
+
+import msgspec
+
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.distributed.parallel_state import (
+    StoreSpec,
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+)
+from services.worker.engine.kv_transfer.connector import ConnectorInfo, TransferResults
+from services.worker.engine.messages import ModelInfo
+from services.worker.engine.sched.output import ModelRunnerOutput, SchedulerOutput
+from services.worker.engine.worker.worker import Worker, WorkerStep
+
+
+class NumBlocks(msgspec.Struct, tag="num_blocks"):
+    pass
+
+
+class InitializeCache(msgspec.Struct, tag="init_cache"):
+    num_blocks: int
+
+
+class Submit(msgspec.Struct, tag="submit"):
+    sched: SchedulerOutput
+
+
+class Collect(msgspec.Struct, tag="collect"):
+    pass
+
+
+class PollTransfers(msgspec.Struct, tag="poll"):
+    pass
+
+
+class GetTransferInfo(msgspec.Struct, tag="transfer_info"):
+    pass
+
+
+class GetModelInfo(msgspec.Struct, tag="model_info"):
+    pass
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+RankCall = (
+    NumBlocks | InitializeCache | Submit | Collect | PollTransfers | GetTransferInfo
+    | GetModelInfo | Shutdown
+)  # fmt: skip
+
+
+class RankReply(msgspec.Struct):
+    rank: int
+    seq: int  # the call's number (0: the rank is up, its model loaded)
+    error: str = ""
+    result: msgspec.Raw = msgspec.Raw(b"\xc0")  # msgpack of the answer (nil when none)
+
+
+# what each call's answer decodes as, at the executor
+ANSWERS: dict[type, type] = {
+    NumBlocks: int,
+    InitializeCache: bool,
+    Submit: TransferResults,
+    Collect: ModelRunnerOutput,
+    PollTransfers: TransferResults,
+    GetTransferInfo: ConnectorInfo,
+    GetModelInfo: ModelInfo,
+}
+
+
+def answered_by(call: object, world_size: int, kv_transfer: bool) -> range:
+    """The ranks that answer ``call`` (the executor waits for exactly these)."""
+    if isinstance(call, Shutdown) or (isinstance(call, Submit) and not kv_transfer):
+        return range(0)
+    if isinstance(call, Collect | GetTransferInfo | GetModelInfo):
+        return range(1)
+    return range(world_size)
+
+
+class RankWorker:
+    """The rank side: joins the group, builds and loads its shard of the model, answers calls."""
+
+    def __init__(
+        self, config: EngineConfig, rank: int, store: StoreSpec, local_device: int | None = None
+    ):
+        world = config.parallel.tensor_parallel_size
+        self.config, self.rank, self.world_size = config, rank, world
+        backend = "nccl" if config.device.device == "cuda" else "gloo"
+        init_tensor_parallel(rank, world, store, backend)
+        self.worker = Worker(config, rank if local_device is None else local_device)
+        self.worker.load_model(show_progress=False)
+        self.steps: deque[WorkerStep] = deque()  # submitted, not collected (at most two)
+
+    def handle(self, call: object) -> object | None:
+        """The answer to ``call`` (None: this rank sends none)."""
+        w = self.worker
+        answer: object
+        if isinstance(call, Submit):
+            step = w.submit(call.sched)
+            self.steps.append(step)
+            answer = step.transfers
+        elif isinstance(call, Collect):
+            answer = self.steps.popleft().result()
+        elif isinstance(call, NumBlocks):
+            answer = w.determine_num_blocks()
+        elif isinstance(call, InitializeCache):
+            w.initialize_cache(call.num_blocks)
+            answer = True
+        elif isinstance(call, PollTransfers):
+            answer = w.poll_transfers()
+        elif isinstance(call, GetTransferInfo):
+            answer = w.transfer_info()
+        elif isinstance(call, GetModelInfo):
+            answer = msgspec.structs.replace(
+                w.runner.model_info(), tensor_parallel_size=self.world_size
+            )
+        else:
+            raise ValueError(f"unknown call {type(call).__name__}")
+        kv = self.config.kv_transfer.enabled
+        return answer if self.rank in answered_by(call, self.world_size, kv) else None
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        destroy_tensor_parallel()

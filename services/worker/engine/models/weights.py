@@ -1,0 +1,65 @@
+"""Checkpoint tensors read lazily: a tensor-parallel rank reads only its slice of each weight.
+
+``CheckpointTensor`` wraps one tensor of an open safetensors file. Narrowing it costs nothing;
+``load()`` reads only the narrowed region from the file (safetensors' ``get_slice``), so a rank
+of a column- or row-parallel layer never holds the whole matrix, and a worker never materialises
+the whole model in one process.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class ReadCounter:
+    """What the loads of one model read from its checkpoint."""
+
+    bytes: int = 0
+    tensors: int = 0
+
+
+@dataclass
+class CheckpointTensor:
+    handle: Any  # safetensors' PySafeSlice of this tensor
+    shape: tuple[int, ...]
+    counter: ReadCounter
+    region: tuple[slice, ...] = field(default=())  # one slice per dimension; () = all of it
+
+    @classmethod
+    def of(cls, handle: Any, counter: ReadCounter) -> "CheckpointTensor":
+        shape = tuple(int(d) for d in handle.get_shape())
+        return cls(handle, shape, counter, tuple(slice(0, d) for d in shape))
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> "CheckpointTensor":
+        dim = dim % len(self.shape)
+        if start < 0 or length < 0 or start + length > self.shape[dim]:
+            raise ValueError(
+                f"slice [{start}, {start + length}) of dimension {dim} is outside {self.shape}"
+            )
+        base = self.region[dim].start
+        region = list(self.region)
+        region[dim] = slice(base + start, base + start + length)
+        shape = list(self.shape)
+        shape[dim] = length
+        return CheckpointTensor(self.handle, tuple(shape), self.counter, tuple(region))
+
+    def load(self) -> torch.Tensor:
+        t = self.handle[self.region] if self.region else self.handle[:]
+        self.counter.bytes += t.numel() * t.element_size()
+        self.counter.tensors += 1
+        return t
+
+
+Loaded = torch.Tensor | CheckpointTensor
+
+
+def copy_weight(dst: torch.Tensor, src: Loaded) -> None:
+    """Copy a checkpoint tensor into a parameter (or a slice of one), refusing a shape mismatch."""
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"checkpoint tensor of shape {tuple(src.shape)} != {tuple(dst.shape)}")
+    dst.data.copy_(src.load() if isinstance(src, CheckpointTensor) else src)
