@@ -35,6 +35,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "no_pdl": {},  # the default, but Triton kernels launched without programmatic dependence
     "triton": {"attention_backend": "triton"},  # the default with the Triton attention backend
     "flash_attn": {"attention_backend": "flash_attn"},  # ... with FlashAttention-4's prefill
+    # the default, its one rank in a process of its own (MultiprocExecutor at TP=1): what the
+    # executor's messages cost a step, against "graphs" in the same run
+    "multiproc": {"distributed_executor_backend": "mp"},
 }
 
 
@@ -110,7 +113,8 @@ def measure(model: str, variant: str, args: argparse.Namespace) -> dict[str, Any
 
 
 def _graph_replay_ms(llm: LLM) -> float | None:
-    graphs = llm.client.core.executor.worker.runner.graphs  # type: ignore[attr-defined]
+    worker = getattr(llm.client.core.executor, "worker", None)  # type: ignore[attr-defined]
+    graphs = worker.runner.graphs if worker is not None else None  # in this process only
     if graphs is None:
         return None
     graph = graphs.graphs[1]

@@ -52,6 +52,8 @@ def run_baton(
         seed=args.seed,
         multiprocess=not args.inproc,  # detokenization overlaps the core's next step
         show_progress=False,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.executor,
     )
     prompts, out_lens = make_workload(args, llm.config.model.arch.vocab_size)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
@@ -278,6 +280,12 @@ def main() -> None:
         help="also run the engine one step at a time (async scheduling off), in this process",
     )
     p.add_argument("--shape", help="a model shape from benchmarks/shapes.py instead of --model")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument(
+        "--executor", choices=["uni", "mp", "ray"], default=None,
+        help="how the ranks run (default: uni at TP=1, mp above); mp at TP=1 measures what the "
+        "multiprocess executor costs",
+    )  # fmt: skip
     p.add_argument("--output", help="write the results as JSON here")
     args = p.parse_args()
     if args.shape:

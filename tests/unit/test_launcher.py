@@ -30,6 +30,27 @@ def test_gpus_from_the_flag_then_the_environment(monkeypatch: pytest.MonkeyPatch
     assert cluster().gpus() == []
 
 
+def test_each_worker_gets_its_tensor_parallel_gpus() -> None:
+    from baton.launcher import worker_gpus
+
+    gpus = ["0", "1", "2", "3"]
+    assert [worker_gpus(gpus, i, 2) for i in range(2)] == [["0", "1"], ["2", "3"]]
+    assert [worker_gpus(gpus, i, 1) for i in range(5)] == [["0"], ["1"], ["2"], ["3"], ["0"]]
+    assert worker_gpus(gpus, 2, 2) == ["0", "1"]  # more workers than GPUs: they share, in turn
+    spec = cluster("--tensor-parallel-size", "2", "--decode-workers", "1").spec
+    assert spec.tensor_parallel_size == 2
+
+
+def test_tensor_parallel_flags_reach_the_workers() -> None:
+    from baton.service_cli import engine_args, engine_flags_argv
+
+    serve = build_parser().parse_args(["serve", "--model", "m", "--tensor-parallel-size", "2",
+                                       "--distributed-executor-backend", "ray"])  # fmt: skip
+    args = engine_args(build_parser().parse_args(["worker", "--model", "m",
+                                                  *engine_flags_argv(serve)]))  # fmt: skip
+    assert (args.tensor_parallel_size, args.distributed_executor_backend) == (2, "ray")
+
+
 def test_gpus_without_nvidia_smi(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setenv("PATH", "/nonexistent")

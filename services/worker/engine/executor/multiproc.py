@@ -50,6 +50,7 @@ POLL_MS = 200
 START_TIMEOUT_S = 1800.0  # loading a large model from a slow disk takes many minutes
 CALL_TIMEOUT_S = 300.0  # the longest one step may take (a full token budget of prefill)
 STOP_TIMEOUT_S = 10.0
+EXIT_GRACE_S = 1.0  # a rank's error: how long to look for a peer's death behind it
 
 
 class MultiprocExecutor(Executor):
@@ -161,23 +162,39 @@ class MultiprocExecutor(Executor):
             if self.replies.poll(POLL_MS):
                 reply = self.decoder.decode(self.replies.recv())
                 if reply.error:
-                    self._fail(reply.error)
+                    self._fail(self._root_cause(reply.error))
                 if reply.seq != seq or reply.rank not in ranks:
                     self._fail(f"rank {reply.rank} answered call {reply.seq}, expected {seq}")
                 got[reply.rank] = (
                     msgspec.msgpack.decode(reply.result, type=kind) if kind is not None else None
                 )
                 continue
-            for rank, proc in enumerate(self.procs):
-                code = proc.poll()
-                if code is not None:
-                    self._fail(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code "
-                               f"{code}")  # fmt: skip
+            exited = self._exited()
+            if exited:
+                self._fail(exited)
             if time.monotonic() > deadline:
                 missing = sorted(set(ranks) - set(got))
                 self._fail(f"tensor-parallel rank(s) {missing} did not answer within "
                            f"{timeout_s:.0f} s")  # fmt: skip
         return got
+
+    def _exited(self) -> str:
+        for rank, proc in enumerate(self.procs):
+            code = proc.poll()
+            if code is not None:
+                return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}"
+        return ""
+
+    def _root_cause(self, error: str) -> str:
+        """A rank's error, or first the death of a peer that caused it (a collective with a
+        dead rank fails on the live one, often before the dead one is seen to have exited)."""
+        deadline = time.monotonic() + EXIT_GRACE_S
+        while time.monotonic() < deadline:
+            exited = self._exited()
+            if exited:
+                return f"{exited}; then {error}"
+            time.sleep(0.05)
+        return error
 
     def _fail(self, why: str) -> None:
         self.failed = why
