@@ -130,6 +130,8 @@ class ClusterSpec:
     device: str = "auto"
     kv_sized: bool = False  # the engine flags give the KV cache an explicit size
     tensor_parallel_size: int = 1  # each worker's ranks: it gets this many GPUs
+    prefill_tensor_parallel_size: int | None = None  # the prefill pool's (None: the above)
+    decode_tensor_parallel_size: int | None = None  # the decode pool's (None: the above)
     engine_argv: tuple[str, ...] = ()  # the engine flags every worker gets, as argv
     gateway_argv: tuple[str, ...] = ()  # flags the gateway gets besides those above (limits)
     restart: RestartPolicy = RestartPolicy()
@@ -137,11 +139,10 @@ class ClusterSpec:
     internal_tls_dir: str | None = None  # None: $BATON_INTERNAL_TLS_DIR, else no TLS
 
 
-def worker_gpus(gpus: list[str], index: int, tp: int) -> list[str]:
-    """The ``tp`` GPUs of worker ``index``: consecutive ids, in turn round the list (workers
-    share GPUs only when there are fewer than workers × tp)."""
-    start = (index * tp) % len(gpus)
-    return [gpus[(start + k) % len(gpus)] for k in range(tp)]
+def worker_gpus(gpus: list[str], first: int, tp: int) -> list[str]:
+    """A worker's ``tp`` GPUs from the ``first``-th on, in turn round the list (workers share
+    GPUs only when they need more than there are)."""
+    return [gpus[(first + k) % len(gpus)] for k in range(tp)]
 
 
 class Cluster:
@@ -209,15 +210,16 @@ class Cluster:
                                                 str(ready["metrics_port"])]  # fmt: skip
         workers = []
         gpus = self.gpus()
-        tp = a.tensor_parallel_size
-        if gpus and len(gpus) < tp:
-            raise RuntimeError(f"--tensor-parallel-size {tp} needs {tp} GPUs per worker; "
-                               f"{len(gpus)} found ({','.join(gpus)})")  # fmt: skip
-        if gpus and len(roles) * tp > len(gpus) and not a.kv_sized:
+        sizes = [self.worker_tp(role) for _, role in roles]
+        if gpus and len(gpus) < max(sizes):
+            raise RuntimeError(f"tensor parallel size {max(sizes)} needs as many GPUs per "
+                               f"worker; {len(gpus)} found ({','.join(gpus)})")  # fmt: skip
+        if gpus and sum(sizes) > len(gpus) and not a.kv_sized:
             print(f"baton serve: {len(roles)} workers share {len(gpus)} GPU(s), and each sizes "
                   "its KV cache from the memory it finds free: give each a size "
                   "(--kv-cache-memory-bytes or --num-kv-blocks)", file=sys.stderr)  # fmt: skip
-        for i, (name, role) in enumerate(roles):
+        first_gpu = 0
+        for (name, role), tp in zip(roles, sizes, strict=True):
             argv = ["worker", "--model", a.model, "--scheduler", sched_addr, "--worker-id", name,
                     "--role", role, "--drain-timeout", str(a.drain_timeout_s)]  # fmt: skip
             if a.worker_metrics:
@@ -225,8 +227,10 @@ class Cluster:
             argv += cpus[name]
             env = {"OMP_NUM_THREADS": str(self._threads_per_worker())}
             if gpus:  # tp GPUs each, round robin: P/D pools land on different GPUs
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(worker_gpus(gpus, i, tp))
-            workers.append((name, self.spawn(name, argv + self.engine_argv, True, env)))
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(worker_gpus(gpus, first_gpu, tp))
+                first_gpu += tp
+            tp_argv = ["--tensor-parallel-size", str(tp)]  # (after the others: it wins)
+            workers.append((name, self.spawn(name, argv + self.engine_argv + tp_argv, True, env)))
         for name, path in workers:
             self.wait_ready(name, path, WORKER_START_S)
         argv = ["gateway", "--model", a.model, "--scheduler", sched_addr, "--host", a.host,
@@ -302,8 +306,15 @@ class Cluster:
         An explicit OMP_NUM_THREADS wins."""
         if "OMP_NUM_THREADS" in os.environ:
             return int(os.environ["OMP_NUM_THREADS"])
-        ranks = len(self.worker_roles()) * self.spec.tensor_parallel_size
+        ranks = sum(self.worker_tp(role) for _, role in self.worker_roles())
         return max(1, (os.cpu_count() or 1) // max(1, ranks))
+
+    def worker_tp(self, role: str) -> int:
+        """The tensor-parallel size of a worker of ``role`` (its pool's, else everyone's)."""
+        a = self.spec
+        pool = {"prefill": a.prefill_tensor_parallel_size,
+                "decode": a.decode_tensor_parallel_size}.get(role)  # fmt: skip
+        return pool or a.tensor_parallel_size
 
     def cpus(self, names: list[str]) -> dict[str, list[str]]:
         """Each service's ``--cpus`` flag: one CPU of its own with ``--pin-cpus``, else none."""

@@ -276,6 +276,8 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         gpus=args.gpus, pin_cpus=args.pin_cpus, device=args.device,
         kv_sized=bool(args.num_kv_blocks or args.kv_cache_memory_bytes),
         tensor_parallel_size=args.tensor_parallel_size,
+        prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,
+        decode_tensor_parallel_size=args.decode_tensor_parallel_size,
         engine_argv=tuple(engine_flags_argv(args)), gateway_argv=tuple(limit_flags_argv(args)),
         internal_token_file=args.internal_token_file, internal_tls_dir=args.internal_tls_dir,
         restart=RestartPolicy(max_restarts=args.max_restarts, delay_s=args.restart_delay,
@@ -349,6 +351,20 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=None, help="colocated workers (role both)")
     p.add_argument("--prefill-workers", type=int, default=0)
     p.add_argument("--decode-workers", type=int, default=0)
+    p.add_argument(
+        "--prefill-tensor-parallel-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the prefill pool's TP size (default: --tensor-parallel-size)",
+    )
+    p.add_argument(
+        "--decode-tensor-parallel-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the decode pool's TP size (default: --tensor-parallel-size)",
+    )
     p.add_argument("--worker-metrics", action="store_true", help="give each worker /metrics")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="a worker's SIGTERM: how long its requests may finish")  # fmt: skip

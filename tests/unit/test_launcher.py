@@ -34,11 +34,13 @@ def test_each_worker_gets_its_tensor_parallel_gpus() -> None:
     from baton.launcher import worker_gpus
 
     gpus = ["0", "1", "2", "3"]
-    assert [worker_gpus(gpus, i, 2) for i in range(2)] == [["0", "1"], ["2", "3"]]
+    assert [worker_gpus(gpus, first, 2) for first in (0, 2)] == [["0", "1"], ["2", "3"]]
     assert [worker_gpus(gpus, i, 1) for i in range(5)] == [["0"], ["1"], ["2"], ["3"], ["0"]]
-    assert worker_gpus(gpus, 2, 2) == ["0", "1"]  # more workers than GPUs: they share, in turn
-    spec = cluster("--tensor-parallel-size", "2", "--decode-workers", "1").spec
-    assert spec.tensor_parallel_size == 2
+    assert worker_gpus(gpus, 4, 2) == ["0", "1"]  # more ranks than GPUs: they share, in turn
+    c = cluster("--tensor-parallel-size", "2", "--prefill-workers", "1", "--decode-workers", "1",
+                "--decode-tensor-parallel-size", "4")  # fmt: skip
+    assert [c.worker_tp(role) for _, role in c.worker_roles()] == [2, 4]
+    assert cluster("--tensor-parallel-size", "2").worker_tp("both") == 2
 
 
 def test_tensor_parallel_flags_reach_the_workers() -> None:

@@ -232,11 +232,8 @@ class EngineArgs:
                     f"tensor_parallel_size={tp} but this process sees "
                     f"{torch.cuda.device_count()} GPU(s) (CUDA_VISIBLE_DEVICES)"
                 )
-        if self.kv_transfer:
-            raise ValueError(
-                "KV transfer (disaggregated prefill/decode) with tensor_parallel_size > 1 is "
-                "not supported yet: run P/D workers at tensor_parallel_size=1"
-            )
+        if self.kv_transfer and self.kv_connector == "fake":
+            raise ValueError("the fake KV connector copies within one process: tp=1 only")
         return ParallelConfig(tp, backend)
 
     def _graph_sizes(self, device: str) -> tuple[int, ...]:

@@ -38,7 +38,9 @@ from services.worker.engine.executor.rank import (
     RankReply,
     Shutdown,
     Submit,
+    TransferMerge,
     answered_by,
+    merge_infos,
 )
 from services.worker.engine.kv_transfer.connector import ConnectorInfo, TransferResults
 from services.worker.engine.messages import ModelInfo
@@ -63,6 +65,7 @@ class MultiprocExecutor(Executor):
         self.kv_transfer = config.kv_transfer.enabled
         self.failed: str | None = None
         self._closed = False
+        self.transfers = TransferMerge(self.world_size)
         self.tmp = tempfile.mkdtemp(prefix="baton-ranks-")
         self.ctx = zmq.Context()
         self.replies = self.ctx.socket(zmq.PULL)
@@ -105,17 +108,16 @@ class MultiprocExecutor(Executor):
 
     def submit(self, sched: SchedulerOutput) -> StepResult:
         answers = self._call(Submit(sched))
-        return _RankStep(self, _merge(list(answers.values())))
+        return _RankStep(self, self.transfers.add(answers))
 
     def poll_transfers(self) -> TransferResults:
         if not self.kv_transfer:
             return TransferResults()
-        return _merge(list(self._call(PollTransfers()).values()))
+        return self.transfers.add(self._call(PollTransfers()))
 
     def transfer_info(self) -> ConnectorInfo:
-        info = self._call(GetTransferInfo())[0]
-        assert isinstance(info, ConnectorInfo)
-        return info
+        infos = self._call(GetTransferInfo())
+        return merge_infos([infos[r] for r in range(self.world_size)])
 
     def model_info(self) -> ModelInfo:
         info = self._call(GetModelInfo())[0]
@@ -213,8 +215,3 @@ class _RankStep:
         if self._output is None:
             self._output = self.executor.collect()
         return self._output
-
-
-def _merge(results: list[TransferResults]) -> TransferResults:
-    """Rank 0's transfer progress (KV transfer runs with one rank; ``EngineArgs`` refuses more)."""
-    return results[0] if results else TransferResults()

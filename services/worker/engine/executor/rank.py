@@ -12,15 +12,19 @@ the same collectives in the same order.
                                           TransferResults seen as the step was submitted
     Collect              rank 0           ModelRunnerOutput of the oldest submitted step
     PollTransfers        every rank       TransferResults
-    GetTransferInfo      rank 0           ConnectorInfo
+    GetTransferInfo      every rank       ConnectorInfo (``merge_infos``: the side channels joined)
     GetModelInfo         rank 0           ModelInfo (this rank's shard of the weights)
     Shutdown             nobody           the rank exits
 
 A rank that fails a call answers ``RankReply(error=...)`` whatever the call and then exits: its
 collectives are out of step with its peers', so it cannot go on.
+
+With KV transfer every rank has its own connector, and ``TransferMerge`` makes one engine's
+progress of theirs: a pull ends when it has ended on every rank (failed if it failed on any), a
+lease when every rank's part of it has.
 """
 
-from collections import deque
+from collections import defaultdict, deque
 
 import msgspec
 
@@ -97,9 +101,54 @@ def answered_by(call: object, world_size: int, kv_transfer: bool) -> range:
     """The ranks that answer ``call`` (the executor waits for exactly these)."""
     if isinstance(call, Shutdown) or (isinstance(call, Submit) and not kv_transfer):
         return range(0)
-    if isinstance(call, Collect | GetTransferInfo | GetModelInfo):
+    if isinstance(call, Collect | GetModelInfo):
         return range(1)
     return range(world_size)
+
+
+class TransferMerge:
+    """The engine's transfer progress from its ranks'; each request id is reported once."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self._ended: dict[str, dict[int, bool]] = defaultdict(dict)  # request → rank → ok
+        self._released: dict[str, set[int]] = defaultdict(set)
+
+    def add(self, per_rank: dict[int, TransferResults]) -> TransferResults:
+        if self.world_size == 1:
+            return per_rank.get(0, TransferResults())
+        out = TransferResults()
+        for rank, res in per_rank.items():
+            for rid in res.finished:
+                self._ended[rid][rank] = True
+            for rid in res.failed:
+                self._ended[rid][rank] = False
+            for rid in res.released:
+                self._released[rid].add(rank)
+        for rid, ends in list(self._ended.items()):
+            if len(ends) == self.world_size:  # no rank still reads into its blocks
+                (out.finished if all(ends.values()) else out.failed).append(rid)
+                del self._ended[rid]
+        for rid, ranks in list(self._released.items()):
+            if len(ranks) == self.world_size:
+                out.released.append(rid)
+                del self._released[rid]
+        return out
+
+
+def merge_infos(infos: list[ConnectorInfo]) -> ConnectorInfo:
+    """One engine's connector info from its ranks' (in rank order): the side channels joined by
+    commas (what a KV handle carries), the counters summed."""
+    stats: dict[str, int | float] = {}
+    for info in infos:
+        for key, value in info.stats.items():
+            stats[key] = stats.get(key, 0) + value
+    channels = [info.side_channel for info in infos]
+    return ConnectorInfo(
+        ",".join(channels) if any(channels) else "",
+        any(info.needs_idle_progress for info in infos),
+        stats,
+    )
 
 
 class RankWorker:

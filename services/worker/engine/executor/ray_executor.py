@@ -33,7 +33,9 @@ from services.worker.engine.executor.rank import (
     RankCall,
     RankWorker,
     Submit,
+    TransferMerge,
     answered_by,
+    merge_infos,
 )
 from services.worker.engine.kv_transfer.connector import ConnectorInfo, TransferResults
 from services.worker.engine.messages import ModelInfo
@@ -83,6 +85,7 @@ class RayExecutor(Executor):
         self.kv_transfer = config.kv_transfer.enabled
         self.failed: str | None = None
         self._closed = False
+        self.transfers = TransferMerge(self.world_size)
         host = ray.util.get_node_ip_address()
         self.store = dist.TCPStore(
             host, 0, None, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False
@@ -108,20 +111,16 @@ class RayExecutor(Executor):
 
     def submit(self, sched: SchedulerOutput) -> StepResult:
         answers = self._call(Submit(sched))
-        transfers = answers.get(0, TransferResults())
-        return _RayStep(self, transfers)
+        return _RayStep(self, self.transfers.add(answers))
 
     def poll_transfers(self) -> TransferResults:
         if not self.kv_transfer:
             return TransferResults()
-        out = self._call(PollTransfers())[0]
-        assert isinstance(out, TransferResults)
-        return out
+        return self.transfers.add(self._call(PollTransfers()))
 
     def transfer_info(self) -> ConnectorInfo:
-        info = self._call(GetTransferInfo())[0]
-        assert isinstance(info, ConnectorInfo)
-        return info
+        infos = self._call(GetTransferInfo())
+        return merge_infos([infos[r] for r in range(self.world_size)])
 
     def model_info(self) -> ModelInfo:
         info = self._call(GetModelInfo())[0]

@@ -43,7 +43,7 @@ class ConnectorInfo:
 
     side_channel: str  # where peers reach this engine (handed out in KV handles); "" if none
     needs_idle_progress: bool  # poll even when idle, or peers' READs and notices wait
-    stats: dict[str, float]  # counters for get_stats (pulls, bytes, failures, seconds)
+    stats: dict[str, int | float]  # counters for get_stats (pulls, bytes, failures, seconds)
 
 
 NO_CONNECTOR = ConnectorInfo("", False, {})
@@ -75,13 +75,29 @@ class KVConnector(ABC):
 PROTOCOL_VERSION = 1  # of the KV layout and handshake: engines of different versions refuse
 
 
-def compat_hash(model: str, dtype: str, block_size: int, shape: tuple[int, ...]) -> str:
-    """What must agree for one engine to read another's blocks byte for byte."""
-    text = f"v{PROTOCOL_VERSION}|{model}|{dtype}|{block_size}|{shape[1:]}"
+def compat_hash(
+    model: str, dtype: str, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int
+) -> str:
+    """What must agree for one engine to read another's blocks byte for byte: the model's whole
+    KV geometry, not one rank's shard (engines of different TP sizes exchange KV)."""
+    text = (f"v{PROTOCOL_VERSION}|{model}|{dtype}|{block_size}|{num_layers}|{num_kv_heads}|"
+            f"{head_dim}")  # fmt: skip
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-# name → "module:Class"; each class is built as cls(engine_id, kv_cache, compat_hash, host)
+@dataclass(frozen=True)
+class RankPlacement:
+    """Which tensor-parallel rank a connector's cache belongs to (kv_transfer/tp_layout.py)."""
+
+    rank: int = 0
+    size: int = 1
+    num_kv_heads: int = 0  # the model's, over all ranks (0: the cache's own, at tp=1)
+
+
+ONE_RANK = RankPlacement()
+
+
+# name → "module:Class"; each is built as cls(engine_id, kv_cache, compat_hash, host, placement)
 CONNECTORS = {
     "nixl": "services.worker.engine.kv_transfer.nixl_connector:NixlConnector",
     "fake": "services.worker.engine.kv_transfer.fake_connector:FakeConnector",
@@ -89,12 +105,13 @@ CONNECTORS = {
 
 
 def make_connector(
-    name: str, engine_id: str, kv_cache: "torch.Tensor", compat_hash: str, host: str
-) -> KVConnector:
+    name: str, engine_id: str, kv_cache: "torch.Tensor", compat_hash: str, host: str,
+    placement: RankPlacement = ONE_RANK,
+) -> KVConnector:  # fmt: skip
     if name not in CONNECTORS:
         raise ValueError(f"unknown KV connector {name!r}; known: {', '.join(sorted(CONNECTORS))}")
     module, cls = CONNECTORS[name].split(":")
     connector: KVConnector = getattr(importlib.import_module(module), cls)(
-        engine_id, kv_cache, compat_hash, host
+        engine_id, kv_cache, compat_hash, host, placement=placement
     )
     return connector

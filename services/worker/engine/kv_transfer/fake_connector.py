@@ -15,7 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.worker.engine.kv_transfer.connector import ConnectorInfo, KVConnector, TransferResults
+from services.worker.engine.kv_transfer.connector import (
+    ConnectorInfo,
+    KVConnector,
+    RankPlacement,
+    TransferResults,
+)
 from services.worker.engine.kv_transfer.params import KVLoad
 
 
@@ -47,7 +52,10 @@ class FakeConnector(KVConnector):
         compat_hash: str = "",
         host: str = "",
         fabric: FakeFabric | None = None,
+        placement: RankPlacement | None = None,
     ):
+        if placement is not None and placement.size > 1:
+            raise ValueError("the fake KV connector copies within one process: tp=1 only")
         self.engine_id = engine_id
         self.kv_cache = kv_cache
         self.compat_hash = compat_hash

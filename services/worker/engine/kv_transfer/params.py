@@ -13,7 +13,9 @@ class RemoteKV(msgspec.Struct, frozen=True):
     """Where a prompt's KV cache waits: the prefill engine's NIXL agent and its blocks."""
 
     engine_id: str  # the NIXL agent name
-    side_channel: str  # tcp://host:port of its handshake socket
+    # tcp://host:port of its handshake socket; a tensor-parallel engine's is one per rank,
+    # joined by commas in rank order (each rank has its own agent and blocks)
+    side_channel: str
     block_ids: list[int]  # the prompt's blocks, in order
     num_tokens: int  # tokens whose KV those blocks hold (the prompt)
     lease_expires_at: float = 0.0  # wall clock (time.time()) when the blocks are released

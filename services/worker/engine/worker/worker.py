@@ -9,6 +9,7 @@ from services.worker.engine.kv_transfer.connector import (
     NO_CONNECTOR,
     ConnectorInfo,
     KVConnector,
+    RankPlacement,
     TransferResults,
     compat_hash,
     make_connector,
@@ -79,13 +80,16 @@ class Worker:
         transfer = self.config.kv_transfer
         if transfer.enabled:
             assert self.runner.kv_cache is not None
+            model, arch = self.config.model, self.config.model.arch
             compat = compat_hash(
-                self.config.model.served_model_name, self.config.model.dtype,
-                self.config.cache.block_size, tuple(self.runner.kv_cache.shape),
+                model.served_model_name, model.dtype, self.config.cache.block_size,
+                arch.num_layers, arch.num_kv_heads, arch.head_dim,
             )  # fmt: skip
+            tp = self.runner.tp
+            placement = RankPlacement(tp.rank, tp.world_size, arch.num_kv_heads)
             self.connector = make_connector(
                 transfer.connector, transfer.engine_id, self.runner.kv_cache, compat,
-                transfer.side_channel_host,
+                transfer.side_channel_host, placement,
             )  # fmt: skip
 
     def submit(self, sched: SchedulerOutput) -> "WorkerStep":
