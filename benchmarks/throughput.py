@@ -52,8 +52,8 @@ def run_baton(
         seed=args.seed,
         multiprocess=not args.inproc,  # detokenization overlaps the core's next step
         show_progress=False,
-        tensor_parallel_size=args.tensor_parallel_size,
-        distributed_executor_backend=args.executor,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        distributed_executor_backend=getattr(args, "executor", None),
     )
     prompts, out_lens = make_workload(args, llm.config.model.arch.vocab_size)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]

@@ -143,15 +143,24 @@ def test_a_drain_that_times_out_ends_the_rest_resumably(
     policy, prompts, refs = _setup(tiny_model, tmp_path, offline, max_tokens=200)
     with running_cluster(tiny_model, 0, "--prefill-workers", "1", "--decode-workers", "2",
                          "--routing-policy", str(policy), "--drain-timeout", "0.5",
-                         "--max-restarts", "0", "--no-prefix-caching") as cluster:  # fmt: skip
+                         "--max-restarts", "0", "--no-prefix-caching",
+                         "--worker-metrics") as cluster:  # fmt: skip
         decode = cluster.procs["decode-0"]
 
         def prompt(c: int, i: int) -> str:
             return prompts[(c + i) % len(prompts)]
 
+        def decoding() -> bool:
+            """Requests on decode-0 past their pulls (decoding, not waiting for their KV: a
+            drain that ends a request before its first decoded token is a refusal)."""
+            try:
+                pulled = scheduler_metric(cluster, "baton_worker_kv_pulls_total", "decode-0")
+            except AssertionError:  # not exported until it first counts
+                return False
+            return pulled >= 2 and worker_health(cluster, "decode-0").num_running > 0
+
         with StreamLoad(cluster.url or "", clients=8, max_tokens=200, prompt=prompt) as load:
-            wait_for(lambda: worker_health(cluster, "decode-0").num_running > 0, 60.0,
-                     "requests running on decode-0")  # fmt: skip
+            wait_for(decoding, 60.0, "requests decoding on decode-0")
             at = time.monotonic()
             decode.send_signal(signal.SIGTERM)
             decode.wait(timeout=20)

@@ -158,7 +158,7 @@ def test_rank_processes_end_with_the_engine(tiny_model: Path) -> None:
         ({"tensor_parallel_size": 3}, "num_attention_heads=4 does not split"),
         ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, "mp or ray"),
         ({"tensor_parallel_size": 2, "distributed_executor_backend": "x"}, "one of uni, mp"),
-        ({"tensor_parallel_size": 2, "kv_transfer": True}, "not supported yet"),
+        ({"tensor_parallel_size": 2, "kv_transfer": True, "kv_connector": "fake"}, "tp=1 only"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),
     ],
 )

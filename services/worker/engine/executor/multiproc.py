@@ -18,7 +18,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -45,6 +44,7 @@ from services.worker.engine.executor.rank import (
 from services.worker.engine.kv_transfer.connector import ConnectorInfo, TransferResults
 from services.worker.engine.messages import ModelInfo
 from services.worker.engine.sched.output import ModelRunnerOutput, SchedulerOutput
+from shared.tmpdirs import make_private_dir
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class MultiprocExecutor(Executor):
         self.failed: str | None = None
         self._closed = False
         self.transfers = TransferMerge(self.world_size)
-        self.tmp = tempfile.mkdtemp(prefix="baton-ranks-")
+        self.tmp = str(make_private_dir("baton-ranks-"))  # (and stale ones of dead owners go)
         self.ctx = zmq.Context()
         self.replies = self.ctx.socket(zmq.PULL)
         self.replies.bind(f"ipc://{self.tmp}/replies")
