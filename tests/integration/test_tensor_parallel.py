@@ -75,6 +75,19 @@ def test_tp2_equals_tp1(tiny_models: dict[str, Path], name: str, mode: str) -> N
     assert stats.prefix_hit_tokens > 0  # the second round really read cached blocks
 
 
+def test_tp2_with_async_scheduling_equals_tp1(tiny_models: dict[str, Path]) -> None:
+    """Submit N+1 before collecting N (the GPU default): each rank sees the same order."""
+    ref = _reference(tiny_models["qwen3"], {})
+    llm = LLM(model=str(tiny_models["qwen3"]), tensor_parallel_size=2, async_scheduling=True,
+              show_progress=False, max_num_batched_tokens=16, max_num_seqs=4)  # fmt: skip
+    try:
+        assert llm.config.scheduler.async_scheduling
+        out = _run(llm)
+    finally:
+        llm.shutdown()
+    _assert_same(out, ref)
+
+
 def test_more_ranks_than_kv_heads_replicates_them(tiny_models: dict[str, Path]) -> None:
     """4 ranks, 4 query heads, 2 KV heads: each KV head lives on two ranks."""
     ref = _reference(tiny_models["llama"], {})
