@@ -25,8 +25,10 @@ def _make_tiny_model(args: argparse.Namespace) -> None:
         num_heads=args.heads,
         num_kv_heads=args.kv_heads,
         max_position_embeddings=args.max_position_embeddings,
+        quantize=args.quantize,
     )
-    print(f"wrote a tiny {args.arch} checkpoint to {path}")
+    fp8 = f" ({args.quantize})" if args.quantize else ""
+    print(f"wrote a tiny {args.arch}{fp8} checkpoint to {path}")
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -70,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--max-position-embeddings", type=int, default=1024)
+    p.add_argument(
+        "--quantize", choices=["fp8-tensor", "fp8-channel", "fp8-block"], default=None,
+        help="write an FP8 checkpoint: compressed-tensors with per-tensor (static activations) "
+        "or per-channel scales, or the fp8 method's 128x128 blocks",
+    )  # fmt: skip
     p.set_defaults(func=_make_tiny_model)
 
     p = sub.add_parser("generate", help="offline generation with a checkpoint")

@@ -36,7 +36,7 @@ ENGINE_FLAGS = (
     "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization", "max_num_seqs",
     "max_num_batched_tokens", "attention_backend", "device", "enable_prefix_caching",
     "enforce_eager", "async_scheduling", "kv_lease_seconds", "kv_recompute_on_failure",
-    "tensor_parallel_size", "distributed_executor_backend",
+    "tensor_parallel_size", "distributed_executor_backend", "quantization",
 )  # fmt: skip
 ENGINE_HELP = {
     "enforce_eager": "no CUDA graphs",
@@ -45,6 +45,8 @@ ENGINE_HELP = {
     "kv_lease_seconds": "prefill side: how long a prompt's KV waits to be pulled",
     "kv_recompute_on_failure": "decode side: a failed KV pull fails its request with a 502 "
     "instead of recomputing the prompt locally (the default)",
+    "quantization": "fp8: quantize a float checkpoint's linear layers to FP8 at load (an FP8 "
+    "checkpoint is read as it is, without this flag)",
     "tensor_parallel_size": "split the model over N ranks (GPUs), one process each "
     "(baton serve gives each worker N GPUs)",
     "distributed_executor_backend": "how the ranks run: uni (in the engine core, tp=1), mp (a "
@@ -78,6 +80,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
             kw["choices"] = LOAD_FORMATS
         if name == "distributed_executor_backend":
             kw["choices"] = EXECUTOR_BACKENDS
+        if name == "quantization":
+            kw["choices"] = ("fp8",)
         p.add_argument(flag, **kw)
 
 

@@ -6,12 +6,14 @@ KV blocks that fit in memory) travel as explicit constructor arguments instead.
 """
 
 import dataclasses
+import json
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from services.worker.engine.model_config import ArchConfig, load_arch_config
+from services.worker.engine.models.quantization import QuantConfig, parse_quantization
 from services.worker.engine.models.registry import check_architecture
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -29,6 +31,7 @@ class ModelConfig:
     max_model_len: int  # prompt + output tokens per request
     arch: ArchConfig
     fused_ops: bool  # Triton kernels for norm / rotary / SiLU·mul (models/layers/fused_ops.py)
+    quantization: QuantConfig | None = None  # FP8 linear layers (models/quantization.py)
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,7 @@ class EngineArgs:
     kv_side_channel_host: str = "127.0.0.1"
     kv_recompute_on_failure: bool = True  # a failed pull: prompt recomputed (False: an error)
     kv_connector: str = "nixl"  # nixl | fake (in-process tensor copies, for tests)
+    quantization: str | None = None  # fp8: quantize a float checkpoint's linear layers at load
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -139,6 +143,8 @@ class EngineArgs:
             tensor_parallel_size=self.tensor_parallel_size,
         )
         parallel = self._parallel_config(arch, device)
+        hf_config = json.loads((Path(self.model) / "config.json").read_text())
+        quantization = parse_quantization(hf_config, self.quantization)
         from services.worker.engine.kv_transfer.connector import CONNECTORS
 
         if self.kv_connector not in CONNECTORS:
@@ -168,6 +174,7 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 arch=arch,
                 fused_ops=device == "cuda" if self.fused_ops is None else self.fused_ops,
+                quantization=quantization,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

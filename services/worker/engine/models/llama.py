@@ -25,6 +25,7 @@ from services.worker.engine.models.layers.linear import (
 )
 from services.worker.engine.models.layers.norm import RMSNorm
 from services.worker.engine.models.layers.rotary import RotaryEmbedding
+from services.worker.engine.models.quantization import QuantConfig
 
 
 class LlamaAttention(nn.Module):
@@ -34,16 +35,18 @@ class LlamaAttention(nn.Module):
         max_positions: int,
         backend: type[AttentionBackend],
         fused: bool = False,
+        quant: QuantConfig | None = None,
     ):
         super().__init__()
         d = arch.head_dim
         self.qkv_proj = QKVParallelLinear(
-            arch.hidden_size, d, arch.num_heads, arch.num_kv_heads, arch.attention_bias, fused
-        )
+            arch.hidden_size, d, arch.num_heads, arch.num_kv_heads, arch.attention_bias, fused,
+            quant,
+        )  # fmt: skip
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.head_dim = d
-        self.o_proj = RowParallelLinear(arch.num_heads * d, arch.hidden_size, False, fused)
+        self.o_proj = RowParallelLinear(arch.num_heads * d, arch.hidden_size, False, fused, quant)
         self.rotary = RotaryEmbedding(d, max_positions, arch.rope, fused)
         self.q_norm = RMSNorm(d, arch.rms_norm_eps, fused) if arch.qk_norm else None
         self.k_norm = RMSNorm(d, arch.rms_norm_eps, fused) if arch.qk_norm else None
@@ -66,15 +69,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ArchConfig, fused: bool = False):
+    def __init__(self, arch: ArchConfig, fused: bool = False, quant: QuantConfig | None = None):
         super().__init__()
         if arch.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {arch.hidden_act!r}; supported: silu")
         inter = arch.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            arch.hidden_size, [inter, inter], arch.mlp_bias, fused
+            arch.hidden_size, [inter, inter], arch.mlp_bias, fused, quant
         )
-        self.down_proj = RowParallelLinear(inter, arch.hidden_size, arch.mlp_bias, fused)
+        self.down_proj = RowParallelLinear(inter, arch.hidden_size, arch.mlp_bias, fused, quant)
         self.act = SiluAndMul(fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,10 +91,11 @@ class LlamaDecoderLayer(nn.Module):
         max_positions: int,
         backend: type[AttentionBackend],
         fused: bool = False,
+        quant: QuantConfig | None = None,
     ):
         super().__init__()
-        self.self_attn = LlamaAttention(arch, max_positions, backend, fused)
-        self.mlp = LlamaMLP(arch, fused)
+        self.self_attn = LlamaAttention(arch, max_positions, backend, fused, quant)
+        self.mlp = LlamaMLP(arch, fused, quant)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fused)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fused)
 
@@ -118,11 +122,13 @@ class LlamaModel(nn.Module):
         max_positions: int,
         backend: type[AttentionBackend],
         fused: bool = False,
+        quant: QuantConfig | None = None,
     ):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, max_positions, backend, fused) for _ in range(arch.num_layers)
+            LlamaDecoderLayer(arch, max_positions, backend, fused, quant)
+            for _ in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fused)
 
@@ -154,10 +160,11 @@ class LlamaForCausalLM(nn.Module):
         max_positions: int,
         backend: type[AttentionBackend],
         fused: bool = False,
+        quant: QuantConfig | None = None,
     ):
         super().__init__()
         self.arch = arch
-        self.model = LlamaModel(arch, max_positions, backend, fused)
+        self.model = LlamaModel(arch, max_positions, backend, fused, quant)
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -52,24 +52,37 @@ def load_safetensors(
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if name.endswith(_SKIPPED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
-                target, shard = _map_name(name, packed)
+                target, shard = _map_name(_our_suffix(name), packed)
                 if target not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
                 param = params[target]
                 owner = modules[target.rpartition(".")[0]]
                 loader = getattr(owner, "weight_loader", None)
                 tensor = CheckpointTensor.of(f.get_slice(name), counter)
-                if loader is not None:
-                    loader(param, tensor, shard)
-                else:
-                    copy_weight(param, tensor)
+                try:
+                    if loader is not None:
+                        loader(param, tensor, shard)
+                    else:
+                        copy_weight(param, tensor)
+                except ValueError as e:  # name the tensor: a wrong layout must be findable
+                    raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
                 loaded.add(target)
     if tied:
         loaded.add("lm_head.weight")
+    for target in list(params):  # FP8 scales computed at load (a float checkpoint quantized)
+        owner = modules[target.rpartition(".")[0]]
+        if target.endswith(".weight_scale") and getattr(owner, "derives_scale", False):
+            loaded.add(target)
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks weights for: {', '.join(missing[:8])}")
     return counter
+
+
+def _our_suffix(name: str) -> str:
+    """fp8 block checkpoints call the weight scale ``weight_scale_inv`` (a multiplier all the
+    same: w = w_fp8 · weight_scale_inv)."""
+    return name.removesuffix("_inv") if name.endswith(".weight_scale_inv") else name
 
 
 def _map_name(name: str, packed: dict[str, tuple[str, str | int]]) -> tuple[str, str | int | None]:
@@ -85,7 +98,9 @@ def load_dummy(model: nn.Module, seed: int) -> None:
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
         noise = torch.rand(param.shape, generator=gen, dtype=torch.float32, device=device)
-        if name.endswith("norm.weight"):
+        if name.endswith(("weight_scale", "input_scale")):  # FP8: unit scales
+            values = torch.ones_like(noise)
+        elif name.endswith("norm.weight"):
             values = 1.0 + (noise - 0.5) * 0.1
         else:
             values = (noise - 0.5) * 0.04

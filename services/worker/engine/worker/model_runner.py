@@ -66,7 +66,9 @@ class ModelRunner:
         cls = resolve_model_class(cfg.arch.architecture)
         self.backend = get_backend(self.config.attention.backend)
         with torch.device(self.device), _default_dtype(self.dtype):
-            self.model = cls(cfg.arch, cfg.max_model_len, self.backend, cfg.fused_ops)
+            self.model = cls(
+                cfg.arch, cfg.max_model_len, self.backend, cfg.fused_ops, cfg.quantization
+            )
         if cfg.load_format == "dummy":
             load_dummy(self.model, cfg.seed)
         else:

@@ -8,7 +8,9 @@
 Each layer has ``weight_loader(param, loaded, shard_id)`` that copies this rank's slice of a
 checkpoint tensor into the right rows of its parameter, so the loader never needs to know the
 layout (models/loader.py calls the loader of the module that owns each parameter). ``loaded`` is
-lazy (models/weights.py): narrowing it reads nothing, so a rank reads only its slice.
+lazy (models/weights.py): narrowing it reads nothing, so a rank reads only its slice. A
+subclass says only where a shard's rows go (``_rows``); the base places weights, biases and,
+for FP8 layers (models/quantization.py), the weight scales and static activation scales.
 """
 
 import torch
@@ -16,7 +18,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.engine.distributed import all_reduce, tp_rank, tp_size
-from services.worker.engine.models.weights import Loaded, copy_weight
+from services.worker.engine.models.quantization import (
+    FP8,
+    QuantConfig,
+    dequantize,
+    quantize_activations,
+    quantize_rows,
+)
+from services.worker.engine.models.weights import CheckpointTensor, Loaded, copy_weight
 
 
 class _LinearBase(nn.Module):
@@ -27,28 +36,131 @@ class _LinearBase(nn.Module):
         bias: bool,
         split_dim: int | None,
         fused: bool = False,
+        quant: QuantConfig | None = None,
+        in_total: int | None = None,  # the checkpoint's input columns (row-parallel: all ranks')
     ):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.split_dim = split_dim
         self.fused = fused  # one token on a GPU: the Triton GEMV (layers/gemv.py), not cuBLAS
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.quant = quant
+        self.in_total = in_total or in_features
+        self.col_start = self.tp_rank * in_features if split_dim == 1 else 0
+        dtype = FP8 if quant is not None else None
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype), requires_grad=False
+        )
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+        self.weight_scale: nn.Parameter | None = None
+        self.input_scale: nn.Parameter | None = None
+        self.scale_cols: torch.Tensor | None
+        self.register_buffer("scale_cols", None, persistent=False)  # block layers set it
+        if quant is not None:
+            cols = 1
+            if quant.weights == "block":  # the block columns this rank's input columns fall in
+                b = quant.block
+                first = self.col_start // b
+                cols = (self.col_start + in_features - 1) // b - first + 1
+                index = (self.col_start + torch.arange(in_features)) // b - first
+                self.register_buffer("scale_cols", index, persistent=False)
+            self.weight_scale = nn.Parameter(
+                torch.empty(out_features, cols, dtype=torch.float32), requires_grad=False
+            )
+            if quant.activations == "static":
+                self.input_scale = nn.Parameter(
+                    torch.zeros(1, dtype=torch.float32), requires_grad=False
+                )
+
+    @property
+    def derives_scale(self) -> bool:
+        """Its weight scales are computed at load, not read (a float checkpoint quantized)."""
+        return self.quant is not None and self.quant.online
+
+    def _rows(self, shard_id: str | int | None) -> tuple[int, int, int, int]:
+        """Where a checkpoint tensor's rows go: (first parameter row, rows, first checkpoint
+        row, the checkpoint tensor's rows)."""
+        size = self.weight.shape[0]
+        if self.split_dim == 0:
+            return 0, size, self.tp_rank * size, size * self.tp_size
+        return 0, size, 0, size
 
     def weight_loader(
         self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None
     ) -> None:
-        if self.split_dim is not None and self.split_dim < loaded.dim():
-            size = param.shape[self.split_dim]
-            loaded = loaded.narrow(self.split_dim, self.tp_rank * size, size)
-        copy_weight(param, loaded)
+        dst0, size, src0, total = self._rows(shard_id)
+        if param is self.input_scale:  # q, k and v (gate and up) share one input: the largest
+            value = _full(loaded).float().reshape(-1)
+            if value.numel() != 1:
+                raise ValueError(f"a static input scale has one value, got {tuple(loaded.shape)}")
+            param.data.copy_(torch.maximum(param.data, value))
+            return
+        if param is self.weight_scale:
+            self._load_scale(loaded, dst0, size, src0, total)
+            return
+        if param is self.bias and loaded.dim() == 1:
+            if self.split_dim == 1:  # row-parallel: the bias is added once, on rank 0 only
+                if self.tp_rank == 0:
+                    copy_weight(param, loaded)
+                else:
+                    param.data.zero_()
+                return
+            copy_weight(param.data.narrow(0, dst0, size), loaded.narrow(0, src0, size))
+            return
+        src = loaded.narrow(0, src0, size)
+        if self.split_dim == 1:
+            src = src.narrow(1, self.col_start, self.weight.shape[1])
+        dst = param.data.narrow(0, dst0, size)
+        if param is self.weight and self.derives_scale:
+            assert self.weight_scale is not None
+            weight, scale = quantize_rows(_full(src))
+            copy_weight(dst, weight)
+            self.weight_scale.data.narrow(0, dst0, size).copy_(scale)
+            return
+        copy_weight(dst, src)
+
+    def _load_scale(self, loaded: Loaded, dst0: int, size: int, src0: int, total: int) -> None:
+        """This rank's rows (and block columns) of a shard's weight scale, in the layer's
+        layout: one column per row, or one per block column."""
+        assert self.quant is not None and self.weight_scale is not None
+        scale = _full(loaded).float()
+        dst = self.weight_scale.data.narrow(0, dst0, size)
+        kind = self.quant.weights
+        if kind == "tensor":
+            if scale.numel() != 1:
+                raise ValueError(
+                    f"a per-tensor weight scale has one value, got {tuple(scale.shape)}"
+                )
+            dst.fill_(scale.reshape(()).item())
+            return
+        if kind == "channel":
+            if scale.reshape(-1).shape[0] != total or scale.numel() != total:
+                raise ValueError(f"a per-channel weight scale of shape {tuple(scale.shape)} "
+                                 f"does not match {total} output channels")  # fmt: skip
+            dst.copy_(scale.reshape(-1, 1)[src0 : src0 + size])
+            return
+        b = self.quant.block
+        want = (-(-total // b), -(-self.in_total // b))
+        if tuple(scale.shape) != want:
+            raise ValueError(
+                f"a block weight scale of shape {tuple(scale.shape)}, expected {want}: "
+                f"{total}×{self.in_total} weights, {b}×{b} blocks"
+            )
+        rows = scale[(src0 + torch.arange(size)) // b]
+        first = self.col_start // b
+        dst.copy_(rows[:, first : first + self.weight_scale.shape[1]])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, self.bias)
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant is not None:  # the plain-PyTorch FP8 path (models/quantization.py)
+            assert self.weight_scale is not None
+            q = self.quant
+            xq = quantize_activations(x, q.activations, q.block, self.input_scale)
+            w = dequantize(self.weight, self.weight_scale, self.scale_cols).to(x.dtype)
+            return F.linear(xq, w, bias)
         if self.fused and x.is_cuda and x.shape[0] == 1:
             from services.worker.engine.models.layers.gemv import gemv
 
@@ -56,29 +168,25 @@ class _LinearBase(nn.Module):
         return F.linear(x, self.weight, bias)
 
 
+def _full(t: Loaded) -> torch.Tensor:
+    return t.load() if isinstance(t, CheckpointTensor) else t
+
+
 class ColumnParallelLinear(_LinearBase):
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = False, fused: bool = False
-    ):
-        super().__init__(in_features, out_features // tp_size(), bias, split_dim=0, fused=fused)
+        self, in_features: int, out_features: int, bias: bool = False, fused: bool = False,
+        quant: QuantConfig | None = None,
+    ):  # fmt: skip
+        super().__init__(in_features, out_features // tp_size(), bias, 0, fused, quant)
 
 
 class RowParallelLinear(_LinearBase):
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = False, fused: bool = False
-    ):
-        super().__init__(in_features // tp_size(), out_features, bias, split_dim=1, fused=fused)
-
-    def weight_loader(
-        self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None
-    ) -> None:
-        if loaded.dim() == 1:  # the bias is added once, on rank 0 only (forward adds no other)
-            if self.tp_rank == 0:
-                copy_weight(param, loaded)
-            else:
-                param.data.zero_()
-            return
-        super().weight_loader(param, loaded, shard_id)
+        self, in_features: int, out_features: int, bias: bool = False, fused: bool = False,
+        quant: QuantConfig | None = None,
+    ):  # fmt: skip
+        super().__init__(in_features // tp_size(), out_features, bias, 1, fused, quant,
+                         in_total=in_features)  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce(self._linear(x, self.bias if self.tp_rank == 0 else None))
@@ -88,18 +196,16 @@ class MergedColumnParallelLinear(_LinearBase):
     """Several column-parallel projections of one input stacked in one matmul (gate ‖ up)."""
 
     def __init__(
-        self, in_features: int, out_sizes: list[int], bias: bool = False, fused: bool = False
-    ):
+        self, in_features: int, out_sizes: list[int], bias: bool = False, fused: bool = False,
+        quant: QuantConfig | None = None,
+    ):  # fmt: skip
         self.out_sizes = [s // tp_size() for s in out_sizes]
-        super().__init__(in_features, sum(self.out_sizes), bias, split_dim=0, fused=fused)
+        super().__init__(in_features, sum(self.out_sizes), bias, 0, fused, quant)
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None
-    ) -> None:
+    def _rows(self, shard_id: str | int | None) -> tuple[int, int, int, int]:
         assert isinstance(shard_id, int)  # the loader's packed-module table is ours
         size = self.out_sizes[shard_id]
-        offset = sum(self.out_sizes[:shard_id])
-        copy_weight(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
+        return sum(self.out_sizes[:shard_id]), size, self.tp_rank * size, size * self.tp_size
 
 
 class QKVParallelLinear(_LinearBase):
@@ -113,24 +219,24 @@ class QKVParallelLinear(_LinearBase):
         num_kv_heads: int,
         bias: bool = False,
         fused: bool = False,
+        quant: QuantConfig | None = None,
     ):
         tp = tp_size()
         self.head_dim = head_dim
+        self.total_heads = num_heads
         self.total_kv_heads = num_kv_heads
         self.num_heads = num_heads // tp
         self.num_kv_heads = max(1, num_kv_heads // tp)  # kv heads replicate when tp > kv heads
         # (the same count as worker/model_runner.kv_heads_per_rank, which sizes the KV cache)
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        super().__init__(hidden, out, bias, split_dim=0, fused=fused)
+        super().__init__(hidden, out, bias, split_dim=0, fused=fused, quant=quant)
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None
-    ) -> None:
+    def _rows(self, shard_id: str | int | None) -> tuple[int, int, int, int]:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[str(shard_id)]
         if shard_id == "q":
-            start = self.tp_rank * size
-        else:  # with more ranks than kv heads, consecutive ranks share one kv head
-            replicas = max(1, self.tp_size // self.total_kv_heads)
-            start = (self.tp_rank // replicas) * size
-        copy_weight(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
+            return offset, size, self.tp_rank * size, self.total_heads * self.head_dim
+        # with more ranks than kv heads, consecutive ranks share one kv head
+        replicas = max(1, self.tp_size // self.total_kv_heads)
+        start = (self.tp_rank // replicas) * size
+        return offset, size, start, self.total_kv_heads * self.head_dim

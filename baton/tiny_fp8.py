@@ -1,0 +1,170 @@
+"""FP8 tiny checkpoints (``baton make-tiny-model DIR --quantize ...``), and the plain-PyTorch
+reference that dequantizes them: the oracle the engine's FP8 layers are tested against.
+
+    fp8-tensor   compressed-tensors float-quantized: one scale per weight, static per-tensor
+                 activation scales calibrated on a text
+    fp8-channel  compressed-tensors float-quantized: a scale per output channel, activations
+                 dynamic per token
+    fp8-block    the ``fp8`` method: 128×128 weight blocks (``weight_scale_inv``), activations
+                 dynamic per token and 128 columns
+
+The float model's weights get a heavier tail first (a few output channels ×6): with uniform
+weights every scale layout would quantize alike, and a wrong layout would pass unnoticed. That
+float model is kept beside it, in ``DIR/unquantized``, to compare FP8 against.
+"""
+
+from pathlib import Path
+from typing import Any
+
+FORMATS = ("fp8-tensor", "fp8-channel", "fp8-block")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+BLOCK = 128
+_SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # one fused matmul
+_CALIBRATION = "The quick brown fox jumps over the lazy dog. import os, sys; return a sorted list."
+
+
+def _linears(model: Any) -> dict[str, Any]:
+    return {n: m for n, m in model.named_modules() if n.rpartition(".")[2] in LINEARS}
+
+
+def quantize_checkpoint(out: Path, model: Any, tokenizer: Any, fmt: str, seed: int) -> None:
+    """Replace ``out``'s weights with an FP8 checkpoint of ``model`` in format ``fmt``."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from services.worker.engine.models.quantization import FP8, FP8_MAX
+
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown --quantize {fmt!r}; choose from {', '.join(FORMATS)}")
+    gen = torch.Generator().manual_seed(seed + 1)
+    linears = _linears(model)
+    with torch.no_grad():
+        for lin in linears.values():  # outlier channels
+            rows = torch.randperm(lin.weight.shape[0], generator=gen)[:2]
+            lin.weight[rows] *= 6.0
+    amax: dict[str, float] = {}
+    if fmt == "fp8-tensor":  # calibrate static activation scales on a text
+        hooks = [
+            lin.register_forward_pre_hook(
+                lambda mod, args, name=name: amax.__setitem__(
+                    name, max(amax.get(name, 0.0), float(args[0].abs().max()))
+                )
+            )
+            for name, lin in linears.items()
+        ]
+        with torch.no_grad():
+            model(**tokenizer(_CALIBRATION, return_tensors="pt"))
+        for h in hooks:
+            h.remove()
+    model.save_pretrained(out / "unquantized")  # the float model it comes from, to compare
+    tokenizer.save_pretrained(out / "unquantized")
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    for name, lin in linears.items():
+        w = lin.weight.detach().float()
+        if fmt == "fp8-tensor":
+            scale = (w.abs().max() / FP8_MAX).reshape(1)
+            tensors[f"{name}.weight"] = (w / scale).to(FP8)
+            tensors[f"{name}.weight_scale"] = scale
+            tensors[f"{name}.input_scale"] = torch.tensor([amax[name] / FP8_MAX])
+        elif fmt == "fp8-channel":
+            scale = w.abs().amax(dim=1, keepdim=True) / FP8_MAX
+            tensors[f"{name}.weight"] = (w / scale).to(FP8)
+            tensors[f"{name}.weight_scale"] = scale
+        else:
+            rows, cols = w.shape
+            pr, pc = -(-rows // BLOCK), -(-cols // BLOCK)
+            padded = torch.nn.functional.pad(w, (0, pc * BLOCK - cols, 0, pr * BLOCK - rows))
+            blocks = padded.view(pr, BLOCK, pc, BLOCK)
+            scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
+            q = (blocks / scale[:, None, :, None]).view(pr * BLOCK, pc * BLOCK)[:rows, :cols]
+            tensors[f"{name}.weight"] = q.to(FP8)
+            tensors[f"{name}.weight_scale_inv"] = scale
+    for f in out.glob("*.safetensors*"):
+        f.unlink()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = _quantization_config(fmt)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _quantization_config(fmt: str) -> dict[str, Any]:
+    if fmt == "fp8-block":
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [BLOCK, BLOCK]}  # fmt: skip
+    static = fmt == "fp8-tensor"
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+                        "strategy": "tensor" if static else "channel"},
+            "input_activations": {"num_bits": 8, "type": "float", "symmetric": True,
+                                  "dynamic": not static,
+                                  "strategy": "tensor" if static else "token"},
+        }},
+        "ignore": ["lm_head"],
+    }  # fmt: skip
+
+
+def dequantized_reference(path: str | Path, quantize_activations: bool = True) -> Any:
+    """A ``transformers`` model of an FP8 checkpoint with every linear weight dequantized
+    (``w_fp8 · scale``, in float32) and, with ``quantize_activations``, each linear input rounded
+    through e4m3 the way the checkpoint says: the engine's FP8 layers must agree with it."""
+    import json
+
+    import torch
+    import transformers
+    from safetensors import safe_open
+
+    from services.worker.engine.models import quantization as q
+
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    quant = q.parse_quantization(config, None)
+    assert quant is not None, f"{path} is not an FP8 checkpoint"
+    config.pop("quantization_config")
+    hf_config = transformers.AutoConfig.for_model(**config)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    tensors = {}
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        for k in f.keys():  # noqa: SIM118
+            tensors[k] = f.get_tensor(k)
+    state = {}
+    for k, t in tensors.items():
+        if k.endswith((".weight_scale", ".weight_scale_inv", ".input_scale")):
+            continue
+        if t.dtype == q.FP8:
+            base = k.removesuffix(".weight")
+            scale = tensors.get(f"{base}.weight_scale", tensors.get(f"{base}.weight_scale_inv"))
+            assert scale is not None
+            if quant.weights == "block":
+                rows, cols = t.shape
+                full = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
+                t = t.float() * full[:rows, :cols]
+            else:
+                t = t.float() * scale.float().reshape(-1, 1)
+        state[k] = t.float()
+    model.load_state_dict(state, strict=False)
+    if config.get("tie_word_embeddings"):
+        model.tie_weights()
+    if quantize_activations:
+        for name, lin in _linears(model).items():
+            static = tensors.get(f"{name}.input_scale")
+            if quant.activations == "static":  # the engine's q/k/v (gate/up) share the largest
+                prefix, _, own = name.rpartition(".")
+                group = next((g for g in _SHARED_INPUT if own in g), (own,))
+                static = max(tensors[f"{prefix}.{g}.input_scale"] for g in group)
+
+            def hook(mod: Any, args: tuple[Any, ...], s: Any = static) -> tuple[Any, ...]:
+                x = args[0]
+                flat = x.reshape(-1, x.shape[-1])
+                return (q.quantize_activations(flat, quant.activations, quant.block, s)
+                        .reshape(x.shape),)  # fmt: skip
+
+            lin.register_forward_pre_hook(hook)
+    return model.eval()

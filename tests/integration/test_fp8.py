@@ -1,0 +1,166 @@
+"""FP8 linear layers on CPU against their oracle: a plain-PyTorch reference that dequantizes the
+same checkpoint's weights and rounds each linear input through e4m3 the same way
+(``baton/tiny_fp8.dequantized_reference``), for the three checkpoint formats and for a float
+checkpoint quantized at load; FP8 logits against the float model they come from; wrong scale
+layouts and unknown formats refused at load, naming what is wrong.
+
+Greedy is compared with the reference teacher-forced on the engine's own tokens: at every step
+the engine's token must be the reference's argmax, or within ``TIE`` nats of it. Rounding to
+e4m3 amplifies float noise (an input on a rounding boundary moves by a whole e4m3 step), so a
+near-tie may flip; the test also demands that almost every step is an exact argmax.
+"""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from baton import LLM, SamplingParams
+from baton.tiny_fp8 import dequantized_reference
+from baton.tiny_model import make_tiny_model
+
+TIE = 0.05  # nats: a near-tie the engine may break the other way
+LOGPROB_ATOL = 0.2  # one flipped e4m3 rounding moves a logprob this far at most (seen: 0.05)
+PROMPTS = [
+    "Hi", "The quick brown fox jumps over the lazy dog", "import os\nimport sys\n\n",
+    "Return a new list containing all items from the iterable in ascending order.",
+]  # fmt: skip
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+CASES = [("fp8-tensor", "llama"), ("fp8-tensor", "qwen2"), ("fp8-channel", "mistral"),
+         ("fp8-channel", "qwen3"), ("fp8-block", "llama"), ("fp8-block", "qwen3")]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fp8_models(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
+    root = tmp_path_factory.mktemp("fp8")
+    # block checkpoints are wider, so a weight spans several 128×128 blocks each way
+    return {(fmt, arch): make_tiny_model(root / f"{fmt}-{arch}", arch=arch, quantize=fmt,
+                                         hidden_size=256 if fmt == "fp8-block" else 64)
+            for fmt, arch in CASES}  # fmt: skip
+
+
+def _check_against_reference(path: Path, outs: list[Any]) -> int:
+    """Every engine token is the reference's argmax or a near-tie, its logprob the reference's
+    (most of them to 1e-3); returns how many tokens are the reference's exact argmax."""
+    ref = dequantized_reference(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    exact, diffs = 0, []
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        ids = tok(prompt, return_tensors="pt")["input_ids"][0].tolist()
+        gen = out.outputs[0].token_ids
+        with torch.no_grad():
+            logits = ref(torch.tensor([ids + gen])).logits[0].float()
+        lps = logits.log_softmax(-1)[len(ids) - 1 : len(ids) - 1 + len(gen)]
+        for step, (row, t) in enumerate(zip(lps, gen, strict=True)):
+            assert row[t] >= row.max() - TIE, (prompt, step, float(row.max() - row[t]))
+            exact += int(row.argmax() == t)
+            diffs.append(abs(out.outputs[0].logprobs[step][t].logprob - float(row[t])))
+    assert max(diffs) <= LOGPROB_ATOL
+    assert sorted(diffs)[len(diffs) // 2] <= 1e-3  # most steps are the same arithmetic
+    return exact
+
+
+@pytest.mark.parametrize(("fmt", "arch"), CASES)
+def test_fp8_checkpoint_matches_its_dequantizing_reference(
+    fp8_models: dict[tuple[str, str], Path], fmt: str, arch: str
+) -> None:
+    path = fp8_models[(fmt, arch)]
+    llm = LLM(model=str(path), show_progress=False)
+    try:
+        assert llm.config.model.quantization is not None
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        info = llm.get_model_info()
+    finally:
+        llm.shutdown()
+    exact = _check_against_reference(path, outs)
+    assert exact >= 0.9 * len(PROMPTS) * GREEDY.max_tokens
+    # the linear weights are one byte each: far fewer bytes than the float checkpoint's
+    float_bytes = sum(t.numel() * 4 for t in load_file(path / "unquantized" /
+                                                       "model.safetensors").values())  # fmt: skip
+    assert info.weight_bytes < 0.75 * float_bytes
+
+
+@pytest.mark.parametrize(("fmt", "arch"), CASES)
+def test_fp8_logits_are_close_to_the_float_models(
+    fp8_models: dict[tuple[str, str], Path], fmt: str, arch: str
+) -> None:
+    path = fp8_models[(fmt, arch)]
+    fp8 = dequantized_reference(path)
+    full = AutoModelForCausalLM.from_pretrained(path / "unquantized", dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok(" ".join(PROMPTS), return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        a, b = fp8(ids).logits[0], full(ids).logits[0]
+    cosine = torch.nn.functional.cosine_similarity(a, b, dim=-1)  # one per position
+    assert cosine.mean() >= 0.99 and cosine.min() >= 0.97, cosine
+
+
+def test_a_float_checkpoint_quantized_at_load(fp8_models: dict[tuple[str, str], Path]) -> None:
+    """``quantization="fp8"`` on the float model gives exactly the per-channel checkpoint made
+    from it (the same scales, the same e4m3 weights, activations dynamic per token)."""
+    path = fp8_models[("fp8-channel", "qwen3")]
+    online = LLM(model=str(path / "unquantized"), quantization="fp8", show_progress=False)
+    stored = LLM(model=str(path), show_progress=False)
+    try:
+        assert online.config.model.quantization.online  # type: ignore[union-attr]
+        a = online.generate(PROMPTS, GREEDY, use_tqdm=False)
+        b = stored.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        online.shutdown()
+        stored.shutdown()
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
+def test_fp8_with_tensor_parallelism(fp8_models: dict[tuple[str, str], Path]) -> None:
+    """Block scales split with their weights: TP=2 reads each rank's rows and block columns."""
+    path = fp8_models[("fp8-block", "llama")]
+    llm = LLM(model=str(path), tensor_parallel_size=2, show_progress=False)
+    try:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert _check_against_reference(path, outs) >= 0.9 * len(PROMPTS) * GREEDY.max_tokens
+
+
+def _copy_checkpoint(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.is_file():
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_a_wrong_scale_layout_is_refused_naming_the_tensor(
+    fp8_models: dict[tuple[str, str], Path], tmp_path: Path
+) -> None:
+    path = _copy_checkpoint(fp8_models[("fp8-channel", "qwen3")], tmp_path / "bad")
+    tensors = load_file(path / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.weight_scale"
+    tensors[name] = tensors[name][:10]  # ten channels' scales for 64 channels
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=name.replace(".", r"\.") + ".*64 output channels"):
+        LLM(model=str(path), show_progress=False)
+
+
+@pytest.mark.parametrize(
+    ("quantization_config", "message"),
+    [
+        ({"quant_method": "awq"}, "unknown quantization method 'awq'"),
+        ({"quant_method": "fp8", "weight_block_size": [64, 64]}, r"\[128, 128\]"),
+        ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "pack-quantized"),
+    ],
+)
+def test_unknown_formats_are_refused(
+    fp8_models: dict[tuple[str, str], Path], tmp_path: Path,
+    quantization_config: dict[str, Any], message: str,
+) -> None:  # fmt: skip
+    path = _copy_checkpoint(fp8_models[("fp8-channel", "qwen3")], tmp_path / "unknown")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        LLM(model=str(path), show_progress=False)
