@@ -13,7 +13,12 @@ import uvloop  # the event loop of every service (gRPC p99 latency ~7× lower th
 
 from baton.launcher import Cluster, ClusterSpec, RestartPolicy  # (no grpc, no torch: see below)
 from services.gateway.settings import InputLimits
-from services.worker.engine.config import EXECUTOR_BACKENDS, LOAD_FORMATS, EngineArgs
+from services.worker.engine.config import (
+    EXECUTOR_BACKENDS,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    EngineArgs,
+)
 from shared.affinity import check_cpus, parse_cpus
 from shared.internal_auth import TLS_DIR_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Security, is_unspecified
 
@@ -36,7 +41,7 @@ ENGINE_FLAGS = (
     "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization", "max_num_seqs",
     "max_num_batched_tokens", "attention_backend", "device", "enable_prefix_caching",
     "enforce_eager", "async_scheduling", "kv_lease_seconds", "kv_recompute_on_failure",
-    "tensor_parallel_size", "distributed_executor_backend", "quantization",
+    "tensor_parallel_size", "distributed_executor_backend", "quantization", "kv_cache_dtype",
 )  # fmt: skip
 ENGINE_HELP = {
     "enforce_eager": "no CUDA graphs",
@@ -45,6 +50,8 @@ ENGINE_HELP = {
     "kv_lease_seconds": "prefill side: how long a prompt's KV waits to be pulled",
     "kv_recompute_on_failure": "decode side: a failed KV pull fails its request with a 502 "
     "instead of recomputing the prompt locally (the default)",
+    "kv_cache_dtype": "fp8: the KV cache in e4m3, one byte an element (torch attention backend "
+    "only so far)",
     "quantization": "fp8: quantize a float checkpoint's linear layers to FP8 at load (an FP8 "
     "checkpoint is read as it is, without this flag)",
     "tensor_parallel_size": "split the model over N ranks (GPUs), one process each "
@@ -82,6 +89,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
             kw["choices"] = EXECUTOR_BACKENDS
         if name == "quantization":
             kw["choices"] = ("fp8",)
+        if name == "kv_cache_dtype":
+            kw["choices"] = KV_CACHE_DTYPES
         p.add_argument(flag, **kw)
 
 

@@ -96,8 +96,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "baton"}
-                for m in sorted(tokenizers)]  # fmt: skip
+        catalog: ModelCatalog = state["catalog"]
+        data = []
+        for m in sorted(tokenizers):
+            entry: dict[str, Any] = {"id": m, "object": "model", "created": 0, "owned_by": "baton"}
+            known = catalog.known(m)
+            if known is not None:  # what its live workers serve (vLLM reports max_model_len)
+                entry.update(max_model_len=known.max_model_len, quantization=known.quantization
+                             or None, kv_cache_dtype=known.kv_cache_dtype or None)  # fmt: skip
+            data.append(entry)
         return {"object": "list", "data": data}
 
     @app.get("/health")

@@ -24,6 +24,8 @@ class ModelLimits:
     block_size: int
     num_workers: int
     vocab_size: int = 0  # the smallest its workers report (0: none reported)
+    quantization: str = ""  # what its workers say they serve ("a, b" when they differ)
+    kv_cache_dtype: str = ""
 
 
 class ModelCatalog:
@@ -63,6 +65,10 @@ class ModelCatalog:
     def served(self) -> list[str]:
         return sorted(self.tokenizers)
 
+    def known(self, model: str) -> ModelLimits | None:
+        """The model's entry from the last worker list, without refreshing it."""
+        return self._limits.get(model)
+
     async def limits(self, model: str) -> ModelLimits | None:
         """The model's limits from live workers; None when no worker serves it."""
         if model not in self._limits:
@@ -93,5 +99,15 @@ class ModelCatalog:
                 count = old.num_workers + 1 if old else 1
                 vocabs = [v for v in (reg.vocab_size, old.vocab_size if old else 0) if v]
                 vocab = min(vocabs, default=0)
-                limits[reg.model] = ModelLimits(max_len, reg.block_size, count, vocab)
+                quant = _joined(old.quantization if old else None, reg.quantization)
+                kv = _joined(old.kv_cache_dtype if old else None, reg.kv_cache_dtype)
+                limits[reg.model] = ModelLimits(max_len, reg.block_size, count, vocab, quant, kv)
             self._limits, self._fetched_at = limits, self.clock()
+
+
+def _joined(seen: str | None, new: str) -> str:
+    """Workers' values of one field: one value, or the distinct ones joined (a mixed pool)."""
+    if seen is None or seen == new:
+        return new
+    values = sorted(set(seen.split(", ")) | {new})
+    return ", ".join(v for v in values if v)

@@ -5,6 +5,8 @@ from shared.ids import BlockHash, WorkerId
 from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
 from shared.protos.baton.v1 import common_pb2, scheduler_pb2
 
+MAX_DESCRIPTION = 128  # characters of a registration's quantization or KV dtype
+MAX_TP = 1024
 ROLE_NAMES = {
     common_pb2.WORKER_ROLE_PREFILL: "prefill",
     common_pb2.WORKER_ROLE_DECODE: "decode",
@@ -19,6 +21,10 @@ def worker_state(reg: scheduler_pb2.WorkerRegistration) -> WorkerState:
         raise ValueError(f"unknown worker role {reg.role}")
     if reg.block_size == 0:
         raise ValueError("block_size must be > 0")
+    if len(reg.quantization) > MAX_DESCRIPTION or len(reg.kv_cache_dtype) > MAX_DESCRIPTION:
+        raise ValueError(f"quantization and kv_cache_dtype are at most {MAX_DESCRIPTION} chars")
+    if reg.tensor_parallel_size > MAX_TP:
+        raise ValueError(f"tensor_parallel_size must be <= {MAX_TP}")
     return WorkerState(
         worker_id=WorkerId(reg.worker_id),
         incarnation=reg.incarnation,
@@ -30,6 +36,9 @@ def worker_state(reg: scheduler_pb2.WorkerRegistration) -> WorkerState:
         num_kv_blocks=reg.num_kv_blocks,
         vocab_size=reg.vocab_size,
         kv_side_channel=reg.kv_side_channel,
+        quantization=reg.quantization,
+        kv_cache_dtype=reg.kv_cache_dtype,
+        tensor_parallel_size=reg.tensor_parallel_size or 1,
     )
 
 
@@ -61,7 +70,8 @@ def registration(w: WorkerState) -> scheduler_pb2.WorkerRegistration:
     return scheduler_pb2.WorkerRegistration(
         worker_id=w.worker_id, incarnation=w.incarnation, role=role, address=w.address,
         model=w.model, max_model_len=w.max_model_len, block_size=w.block_size,
-        num_kv_blocks=w.num_kv_blocks, vocab_size=w.vocab_size,
+        num_kv_blocks=w.num_kv_blocks, vocab_size=w.vocab_size, quantization=w.quantization,
+        kv_cache_dtype=w.kv_cache_dtype, tensor_parallel_size=w.tensor_parallel_size,
     )  # fmt: skip
 
 

@@ -49,6 +49,9 @@ class WorkerState:
     num_kv_blocks: int
     vocab_size: int = 0  # token ids must be below it (0: not reported)
     kv_side_channel: str = ""  # P/D: its KV side channel (tcp://host:port), "" without
+    quantization: str = ""  # what its FP8 layers are ("" for none)
+    kv_cache_dtype: str = ""
+    tensor_parallel_size: int = 1
     load: WorkerLoad = field(default_factory=WorkerLoad)
     last_seen: float = field(default_factory=time.monotonic)
     num_routed: int = 0  # requests routed to it since it registered

@@ -78,7 +78,7 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> Non
             )
 
         if settings.scheduler_addresses:
-            stats = await engine.get_stats()
+            stats, info = await engine.get_stats(), await engine.get_model_info()
             registration = scheduler_pb2.WorkerRegistration(
                 worker_id=settings.worker_id,
                 incarnation=new_incarnation(),
@@ -89,7 +89,10 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> Non
                 block_size=engine.config.cache.block_size,
                 num_kv_blocks=stats.num_blocks,
                 vocab_size=engine.config.model.arch.vocab_size,
-                kv_side_channel=(await engine.get_model_info()).kv_side_channel,
+                kv_side_channel=info.kv_side_channel,
+                quantization=info.quantization,
+                kv_cache_dtype=info.kv_cache_dtype,
+                tensor_parallel_size=info.tensor_parallel_size,
             )
             for replica in settings.scheduler_addresses:  # one stream per scheduler replica
                 beat = Heartbeat(replica, registration, engine, load, settings.heartbeat_interval_s,

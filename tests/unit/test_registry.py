@@ -1,5 +1,7 @@
 """WorkerRegistry: registration, replacement by a new incarnation, heartbeats and expiry."""
 
+import pytest
+
 from services.global_scheduler.registry import (
     IN_TRANSIT_S,
     WorkerLoad,
@@ -117,3 +119,26 @@ def test_cordon_outlives_a_reregistration_and_routing_skips_it() -> None:
     assert not reg.uncordon(WorkerId("w1"), "planner")  # not the planner's to free
     assert reg.uncordon(WorkerId("w1"), "pod-deleting")
     assert not reg.get(WorkerId("w1")).cordoned and reg.cordoned() == {}  # type: ignore[union-attr]
+
+
+def test_a_registration_is_bounded_at_the_edge() -> None:
+    from services.global_scheduler.convert import MAX_DESCRIPTION, registration, worker_state
+    from shared.protos.baton.v1 import common_pb2, scheduler_pb2
+
+    reg = scheduler_pb2.WorkerRegistration(
+        worker_id="w", incarnation="i", role=common_pb2.WORKER_ROLE_BOTH, address="h:1",
+        model="m", block_size=16, quantization="fp8 (channel weights, token acts)",
+        kv_cache_dtype="float8_e4m3fn", tensor_parallel_size=2,
+    )  # fmt: skip
+    back = registration(worker_state(reg))  # what ListWorkers hands the gateway
+    assert (back.quantization, back.kv_cache_dtype, back.tensor_parallel_size) == (
+        reg.quantization, reg.kv_cache_dtype, 2,
+    )  # fmt: skip
+    for field, value in (("quantization", "x" * (MAX_DESCRIPTION + 1)),
+                         ("kv_cache_dtype", "x" * (MAX_DESCRIPTION + 1)),
+                         ("tensor_parallel_size", 5000)):  # fmt: skip
+        bad = scheduler_pb2.WorkerRegistration()
+        bad.CopyFrom(reg)
+        setattr(bad, field, value)
+        with pytest.raises(ValueError, match=r"at most|<="):
+            worker_state(bad)

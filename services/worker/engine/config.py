@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from services.worker.engine.model_config import ArchConfig, load_arch_config
-from services.worker.engine.models.quantization import QuantConfig, parse_quantization
+from services.worker.engine.models.quant_config import QuantConfig, parse_quantization
 from services.worker.engine.models.registry import check_architecture
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -41,6 +41,7 @@ class CacheConfig:
     num_blocks: int | None  # explicit block count; None: size from the memory budget
     kv_cache_memory_bytes: int | None  # explicit budget; None: device default
     gpu_memory_utilization: float  # fraction of GPU memory the engine may use in all
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (e4m3, a scale per layer)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class SchedulerConfig:
 
 
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,7 @@ class EngineArgs:
     kv_recompute_on_failure: bool = True  # a failed pull: prompt recomputed (False: an error)
     kv_connector: str = "nixl"  # nixl | fake (in-process tensor copies, for tests)
     quantization: str | None = None  # fp8: quantize a float checkpoint's linear layers at load
+    kv_cache_dtype: str = "auto"  # fp8: the KV cache in e4m3 (1 byte an element)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -163,6 +166,16 @@ class EngineArgs:
             )
         from services.worker.engine.attention.registry import resolve_backend_name
 
+        backend = resolve_backend_name(self.attention_backend, device)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")  # fmt: skip
+        if self.kv_cache_dtype == "fp8" and backend != "torch":
+            raise ValueError(
+                f"kv_cache_dtype='fp8' runs on the torch attention backend only so far (the "
+                f"{backend} kernels do not read an FP8 cache yet): attention_backend='torch'"
+            )
+
         return EngineConfig(
             model=ModelConfig(
                 model=self.model,
@@ -182,6 +195,7 @@ class EngineArgs:
                 num_blocks=self.num_kv_blocks,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_cache_dtype=self.kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -193,7 +207,7 @@ class EngineArgs:
                 ),
             ),
             parallel=parallel,
-            attention=AttentionConfig(backend=resolve_backend_name(self.attention_backend, device)),
+            attention=AttentionConfig(backend=backend),
             device=DeviceConfig(device, self._graph_sizes(device)),
             kv_transfer=KVTransferConfig(
                 enabled=self.kv_transfer,

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.worker.engine.models.quantization import FP8_MAX
+
 
 @dataclass
 class AttentionMetadata:
@@ -58,10 +60,23 @@ class LayerKVCache:
 
     key: torch.Tensor
     value: torch.Tensor
+    # an FP8 (e4m3) cache holds k / k_scale and v / v_scale (one scale per layer)
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     @property
     def block_size(self) -> int:
         return int(self.key.shape[1])
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.key.dtype == torch.float8_e4m3fn
+
+    def read(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gathered cache entries as float32 (an FP8 cache's dequantized)."""
+        if self.is_fp8:
+            return keys.float() * self.k_scale, values.float() * self.v_scale
+        return keys.float(), values.float()
 
 
 class AttentionBackend(ABC):
@@ -102,5 +117,8 @@ def write_kv(
     block_size = kv_cache.block_size
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping % block_size
+    if kv_cache.is_fp8:  # e4m3 of k / k_scale, saturated at its largest finite value
+        k = (k.float() / kv_cache.k_scale).clamp(-FP8_MAX, FP8_MAX)
+        v = (v.float() / kv_cache.v_scale).clamp(-FP8_MAX, FP8_MAX)
     kv_cache.key[blocks, offsets] = k.to(kv_cache.key.dtype)
     kv_cache.value[blocks, offsets] = v.to(kv_cache.value.dtype)

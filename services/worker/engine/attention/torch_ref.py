@@ -54,7 +54,7 @@ class TorchAttentionBackend(AttentionBackend):
         shape = (rows, -1, self.num_kv_heads, self.head_dim)
         keys = kv_cache.key[blocks].reshape(shape)[:, :seq_len]
         values = kv_cache.value[blocks].reshape(shape)[:, :seq_len]
-        return keys, values
+        return kv_cache.read(keys, values)
 
     def _decode_batched(
         self,

@@ -76,11 +76,12 @@ PROTOCOL_VERSION = 1  # of the KV layout and handshake: engines of different ver
 
 
 def compat_hash(
-    model: str, dtype: str, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int
+    model: str, kv_dtype: str, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int
 ) -> str:
-    """What must agree for one engine to read another's blocks byte for byte: the model's whole
-    KV geometry, not one rank's shard (engines of different TP sizes exchange KV)."""
-    text = (f"v{PROTOCOL_VERSION}|{model}|{dtype}|{block_size}|{num_layers}|{num_kv_heads}|"
+    """What must agree for one engine to read another's blocks byte for byte: the KV cache's
+    dtype and the model's whole KV geometry, not one rank's shard (engines of different TP
+    sizes exchange KV)."""
+    text = (f"v{PROTOCOL_VERSION}|{model}|{kv_dtype}|{block_size}|{num_layers}|{num_kv_heads}|"
             f"{head_dim}")  # fmt: skip
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -386,8 +386,8 @@ class NixlConnector(KVConnector):
         info = msgspec.msgpack.decode(answer.info, type=PeerInfo)
         if info.compat_hash != self.compat_hash:
             raise IncompatiblePeer(
-                f"peer {engine_id} is incompatible (model, dtype, block size or layout "
-                f"differ: {info.compat_hash} vs {self.compat_hash})"
+                f"peer {engine_id} is incompatible (model, KV cache dtype, block size or "
+                f"layout differ: {info.compat_hash} vs {self.compat_hash})"
             )
         if (info.tp_rank, info.tp_size) != (index, count):
             raise IncompatiblePeer(

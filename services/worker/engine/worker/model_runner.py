@@ -49,9 +49,10 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         arch = config.model.arch
         self.tp = get_tp_group()  # this rank's group (a world of one without tensor parallelism)
+        fp8_kv = config.cache.kv_cache_dtype == "fp8"  # e4m3 with unit scales
         self.layout = KVCacheLayout(
             arch.num_layers, kv_heads_per_rank(arch.num_kv_heads, self.tp.world_size),
-            arch.head_dim, self.block_size, self.dtype,
+            arch.head_dim, self.block_size, torch.float8_e4m3fn if fp8_kv else self.dtype,
         )  # fmt: skip
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
@@ -137,6 +138,7 @@ class ModelRunner:
         return peak
 
     def model_info(self) -> ModelInfo:
+        quant = self.config.model.quantization
         params = list(self.model.parameters())  # tied weights appear once
         embed = self.model.model.embed_tokens.weight
         lm_head = self.model.lm_head.weight
@@ -148,6 +150,8 @@ class ModelRunner:
             kv_bytes_per_token=self.layout.bytes_per_block // self.block_size,
             device=str(self.device),
             dtype=self.config.model.dtype,
+            quantization=quant.method if quant is not None else "",
+            kv_cache_dtype=str(self.layout.dtype).removeprefix("torch."),
         )
 
     def release(self) -> None:

@@ -81,8 +81,9 @@ class Worker:
         if transfer.enabled:
             assert self.runner.kv_cache is not None
             model, arch = self.config.model, self.config.model.arch
+            kv_dtype = str(self.runner.kv_cache.dtype).removeprefix("torch.")
             compat = compat_hash(
-                model.served_model_name, model.dtype, self.config.cache.block_size,
+                model.served_model_name, kv_dtype, self.config.cache.block_size,
                 arch.num_layers, arch.num_kv_heads, arch.head_dim,
             )  # fmt: skip
             tp = self.runner.tp

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerRegistration(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "role", "address", "model", "max_model_len", "block_size", "num_kv_blocks", "vocab_size", "kv_side_channel")
+    __slots__ = ("worker_id", "incarnation", "role", "address", "model", "max_model_len", "block_size", "num_kv_blocks", "vocab_size", "kv_side_channel", "quantization", "kv_cache_dtype", "tensor_parallel_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,9 @@ class WorkerRegistration(_message.Message):
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_SIDE_CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     role: _common_pb2.WorkerRole
@@ -29,7 +32,10 @@ class WorkerRegistration(_message.Message):
     num_kv_blocks: int
     vocab_size: int
     kv_side_channel: str
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_side_channel: _Optional[str] = ...) -> None: ...
+    quantization: str
+    kv_cache_dtype: str
+    tensor_parallel_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_side_channel: _Optional[str] = ..., quantization: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
     __slots__ = ("num_running", "num_waiting", "kv_usage", "num_in_flight", "draining", "pending_prefill_tokens", "prefill_tokens_per_s", "num_received", "prefix_hit_tokens")

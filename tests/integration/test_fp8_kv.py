@@ -1,0 +1,120 @@
+"""The FP8 KV cache (``kv_cache_dtype="fp8"``: e4m3, a unit scale per layer) on CPU: the oracle
+is Hugging Face ``transformers`` with every key and value rounded through e4m3 as it enters its
+cache; a cache of 1 byte an element holds 4× the float32 tokens in the same bytes; P/D moves an
+FP8 cache between FP8 engines, and an FP8 engine refuses to read a float one (the handshake's
+compatibility hash covers the KV dtype)."""
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers.cache_utils
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from baton import LLM, SamplingParams
+from shared.text.tokenizer import TextTokenizer
+from tests.integration.test_pd_transfer import disaggregated
+
+PROMPTS = ["Hi", "The quick brown fox jumps over the lazy dog", "import os\nimport sys\n\n"]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+TIE = 0.05
+
+
+@pytest.fixture
+def fp8_cache_reference(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """transformers' dynamic cache, storing keys and values rounded through e4m3."""
+    update = transformers.cache_utils.DynamicLayer.update
+
+    def rounded(self: Any, k: torch.Tensor, v: torch.Tensor, *a: Any, **kw: Any) -> Any:
+        def e4m3(x: torch.Tensor) -> torch.Tensor:
+            return x.float().clamp(-448, 448).to(torch.float8_e4m3fn).to(x.dtype)
+
+        return update(self, e4m3(k), e4m3(v), *a, **kw)
+
+    monkeypatch.setattr(transformers.cache_utils.DynamicLayer, "update", rounded)
+    yield
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2-sharded", "qwen3"])
+def test_fp8_kv_cache_matches_transformers_rounding_its_cache(
+    tiny_models: dict[str, Path], name: str, fp8_cache_reference: None
+) -> None:
+    path = tiny_models[name]
+    llm = LLM(
+        model=str(path),
+        kv_cache_dtype="fp8",
+        show_progress=False,
+        max_num_batched_tokens=8,
+        max_num_seqs=4,
+    )  # chunked: later chunks read the cache
+    try:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(path)
+    exact, steps = 0, 0
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        ids = tok(prompt, return_tensors="pt")["input_ids"]
+        want = ref.generate(ids, max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                            output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        got = out.outputs[0].token_ids
+        for step, t in enumerate(got):
+            row = want.logits[step][0].float().log_softmax(-1)
+            if want.sequences[0, ids.shape[1] + step] != t:  # a near-tie broken the other way
+                assert row[t] >= row.max() - TIE, (prompt, step)
+                break  # the two sequences differ from here on
+            exact += 1
+            assert out.outputs[0].logprobs[step][t].logprob == pytest.approx(
+                float(row[t]), abs=1e-3
+            )
+        steps += len(got)
+    assert exact >= 0.9 * steps
+
+
+def test_fp8_kv_cache_holds_four_times_the_float32_tokens(tiny_model: Path) -> None:
+    budget = {"kv_cache_memory_bytes": 8 << 20, "max_model_len": 512}
+    sizes = {}
+    for dtype in ("auto", "fp8"):
+        llm = LLM(model=str(tiny_model), kv_cache_dtype=dtype, show_progress=False, **budget)
+        sizes[dtype] = (llm.get_stats().num_blocks, llm.get_model_info().kv_bytes_per_token)
+        llm.shutdown()
+    assert sizes["fp8"][1] * 4 == sizes["auto"][1]  # float32 on CPU: 4 bytes → 1
+    assert sizes["fp8"][0] == 4 * sizes["auto"][0]
+
+
+def test_fp8_kv_cache_needs_the_torch_backend(tiny_model: Path) -> None:
+    with pytest.raises(ValueError, match="torch attention backend only"):
+        LLM(model=str(tiny_model), kv_cache_dtype="fp8", attention_backend="triton")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        LLM(model=str(tiny_model), kv_cache_dtype="int8")
+
+
+def test_pd_between_fp8_caches_and_refusal_of_a_float_one(tiny_model: Path) -> None:
+    kw: dict[str, Any] = {"multiprocess": True, "kv_transfer": True, "num_kv_blocks": 128,
+                          "max_model_len": 1024, "show_progress": False}  # fmt: skip
+    ref = LLM(model=str(tiny_model), kv_cache_dtype="fp8", num_kv_blocks=128, max_model_len=1024,
+              show_progress=False)  # fmt: skip
+    prefill = LLM(model=str(tiny_model), kv_cache_dtype="fp8", **kw)
+    decode = LLM(model=str(tiny_model), kv_cache_dtype="fp8", **kw)
+    plain = LLM(model=str(tiny_model), kv_recompute_on_failure=False, **kw)
+    try:
+        ids = TextTokenizer(tiny_model).encode("The quick brown fox jumps over the lazy dog " * 4)
+        params = SamplingParams(temperature=0, max_tokens=12)
+        want = ref.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+        first, rest = disaggregated(prefill, decode, ids, params)
+        assert first.outputs[0].token_ids + rest.outputs[0].token_ids == want.outputs[0].token_ids
+        stats = decode.get_stats()
+        assert stats.kv_pulls == 1 and stats.kv_pull_failures == 0
+        # 1 byte an element: the pull moved a quarter of what a float32 cache would
+        blocks = len(first.kv_handle.block_ids)  # type: ignore[union-attr]
+        assert stats.kv_pull_bytes == blocks * 16 * decode.get_model_info().kv_bytes_per_token
+        # an FP8 handle read by a float32 engine: refused at the handshake, the request fails
+        _, refused = disaggregated(prefill, plain, ids, params)
+        assert refused.outputs[0].finish_reason == "error"
+        assert plain.get_stats().kv_pulls == 0 and plain.get_stats().kv_pull_failures == 1
+    finally:
+        for e in (ref, prefill, decode, plain):
+            e.shutdown()
