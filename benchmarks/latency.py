@@ -38,6 +38,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # the default, its one rank in a process of its own (MultiprocExecutor at TP=1): what the
     # executor's messages cost a step, against "graphs" in the same run
     "multiproc": {"distributed_executor_backend": "mp"},
+    # FP8 linear weights quantized at load (the plain-PyTorch path for now: not yet fast)
+    "fp8": {"quantization": "fp8"},
 }
 
 

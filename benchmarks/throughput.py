@@ -54,6 +54,8 @@ def run_baton(
         show_progress=False,
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         distributed_executor_backend=getattr(args, "executor", None),
+        quantization=getattr(args, "quantization", None),
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
     )
     prompts, out_lens = make_workload(args, llm.config.model.arch.vocab_size)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
@@ -281,6 +283,8 @@ def main() -> None:
     )
     p.add_argument("--shape", help="a model shape from benchmarks/shapes.py instead of --model")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--quantization", choices=["fp8"], default=None)
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     p.add_argument(
         "--executor", choices=["uni", "mp", "ray"], default=None,
         help="how the ranks run (default: uni at TP=1, mp above); mp at TP=1 measures what the "

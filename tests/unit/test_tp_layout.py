@@ -72,6 +72,7 @@ def test_a_pull_ends_when_every_rank_has_ended_it() -> None:
     assert out.finished == ["a"] and out.failed == ["b"]  # b failed on rank 0: failed
     assert out.released == []  # rank 0 still holds its part of lease x
     assert merge.add({0: TransferResults(released=["x"])}).released == ["x"]
+    assert (merge.pulls, merge.failures) == (1, 1)  # requests, not rank reads
     one = TransferMerge(1)
     res = TransferResults(finished=["a"])
     assert one.add({0: res}) is res
@@ -83,5 +84,11 @@ def test_a_tp_engines_side_channel_is_its_ranks_in_order() -> None:
         ConnectorInfo("tcp://h:2", True, {"kv_pulls": 2, "kv_pull_seconds": 0.25}),
     ])  # fmt: skip
     assert info.side_channel == "tcp://h:1,tcp://h:2" and info.needs_idle_progress
-    assert info.stats == {"kv_pulls": 3, "kv_pull_seconds": 0.75}
+    assert info.stats == {"kv_pulls": 3, "kv_pull_seconds": 0.75}  # summed without a merge
+    merge = TransferMerge(2)
+    merge.add({0: TransferResults(finished=["a"]), 1: TransferResults(finished=["a"])})
+    infos = [ConnectorInfo("a", False, {"kv_pulls": 1, "kv_pull_failures": 0,
+                                       "kv_pull_bytes": 10})] * 2  # fmt: skip
+    assert merge_infos(infos, merge).stats == {"kv_pulls": 1, "kv_pull_failures": 0,
+                                               "kv_pull_bytes": 20}  # fmt: skip
     assert merge_infos([ConnectorInfo("", False, {})]).side_channel == ""

@@ -117,7 +117,7 @@ class MultiprocExecutor(Executor):
 
     def transfer_info(self) -> ConnectorInfo:
         infos = self._call(GetTransferInfo())
-        return merge_infos([infos[r] for r in range(self.world_size)])
+        return merge_infos([infos[r] for r in range(self.world_size)], self.transfers)
 
     def model_info(self) -> ModelInfo:
         info = self._call(GetModelInfo())[0]

@@ -113,6 +113,8 @@ class TransferMerge:
         self.world_size = world_size
         self._ended: dict[str, dict[int, bool]] = defaultdict(dict)  # request → rank → ok
         self._released: dict[str, set[int]] = defaultdict(set)
+        self.pulls = 0  # requests whose pull finished on every rank
+        self.failures = 0  # requests whose pull failed on some rank
 
     def add(self, per_rank: dict[int, TransferResults]) -> TransferResults:
         if self.world_size == 1:
@@ -127,7 +129,10 @@ class TransferMerge:
                 self._released[rid].add(rank)
         for rid, ends in list(self._ended.items()):
             if len(ends) == self.world_size:  # no rank still reads into its blocks
-                (out.finished if all(ends.values()) else out.failed).append(rid)
+                ok = all(ends.values())
+                (out.finished if ok else out.failed).append(rid)
+                self.pulls += ok
+                self.failures += not ok
                 del self._ended[rid]
         for rid, ranks in list(self._released.items()):
             if len(ranks) == self.world_size:
@@ -136,13 +141,16 @@ class TransferMerge:
         return out
 
 
-def merge_infos(infos: list[ConnectorInfo]) -> ConnectorInfo:
+def merge_infos(infos: list[ConnectorInfo], merge: TransferMerge | None = None) -> ConnectorInfo:
     """One engine's connector info from its ranks' (in rank order): the side channels joined by
-    commas (what a KV handle carries), the counters summed."""
+    commas (what a KV handle carries), the counters summed (bytes, descriptors, seconds: every
+    rank's), except that pulls and failures count requests (``merge``'s), not rank reads."""
     stats: dict[str, int | float] = {}
     for info in infos:
         for key, value in info.stats.items():
             stats[key] = stats.get(key, 0) + value
+    if merge is not None and merge.world_size > 1 and "kv_pulls" in stats:
+        stats["kv_pulls"], stats["kv_pull_failures"] = merge.pulls, merge.failures
     channels = [info.side_channel for info in infos]
     return ConnectorInfo(
         ",".join(channels) if any(channels) else "",

@@ -119,6 +119,16 @@ class IncompatiblePeer(RuntimeError):
     """The peer's cache cannot be read into ours (different model, dtype, layout, ...)."""
 
 
+def _check_rank(channel: str, info: PeerInfo, index: int, count: int) -> None:
+    """A handle lists a TP engine's ranks in order: reading rank 1's heads as rank 0's would
+    fill the cache with the wrong heads, silently."""
+    if (info.tp_rank, info.tp_size) != (index, count):
+        raise IncompatiblePeer(
+            f"{channel} is rank {info.tp_rank} of {info.tp_size}, but the KV handle names it "
+            f"rank {index} of {count}"
+        )
+
+
 @dataclass
 class _Peer:
     name: str
@@ -361,9 +371,11 @@ class NixlConnector(KVConnector):
         return ConnectorInfo(self.side_channel, not self.progress_thread, dict(self.stats))
 
     def _peer(self, channel: str, engine_id: str, index: int, count: int) -> _Peer:
-        """The prefill rank ``index`` of ``count`` at ``channel`` (greeted once, then cached)."""
+        """The prefill rank ``index`` of ``count`` at ``channel`` (greeted once, then cached;
+        the rank it said it is must be the one the handle names, every time)."""
         peer = self._peers.get(channel)
         if peer is not None:
+            _check_rank(channel, peer.info, index, count)
             return peer
         req = self._ctx.socket(zmq.REQ)
         req.setsockopt(zmq.LINGER, 0)
@@ -389,11 +401,7 @@ class NixlConnector(KVConnector):
                 f"peer {engine_id} is incompatible (model, KV cache dtype, block size or "
                 f"layout differ: {info.compat_hash} vs {self.compat_hash})"
             )
-        if (info.tp_rank, info.tp_size) != (index, count):
-            raise IncompatiblePeer(
-                f"{channel} is rank {info.tp_rank} of {info.tp_size}, but the KV handle names "
-                f"it rank {index} of {count}"
-            )
+        _check_rank(channel, info, index, count)
         name = self.agent.add_remote_agent(info.agent_metadata)
         name = name.decode() if isinstance(name, bytes) else str(name)
         blocks = [(info.base_address + i * info.block_bytes, info.block_bytes, info.device_id)
