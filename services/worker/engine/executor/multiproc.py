@@ -25,25 +25,13 @@ import msgspec
 import zmq
 
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.executor.executor import Executor, RankFailedError, StepResult
 from services.worker.engine.executor.rank import (
     ANSWERS,
-    Collect,
-    GetModelInfo,
-    GetTransferInfo,
-    InitializeCache,
-    NumBlocks,
-    PollTransfers,
+    RankExecutor,
     RankReply,
     Shutdown,
-    Submit,
-    TransferMerge,
     answered_by,
-    merge_infos,
 )
-from services.worker.engine.kv_transfer.connector import ConnectorInfo, TransferResults
-from services.worker.engine.messages import ModelInfo
-from services.worker.engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from shared.tmpdirs import make_private_dir
 
 logger = logging.getLogger(__name__)
@@ -55,17 +43,12 @@ STOP_TIMEOUT_S = 10.0
 EXIT_GRACE_S = 1.0  # a rank's error: how long to look for a peer's death behind it
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(RankExecutor):
     def __init__(
         self, config: EngineConfig, show_progress: bool = True,
         start_timeout_s: float = START_TIMEOUT_S,
     ):  # fmt: skip
-        self.config = config
-        self.world_size = config.parallel.tensor_parallel_size
-        self.kv_transfer = config.kv_transfer.enabled
-        self.failed: str | None = None
-        self._closed = False
-        self.transfers = TransferMerge(self.world_size)
+        super().__init__(config)
         self.tmp = str(make_private_dir("baton-ranks-"))  # (and stale ones of dead owners go)
         self.ctx = zmq.Context()
         self.replies = self.ctx.socket(zmq.PULL)
@@ -99,40 +82,7 @@ class MultiprocExecutor(Executor):
         logger.info("%d tensor-parallel rank(s) up: pids %s", self.world_size,
                     [p.pid for p in self.procs])  # fmt: skip
 
-    # ---- the Executor seam ---------------------------------------------------------------
-    def determine_num_blocks(self) -> int:
-        return min(self._call(NumBlocks()).values())
-
-    def initialize_cache(self, num_blocks: int) -> None:
-        self._call(InitializeCache(num_blocks))
-
-    def submit(self, sched: SchedulerOutput) -> StepResult:
-        answers = self._call(Submit(sched))
-        return _RankStep(self, self.transfers.add(answers))
-
-    def poll_transfers(self) -> TransferResults:
-        if not self.kv_transfer:
-            return TransferResults()
-        return self.transfers.add(self._call(PollTransfers()))
-
-    def transfer_info(self) -> ConnectorInfo:
-        infos = self._call(GetTransferInfo())
-        return merge_infos([infos[r] for r in range(self.world_size)], self.transfers)
-
-    def model_info(self) -> ModelInfo:
-        info = self._call(GetModelInfo())[0]
-        assert isinstance(info, ModelInfo)
-        return info
-
-    def collect(self) -> ModelRunnerOutput:
-        out = self._call(Collect())[0]
-        assert isinstance(out, ModelRunnerOutput)
-        return out
-
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _stop(self) -> None:
         for sock in self.calls:
             with contextlib.suppress(zmq.ZMQError):
                 sock.send(self.encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
@@ -148,8 +98,7 @@ class MultiprocExecutor(Executor):
 
     # ---- calls and answers ---------------------------------------------------------------
     def _call(self, call: object) -> dict[int, Any]:
-        if self.failed is not None:
-            raise RankFailedError(self.failed)
+        self._check_usable()
         self.seq += 1
         raw = self.encoder.encode(call)
         for sock in self.calls:
@@ -197,21 +146,3 @@ class MultiprocExecutor(Executor):
                 return f"{exited}; then {error}"
             time.sleep(0.05)
         return error
-
-    def _fail(self, why: str) -> None:
-        self.failed = why
-        logger.error("the engine's ranks failed: %s", why)
-        self.shutdown()
-        raise RankFailedError(why)
-
-
-class _RankStep:
-    def __init__(self, executor: MultiprocExecutor, transfers: TransferResults):
-        self.executor = executor
-        self.transfers = transfers
-        self._output: ModelRunnerOutput | None = None
-
-    def result(self) -> ModelRunnerOutput:
-        if self._output is None:
-            self._output = self.executor.collect()
-        return self._output

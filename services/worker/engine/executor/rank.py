@@ -24,7 +24,10 @@ progress of theirs: a pull ends when it has ended on every rank (failed if it fa
 lease when every rank's part of it has.
 """
 
+import logging
+from abc import abstractmethod
 from collections import defaultdict, deque
+from typing import Any
 
 import msgspec
 
@@ -34,10 +37,13 @@ from services.worker.engine.distributed.parallel_state import (
     destroy_tensor_parallel,
     init_tensor_parallel,
 )
+from services.worker.engine.executor.executor import Executor, RankFailedError, StepResult
 from services.worker.engine.kv_transfer.connector import ConnectorInfo, TransferResults
 from services.worker.engine.messages import ModelInfo
 from services.worker.engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from services.worker.engine.worker.worker import Worker, WorkerStep
+
+logger = logging.getLogger(__name__)
 
 
 class NumBlocks(msgspec.Struct, tag="num_blocks"):
@@ -204,3 +210,83 @@ class RankWorker:
     def close(self) -> None:
         self.worker.shutdown()
         destroy_tensor_parallel()
+
+
+class RankExecutor(Executor):
+    """The executor seam over ranks that answer ``RankCall``s: what the multiprocess and the Ray
+    executors share. A subclass sends a call to every rank and waits for the ranks that answer
+    it (``_call``), and stops them (``_stop``)."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.world_size = config.parallel.tensor_parallel_size
+        self.kv_transfer = config.kv_transfer.enabled
+        self.transfers = TransferMerge(self.world_size)
+        self.failed: str | None = None  # why the ranks failed: every later call raises it
+        self._closed = False
+
+    @abstractmethod
+    def _call(self, call: object) -> dict[int, Any]:
+        """Send ``call`` to every rank; the decoded answers of those ``answered_by`` names."""
+
+    @abstractmethod
+    def _stop(self) -> None:
+        """Stop every rank and release what reaches them."""
+
+    def determine_num_blocks(self) -> int:
+        return min(self._call(NumBlocks()).values())
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self._call(InitializeCache(num_blocks))
+
+    def submit(self, sched: SchedulerOutput) -> StepResult:
+        return RankStep(self, self.transfers.add(self._call(Submit(sched))))
+
+    def poll_transfers(self) -> TransferResults:
+        if not self.kv_transfer:
+            return TransferResults()
+        return self.transfers.add(self._call(PollTransfers()))
+
+    def transfer_info(self) -> ConnectorInfo:
+        infos = self._call(GetTransferInfo())
+        return merge_infos([infos[r] for r in range(self.world_size)], self.transfers)
+
+    def model_info(self) -> ModelInfo:
+        info = self._call(GetModelInfo())[0]
+        assert isinstance(info, ModelInfo)
+        return info
+
+    def collect(self) -> ModelRunnerOutput:
+        """Rank 0's tokens of the oldest step not collected yet."""
+        out = self._call(Collect())[0]
+        assert isinstance(out, ModelRunnerOutput)
+        return out
+
+    def shutdown(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._stop()
+
+    def _check_usable(self) -> None:
+        if self.failed is not None:
+            raise RankFailedError(self.failed)
+
+    def _fail(self, why: str) -> None:
+        self.failed = why
+        logger.error("the engine's ranks failed: %s", why)
+        self.shutdown()
+        raise RankFailedError(why)
+
+
+class RankStep:
+    """A step submitted to the ranks; ``result()`` collects its tokens (once)."""
+
+    def __init__(self, executor: RankExecutor, transfers: TransferResults):
+        self.executor = executor
+        self.transfers = transfers
+        self._output: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._output is None:
+            self._output = self.executor.collect()
+        return self._output

@@ -21,25 +21,13 @@ import msgspec
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.distributed.parallel_state import COLLECTIVE_TIMEOUT, StoreSpec
-from services.worker.engine.executor.executor import Executor, RankFailedError, StepResult
 from services.worker.engine.executor.rank import (
     ANSWERS,
-    Collect,
-    GetModelInfo,
-    GetTransferInfo,
-    InitializeCache,
-    NumBlocks,
-    PollTransfers,
     RankCall,
+    RankExecutor,
     RankWorker,
-    Submit,
-    TransferMerge,
     answered_by,
-    merge_infos,
 )
-from services.worker.engine.kv_transfer.connector import ConnectorInfo, TransferResults
-from services.worker.engine.messages import ModelInfo
-from services.worker.engine.sched.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +60,7 @@ class RayRank:
         self.worker.close()
 
 
-class RayExecutor(Executor):
+class RayExecutor(RankExecutor):
     def __init__(self, config: EngineConfig, show_progress: bool = True):
         import ray
         import torch.distributed as dist
@@ -80,12 +68,7 @@ class RayExecutor(Executor):
         self.ray = ray
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False)
-        self.config = config
-        self.world_size = config.parallel.tensor_parallel_size
-        self.kv_transfer = config.kv_transfer.enabled
-        self.failed: str | None = None
-        self._closed = False
-        self.transfers = TransferMerge(self.world_size)
+        super().__init__(config)
         host = ray.util.get_node_ip_address()
         self.store = dist.TCPStore(
             host, 0, None, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False
@@ -103,47 +86,14 @@ class RayExecutor(Executor):
         self.encoder = msgspec.msgpack.Encoder()
         logger.info("%d tensor-parallel rank(s) up as Ray actors", self.world_size)
 
-    def determine_num_blocks(self) -> int:
-        return min(self._call(NumBlocks()).values())
-
-    def initialize_cache(self, num_blocks: int) -> None:
-        self._call(InitializeCache(num_blocks))
-
-    def submit(self, sched: SchedulerOutput) -> StepResult:
-        answers = self._call(Submit(sched))
-        return _RayStep(self, self.transfers.add(answers))
-
-    def poll_transfers(self) -> TransferResults:
-        if not self.kv_transfer:
-            return TransferResults()
-        return self.transfers.add(self._call(PollTransfers()))
-
-    def transfer_info(self) -> ConnectorInfo:
-        infos = self._call(GetTransferInfo())
-        return merge_infos([infos[r] for r in range(self.world_size)], self.transfers)
-
-    def model_info(self) -> ModelInfo:
-        info = self._call(GetModelInfo())[0]
-        assert isinstance(info, ModelInfo)
-        return info
-
-    def collect(self) -> ModelRunnerOutput:
-        out = self._call(Collect())[0]
-        assert isinstance(out, ModelRunnerOutput)
-        return out
-
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _stop(self) -> None:
         for a in self.actors:
             with contextlib.suppress(Exception):  # an actor already gone
                 self.ray.kill(a)
         self.actors = []
 
     def _call(self, call: object) -> dict[int, Any]:
-        if self.failed is not None:
-            raise RankFailedError(self.failed)
+        self._check_usable()
         raw = self.encoder.encode(call)
         refs = [a.call.remote(raw) for a in self.actors]
         answering = answered_by(call, self.world_size, self.kv_transfer)
@@ -174,21 +124,3 @@ class RayExecutor(Executor):
                 self._fail(f"tensor-parallel rank(s) {missing} did not answer within "
                            f"{timeout_s:.0f} s")  # fmt: skip
         return got
-
-    def _fail(self, why: str) -> None:
-        self.failed = why
-        logger.error("the engine's ranks failed: %s", why)
-        self.shutdown()
-        raise RankFailedError(why)
-
-
-class _RayStep:
-    def __init__(self, executor: RayExecutor, transfers: TransferResults):
-        self.executor = executor
-        self.transfers = transfers
-        self._output: ModelRunnerOutput | None = None
-
-    def result(self) -> ModelRunnerOutput:
-        if self._output is None:
-            self._output = self.executor.collect()
-        return self._output
