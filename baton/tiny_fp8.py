@@ -167,4 +167,4 @@ def dequantized_reference(path: str | Path, quantize_activations: bool = True) -
                         .reshape(x.shape),)  # fmt: skip
 
             lin.register_forward_pre_hook(hook)
-    return model.eval()
+    return model.train(False)  # inference mode
