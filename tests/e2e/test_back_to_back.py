@@ -74,7 +74,11 @@ def test_colocated_workers(tiny_model: Path, workers: int) -> None:
             seen[f'{name}{{source="pending"}}'],
             seen[f'{name}{{source="confirmed"}}'],
         )
-        assert pending > 0  # some requests came before the KV events: pending entries routed them
+        # Which source predicted each hit depends on whether a request came before its
+        # predecessor's KV events (then pending entries routed it): a race this test does not
+        # control; under a loaded machine's slower clients the events can win every time
+        # (seen once in a full run). tests/unit/test_pending_routing.py covers the pending
+        # entries themselves; here the two sources together must predict every hit.
         assert pending + confirmed >= 2 * (K - 1) * 900
         engine = "baton_scheduler_engine_prefix_hit_tokens_total"
         wait_for(lambda: metrics(cluster)[engine] >= hits, 5.0, "the engines' hits reported")
