@@ -4,8 +4,10 @@ The cache uses the real layout (a block contiguous across layers) with shuffled 
 the batch mixes prefill chunks that continue a cached prefix with decode rows.
 """
 
+import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,6 +94,10 @@ CASES = {
     # Triton backend's decode kernel, split over the context for the long one
     "mixed-trailing-decodes": [(5, 1), (8, 6), (0, 9), (21, 1), (3, 1), (70, 1)],
 }
+# prompts of several query tiles, over a prefix and not: the prefill kernel runs a tile's keys
+# before its first query unmasked (tiles of 16 queries in the CPU interpreter, 64 or more on a
+# GPU). Its own test: in the interpreter each case of it takes tens of seconds.
+LONG_PREFILL = [(20, 21), (0, 34)] + ([(100, 150), (0, 300)] if torch.cuda.is_available() else [])
 
 
 @pytest.fixture(autouse=True)
@@ -144,14 +150,28 @@ def test_triton_decode_rows_in_longest_first_order(
     check_backend("triton", case, hq, hkv, d, dtype, longest_first=True)
 
 
+@pytest.mark.parametrize("backend", known_backends())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_prefill_of_several_query_tiles(backend: str, dtype: torch.dtype) -> None:
+    hq, hkv, d = (8, 2, 128) if torch.cuda.is_available() else (4, 2, 16)
+    check_backend(backend, LONG_PREFILL, hq, hkv, d, dtype, longest_first=False)
+
+
 def check_backend(
-    backend: str, case: str, hq: int, hkv: int, d: int, dtype: torch.dtype, longest_first: bool
+    backend: str,
+    case: str | list[tuple[int, int]],
+    hq: int,
+    hkv: int,
+    d: int,
+    dtype: torch.dtype,
+    longest_first: bool,
 ) -> None:
     if backend in ("triton", "flash_attn") and dtype == torch.bfloat16 and DEVICE == "cpu":
         pytest.skip("Triton's CPU interpreter has no bfloat16 matmul (numpy); runs on the GPU")
     if backend == "flash_attn" and not flash_attn_available():
         pytest.skip("needs FlashAttention-4 on a Hopper GPU (pip install '.[flash-attn]')")
-    q, k, v, _, meta, expected, kv = build_case(7, hq, hkv, d, CASES[case], dtype)
+    reqs = CASES[case] if isinstance(case, str) else case
+    q, k, v, _, meta, expected, kv = build_case(7, hq, hkv, d, reqs, dtype)
     if longest_first:
         tail = meta.seq_lens[len(meta.seq_lens) - meta.num_decodes :]
         meta.decode_order = torch.argsort(tail, descending=True, stable=True).to(torch.int32)
@@ -171,3 +191,52 @@ def check_backend(
     blocks, offs = meta.slot_mapping // BS, meta.slot_mapping % BS
     assert torch.equal(cache.key[blocks, offs], k) and torch.equal(cache.value[blocks, offs], v)
     assert torch.equal(kv[:, [i for i in range(LAYERS) if i != LAYER]], other_layers)
+
+
+def test_a_tuned_config_sets_the_launches_and_the_split_rule(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.worker.engine.attention import triton_backend
+
+    doc = {
+        "prefill": {"head_dim_128": {"block_m": 128, "block_n": 32, "warps": 8, "stages": 3}},
+        "decode": {"head_dim_128": {"waves": 2, "max_splits": 64, "tokens_per_split": 256}},
+        "measured": {"anything": 1},
+    }
+    (tmp_path / "NVIDIA_H200.json").write_text(json.dumps(doc))
+    monkeypatch.setattr(triton_backend, "CONFIG_DIR", tmp_path)
+    triton_backend.tuned_config.cache_clear()
+    try:
+        assert triton_backend.tuned_config("NVIDIA H200") == doc
+        assert triton_backend.tuned_config("Some Other GPU") == {}
+    finally:
+        triton_backend.tuned_config.cache_clear()
+    impl = triton_backend.TritonAttentionBackend(32, 8, 128, 128**-0.5)
+    impl.apply_config(doc)
+    assert (impl.PREFILL_BLOCK_M, impl.PREFILL_BLOCK_N, impl.PREFILL_WARPS) == (128, 32, 8)
+    assert impl.PREFILL_STAGES == 3
+    assert impl._split_rule == {"waves": 2, "max_splits": 64, "tokens_per_split": 256}
+    # the class defaults are untouched, and another head dim takes nothing from this document
+    assert triton_backend.TritonAttentionBackend.PREFILL_BLOCK_M == 64
+    other = triton_backend.TritonAttentionBackend(8, 8, 64, 64**-0.5)
+    other.apply_config(doc)
+    assert (other.PREFILL_BLOCK_M, other._split_rule) == (64, {})
+    # one request of 32k tokens on 8 kv heads and 132 SMs: 16 splits by default, 64 by this rule
+    assert triton_backend.num_decode_splits(1, 8, 32768, 132) == 16
+    assert triton_backend.num_decode_splits(1, 8, 32768, 132, **impl._split_rule) == 64
+    with pytest.raises(ValueError, match="unknown prefill launch settings"):
+        impl.apply_config({"prefill": {"head_dim_128": {"block_k": 64}}})
+
+
+def test_the_kept_configs_are_valid() -> None:
+    """Every measured configuration in the package applies to the head dims it names."""
+    from services.worker.engine.attention import triton_backend
+
+    for path in sorted(triton_backend.CONFIG_DIR.glob("*.json")):
+        doc = json.loads(path.read_text())
+        dims = {int(k.removeprefix("head_dim_")) for kind in ("prefill", "decode")
+                for k in doc.get(kind, {})}  # fmt: skip
+        for d in dims:
+            impl = triton_backend.TritonAttentionBackend(8, 8, d, d**-0.5)
+            impl.apply_config(doc)  # raises on an unknown key
+            assert impl.PREFILL_BLOCK_M in (16, 32, 64, 128), path.name

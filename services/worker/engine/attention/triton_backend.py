@@ -8,7 +8,17 @@ It needs only device values from the metadata plus ``max_query_len`` and ``max_s
 which the CUDA-graph path pins to 1 and ``max_model_len`` — so decode can be captured.
 On CPU the same kernels run in Triton's interpreter (``TRITON_INTERPRET=1``), which is how CI
 checks them on every commit.
+
+Launch configurations: the class defaults below, or those measured on a GPU model by
+``benchmarks/attention_sweep.py --tune`` and kept in ``configs/<GPU name>.json`` beside this
+file (read once per process, for the GPU the backend runs on).
 """
+
+import functools
+import json
+import re
+from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 import triton
@@ -29,15 +39,39 @@ from services.worker.engine.dependent_launch import launch_options
 
 MAX_SPLITS = 16
 TOKENS_PER_SPLIT = 512  # below this a split's work is too small to pay for the combine step
+CONFIG_DIR = Path(__file__).parent / "configs"
 
 
-def num_decode_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """A power of two: enough programs to fill the GPU, none shorter than TOKENS_PER_SPLIT."""
+def config_file(device_name: str) -> str:
+    """The file name of a GPU model's configuration: "NVIDIA H200" → "NVIDIA_H200.json"."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json"
+
+
+@functools.cache
+def tuned_config(device_name: str) -> dict[str, Any]:
+    """The measured launch configuration of a GPU model ({} when none was measured)."""
+    path = CONFIG_DIR / config_file(device_name)
+    return dict(json.loads(path.read_text())) if path.is_file() else {}
+
+
+def num_decode_splits(
+    num_reqs: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    num_sms: int,
+    waves: int = 1,
+    max_splits: int | None = None,
+    tokens_per_split: int | None = None,
+) -> int:
+    """A power of two: enough programs to fill the GPU ``waves`` times over, none shorter than
+    ``tokens_per_split``, at most ``max_splits``."""
+    max_splits = MAX_SPLITS if max_splits is None else max_splits
+    tokens_per_split = TOKENS_PER_SPLIT if tokens_per_split is None else tokens_per_split
     splits = 1
     while (
-        splits < MAX_SPLITS
-        and num_reqs * num_kv_heads * splits < num_sms
-        and max_seq_len > 2 * splits * TOKENS_PER_SPLIT
+        splits < max_splits
+        and num_reqs * num_kv_heads * splits < waves * num_sms
+        and max_seq_len > 2 * splits * tokens_per_split
     ):
         splits *= 2
     return splits
@@ -46,16 +80,64 @@ def num_decode_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sm
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
-    # GPU launch configuration (benchmarks/attention_sweep.py measures the alternatives)
+    # GPU launch configurations (benchmarks/attention_sweep.py measures the alternatives; its
+    # --prefill mode those of the prefill kernel)
     DECODE_BLOCK_N = 64
     DECODE_WARPS = 4
     DECODE_STAGES = 2
+    # ... when the context is split (few rows, long contexts); None: as above
+    DECODE_SPLIT_BLOCK_N: int | None = None
+    DECODE_SPLIT_WARPS: int | None = None
+    DECODE_SPLIT_STAGES: int | None = None
+    PREFILL_BLOCK_M = 64
+    PREFILL_BLOCK_N = 64
+    PREFILL_WARPS = 4
+    PREFILL_STAGES = 2
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.group = num_heads // num_kv_heads
         self.block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
         self._num_sms: int | None = None
+        self._split_rule: dict[str, int] = {}
+        self._tuned = False
+
+    def _tune(self, q: torch.Tensor) -> None:
+        """Take the measured configuration of this GPU over the class defaults, once. (A sweep
+        that sets its own configurations marks the instance tuned first.)"""
+        self._tuned = True
+        if q.is_cuda:
+            self.apply_config(tuned_config(torch.cuda.get_device_name(q.device)))
+
+    TUNABLE: ClassVar[dict[str, tuple[str, ...]]] = {
+        "prefill": ("block_m", "block_n", "warps", "stages"),
+        "decode": (
+            "block_n",
+            "warps",
+            "stages",
+            "waves",
+            "max_splits",
+            "tokens_per_split",
+            "split_block_n",
+            "split_warps",
+            "split_stages",
+        ),
+    }
+    SPLIT_RULE = ("waves", "max_splits", "tokens_per_split")
+
+    def apply_config(self, config: dict[str, Any]) -> None:
+        """Set the launch configuration of this head dim from a tuned-config document (its
+        other head dims and its ``measured`` record are ignored; an unknown key is an error)."""
+        for kind, keys in self.TUNABLE.items():
+            values = config.get(kind, {}).get(f"head_dim_{self.head_dim}", {})
+            unknown = set(values) - set(keys)
+            if unknown:
+                raise ValueError(f"unknown {kind} launch settings {sorted(unknown)}")
+            for key, value in values.items():
+                if key in self.SPLIT_RULE:
+                    self._split_rule[key] = int(value)
+                else:
+                    setattr(self, f"{kind.upper()}_{key.upper()}", int(value))
 
     def forward(
         self,
@@ -114,12 +196,15 @@ class TritonAttentionBackend(AttentionBackend):
         num_reqs: int,
     ) -> None:
         """The first ``num_reqs`` requests of the batch."""
-        block_m, block_n = (64, 64) if q.is_cuda else (16, 16)
-        grid = (triton.cdiv(meta.max_query_len, block_m), num_reqs, self.num_heads)
+        if not self._tuned:
+            self._tune(q)
+        block_m, block_n = (self.PREFILL_BLOCK_M, self.PREFILL_BLOCK_N) if q.is_cuda else (16, 16)
+        grid = (self.num_heads, triton.cdiv(meta.max_query_len, block_m), num_reqs)
+        launch = {"num_warps": self.PREFILL_WARPS, "num_stages": self.PREFILL_STAGES}
         _prefill[grid](
             q, kv.key, kv.value, out, meta.block_tables, meta.query_start_loc, meta.seq_lens,
             BLOCK_M=block_m, BLOCK_N=block_n, **self._common(q, kv, meta, out),
-            **({"num_warps": 4, "num_stages": 2} if q.is_cuda else {}),
+            **(launch if q.is_cuda else {}),
         )  # fmt: skip
 
     def _decode(
@@ -131,9 +216,11 @@ class TritonAttentionBackend(AttentionBackend):
         first: int = 0,
     ) -> None:
         """The requests from ``first`` on, one query each, in ``meta.decode_order``."""
+        if not self._tuned:
+            self._tune(q)
         num_reqs = meta.seq_lens.shape[0] - first
         splits = num_decode_splits(
-            num_reqs, self.num_kv_heads, meta.max_decode_seq_len, self._sms(q)
+            num_reqs, self.num_kv_heads, meta.max_decode_seq_len, self._sms(q), **self._split_rule
         )
         part_acc = part_ml = out  # unused placeholders when there is a single split
         if splits > 1:
@@ -150,8 +237,7 @@ class TritonAttentionBackend(AttentionBackend):
             meta.block_tables, meta.query_start_loc, meta.seq_lens, first,
             order if order is not None else meta.seq_lens, ORDERED=order is not None,
             GROUP_PAD=max(16, triton.next_power_of_2(self.group)),
-            BLOCK_N=self.DECODE_BLOCK_N if q.is_cuda else 16, NUM_SPLITS=splits, **common,
-            **self._decode_launch(q),
+            NUM_SPLITS=splits, **common, **self._decode_launch(q, splits),
         )  # fmt: skip
         if splits > 1:
             _combine[(num_reqs, self.num_heads)](
@@ -161,12 +247,16 @@ class TritonAttentionBackend(AttentionBackend):
                 **launch_options(q),
             )  # fmt: skip
 
-    def _decode_launch(self, q: torch.Tensor) -> dict[str, int | bool]:
+    def _decode_launch(self, q: torch.Tensor, splits: int) -> dict[str, int | bool]:
         if not q.is_cuda:
-            return {}
+            return {"BLOCK_N": 16}
+        block_n, warps, stages = self.DECODE_BLOCK_N, self.DECODE_WARPS, self.DECODE_STAGES
+        if splits > 1:
+            block_n = self.DECODE_SPLIT_BLOCK_N or block_n
+            warps = self.DECODE_SPLIT_WARPS or warps
+            stages = self.DECODE_SPLIT_STAGES or stages
         return {
-            "num_warps": self.DECODE_WARPS, "num_stages": self.DECODE_STAGES,
-            **launch_options(q),
+            "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, **launch_options(q),
         }  # fmt: skip
 
     def _sms(self, q: torch.Tensor) -> int:

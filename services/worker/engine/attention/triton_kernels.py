@@ -3,7 +3,7 @@
 
 Two kernels and a combine step:
 
-- ``_prefill``: grid (query tiles, requests, q heads). Each program attends BLOCK_M queries of
+- ``_prefill``: grid (q heads, query tiles, requests). Each program attends BLOCK_M queries of
   one request and one head to that request's whole context, causally:
 
       context:  | cached prefix (seq_len - q_len) | this step's q_len tokens |
@@ -46,20 +46,39 @@ DECODE_PER_STEP = ["stride_bt", "first_req"]
 def _attend_tile(
     q, K, V, table, offs_n, n_ok, visible, offs_d, d_ok, kv_head,
     stride_kb, stride_ks, stride_kh, qk_scale, m_i, l_i, acc,
-    KV_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+    KV_BLOCK: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr = True,
+    EVEN_D: tl.constexpr = False,
 ):  # fmt: skip
     """One step of the flash-attention recurrence: gather the keys/values of token positions
     ``offs_n`` through the block table, score them against ``q`` (masked by ``visible``) and
-    fold them into the running max ``m_i``, sum ``l_i`` and accumulator ``acc`` (base 2)."""
-    block = tl.load(table + offs_n // KV_BLOCK, mask=n_ok, other=0).to(tl.int64)
+    fold them into the running max ``m_i``, sum ``l_i`` and accumulator ``acc`` (base 2).
+
+    ``MASKED=False`` is a tile every query sees whole (a prefill tile's keys before its first
+    query): no token mask, no score mask, and no guard for a row that saw nothing. ``EVEN_D``:
+    the head dimension fills ``offs_d``, so the loads need no column mask either."""
+    if MASKED:
+        block = tl.load(table + offs_n // KV_BLOCK, mask=n_ok, other=0).to(tl.int64)
+    else:
+        block = tl.load(table + offs_n // KV_BLOCK).to(tl.int64)
     kv = block * stride_kb + (offs_n % KV_BLOCK) * stride_ks + kv_head * stride_kh
-    mask = n_ok[:, None] & d_ok[None, :]
-    k = tl.load(K + kv[:, None] + offs_d[None, :], mask=mask, other=0.0)
-    v = tl.load(V + kv[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    if MASKED:
+        mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + kv[:, None] + offs_d[None, :], mask=mask, other=0.0)
+        v = tl.load(V + kv[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    elif EVEN_D:
+        k = tl.load(K + kv[:, None] + offs_d[None, :])
+        v = tl.load(V + kv[:, None] + offs_d[None, :])
+    else:
+        k = tl.load(K + kv[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+        v = tl.load(V + kv[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = m_new
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -79,9 +98,12 @@ def _prefill(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    tile = tl.program_id(0)
-    req = tl.program_id(1)
-    head = tl.program_id(2)
+    # grid (q heads, query tiles, requests): the heads of one tile run side by side (those of
+    # one kv head read the same keys, from L2), and the last tiles, which see the most keys,
+    # start first, so no long tile runs alone at the end of the launch
+    head = tl.program_id(0)
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)
+    req = tl.program_id(2)
     q_start = tl.load(query_start_loc + req)
     q_len = tl.load(query_start_loc + req + 1) - q_start
     if tile * BLOCK_M >= q_len:
@@ -105,9 +127,19 @@ def _prefill(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    hi = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_M)  # the last query's causal edge
     table = block_tables + req.to(tl.int64) * stride_bt
-    for start in range(0, hi, BLOCK_N):
+    # keys up to the tile's first query are seen by every query of it: whole tiles of them
+    # run unmasked; the rest, up to the last query's causal edge, masked
+    seen_by_all = (prefix + tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N
+    for start in range(0, seen_by_all, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        m_i, l_i, acc = _attend_tile(
+            q, K, V, table, offs_n, offs_n, offs_n, offs_d, d_ok, kv_head,
+            stride_kb, stride_ks, stride_kh, qk_scale, m_i, l_i, acc, KV_BLOCK, PRECISION,
+            MASKED=False, EVEN_D=BLOCK_D == HEAD_DIM,
+        )  # fmt: skip
+    hi = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_M)  # the last query's causal edge
+    for start in range(seen_by_all, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
         visible = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
