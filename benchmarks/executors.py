@@ -89,6 +89,11 @@ def main() -> None:
 
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         ray.init(include_dashboard=False, log_to_driver=False)
+    if args.device != "cpu" and torch.cuda.is_available():
+        # every engine is alive at once (alternating rounds): each sizes its KV cache for the
+        # batch, not from the free memory (which the engines before it hold)
+        per_request = -(-(args.input_len + args.output_len + 16) // 16)
+        extra["num_kv_blocks"] = 2 * args.batch * per_request
     engines = {
         v: LLM(model=args.model, device=args.device, max_model_len=args.input_len +
                args.output_len + 16, enable_prefix_caching=False, show_progress=False,
