@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from baton import LLM, SamplingParams
 from benchmarks.profiling import kernel_rows
-from benchmarks.roofline import ModelCost, limits, limits_seen
+from benchmarks.roofline import ModelCost, fp8_matmul_peak, limits, limits_seen
 from benchmarks.shapes import write_shape
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -38,7 +38,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # the default, its one rank in a process of its own (MultiprocExecutor at TP=1): what the
     # executor's messages cost a step, against "graphs" in the same run
     "multiproc": {"distributed_executor_backend": "mp"},
-    # FP8 linear weights quantized at load (the plain-PyTorch path for now: not yet fast)
+    # FP8 linear weights quantized at load (per channel; activations per token): the FP8 GEMV
+    # for one token, the FP8 tensor cores (torch._scaled_mm) for more
     "fp8": {"quantization": "fp8"},
 }
 
@@ -183,7 +184,16 @@ def main() -> None:
         read_roofline_ms_per_step=round(read_ms, 3),
         gpu=torch.cuda.get_device_name(device),
     )
+    if any(v.startswith("fp8") for v in args.variants):
+        fp8_peak = fp8_matmul_peak(device)
+        results["fp8_matmul_peak_TFLOPs"] = round(fp8_peak / 1e12, 1)
+        for v in results["variants"]:
+            if v["variant"].startswith("fp8"):
+                v["fraction_of_fp8_matmul_peak"] = round(v["prefill_TFLOPs"] * 1e12 / fp8_peak, 3)
     for v in results["variants"]:
+        # each variant against the bytes its own step reads (an FP8 model's are its own)
+        own_ms = v["read_weight_bytes"] / bandwidth * 1e3
+        v["fraction_of_own_read_roofline"] = round(own_ms / v["decode_ms_per_step"], 3)
         v["fraction_of_roofline"] = round(roofline_ms / v["decode_ms_per_step"], 3)
         v["fraction_of_read_roofline"] = round(read_ms / v["decode_ms_per_step"], 3)
         v["fraction_of_matmul_peak"] = round(v["prefill_TFLOPs"] * 1e12 / peak, 3)

@@ -57,6 +57,16 @@ def matmul_peak(
     return 2 * n**3 / seconds
 
 
+def fp8_matmul_peak(device: torch.device, n: int = 8192, reps: int = 10) -> float:
+    """FLOP/s of a square e4m3 product on the FP8 tensor cores (bf16 out, per-tensor scales):
+    what the FP8 linear layers' prefill is measured against."""
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # column-major
+    one = torch.ones((), device=device)
+    mm = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
+    return 2 * n**3 / min(_times(mm, device, reps))
+
+
 _seen: dict[tuple[str, str], list[tuple[float, float]]] = {}
 
 
@@ -87,7 +97,9 @@ class ModelCost:
     architecture: the terms of a per-step roofline, max(bytes / bandwidth, FLOPs / peak)."""
 
     def __init__(self, info: Any, arch: Any) -> None:
-        elsize = info.weight_bytes // info.num_params  # one dtype for every weight
+        # the embedding table's element size: the model's dtype (FP8 models keep it, and their
+        # weight bytes mix one-byte linear weights with it)
+        elsize = torch.empty((), dtype=getattr(torch, info.dtype)).element_size()
         self.weight_bytes = info.weight_bytes  # every parameter: the issues' "weight bytes"
         # what a step reads: an untied input-embedding table only by the rows of its tokens
         self.read_weight_bytes = info.weight_bytes - info.untied_embedding_params * elsize

@@ -155,9 +155,18 @@ class _LinearBase(nn.Module):
         return self._linear(x, self.bias)
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.quant is not None:  # the plain-PyTorch FP8 path (models/quantization.py)
+        if self.quant is not None:
             assert self.weight_scale is not None
             q = self.quant
+            if self.fused and q.weights != "block" and x.is_cuda:
+                from services.worker.engine.models.layers import fp8_linear
+
+                if fp8_linear.supported(x, self.weight):
+                    # the FP8 kernels: a GEMV for one token, else the tensor cores
+                    fn = fp8_linear.fp8_gemv if x.shape[0] == 1 else fp8_linear.fp8_mm
+                    return fn(x, self.weight, self.weight_scale, bias, self.input_scale)
+            # the plain-PyTorch path (models/quantization.py): everywhere else, and the
+            # reference of the kernels
             xq = quantize_activations(x, q.activations, q.block, self.input_scale)
             w = dequantize(self.weight, self.weight_scale, self.scale_cols).to(x.dtype)
             return F.linear(xq, w, bias)

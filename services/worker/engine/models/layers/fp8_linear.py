@@ -1,0 +1,180 @@
+"""FP8 linear layers on a GPU: weights in e4m3 with a float32 scale per output row (per-tensor
+checkpoints give every row of a tensor the same one), activations quantized to e4m3 at the
+layer's input, dynamically per token or with the checkpoint's static scale.
+
+- One token (batch-1 decode; ``fp8_gemv``): a Triton matrix-vector product that reads the FP8
+  weight once, quantizes the activation row itself (its absolute maximum, then each chunk,
+  exactly as ``models/quantization.quantize_activations`` does) and multiplies in float32,
+  scaling once at the end: a weight read of one byte per parameter, in one kernel, which CUDA
+  graphs capture.
+- More rows (prefill, batched decode; ``fp8_mm``): the rows quantized by one Triton kernel
+  (``quantize_rows``: a scale per row), then the FP8 tensor cores through ``torch._scaled_mm``
+  with row-wise scales (bf16/fp16 out; float32 models take the product unscaled in float32
+  and scale it after, since row-wise scaling writes 16-bit outputs only).
+
+The plain-PyTorch path (models/quantization.py) is the reference these are tested against
+(tests/gpu/test_fp8_kernels.py). Block-scaled checkpoints (128×128 weight blocks, activations
+per 128-column group) stay on that path.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from services.worker.engine.dependent_launch import await_inputs, launch_options
+from services.worker.engine.models.quantization import FP8, FP8_MAX
+
+MIN_SCALE = 1e-12  # as the reference clamps a scale of an all-zero row
+
+
+@triton.jit
+def _row_scale(X, K, xs_in, STATIC: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The row's activation scale: the static one, or max |x| / FP8_MAX (at least MIN_SCALE)."""
+    if STATIC:
+        return tl.load(xs_in).to(tl.float32)
+    amax = tl.zeros([BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    return tl.maximum(tl.math.div_rn(tl.max(amax, 0), 448.0), 1e-12)
+
+
+@triton.jit
+def _quantize(x, xs):
+    """x / xs rounded to e4m3, saturated at ±FP8_MAX (as the reference's clamp, then cast)."""
+    q = tl.math.div_rn(x, xs)
+    return tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    X, Q, S, xs_in, K, stride_x, stride_q,
+    STATIC: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
+):  # fmt: skip
+    await_inputs(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    X += row * stride_x
+    xs = _row_scale(X, K, xs_in, STATIC, BLOCK_K)
+    tl.store(S + row, xs)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
+        tl.store(Q + row * stride_q + cols, _quantize(x, xs), mask=cols < K)
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    X, W, WS, B, Y, xs_in, N, K, stride_wn,
+    STATIC: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    w_rows = W + rows[:, None].to(tl.int64) * stride_wn
+    await_inputs(USE_PDL)
+    xs = _row_scale(X, K, xs_in, STATIC, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_ok = cols < K
+        w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        x = tl.load(X + cols, mask=col_ok, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * _quantize(x, xs).to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1) * xs * tl.load(WS + rows, mask=row_ok, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
+
+
+# one byte per weight: wider K chunks than the bf16 GEMV's for the same bytes per load
+_CONFIGS = [
+    triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+    for n, k, w, s in [
+        (2, 2048, 4, 3), (4, 1024, 4, 3), (4, 2048, 8, 3), (8, 1024, 4, 3), (8, 1024, 8, 3),
+        (8, 2048, 8, 2), (16, 512, 4, 3), (16, 1024, 8, 3), (32, 512, 8, 3),
+    ]
+]  # fmt: skip
+_fp8_gemv_tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "HAS_BIAS", "STATIC"])(
+    _fp8_gemv_kernel
+)
+
+
+def _static(input_scale: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """The static activation scale as a float32 scalar tensor (a placeholder when dynamic)."""
+    if input_scale is None:
+        return like  # unused without STATIC
+    return input_scale.reshape(1).float()
+
+
+def fp8_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x: [1, K]; weight: [N, K] e4m3 (rows contiguous); weight_scale: [N, 1] float32;
+    returns [1, N] in x's dtype."""
+    assert x.shape[0] == 1 and weight.stride(1) == 1, "one token, row-major weight"
+    x = x.contiguous()
+    n, k = weight.shape
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    args = (
+        x, weight, weight_scale, bias if bias is not None else y, y,
+        _static(input_scale, weight_scale), n, k, weight.stride(0),
+    )  # fmt: skip
+    flags = {"STATIC": input_scale is not None, "HAS_BIAS": bias is not None}
+    if x.is_cuda:
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+        _fp8_gemv_tuned[grid](*args, **flags, **launch_options(x))
+    else:  # Triton's interpreter (tests on CPU): one fixed tile
+        _fp8_gemv_kernel[(triton.cdiv(n, 8),)](*args, **flags, BLOCK_N=8, BLOCK_K=128)
+    return y
+
+
+def quantize_rows(
+    x: torch.Tensor, input_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [M, K] → (e4m3 [M, K], float32 scales [M, 1]), one Triton kernel."""
+    x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=FP8, device=x.device)
+    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    _quantize_rows_kernel[(m,)](
+        x, q, s, _static(input_scale, s), k, x.stride(0), q.stride(0),
+        STATIC=input_scale is not None, BLOCK_K=min(4096, triton.next_power_of_2(k)),
+        num_warps=8, **launch_options(x),
+    )  # fmt: skip
+    return q, s
+
+
+def fp8_mm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x: [M, K] → [M, N] in x's dtype, on the FP8 tensor cores."""
+    xq, xs = quantize_rows(x, input_scale)
+    ws = weight_scale.reshape(1, -1)
+    if x.dtype in (torch.bfloat16, torch.float16):
+        y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=ws, out_dtype=x.dtype)
+    else:  # row-wise scales write 16-bit outputs only: scale the float32 product after
+        one = torch.ones((), dtype=torch.float32, device=x.device)
+        y = torch._scaled_mm(xq, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        y = y * xs * ws
+    return y if bias is None else y + bias
+
+
+def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """These kernels take this input: on a GPU with FP8 tensor cores (compute capability 8.9
+    and up), 16-aligned dims (the tensor cores' tiles)."""
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device) < (8, 9):
+        return False
+    n, k = weight.shape
+    return n % 16 == 0 and k % 16 == 0
+
+
+__all__ = ["FP8_MAX", "MIN_SCALE", "fp8_gemv", "fp8_mm", "quantize_rows", "supported"]

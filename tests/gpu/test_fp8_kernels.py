@@ -1,0 +1,125 @@
+"""The FP8 kernels (layers/fp8_linear.py) against the plain-PyTorch path they replace on a GPU
+(models/quantization.py: the activations rounded through e4m3 the same way, the weights
+dequantized), kernel by kernel and through the engine on the tiny FP8 checkpoints, where the
+dequantizing reference model (baton/tiny_fp8) is the oracle as on CPU. Skipped without CUDA."""
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from baton import LLM, SamplingParams
+from baton.tiny_model import make_tiny_model
+from services.worker.engine.models.quantization import (
+    FP8,
+    dequantize,
+    quantize_activations,
+)
+from services.worker.engine.models.quantization import quantize_rows as quantize_weight_rows
+from tests.integration.test_fp8 import GREEDY, PROMPTS, _check_against_reference
+
+pytestmark = pytest.mark.gpu
+
+
+def _layer(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(n, k, device="cuda", generator=g) * 0.05
+    w[:, :3] *= 20  # outlier input channels, as real checkpoints have
+    return quantize_weight_rows(w)
+
+
+def _reference(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    ws: torch.Tensor,
+    b: torch.Tensor | None,
+    xs: torch.Tensor | None,
+) -> torch.Tensor:
+    xq = quantize_activations(x, "static" if xs is not None else "token", 128, xs)
+    return F.linear(
+        xq.double(), dequantize(w, ws, None).double(), None if b is None else b.double()
+    )
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_quantize_rows_is_the_reference_rounding(static: bool) -> None:
+    from services.worker.engine.models.layers.fp8_linear import quantize_rows
+
+    x = torch.randn(37, 4096, device="cuda") * torch.linspace(0.01, 30, 4096, device="cuda")
+    xs = torch.tensor([0.05], device="cuda") if static else None
+    q, s = quantize_rows(x, xs)
+    assert q.dtype == FP8 and s.shape == (37, 1)
+    want = quantize_activations(x, "static" if static else "token", 128, xs)
+    assert torch.equal(q.float() * s, want)  # the same codes and scales, bit for bit
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize(("n", "k"), [(4096, 4096), (96, 64), (28672, 4096)])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_fp8_linear_matches_the_plain_path(
+    dtype: torch.dtype, rows: int, n: int, k: int, static: bool
+) -> None:
+    from services.worker.engine.models.layers.fp8_linear import fp8_gemv, fp8_mm
+
+    w, ws = _layer(n, k, n + k)
+    x = (torch.randn(rows, k, device="cuda") * 2).to(dtype)
+    b = (torch.randn(n, device="cuda") * 0.1).to(dtype)
+    xs = x.float().abs().amax().reshape(1) / 448 if static else None
+    for bias in (None, b):
+        want = _reference(x, w, ws, bias, xs)
+        got = (fp8_gemv if rows == 1 else fp8_mm)(x, w, ws, bias, xs)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        # float32: only the order of the float32 sums differs; bf16: one output rounding
+        tol = 1e-4 if dtype == torch.float32 else 1e-2
+        err = (got.double() - want).abs().max() / want.abs().max()
+        assert err <= tol, (bias is not None, float(err))
+
+
+@pytest.mark.parametrize(("fmt", "arch"), [("fp8-tensor", "llama"), ("fp8-channel", "qwen3")])
+def test_the_engine_on_the_fp8_kernels_matches_the_dequantizing_reference(
+    tmp_path: Path, fmt: str, arch: str
+) -> None:
+    """float32, checked as on CPU (tests/integration/test_fp8.py): each greedy token is the
+    reference's argmax teacher-forced, or a near-tie; almost all are exact, the logprobs agree;
+    and both kernels really ran (not the plain path)."""
+    from services.worker.engine.models.layers import fp8_linear
+
+    path = make_tiny_model(tmp_path / fmt, arch=arch, quantize=fmt, hidden_size=128)
+    calls = {"gemv": 0, "mm": 0}
+    gemv, mm = fp8_linear.fp8_gemv, fp8_linear.fp8_mm
+
+    def counted_gemv(*a: Any) -> torch.Tensor:
+        calls["gemv"] += 1
+        return gemv(*a)
+
+    def counted_mm(*a: Any) -> torch.Tensor:
+        calls["mm"] += 1
+        return mm(*a)
+
+    fp8_linear.fp8_gemv, fp8_linear.fp8_mm = counted_gemv, counted_mm  # type: ignore[assignment]
+    try:
+        llm = LLM(model=str(path), dtype="float32", enforce_eager=True, show_progress=False)
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        llm.shutdown()
+    finally:
+        fp8_linear.fp8_gemv, fp8_linear.fp8_mm = gemv, mm  # type: ignore[assignment]
+    assert calls["gemv"] > 0 and calls["mm"] > 0
+    exact = _check_against_reference(path, outs)
+    assert exact >= 0.9 * len(PROMPTS) * GREEDY.max_tokens
+
+
+def test_cuda_graphs_capture_the_fp8_gemv(tmp_path: Path) -> None:
+    path = make_tiny_model(tmp_path / "m", arch="llama", quantize="fp8-channel", hidden_size=128)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    eager = LLM(model=str(path), dtype="float32", enforce_eager=True, show_progress=False)
+    want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, params, use_tqdm=False)]
+    eager.shutdown()
+    graphs = LLM(model=str(path), dtype="float32", show_progress=False)
+    assert graphs.client.core.executor.worker.runner.graphs is not None  # type: ignore[attr-defined]
+    assert [
+        o.outputs[0].token_ids for o in graphs.generate(PROMPTS, params, use_tqdm=False)
+    ] == want
+    graphs.shutdown()

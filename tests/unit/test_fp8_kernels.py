@@ -1,0 +1,64 @@
+"""The FP8 kernels (layers/fp8_linear.py) in Triton's interpreter on CPU: their indexing,
+scales and bias. The interpreter's float32 → e4m3 cast rounds some values toward zero and drops
+a round-up's carry into the next power of two (31.5 becomes 16, where the GPU and PyTorch give
+32), so here the products are checked against the codes the kernels' own quantizer wrote; on
+the GPU they are checked bit for bit against the reference's rounding
+(tests/gpu/test_fp8_kernels.py)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.worker.engine.models.layers import fp8_linear
+from services.worker.engine.models.quantization import dequantize
+from services.worker.engine.models.quantization import quantize_rows as quantize_weight_rows
+
+
+def _case(rows: int, n: int, k: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=g) * torch.linspace(0.01, 30, k)
+    w, ws = quantize_weight_rows(torch.randn(n, k, generator=g) * 0.05)
+    return x, w, ws, torch.randn(n, generator=g)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_quantize_rows_scales_like_the_reference(static: bool) -> None:
+    x, *_ = _case(5, 16, 320)  # K not a multiple of the kernel's chunk
+    xs = torch.tensor([0.07]) if static else None
+    q, s = fp8_linear.quantize_rows(x, xs)
+    want = xs.expand(5, 1) if xs is not None else x.abs().amax(1, keepdim=True) / 448
+    assert q.dtype == torch.float8_e4m3fn and torch.equal(s, want)
+    # every code is the reference's, or (the interpreter's cast rounds some toward zero, and
+    # drops a carry into the next power of two) a smaller one of the same sign, at least half
+    ref = (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    got = q.float()
+    off = got != ref
+    assert (got[off].sign() == ref[off].sign()).all() and off.float().mean() < 0.15
+    assert (got[off].abs() < ref[off].abs()).all() and (got[off].abs() >= ref[off].abs() / 2).all()
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_fp8_gemv_is_the_product_of_its_quantized_row(static: bool, bias: bool) -> None:
+    x, w, ws, b = _case(1, 48, 320)
+    xs = torch.tensor([0.07]) if static else None
+    q, s = fp8_linear.quantize_rows(x, xs)
+    got = fp8_linear.fp8_gemv(x, w, ws, b if bias else None, xs)
+    want = F.linear((q.float() * s).double(), dequantize(w, ws, None).double(),
+                    b.double() if bias else None)  # fmt: skip
+    assert got.shape == (1, 48) and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_mm_float32_is_the_product_of_its_quantized_rows() -> None:
+    """torch._scaled_mm runs on CPU too: the float32 branch (unscaled product, then scaled)."""
+    x, w, ws, b = _case(6, 32, 64)
+    q, s = fp8_linear.quantize_rows(x)
+    got = fp8_linear.fp8_mm(x, w, ws, b)
+    want = F.linear((q.float() * s).double(), dequantize(w, ws, None).double(), b.double())
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_the_layers_take_the_kernels_on_a_gpu_only() -> None:
+    """On CPU (and for block checkpoints) a layer stays on the plain path: no FP8 tensor cores."""
+    x, w, *_ = _case(2, 32, 64)
+    assert not fp8_linear.supported(x, w)
