@@ -22,6 +22,7 @@ NUMBERS = {"heartbeatTimeoutSeconds", "intervalSeconds", "prefillBacklogTargetSe
            "decodeKvUsageTarget", "decodeRunningTarget", "tolerance", "minPrefillDecodeRatio",
            "maxPrefillDecodeRatio", "unregisteredAfterSeconds",
            "requestTimeoutSeconds"}  # fmt: skip
+INT_ENUMS = {"model.kvBlockSize": [16, 32, 64, 128]}
 PORTS = {"port", "metricsPort"}
 COUNTS = {"replicas", "minReplicas", "maxReplicas", "pods", "gpus", "gpuBudget",
           "drainTimeoutSeconds", "preStopSeconds", "terminationGracePeriodSeconds",
@@ -36,6 +37,8 @@ def node(path: str, key: str, value: Any) -> dict[str, Any]:
     for suffix, values in ENUMS.items():
         if where.endswith(suffix):
             return {"type": "string", "enum": values}
+    if where in INT_ENUMS:
+        return {"type": "integer", "enum": INT_ENUMS[where]}
     if key == "serviceMonitor.enabled" or where.endswith("serviceMonitor.enabled"):
         return {"enum": ["auto", True, False, "true", "false"]}
     if isinstance(value, bool):

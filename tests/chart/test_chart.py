@@ -352,3 +352,19 @@ def test_the_scheduler_accepts_the_configs_the_chart_writes(name: str) -> None:
         assert (bounds.min_replicas, bounds.max_replicas) == (auto["minReplicas"],
                                                               auto["maxReplicas"])  # fmt: skip
         assert bounds.gpus_per_replica == values_set.get(key, {}).get("gpus", 1)
+
+
+def test_every_pool_gets_the_one_kv_page_size() -> None:
+    """A prefill and a decode worker exchange KV only when their pages match: the page size is
+    one chart value, given to every worker pool."""
+    cmd = [helm(), "template", "rel", str(CHART), "-f", str(CHART / "ci" / "hpa-2p4d-values.yaml"),
+           "--set", "model.kvBlockSize=128", "--set", f"internalToken.value={TOKEN}"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    pools = workers([d for d in yaml.safe_load_all(out.stdout) if d])
+    assert len(pools) >= 2
+    for pool in pools:
+        [container] = [c for c in pod_spec(pool)["containers"] if c["name"] == "worker"]
+        assert arg(container, "--block-size") == "128", pool["metadata"]["name"]
+    assert all(arg(c, "--block-size") == "16" for o in workers(objects("default"))
+               for c in pod_spec(o)["containers"] if c["name"] == "worker")  # fmt: skip
