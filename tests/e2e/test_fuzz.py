@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from baton.launcher import Cluster
 
 MODEL = "qwen3"
-EXAMPLES = 80  # per operation and mode
+EXAMPLES = 50  # per operation and mode
 CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "n": 2}
 
 
