@@ -123,3 +123,32 @@ def test_cuda_graphs_capture_the_fp8_gemv(tmp_path: Path) -> None:
         o.outputs[0].token_ids for o in graphs.generate(PROMPTS, params, use_tqdm=False)
     ] == want
     graphs.shutdown()
+
+
+def test_the_triton_cache_write_rounds_like_the_reference() -> None:
+    """The Triton ``_write_kv`` into an FP8 cache on the GPU: saturated, rounded to nearest
+    even, bit for bit as ``attention/backend.write_kv`` (on CPU the backend uses the latter)."""
+    from services.worker.engine.attention.backend import write_kv
+    from services.worker.engine.attention.triton_backend import TritonAttentionBackend
+    from services.worker.engine.kv_cache.layout import KVCacheLayout, layer_views
+
+    layout = KVCacheLayout(2, 8, 128, 16, FP8)
+    ours, ref = layout.allocate(64, "cuda"), layout.allocate(64, "cuda")
+    k = torch.randn(300, 8, 128, device="cuda", dtype=torch.bfloat16) * 200  # some saturate
+    v = torch.randn(300, 8, 128, device="cuda", dtype=torch.bfloat16)
+    slots = torch.randperm(64 * 16, device="cuda")[:300]
+    impl = TritonAttentionBackend(32, 8, 128, 128**-0.5)
+    impl._write_kv(k, v, layer_views(ours, 1), slots)
+    write_kv(k, v, layer_views(ref, 1), slots)
+    assert torch.equal(ours.view(torch.uint8), ref.view(torch.uint8))
+
+
+def test_an_fp8_cache_on_the_triton_kernels_matches_the_torch_backend(tiny_model: Path) -> None:
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(model=str(tiny_model), dtype="float32", kv_cache_dtype="fp8",
+                  attention_backend=backend, show_progress=False)  # fmt: skip
+        outs[backend] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        llm.shutdown()
+    assert outs["triton"] == outs["torch"]

@@ -193,6 +193,42 @@ def check_backend(
     assert torch.equal(kv[:, [i for i in range(LAYERS) if i != LAYER]], other_layers)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("case", ["mixed-with-prefix", "mixed-trailing-decodes"])
+def test_an_fp8_cache_is_read_as_its_e4m3_values(backend: str, case: str) -> None:
+    """An FP8 (e4m3, unit scales) cache: keys and values chosen on e4m3's grid, so the write is
+    exact and the oracle is dense attention over the same values; the backend writes this
+    step's K/V into the FP8 cache and reads the prefix from it."""
+    q, k, v, _, meta, _, kv = build_case(3, 8, 2, 32, CASES[case])
+    kv8 = kv.to(torch.float8_e4m3fn)
+    # put every token of the case (prefix and new) on e4m3's grid, then rebuild the expectation
+    grid = layer_views(kv8.float(), LAYER)
+    k8, v8 = k.to(torch.float8_e4m3fn).float(), v.to(torch.float8_e4m3fn).float()
+    expected, start = [], 0
+    tables = meta.block_tables.tolist()
+    for i, (n_seq, end) in enumerate(
+        zip(meta.seq_lens_cpu, meta.query_start_loc_cpu[1:], strict=True)
+    ):
+        n_new = end - meta.query_start_loc_cpu[i]
+        prefix = n_seq - n_new
+        pos = torch.arange(prefix)
+        blocks = torch.tensor(tables[i])[pos // BS]
+        keys = torch.cat([grid.key[blocks, pos % BS], k8[start:end]])
+        values = torch.cat([grid.value[blocks, pos % BS], v8[start:end]])
+        expected.append(dense(q[start:end], keys, values, 32**-0.5))
+        start = end
+    impl = get_backend(backend)(8, 2, 32, scale=32**-0.5)
+    q, k8, v8 = q.to(DEVICE), k8.to(DEVICE), v8.to(DEVICE)
+    for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+        setattr(meta, name, getattr(meta, name).to(DEVICE))
+    cache = layer_views(kv8.to(DEVICE), LAYER)
+    out = impl.forward(q, k8, v8, cache, meta)
+    assert torch.allclose(out.double().cpu(), torch.cat(expected), atol=1e-5, rtol=1e-5)
+    blocks, offs = meta.slot_mapping // BS, meta.slot_mapping % BS
+    assert torch.equal(cache.key[blocks, offs].float(), k8)
+    assert torch.equal(cache.value[blocks, offs].float(), v8)
+
+
 def test_a_tuned_config_sets_the_launches_and_the_split_rule(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -170,11 +170,6 @@ class EngineArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")  # fmt: skip
-        if self.kv_cache_dtype == "fp8" and backend != "torch":
-            raise ValueError(
-                f"kv_cache_dtype='fp8' runs on the torch attention backend only so far (the "
-                f"{backend} kernels do not read an FP8 cache yet): attention_backend='torch'"
-            )
 
         return EngineConfig(
             model=ModelConfig(

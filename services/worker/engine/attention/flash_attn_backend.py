@@ -8,8 +8,8 @@ a Hopper forward path) for the prefill rows of a step, the Triton kernels for th
 - Decode rows (a decode step, the trailing rows of a mixed step): the Triton split-over-context
   decode kernel, which CUDA graphs capture, as in the Triton backend.
 - K/V writes: the Triton ``_write_kv``; the cache layout (and what NIXL pulls) is unchanged.
-- float32 (which FlashAttention does not run), and head dims its paged path does not take
-  (other than 64, 128, 256), go to the Triton prefill kernel.
+- float32 (which FlashAttention does not run), head dims its paged path does not take
+  (other than 64, 128, 256), and an FP8 cache go to the Triton prefill kernel.
 
 FlashAttention reads whole pages: rows past a sequence's end in its last page are masked but
 must be finite, which holds since the KV cache is allocated zeroed (kv_cache/layout.py) and
@@ -77,7 +77,12 @@ class FlashAttnBackend(TritonAttentionBackend):
         num_reqs: int,
     ) -> None:
         """The first ``num_reqs`` requests of the batch, in one FlashAttention call."""
-        if q.dtype not in (torch.bfloat16, torch.float16) or not q.is_cuda or not self._paged_ok:
+        if (
+            q.dtype not in (torch.bfloat16, torch.float16)
+            or not q.is_cuda
+            or not self._paged_ok
+            or kv.is_fp8  # an FP8 cache: the Triton prefill reads it
+        ):
             super()._prefill(q, kv, meta, out, num_reqs)
             return
         n = meta.query_start_loc_cpu[num_reqs]

@@ -27,6 +27,7 @@ from services.worker.engine.attention.backend import (
     AttentionBackend,
     AttentionMetadata,
     LayerKVCache,
+    write_kv,
 )
 from services.worker.engine.attention.triton_kernels import (
     LOG2E,
@@ -164,6 +165,14 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> None:
         if k.stride(-1) != 1 or v.stride(-1) != 1:
             raise ValueError("new keys and values need a contiguous head dimension")
+        if kv.is_fp8 and (kv.k_scale != 1.0 or kv.v_scale != 1.0):
+            raise ValueError("the Triton kernels read an FP8 cache of unit scales only")
+        if kv.is_fp8 and not k.is_cuda:
+            # Triton's interpreter casts some float32 values to e4m3 toward zero (and drops a
+            # round-up's carry into the next power of two), where the GPU rounds to nearest:
+            # on CPU the cache takes PyTorch's rounding, the reference's
+            write_kv(k, v, kv, slot_mapping)
+            return
         _write_kv[(k.shape[0], self.num_kv_heads)](
             k, v, kv.key, kv.value, slot_mapping,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -71,6 +71,8 @@ def _attend_tile(
     else:
         k = tl.load(K + kv[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
         v = tl.load(V + kv[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+    # an FP8 cache (unit scales): e4m3 widens exactly to the queries' dtype
+    k, v = k.to(q.dtype), v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
@@ -82,7 +84,7 @@ def _attend_tile(
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
 
@@ -257,7 +259,9 @@ def _write_kv(
     KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """Store one token's key and value of one kv head into its cache slot (one launch for all)."""
+    """Store one token's key and value of one kv head into its cache slot (one launch for all).
+    An FP8 cache (unit scales) takes them saturated at e4m3's largest finite value, rounded to
+    nearest even, as ``attention/backend.write_kv`` does."""
     await_inputs(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -265,5 +269,10 @@ def _write_kv(
     offs = tl.arange(0, BLOCK_D)
     ok = offs < HEAD_DIM
     dst = (slot // KV_BLOCK) * stride_kb + (slot % KV_BLOCK) * stride_ks + h * stride_kh + offs
-    tl.store(K + dst, tl.load(K_new + t * stride_nt + h * stride_nh + offs, mask=ok), mask=ok)
-    tl.store(V + dst, tl.load(V_new + t * stride_vt + h * stride_vh + offs, mask=ok), mask=ok)
+    k = tl.load(K_new + t * stride_nt + h * stride_nh + offs, mask=ok)
+    v = tl.load(V_new + t * stride_vt + h * stride_vh + offs, mask=ok)
+    if K.dtype.element_ty == tl.float8e4nv:
+        k = tl.minimum(tl.maximum(k.to(tl.float32), -448.0), 448.0)
+        v = tl.minimum(tl.maximum(v.to(tl.float32), -448.0), 448.0)
+    tl.store(K + dst, k.to(K.dtype.element_ty), mask=ok)
+    tl.store(V + dst, v.to(V.dtype.element_ty), mask=ok)
