@@ -1,6 +1,7 @@
 """``baton serve``: the whole system as processes on this machine.
 
     global scheduler ──ready file──▶ N workers ──ready files──▶ gateway ──/ready──▶ print URL
+                                     (the gateway starts with the workers, loading its tokenizer)
 
 The launcher takes a frozen ``ClusterSpec`` (``baton/service_cli.py`` builds one from the
 flags; ``baton/serving.py`` runs one for tests and benchmarks) and imports nothing of the
@@ -231,8 +232,8 @@ class Cluster:
                 first_gpu += tp
             tp_argv = ["--tensor-parallel-size", str(tp)]  # (after the others: it wins)
             workers.append((name, self.spawn(name, argv + self.engine_argv + tp_argv, True, env)))
-        for name, path in workers:
-            self.wait_ready(name, path, WORKER_START_S)
+        # the gateway starts beside the workers (it loads its tokenizer meanwhile) and is
+        # ready once it knows a worker
         argv = ["gateway", "--model", a.model, "--scheduler", sched_addr, "--host", a.host,
                 "--port", str(a.port), "--served-model-name", self.model_name,
                 "--max-body-bytes", str(a.max_body_bytes),
@@ -242,6 +243,8 @@ class Cluster:
         argv += [] if a.generate_stream else ["--no-generate-stream"]
         argv += a.gateway_argv
         self.spawn("gateway", argv + cpus["gateway"], ready=False)
+        for name, path in workers:
+            self.wait_ready(name, path, WORKER_START_S)
         url = f"http://{a.host}:{a.port}"
         self.wait_http("gateway", f"{url}/ready", GATEWAY_START_S)
         self.url = f"{url}/v1"
