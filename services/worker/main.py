@@ -105,6 +105,12 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> Non
                     beat.on_kv_events(batch)
 
             engine.kv_event_listener = fan_out
+
+            def ask_for_kv_peers() -> None:
+                for beat in heartbeats:
+                    beat.wake()
+
+            servicer.ask_for_kv_peers = ask_for_kv_peers
             await _wait_registered(heartbeats)
         owner.spawn(_watch_engine(engine, stop), "engine-watch")
         serving.set()

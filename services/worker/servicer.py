@@ -11,7 +11,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import grpc
 from grpc import aio
@@ -30,6 +30,8 @@ from shared.rpc import adopt_request_id
 
 logger = logging.getLogger(__name__)
 
+# how long an unknown prefill peer is waited for, in heartbeat intervals (see _kv_refusal)
+KV_PEER_WAIT_HEARTBEATS = 4
 ROLES = {
     "prefill": common_pb2.WORKER_ROLE_PREFILL,
     "decode": common_pb2.WORKER_ROLE_DECODE,
@@ -99,18 +101,38 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._idle.set()
         # scheduler replica → the KV side channels of the prefill workers it registered
         self._kv_peers: dict[str, frozenset[str]] = {}
+        self._kv_peers_changed = asyncio.Event()  # set (and replaced) at every update
+        # asks the scheduler replicas for their peers now (main: wakes the heartbeats)
+        self.ask_for_kv_peers: Callable[[], None] = lambda: None
 
     def set_kv_peers(self, replica: str, peers: frozenset[str]) -> None:
         """The prefill workers a scheduler replica has registered (its heartbeat stream says
         so whenever they change): a decode leg's handle is read only from one of them."""
         self._kv_peers[replica] = peers
+        changed, self._kv_peers_changed = self._kv_peers_changed, asyncio.Event()
+        changed.set()
 
-    def _kv_refusal(self, side_channel: str) -> str | None:
+    async def _kv_refusal(self, side_channel: str) -> str | None:
         """Why a handle pointing at ``side_channel`` must not be read (None: it may). A
-        worker that runs without a scheduler has nobody to ask and reads from any peer."""
+        worker that runs without a scheduler has nobody to ask and reads from any peer.
+
+        A prefill worker the scheduler has just registered may route its first handles here
+        before this worker's heartbeat has brought the news: an unknown peer is asked about
+        at once (the heartbeats go now, and the scheduler answers with its peers), and
+        refused only if no update names it within KV_PEER_WAIT_HEARTBEATS intervals."""
         if not self.settings.scheduler_addresses:
             return None
-        if any(side_channel in peers for peers in self._kv_peers.values()):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + KV_PEER_WAIT_HEARTBEATS * self.settings.heartbeat_interval_s
+        while not any(side_channel in peers for peers in self._kv_peers.values()):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            changed = self._kv_peers_changed
+            self.ask_for_kv_peers()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), remaining)
+        else:
             return None
         metrics.KV_HANDLES_REFUSED.inc()
         logger.warning("a KV handle points at %s, no prefill worker the scheduler registered: "
@@ -238,7 +260,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             remote = convert.remote_kv(request.remote_kv)
             leg = KVTransferParams(
                 remote=remote, first_token_id=request.first_token_id,
-                refused=self._kv_refusal(remote.side_channel),
+                refused=await self._kv_refusal(remote.side_channel),
             )  # fmt: skip
         async for out in self._run(request, params, leg):
             hop_trace.mark("worker.output")

@@ -5,6 +5,7 @@ caller that leaves aborts its request on the worker; deadlines hold; a broken st
 requests UNAVAILABLE; a worker without the stream is called unary."""
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -374,3 +375,32 @@ async def test_a_finished_request_costs_one_message_each_way(tiny_model: Path) -
         await asyncio.sleep(0.2)  # anything still on its way arrives
         assert w.recording.calls == ["start"] * 5
         assert "end" not in w.recording.events and w.recording.events.count("response") >= 5
+
+
+async def test_a_new_prefill_peer_is_asked_about_before_a_handle_is_refused(
+    tiny_model: Path,
+) -> None:
+    """A prefill worker the scheduler has just registered can route its first handle to a
+    decode worker whose heartbeat has not brought the news yet: the decode worker asks (its
+    heartbeats go at once) and reads once an update names the peer; a peer no update names
+    within the bound (4 heartbeat intervals) is refused."""
+    settings = WorkerSettings(engine=EngineArgs(model=str(tiny_model)), heartbeat_interval_s=0.05,
+                              scheduler_addresses=("127.0.0.1:1",))  # fmt: skip
+    servicer = WorkerServicer(settings, None)  # type: ignore[arg-type]
+    asked = []
+
+    def ask() -> None:
+        asked.append(time.monotonic())
+        if len(asked) == 1:  # the scheduler answers the first ask, a little later
+            asyncio.get_running_loop().call_later(
+                0.02, servicer.set_kv_peers, "127.0.0.1:1", frozenset({"tcp://new:1"})
+            )
+
+    servicer.ask_for_kv_peers = ask
+    start = time.monotonic()
+    assert await servicer._kv_refusal("tcp://new:1") is None
+    assert len(asked) == 1 and time.monotonic() - start < 0.15
+    start = time.monotonic()
+    why = await servicer._kv_refusal("tcp://never-registered:1")
+    assert why is not None and "is not a prefill worker the scheduler has registered" in why
+    assert 0.19 <= time.monotonic() - start < 1.0  # refused at the bound, not before
