@@ -125,9 +125,11 @@ def test_cuda_graphs_capture_the_fp8_gemv(tmp_path: Path) -> None:
     graphs.shutdown()
 
 
-def test_the_triton_cache_write_rounds_like_the_reference() -> None:
-    """The Triton ``_write_kv`` into an FP8 cache on the GPU: saturated, rounded to nearest
-    even, bit for bit as ``attention/backend.write_kv`` (on CPU the backend uses the latter)."""
+@pytest.mark.parametrize(("k_scale", "v_scale"), [(1.0, 1.0), (0.37, 2.5)], ids=["unit", "scaled"])
+def test_the_triton_cache_write_rounds_like_the_reference(k_scale: float, v_scale: float) -> None:
+    """The Triton ``_write_kv`` into an FP8 cache on the GPU: divided by the layer's scales,
+    saturated, rounded to nearest even, bit for bit as ``attention/backend.write_kv`` (on CPU
+    the backend uses the latter)."""
     from services.worker.engine.attention.backend import write_kv
     from services.worker.engine.attention.triton_backend import TritonAttentionBackend
     from services.worker.engine.kv_cache.layout import KVCacheLayout, layer_views
@@ -138,8 +140,11 @@ def test_the_triton_cache_write_rounds_like_the_reference() -> None:
     v = torch.randn(300, 8, 128, device="cuda", dtype=torch.bfloat16)
     slots = torch.randperm(64 * 16, device="cuda")[:300]
     impl = TritonAttentionBackend(32, 8, 128, 128**-0.5)
-    impl._write_kv(k, v, layer_views(ours, 1), slots)
-    write_kv(k, v, layer_views(ref, 1), slots)
+    views = layer_views(ours, 1), layer_views(ref, 1)
+    for view in views:
+        view.k_scale, view.v_scale = k_scale, v_scale
+    impl._write_kv(k, v, views[0], slots)
+    write_kv(k, v, views[1], slots)
     assert torch.equal(ours.view(torch.uint8), ref.view(torch.uint8))
 
 

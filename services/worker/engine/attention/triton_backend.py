@@ -165,8 +165,6 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> None:
         if k.stride(-1) != 1 or v.stride(-1) != 1:
             raise ValueError("new keys and values need a contiguous head dimension")
-        if kv.is_fp8 and (kv.k_scale != 1.0 or kv.v_scale != 1.0):
-            raise ValueError("the Triton kernels read an FP8 cache of unit scales only")
         if kv.is_fp8 and not k.is_cuda:
             # Triton's interpreter casts some float32 values to e4m3 toward zero (and drops a
             # round-up's carry into the next power of two), where the GPU rounds to nearest:
@@ -174,7 +172,7 @@ class TritonAttentionBackend(AttentionBackend):
             write_kv(k, v, kv, slot_mapping)
             return
         _write_kv[(k.shape[0], self.num_kv_heads)](
-            k, v, kv.key, kv.value, slot_mapping,
+            k, v, kv.key, kv.value, slot_mapping, float(kv.k_scale), float(kv.v_scale),
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             kv.key.stride(0), kv.key.stride(1), kv.key.stride(2),
             KV_BLOCK=kv.block_size, HEAD_DIM=self.head_dim, BLOCK_D=self.block_d,
@@ -191,7 +189,9 @@ class TritonAttentionBackend(AttentionBackend):
             "stride_ot": out.stride(0), "stride_oh": out.stride(1),
             "stride_kb": kv.key.stride(0), "stride_ks": kv.key.stride(1),
             "stride_kh": kv.key.stride(2), "stride_bt": meta.block_tables.stride(0),
-            "qk_scale": self.scale * LOG2E, "KV_BLOCK": kv.block_size, "GROUP": self.group,
+            # an FP8 cache's scales: k's folded into the scores' scale, v's into the output
+            "qk_scale": self.scale * LOG2E * kv.k_scale, "v_scale": float(kv.v_scale),
+            "KV_BLOCK": kv.block_size, "GROUP": self.group,
             "HEAD_DIM": self.head_dim, "BLOCK_D": self.block_d,
             "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
         }  # fmt: skip

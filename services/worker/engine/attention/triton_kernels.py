@@ -71,7 +71,8 @@ def _attend_tile(
     else:
         k = tl.load(K + kv[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
         v = tl.load(V + kv[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
-    # an FP8 cache (unit scales): e4m3 widens exactly to the queries' dtype
+    # an FP8 cache: e4m3 widens exactly to the queries' dtype (its scales are applied outside:
+    # k_scale in qk_scale, v_scale to the accumulated output)
     k, v = k.to(q.dtype), v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     if MASKED:
@@ -94,7 +95,7 @@ def _prefill(
     block_tables, query_start_loc, seq_lens,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
-    qk_scale,
+    qk_scale, v_scale,
     KV_BLOCK: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -149,7 +150,7 @@ def _prefill(
             q, K, V, table, offs_n, n_ok, visible, offs_d, d_ok, kv_head,
             stride_kb, stride_ks, stride_kh, qk_scale, m_i, l_i, acc, KV_BLOCK, PRECISION,
         )  # fmt: skip
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         Out + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
         out.to(Out.dtype.element_ty),
@@ -163,7 +164,7 @@ def _decode(
     block_tables, query_start_loc, seq_lens, first_req, order,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
-    qk_scale,
+    qk_scale, v_scale,
     KV_BLOCK: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, ORDERED: tl.constexpr = False,
@@ -210,7 +211,7 @@ def _decode(
         )  # fmt: skip
     out_mask = g_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
             Out + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
             out.to(Out.dtype.element_ty),
@@ -220,7 +221,8 @@ def _decode(
         # partials: acc [reqs, heads, splits, BLOCK_D], (max, sum) [reqs, heads, splits, 2]
         slot = (local.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
         # whole padded rows (the columns past HEAD_DIM are zeros), so _combine reads no garbage
-        tl.store(part_acc + slot[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_ok[:, None])
+        tl.store(part_acc + slot[:, None] * BLOCK_D + offs_d[None, :], acc * v_scale,
+                 mask=g_ok[:, None])  # fmt: skip
         tl.store(part_ml + slot * 2, m_i, mask=g_ok)
         tl.store(part_ml + slot * 2 + 1, l_i, mask=g_ok)
 
@@ -254,14 +256,14 @@ def _combine(
 
 @triton.jit
 def _write_kv(
-    K_new, V_new, K, V, slot_mapping,
+    K_new, V_new, K, V, slot_mapping, k_scale, v_scale,
     stride_nt, stride_nh, stride_vt, stride_vh, stride_kb, stride_ks, stride_kh,
     KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Store one token's key and value of one kv head into its cache slot (one launch for all).
-    An FP8 cache (unit scales) takes them saturated at e4m3's largest finite value, rounded to
-    nearest even, as ``attention/backend.write_kv`` does."""
+    An FP8 cache takes k / k_scale and v / v_scale, saturated at e4m3's largest finite value
+    and rounded to nearest even, as ``attention/backend.write_kv`` does."""
     await_inputs(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -272,7 +274,7 @@ def _write_kv(
     k = tl.load(K_new + t * stride_nt + h * stride_nh + offs, mask=ok)
     v = tl.load(V_new + t * stride_vt + h * stride_vh + offs, mask=ok)
     if K.dtype.element_ty == tl.float8e4nv:
-        k = tl.minimum(tl.maximum(k.to(tl.float32), -448.0), 448.0)
-        v = tl.minimum(tl.maximum(v.to(tl.float32), -448.0), 448.0)
+        k = tl.minimum(tl.maximum(tl.math.div_rn(k.to(tl.float32), k_scale), -448.0), 448.0)
+        v = tl.minimum(tl.maximum(tl.math.div_rn(v.to(tl.float32), v_scale), -448.0), 448.0)
     tl.store(K + dst, k.to(K.dtype.element_ty), mask=ok)
     tl.store(V + dst, v.to(V.dtype.element_ty), mask=ok)
