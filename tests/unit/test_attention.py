@@ -107,6 +107,10 @@ def small_decode_splits(monkeypatch: pytest.MonkeyPatch) -> None:
     from services.worker.engine.attention import triton_backend
 
     monkeypatch.setattr(triton_backend, "TOKENS_PER_SPLIT", 8)
+    # ... also over a GPU's measured rule (attention/configs/), which names its own minimum
+    rule = triton_backend.num_decode_splits
+    monkeypatch.setattr(triton_backend, "num_decode_splits",
+                        lambda *a, **kw: rule(*a, **{**kw, "tokens_per_split": 8}))  # fmt: skip
 
 
 # Inputs are rounded to the dtype first, so only the kernel's own rounding is measured.
