@@ -6,6 +6,10 @@ Each timing replays a CUDA graph of back-to-back calls (as a decode step does, n
 cycling through enough weight copies that none is read from L2 twice.
 
     python benchmarks/gemv.py --shape llama-3.1-8b --output gemv.json
+
+``--fp8``: the FP8 GEMV (models/layers/fp8_linear.py: e4m3 weights with a scale per row, the
+activation quantized per token inside the kernel) beside the bf16 Triton GEMV, each against
+its own weight bytes over the copy bandwidth.
 """
 
 import argparse
@@ -68,12 +72,15 @@ def main() -> None:
         help="instead: cuBLAS at these row counts (a decode step's batch) against the roofline "
         "max(weight bytes ÷ bandwidth, FLOPs ÷ matmul peak)",
     )
+    p.add_argument("--fp8", action="store_true", help="instead: the FP8 GEMV against the bf16")
     p.add_argument("--output")
     args = p.parse_args()
     dev = torch.device("cuda")
     bandwidth = copy_bandwidth(dev)
     if args.tokens:
         return batched(args, dev, bandwidth)
+    if args.fp8:
+        return fp8(args, dev, bandwidth)
     result: dict[str, Any] = {"shape": args.shape, "copy_bandwidth_tbs": bandwidth / 1e12,
                               "device": torch.cuda.get_device_name(), "layers": {}}  # fmt: skip
     backends = {
@@ -106,6 +113,44 @@ def main() -> None:
     for backend in backends:
         per_layer = sum(r[backend]["us"] for r in result["layers"].values())
         result[f"{backend}_us_per_step"] = per_layer * layers
+    print(json.dumps({k: v for k, v in result.items() if k != "layers"}, indent=2))
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=2))
+
+
+def fp8(args: argparse.Namespace, dev: torch.device, bandwidth: float) -> None:
+    """Per projection: the FP8 GEMV and the bf16 Triton GEMV, µs and the fraction of each one's
+    weight-read bound (N·K bytes, or 2·N·K, over the copy bandwidth)."""
+    from services.worker.engine.models.layers.fp8_linear import fp8_gemv
+    from services.worker.engine.models.quantization import quantize_rows
+
+    layers = SHAPES[args.shape]["num_hidden_layers"]
+    result: dict[str, Any] = {"shape": args.shape, "copy_bandwidth_tbs": bandwidth / 1e12,
+                              "device": torch.cuda.get_device_name(), "layers": {}}  # fmt: skip
+    for name, (n, k) in projections(SHAPES[args.shape]).items():
+        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        row: dict[str, Any] = {"n": n, "k": k}
+        for label, nbytes in (("fp8_gemv", n * k), ("bf16_gemv", 2 * n * k)):
+            copies = max(2, -(-(512 << 20) // nbytes))  # ≥ 512 MiB in all: nothing stays in L2
+            if label == "fp8_gemv":
+                pairs = [quantize_rows(torch.randn(n, k, device=dev) * 0.05) for _ in range(copies)]
+                seconds = time_calls(lambda x, p: fp8_gemv(x, *p), pairs, x, args.reps)  # type: ignore[arg-type]
+            else:
+                ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
+                seconds = time_calls(lambda x, w: gemv(x, w), ws, x, args.reps)
+            bound = nbytes / bandwidth
+            row[label] = {"us": round(seconds * 1e6, 2), "bound_us": round(bound * 1e6, 2),
+                          "of_bound": round(bound / seconds, 3)}  # fmt: skip
+            torch.cuda.empty_cache()
+        result["layers"][name] = row
+        print(f"{name:8s} {n:6d}x{k:<6d} " + "  ".join(
+            f"{b} {row[b]['us']:7.2f} us ({100 * row[b]['of_bound']:.0f} % of {row[b]['bound_us']})"
+            for b in ("fp8_gemv", "bf16_gemv")
+        ), flush=True)  # fmt: skip
+    for label in ("fp8_gemv", "bf16_gemv"):
+        result[f"{label}_us_per_step"] = round(
+            sum(r[label]["us"] for r in result["layers"].values()) * layers, 1
+        )
     print(json.dumps({k: v for k, v in result.items() if k != "layers"}, indent=2))
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=2))

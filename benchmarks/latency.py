@@ -41,6 +41,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # FP8 linear weights quantized at load (per channel; activations per token): the FP8 GEMV
     # for one token, the FP8 tensor cores (torch._scaled_mm) for more
     "fp8": {"quantization": "fp8"},
+    "fp8_eager": {"quantization": "fp8", "enforce_eager": True},  # for --profile's kernel table
 }
 
 
@@ -91,7 +92,8 @@ def measure(model: str, variant: str, args: argparse.Namespace) -> dict[str, Any
     ms_step = (whole - prefill_only) / (args.output_len - 1) * 1e3
     long_prefill = min(_timed(llm, long_prompt, 1) for _ in range(3))
     replay_ms = _graph_replay_ms(llm)
-    kernels = _kernel_table(llm, prompt) if args.profile and variant == "eager" else None
+    eager = VARIANTS[variant].get("enforce_eager", False)
+    kernels = _kernel_table(llm, prompt) if args.profile and eager else None
     cost = ModelCost(info, llm.config.model.arch)
     # every weight that multiplies each token (the LM head only the last), and attention over
     # the causal half of the square. (Until 2026-11-30 this counted 2 FLOPs per token for every
@@ -156,7 +158,9 @@ def main() -> None:
     p.add_argument(
         "--variants", nargs="+", default=["graphs", "eager", "unfused"], choices=list(VARIANTS)
     )
-    p.add_argument("--profile", action="store_true", help="kernel table of an eager decode step")
+    p.add_argument(
+        "--profile", action="store_true", help="kernel table of a decode step of each eager variant"
+    )
     p.add_argument("--output")
     args = p.parse_args()
     device = torch.device("cuda")

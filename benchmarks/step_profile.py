@@ -43,11 +43,14 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--top", type=int, default=25, help="kernels listed")
     p.add_argument("--prefill", action="store_true", help="measure the admission phase instead")
+    p.add_argument("--quantization", choices=["fp8"], default=None)
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     p.add_argument("--output")
     args = p.parse_args()
     model = args.model or str(write_shape(args.shape, Path(tempfile.mkdtemp()) / args.shape))
     llm = LLM(model=model, load_format="dummy", max_num_seqs=args.batch, show_progress=False,
-              max_model_len=args.max_len + 512)  # fmt: skip
+              max_model_len=args.max_len + 512, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     core = llm.client.core  # type: ignore[attr-defined]  (the in-process client)
     rng = random.Random(0)
@@ -105,6 +108,8 @@ def main() -> None:
     contexts = [r.num_tokens for r in core.scheduler.running]
     result: dict[str, Any] = {
         "shape": args.shape,
+        "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "batch": len(core.scheduler.running),
         "mean_context": sum(contexts) / len(contexts),
         "step_wall_ms": round(wall_ms, 3),

@@ -72,8 +72,11 @@ def test_fp8_linear_matches_the_plain_path(
         want = _reference(x, w, ws, bias, xs)
         got = (fp8_gemv if rows == 1 else fp8_mm)(x, w, ws, bias, xs)
         assert got.dtype == dtype and got.shape == (rows, n)
-        # float32: only the order of the float32 sums differs; bf16: one output rounding
-        tol = 1e-4 if dtype == torch.float32 else 1e-2
+        # the GEMV in float32: only the order of the float32 sums differs. The tensor cores
+        # (fp8_mm) accumulate FP8 products with fewer bits than float32 keep: 2.6e-4 to 9.2e-4
+        # of the largest output on an H200, K = 64 to 4096 (docs/results/h200-2026-12-02/).
+        # bf16: one output rounding on top.
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-4 if rows == 1 else 2e-3
         err = (got.double() - want).abs().max() / want.abs().max()
         assert err <= tol, (bias is not None, float(err))
 
@@ -84,7 +87,8 @@ def test_the_engine_on_the_fp8_kernels_matches_the_dequantizing_reference(
 ) -> None:
     """float32, checked as on CPU (tests/integration/test_fp8.py): each greedy token is the
     reference's argmax teacher-forced, or a near-tie; almost all are exact, the logprobs agree;
-    and both kernels really ran (not the plain path)."""
+    and both kernels really ran (not the plain path). One prompt at a time, so that decode
+    steps have one row (the GEMV) and prefill several (the tensor cores)."""
     from services.worker.engine.models.layers import fp8_linear
 
     path = make_tiny_model(tmp_path / fmt, arch=arch, quantize=fmt, hidden_size=128)
@@ -102,7 +106,7 @@ def test_the_engine_on_the_fp8_kernels_matches_the_dequantizing_reference(
     fp8_linear.fp8_gemv, fp8_linear.fp8_mm = counted_gemv, counted_mm  # type: ignore[assignment]
     try:
         llm = LLM(model=str(path), dtype="float32", enforce_eager=True, show_progress=False)
-        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in PROMPTS]
         llm.shutdown()
     finally:
         fp8_linear.fp8_gemv, fp8_linear.fp8_mm = gemv, mm  # type: ignore[assignment]

@@ -200,18 +200,21 @@ def check_backend(
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("case", ["mixed-with-prefix", "mixed-trailing-decodes"])
 @pytest.mark.parametrize(("k_scale", "v_scale"), [(1.0, 1.0), (0.5, 4.0)], ids=["unit", "scaled"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_an_fp8_cache_is_read_as_its_e4m3_values(
-    backend: str, case: str, k_scale: float, v_scale: float
+    backend: str, case: str, k_scale: float, v_scale: float, dtype: torch.dtype
 ) -> None:
     """An FP8 (e4m3) cache with a key and a value scale: it holds k / k_scale and v / v_scale.
     The keys and values are chosen so those are on e4m3's grid, so the write is exact and the
     oracle is dense attention over the same values; the backend writes this step's K/V into
-    the cache and reads the prefix from it (the decode rows split over the context too)."""
+    the cache and reads the prefix from it (the decode rows split over the context too).
+    bf16 queries: the Triton kernels' dots run in float16 (``_compute_dtype``)."""
     q, k, v, _, meta, _, kv = build_case(3, 8, 2, 32, CASES[case])
     kv8 = kv.to(torch.float8_e4m3fn)  # the codes already in the cache (the prefix)
     codes = layer_views(kv8.float(), LAYER)
     k8 = k.to(torch.float8_e4m3fn).float() * k_scale  # this step's, whose codes are on the grid
     v8 = v.to(torch.float8_e4m3fn).float() * v_scale
+    q = q.to(dtype)  # (on bf16's grid too when bf16: the oracle takes the same queries)
     expected, start = [], 0
     tables = meta.block_tables.tolist()
     for i, (n_seq, end) in enumerate(
@@ -226,16 +229,18 @@ def test_an_fp8_cache_is_read_as_its_e4m3_values(
         expected.append(dense(q[start:end], keys, values, 32**-0.5))
         start = end
     impl = get_backend(backend)(8, 2, 32, scale=32**-0.5)
-    q, k8, v8 = q.to(DEVICE), k8.to(DEVICE), v8.to(DEVICE)
+    q, k8, v8 = q.to(DEVICE), k8.to(dtype).to(DEVICE), v8.to(dtype).to(DEVICE)
     for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
         setattr(meta, name, getattr(meta, name).to(DEVICE))
     cache = layer_views(kv8.to(DEVICE), LAYER)
     cache.k_scale, cache.v_scale = k_scale, v_scale
     out = impl.forward(q, k8, v8, cache, meta)
-    assert torch.allclose(out.double().cpu(), torch.cat(expected), atol=1e-5, rtol=1e-5)
+    assert out.dtype == dtype
+    tol = TOLERANCE[dtype]
+    assert torch.allclose(out.double().cpu(), torch.cat(expected), atol=tol, rtol=tol)
     blocks, offs = meta.slot_mapping // BS, meta.slot_mapping % BS
-    assert torch.equal(cache.key[blocks, offs].float() * k_scale, k8.cpu())
-    assert torch.equal(cache.value[blocks, offs].float() * v_scale, v8.cpu())
+    assert torch.equal(cache.key[blocks, offs].float().cpu() * k_scale, k8.float().cpu())
+    assert torch.equal(cache.value[blocks, offs].float().cpu() * v_scale, v8.float().cpu())
 
 
 def test_a_tuned_config_sets_the_launches_and_the_split_rule(

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.worker.engine.models.quantization import FP8_MAX
+from services.worker.engine.models.quantization import FP8_MAX, divide
 
 
 @dataclass
@@ -118,7 +118,7 @@ def write_kv(
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping % block_size
     if kv_cache.is_fp8:  # e4m3 of k / k_scale, saturated at its largest finite value
-        k = (k.float() / kv_cache.k_scale).clamp(-FP8_MAX, FP8_MAX)
-        v = (v.float() / kv_cache.v_scale).clamp(-FP8_MAX, FP8_MAX)
+        k = divide(k, kv_cache.k_scale).clamp(-FP8_MAX, FP8_MAX)
+        v = divide(v, kv_cache.v_scale).clamp(-FP8_MAX, FP8_MAX)
     kv_cache.key[blocks, offsets] = k.to(kv_cache.key.dtype)
     kv_cache.value[blocks, offsets] = v.to(kv_cache.value.dtype)

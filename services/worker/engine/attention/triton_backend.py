@@ -194,6 +194,9 @@ class TritonAttentionBackend(AttentionBackend):
             "KV_BLOCK": kv.block_size, "GROUP": self.group,
             "HEAD_DIM": self.head_dim, "BLOCK_D": self.block_d,
             "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
+            # bf16 queries over an FP8 cache: the dots in float16, which e4m3 widens to
+            # directly (triton_kernels._compute_dtype)
+            "DOT_F16": kv.is_fp8 and q.dtype == torch.bfloat16,
         }  # fmt: skip
 
     def _prefill(

@@ -43,6 +43,17 @@ DECODE_PER_STEP = ["stride_bt", "first_req"]
 
 
 @triton.jit
+def _compute_dtype(q, DOT_F16: tl.constexpr):
+    """The queries in the dtype the dots run in: their own, or with ``DOT_F16`` (bf16 queries
+    over an FP8 cache) float16: e4m3 widens to float16 directly, and float16 holds every e4m3
+    value and every bf16 query in its normal range exactly (clamped at its largest, 65504);
+    the probabilities, in [0, 1], then round to float16's 11 bits instead of bf16's 8."""
+    if DOT_F16:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    return q
+
+
+@triton.jit
 def _attend_tile(
     q, K, V, table, offs_n, n_ok, visible, offs_d, d_ok, kv_head,
     stride_kb, stride_ks, stride_kh, qk_scale, m_i, l_i, acc,
@@ -71,8 +82,8 @@ def _attend_tile(
     else:
         k = tl.load(K + kv[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
         v = tl.load(V + kv[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
-    # an FP8 cache: e4m3 widens exactly to the queries' dtype (its scales are applied outside:
-    # k_scale in qk_scale, v_scale to the accumulated output)
+    # an FP8 cache: e4m3 widens exactly to the dots' dtype (``_compute_dtype``; its scales are
+    # applied outside: k_scale in qk_scale, v_scale to the accumulated output)
     k, v = k.to(q.dtype), v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     if MASKED:
@@ -99,7 +110,7 @@ def _prefill(
     KV_BLOCK: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F16: tl.constexpr = False,
 ):  # fmt: skip
     # grid (q heads, query tiles, requests): the heads of one tile run side by side (those of
     # one kv head read the same keys, from L2), and the last tiles, which see the most keys,
@@ -125,6 +136,7 @@ def _prefill(
         mask=m_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
+    q = _compute_dtype(q, DOT_F16)
     q_pos = prefix + offs_m
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -168,7 +180,7 @@ def _decode(
     KV_BLOCK: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, ORDERED: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, DOT_F16: tl.constexpr = False,
 ):  # fmt: skip
     await_inputs(USE_PDL)
     # ``local``: the request's offset from first_req, which also indexes the partials
@@ -198,6 +210,7 @@ def _decode(
         mask=g_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
+    q = _compute_dtype(q, DOT_F16)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)

@@ -29,9 +29,19 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 
 
+def divide(x: torch.Tensor, by: float | torch.Tensor) -> torch.Tensor:
+    """``x / by`` in float32, correctly rounded on every device, as the kernels divide
+    (``div_rn``). PyTorch's CUDA division by a Python number multiplies by its reciprocal
+    instead, which differs in the last bit for some values: 27 of 37 activation scales of one
+    test on an H200."""
+    if not isinstance(by, torch.Tensor):
+        by = torch.full((), by, dtype=torch.float32, device=x.device)
+    return x.float() / by.float()
+
+
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row (output channel) e4m3 quantization: (w_fp8, scale [rows, 1])."""
-    scale = (w.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+    scale = divide(w.abs().amax(dim=1, keepdim=True), FP8_MAX).clamp(min=1e-12)
     return (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
@@ -44,14 +54,14 @@ def quantize_activations(
         assert static_scale is not None
         scale = static_scale.float()
     elif scheme == "token":
-        scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+        scale = divide(xf.abs().amax(dim=-1, keepdim=True), FP8_MAX).clamp(min=1e-12)
     else:  # token_group: one scale per token and ``block`` columns
         rows, cols = xf.shape
         groups = xf.view(rows, -1, block) if cols % block == 0 else None
         if groups is None:  # a last partial group (tiny models)
             pad = torch.nn.functional.pad(xf, (0, -cols % block))
             groups = pad.view(rows, -1, block)
-        s = (groups.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+        s = divide(groups.abs().amax(dim=-1, keepdim=True), FP8_MAX).clamp(min=1e-12)
         q = (groups / s).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * s
         return q.reshape(rows, -1)[:, :cols].to(x.dtype)
     return ((xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale).to(x.dtype)

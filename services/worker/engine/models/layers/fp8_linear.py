@@ -67,15 +67,23 @@ def _quantize_rows_kernel(
 def _fp8_gemv_kernel(
     X, W, WS, B, Y, xs_in, N, K, stride_wn,
     STATIC: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
+    BLOCK_K: tl.constexpr, AMAX_BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = W + rows[:, None].to(tl.int64) * stride_wn
+    # the first weight tile before the wait (no kernel of a step writes weights: with PDL the
+    # read overlaps the previous kernel's tail), then the activation's scale in AMAX_BLOCK-wide
+    # loads (one or two for an 8B model's rows): measured 1.2x faster than a BLOCK_K-wide scan
+    # after the wait (docs/results/h200-2026-12-02/NOTES.md)
+    cols = tl.arange(0, BLOCK_K)
+    col_ok = cols < K
+    w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
     await_inputs(USE_PDL)
-    xs = _row_scale(X, K, xs_in, STATIC, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    xs = _row_scale(X, K, xs_in, STATIC, AMAX_BLOCK)
+    x = tl.load(X + cols, mask=col_ok, other=0.0).to(tl.float32)
+    acc = w.to(tl.float32) * _quantize(x, xs).to(tl.float32)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         col_ok = cols < K
         w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
@@ -87,12 +95,13 @@ def _fp8_gemv_kernel(
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
 
 
-# one byte per weight: wider K chunks than the bf16 GEMV's for the same bytes per load
+# one byte per weight: wider K chunks than the bf16 GEMV's for the same bytes per load (the
+# fastest of each 8B projection in the sweep of docs/results/h200-2026-12-02/, and neighbours)
 _CONFIGS = [
     triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
     for n, k, w, s in [
-        (2, 2048, 4, 3), (4, 1024, 4, 3), (4, 2048, 8, 3), (8, 1024, 4, 3), (8, 1024, 8, 3),
-        (8, 2048, 8, 2), (16, 512, 4, 3), (16, 1024, 8, 3), (32, 512, 8, 3),
+        (2, 2048, 4, 3), (4, 1024, 4, 3), (8, 1024, 4, 3), (8, 1024, 8, 3), (8, 2048, 8, 2),
+        (16, 512, 4, 3), (16, 1024, 8, 3), (32, 512, 8, 3),
     ]
 ]  # fmt: skip
 _fp8_gemv_tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "HAS_BIAS", "STATIC"])(
@@ -124,7 +133,8 @@ def fp8_gemv(
         x, weight, weight_scale, bias if bias is not None else y, y,
         _static(input_scale, weight_scale), n, k, weight.stride(0),
     )  # fmt: skip
-    flags = {"STATIC": input_scale is not None, "HAS_BIAS": bias is not None}
+    flags: dict[str, int] = {"STATIC": input_scale is not None, "HAS_BIAS": bias is not None}
+    flags["AMAX_BLOCK"] = min(8192, triton.next_power_of_2(k)) if x.is_cuda else 128
     if x.is_cuda:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
         _fp8_gemv_tuned[grid](*args, **flags, **launch_options(x))

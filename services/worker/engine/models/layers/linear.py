@@ -91,7 +91,7 @@ class _LinearBase(nn.Module):
     ) -> None:
         dst0, size, src0, total = self._rows(shard_id)
         if param is self.input_scale:  # q, k and v (gate and up) share one input: the largest
-            value = _full(loaded).float().reshape(-1)
+            value = _full(loaded).float().reshape(-1).to(param.device)
             if value.numel() != 1:
                 raise ValueError(f"a static input scale has one value, got {tuple(loaded.shape)}")
             param.data.copy_(torch.maximum(param.data, value))
