@@ -26,8 +26,13 @@ def _make_tiny_model(args: argparse.Namespace) -> None:
         num_kv_heads=args.kv_heads,
         max_position_embeddings=args.max_position_embeddings,
         quantize=args.quantize,
+        kv_scales=args.kv_cache_scales,
     )
-    fp8 = f" ({args.quantize})" if args.quantize else ""
+    fp8 = (
+        f" ({args.quantize}{', KV cache scales' if args.kv_cache_scales else ''})"
+        if args.quantize
+        else ""
+    )
     print(f"wrote a tiny {args.arch}{fp8} checkpoint to {path}")
 
 
@@ -76,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantize", choices=["fp8-tensor", "fp8-channel", "fp8-block"], default=None,
         help="write an FP8 checkpoint: compressed-tensors with per-tensor (static activations) "
         "or per-channel scales, or the fp8 method's 128x128 blocks",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-cache-scales", action="store_true",
+        help="with --quantize fp8-tensor|fp8-channel: a key and a value scale per layer too "
+        "(compressed-tensors kv_cache_scheme), calibrated on a text",
     )  # fmt: skip
     p.set_defaults(func=_make_tiny_model)
 

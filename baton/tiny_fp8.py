@@ -8,11 +8,18 @@ reference that dequantizes them: the oracle the engine's FP8 layers are tested a
     fp8-block    the ``fp8`` method: 128×128 weight blocks (``weight_scale_inv``), activations
                  dynamic per token and 128 columns
 
+``kv_scales`` (compressed-tensors formats): a key and a value scale per layer as well
+(``kv_cache_scheme``; ``self_attn.k_scale`` / ``v_scale``), calibrated on the same text as
+the largest key and value entering each layer's cache over 448, so that an FP8 KV cache spans
+e4m3's range instead of its subnormals.
+
 The float model's weights get a heavier tail first (a few output channels ×6): with uniform
 weights every scale layout would quantize alike, and a wrong layout would pass unnoticed. That
 float model is kept beside it, in ``DIR/unquantized``, to compare FP8 against.
 """
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +34,77 @@ def _linears(model: Any) -> dict[str, Any]:
     return {n: m for n, m in model.named_modules() if n.rpartition(".")[2] in LINEARS}
 
 
-def quantize_checkpoint(out: Path, model: Any, tokenizer: Any, fmt: str, seed: int) -> None:
-    """Replace ``out``'s weights with an FP8 checkpoint of ``model`` in format ``fmt``."""
+@contextlib.contextmanager
+def _cache_entries(each: Any) -> Iterator[None]:
+    """Every key and value entering a ``transformers`` cache goes through ``each(keys, values,
+    layer)``, which returns what is stored (and computed with) instead."""
+    from transformers.cache_utils import Cache
+
+    update = Cache.update
+
+    def hooked(self: Any, k: Any, v: Any, layer_idx: int, *a: Any, **kw: Any) -> Any:
+        k, v = each(k, v, layer_idx)
+        return update(self, k, v, layer_idx, *a, **kw)
+
+    Cache.update = hooked  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        Cache.update = update  # type: ignore[method-assign]
+
+
+def _kv_amax(model: Any, tokenizer: Any) -> dict[int, tuple[float, float]]:
+    """Per layer, the largest |key| and |value| entering the cache on the calibration text."""
+    import torch
+
+    seen: dict[int, tuple[float, float]] = {}
+
+    def record(k: Any, v: Any, layer: int) -> tuple[Any, Any]:
+        old = seen.get(layer, (0.0, 0.0))
+        seen[layer] = (max(old[0], float(k.abs().max())), max(old[1], float(v.abs().max())))
+        return k, v
+
+    with torch.no_grad(), _cache_entries(record):
+        model(**tokenizer(_CALIBRATION, return_tensors="pt"), use_cache=True)
+    return seen
+
+
+@contextlib.contextmanager
+def rounding_kv_cache(path: str | Path) -> Iterator[None]:
+    """While it holds, ``transformers`` models store each key and value rounded through e4m3
+    as an FP8 KV cache holds them: ``e4m3(k / k_scale) · k_scale`` with the checkpoint's
+    per-layer scales, or 1 without them (the oracle of ``kv_cache_dtype="fp8"``)."""
+    import torch
+    from safetensors import safe_open
+
+    from services.worker.engine.models.quantization import FP8, FP8_MAX, divide
+
+    scales: dict[int, tuple[float, float]] = {}
+    with safe_open(str(Path(path) / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118
+            if name.endswith(("self_attn.k_scale", "self_attn.v_scale")):
+                layer = int(name.split(".layers.")[1].split(".")[0])
+                k, v = scales.get(layer, (1.0, 1.0))
+                value = float(f.get_tensor(name).float().reshape(()))
+                scales[layer] = (value, v) if name.endswith("k_scale") else (k, value)
+
+    def rounded(k: Any, v: Any, layer: int) -> tuple[Any, Any]:
+        ks, vs = scales.get(layer, (1.0, 1.0))
+
+        def e4m3(x: Any, s: float) -> Any:
+            return (divide(x, s).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * s).to(x.dtype)
+
+        return e4m3(k, ks), e4m3(v, vs)
+
+    with torch.no_grad(), _cache_entries(rounded):
+        yield
+
+
+def quantize_checkpoint(
+    out: Path, model: Any, tokenizer: Any, fmt: str, seed: int, kv_scales: bool = False
+) -> None:
+    """Replace ``out``'s weights with an FP8 checkpoint of ``model`` in format ``fmt`` (with
+    ``kv_scales``, KV cache scales too)."""
     import json
 
     import torch
@@ -38,6 +114,9 @@ def quantize_checkpoint(out: Path, model: Any, tokenizer: Any, fmt: str, seed: i
 
     if fmt not in FORMATS:
         raise ValueError(f"unknown --quantize {fmt!r}; choose from {', '.join(FORMATS)}")
+    if kv_scales and fmt == "fp8-block":
+        raise ValueError("KV cache scales are written for the compressed-tensors formats "
+                         "(fp8-tensor, fp8-channel)")  # fmt: skip
     gen = torch.Generator().manual_seed(seed + 1)
     linears = _linears(model)
     with torch.no_grad():
@@ -58,6 +137,7 @@ def quantize_checkpoint(out: Path, model: Any, tokenizer: Any, fmt: str, seed: i
             model(**tokenizer(_CALIBRATION, return_tensors="pt"))
         for h in hooks:
             h.remove()
+    kv_amax = _kv_amax(model, tokenizer) if kv_scales else {}
     model.save_pretrained(out / "unquantized")  # the float model it comes from, to compare
     tokenizer.save_pretrained(out / "unquantized")
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
@@ -83,11 +163,20 @@ def quantize_checkpoint(out: Path, model: Any, tokenizer: Any, fmt: str, seed: i
             q = (blocks / scale[:, None, :, None]).view(pr * BLOCK, pc * BLOCK)[:rows, :cols]
             tensors[f"{name}.weight"] = q.to(FP8)
             tensors[f"{name}.weight_scale_inv"] = scale
+    for layer, (k_amax, v_amax) in kv_amax.items():
+        prefix = f"model.layers.{layer}.self_attn"
+        tensors[f"{prefix}.k_scale"] = torch.tensor(max(k_amax, 1e-12) / FP8_MAX)
+        tensors[f"{prefix}.v_scale"] = torch.tensor(max(v_amax, 1e-12) / FP8_MAX)
     for f in out.glob("*.safetensors*"):
         f.unlink()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((out / "config.json").read_text())
     config["quantization_config"] = _quantization_config(fmt)
+    if kv_scales:
+        config["quantization_config"]["kv_cache_scheme"] = {
+            "num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+            "strategy": "tensor",
+        }  # fmt: skip
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
@@ -136,7 +225,8 @@ def dequantized_reference(path: str | Path, quantize_activations: bool = True) -
             tensors[k] = f.get_tensor(k)
     state = {}
     for k, t in tensors.items():
-        if k.endswith((".weight_scale", ".weight_scale_inv", ".input_scale")):
+        if k.endswith((".weight_scale", ".weight_scale_inv", ".input_scale", "_attn.k_scale",
+                       "_attn.v_scale")):  # fmt: skip
             continue
         if t.dtype == q.FP8:
             base = k.removesuffix(".weight")

@@ -95,6 +95,7 @@ def make_tiny_model(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     quantize: str | None = None,  # fp8-tensor | fp8-channel | fp8-block (baton/tiny_fp8.py)
+    kv_scales: bool = False,  # with quantize: KV cache scales per layer too
     initializer_range: float | None = None,  # None: 0.1, or 0.03 for an FP8 checkpoint
 ) -> Path:
     import torch
@@ -141,7 +142,9 @@ def make_tiny_model(
     if quantize is not None:
         from baton.tiny_fp8 import quantize_checkpoint
 
-        quantize_checkpoint(out, model, tokenizer, quantize, seed)
+        quantize_checkpoint(out, model, tokenizer, quantize, seed, kv_scales)
+    elif kv_scales:
+        raise ValueError("KV cache scales come with an FP8 checkpoint (give quantize)")
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     gen = json.loads((out / "generation_config.json").read_text())
     gen["eos_token_id"] = [config.eos_token_id, im_end]

@@ -130,3 +130,138 @@ def test_pd_between_fp8_caches_and_refusal_of_a_float_one(tiny_model: Path) -> N
     finally:
         for e in (ref, prefill, decode, plain):
             e.shutdown()
+
+
+# --- a checkpoint's KV cache scales (compressed-tensors kv_cache_scheme) ---
+
+
+@pytest.fixture(scope="module")
+def scaled_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """FP8 weights per channel, and a key and a value scale per layer calibrated on a text."""
+    from baton.tiny_model import make_tiny_model
+
+    root = tmp_path_factory.mktemp("kv-scales")
+    return make_tiny_model(root / "m", arch="qwen3", quantize="fp8-channel", kv_scales=True)
+
+
+def _stored_scales(path: Path) -> list[tuple[float, float]]:
+    from safetensors.torch import load_file
+
+    t = load_file(path / "model.safetensors")
+    layers = sorted({int(k.split(".")[2]) for k in t if k.endswith("self_attn.k_scale")})
+    prefix = "model.layers.{}.self_attn."
+    return [(float(t[prefix.format(i) + "k_scale"]), float(t[prefix.format(i) + "v_scale"]))
+            for i in layers]  # fmt: skip
+
+
+def test_checkpoint_kv_scales_reach_the_cache_and_match_the_reference(
+    scaled_checkpoint: Path,
+) -> None:
+    """The engine's FP8 cache takes the checkpoint's per-layer scales (none of them 1), and its
+    greedy tokens and logprobs are those of the dequantizing reference whose cache holds
+    e4m3(k / k_scale) · k_scale and e4m3(v / v_scale) · v_scale (chunked prefill: later chunks
+    read the cache)."""
+    from baton.tiny_fp8 import rounding_kv_cache
+    from tests.integration.test_fp8 import GREEDY as FP8_GREEDY
+    from tests.integration.test_fp8 import PROMPTS as FP8_PROMPTS
+    from tests.integration.test_fp8 import _check_against_reference
+
+    want = _stored_scales(scaled_checkpoint)
+    assert len(want) == 2 and all(k != 1.0 and v != 1.0 for k, v in want)
+    llm = LLM(model=str(scaled_checkpoint), kv_cache_dtype="fp8", show_progress=False,
+              max_num_batched_tokens=8, max_num_seqs=4)  # fmt: skip
+    try:
+        runner = llm.client.core.executor.worker.runner  # type: ignore[attr-defined]
+        assert runner.kv_scales() == want
+        views = [a.kv_cache for a in runner.model.attention_layers()]
+        assert [(v.k_scale, v.v_scale) for v in views] == want
+        assert "KV scales" in llm.get_model_info().quantization
+        outs = llm.generate(FP8_PROMPTS, FP8_GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    with rounding_kv_cache(scaled_checkpoint):
+        exact = _check_against_reference(scaled_checkpoint, outs)
+    assert exact >= 0.9 * len(FP8_PROMPTS) * FP8_GREEDY.max_tokens
+
+
+def test_kv_scales_by_their_older_names_and_a_float_cache_ignores_them(
+    scaled_checkpoint: Path, tmp_path: Path
+) -> None:
+    """Older compressed-tensors checkpoints call them ``k_proj.output_scale`` /
+    ``v_proj.output_scale``; a float KV cache has no use for them (and reads as without)."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "old-names"
+    path.mkdir()
+    for f in scaled_checkpoint.iterdir():
+        if f.is_file():
+            (path / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(path / "model.safetensors")
+    renamed = {k.replace("self_attn.k_scale", "self_attn.k_proj.output_scale")
+                .replace("self_attn.v_scale", "self_attn.v_proj.output_scale"): v
+               for k, v in tensors.items()}  # fmt: skip
+    save_file(renamed, str(path / "model.safetensors"), metadata={"format": "pt"})
+    llm = LLM(model=str(path), kv_cache_dtype="fp8", show_progress=False)
+    try:
+        assert llm.client.core.executor.worker.runner.kv_scales() == _stored_scales(  # type: ignore[attr-defined]
+            scaled_checkpoint
+        )
+    finally:
+        llm.shutdown()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    plain = LLM(model=str(scaled_checkpoint), show_progress=False)  # float32 cache
+    try:
+        views = [
+            a.kv_cache for a in plain.client.core.executor.worker.runner.model.attention_layers()
+        ]  # type: ignore[attr-defined]
+        assert all((v.k_scale, v.v_scale) == (1.0, 1.0) for v in views)
+        assert plain.generate(PROMPTS, params, use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        plain.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("dynamic", "kv_cache_scheme: static 8-bit float"),
+        ("two-values", r"model\.layers\.0\.self_attn\.k_scale.*one value"),
+        ("missing", r"lacks weights for: model\.layers\.0\.self_attn\.k_scale"),
+    ],
+)
+def test_kv_scales_the_engine_cannot_use_are_refused(
+    scaled_checkpoint: Path, tmp_path: Path, change: str, message: str
+) -> None:
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / change
+    path.mkdir()
+    for f in scaled_checkpoint.iterdir():
+        if f.is_file():
+            (path / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(path / "model.safetensors")
+    name = "model.layers.0.self_attn.k_scale"
+    if change == "dynamic":
+        config = json.loads((path / "config.json").read_text())
+        config["quantization_config"]["kv_cache_scheme"]["dynamic"] = True
+        (path / "config.json").write_text(json.dumps(config))
+    elif change == "two-values":
+        tensors[name] = tensors[name].reshape(1).repeat(2)  # a scale per head, say
+    else:
+        del tensors[name]
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=message):
+        LLM(model=str(path), kv_cache_dtype="fp8", show_progress=False)
+
+
+def test_the_kv_compatibility_hash_covers_the_scales() -> None:
+    """P/D peers whose FP8 caches have other scales refuse each other at the handshake: the
+    same codes would be other values."""
+    from services.worker.engine.kv_transfer.connector import compat_hash
+
+    geometry = ("m", "float8_e4m3fn", 16, 2, 2, 16)
+    unit = compat_hash(*geometry, [(1.0, 1.0), (1.0, 1.0)])
+    assert compat_hash(*geometry, [(1.0, 1.0), (1.0, 1.0)]) == unit
+    assert compat_hash(*geometry, [(1.0, 1.0), (0.5, 1.0)]) != unit
+    assert compat_hash(*geometry, [(1.0, 1.0), (1.0, 0.25)]) != unit

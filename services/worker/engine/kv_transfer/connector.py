@@ -19,6 +19,7 @@ for a peer's failure (the pull fails instead); ``close`` is idempotent.
 import hashlib
 import importlib
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -76,13 +77,21 @@ PROTOCOL_VERSION = 1  # of the KV layout and handshake: engines of different ver
 
 
 def compat_hash(
-    model: str, kv_dtype: str, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int
+    model: str,
+    kv_dtype: str,
+    block_size: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    kv_scales: Sequence[tuple[float, float]] = (),
 ) -> str:
     """What must agree for one engine to read another's blocks byte for byte: the KV cache's
     dtype and the model's whole KV geometry, not one rank's shard (engines of different TP
-    sizes exchange KV)."""
+    sizes exchange KV), and an FP8 cache's per-layer scales (the same codes under other
+    scales are other values)."""
+    scales = ",".join(f"{k!r}/{v!r}" for k, v in kv_scales)
     text = (f"v{PROTOCOL_VERSION}|{model}|{kv_dtype}|{block_size}|{num_layers}|{num_kv_heads}|"
-            f"{head_dim}")  # fmt: skip
+            f"{head_dim}|{scales}")  # fmt: skip
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

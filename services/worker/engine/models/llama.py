@@ -26,6 +26,7 @@ from services.worker.engine.models.layers.linear import (
 from services.worker.engine.models.layers.norm import RMSNorm
 from services.worker.engine.models.layers.rotary import RotaryEmbedding
 from services.worker.engine.models.quantization import QuantConfig
+from services.worker.engine.models.weights import CheckpointTensor, Loaded
 
 
 class LlamaAttention(nn.Module):
@@ -52,6 +53,32 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(d, arch.rms_norm_eps, fused) if arch.qk_norm else None
         self.attn = backend(self.num_heads, self.num_kv_heads, d, scale=d**-0.5)
         self.kv_cache: LayerKVCache | None = None  # bound by the worker after cache allocation
+        # a checkpoint's KV cache scales (compressed-tensors kv_cache_scheme): an FP8 cache
+        # holds k / k_scale and v / v_scale; without them its scales are 1
+        self.k_scale: nn.Parameter | None = None
+        self.v_scale: nn.Parameter | None = None
+        if quant is not None and quant.kv_scales:
+            self.k_scale = nn.Parameter(torch.ones((), dtype=torch.float32), requires_grad=False)
+            self.v_scale = nn.Parameter(torch.ones((), dtype=torch.float32), requires_grad=False)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None
+    ) -> None:
+        """``self_attn.k_scale`` / ``v_scale``: one positive value each (every rank the same)."""
+        value = (loaded.load() if isinstance(loaded, CheckpointTensor) else loaded).float()
+        if value.numel() != 1:
+            raise ValueError(f"a KV cache scale has one value (per tensor), got shape "
+                             f"{tuple(value.shape)}")  # fmt: skip
+        scale = float(value.reshape(()))
+        if not scale > 0.0 or scale == float("inf"):
+            raise ValueError(f"a KV cache scale must be positive and finite, got {scale}")
+        param.data.fill_(scale)
+
+    def kv_scales(self) -> tuple[float, float]:
+        """The (key, value) scales an FP8 cache of this layer takes."""
+        if self.k_scale is None or self.v_scale is None:
+            return 1.0, 1.0
+        return float(self.k_scale), float(self.v_scale)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata

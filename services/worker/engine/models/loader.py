@@ -79,10 +79,19 @@ def load_safetensors(
     return counter
 
 
+_KV_SCALE_NAMES = {".k_proj.output_scale": ".k_scale", ".v_proj.output_scale": ".v_scale"}
+
+
 def _our_suffix(name: str) -> str:
     """fp8 block checkpoints call the weight scale ``weight_scale_inv`` (a multiplier all the
-    same: w = w_fp8 · weight_scale_inv)."""
-    return name.removesuffix("_inv") if name.endswith(".weight_scale_inv") else name
+    same: w = w_fp8 · weight_scale_inv); older compressed-tensors checkpoints keep a layer's KV
+    cache scales as its k and v projections' ``output_scale``."""
+    if name.endswith(".weight_scale_inv"):
+        return name.removesuffix("_inv")
+    for old, ours in _KV_SCALE_NAMES.items():
+        if name.endswith(old):
+            return name.removesuffix(old) + ours
+    return name
 
 
 def _map_name(name: str, packed: dict[str, tuple[str, str | int]]) -> tuple[str, str | int | None]:
@@ -98,7 +107,7 @@ def load_dummy(model: nn.Module, seed: int) -> None:
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
         noise = torch.rand(param.shape, generator=gen, dtype=torch.float32, device=device)
-        if name.endswith(("weight_scale", "input_scale")):  # FP8: unit scales
+        if name.endswith(("weight_scale", "input_scale", "k_scale", "v_scale")):  # FP8: 1
             values = torch.ones_like(noise)
         elif name.endswith("norm.weight"):
             values = 1.0 + (noise - 0.5) * 0.1

@@ -17,6 +17,9 @@ class QuantConfig:
     block: int = 128  # the block's side (block weights, token_group activations)
     online: bool = False  # quantize a float checkpoint at load
     method: str = "fp8"  # a description, for logs and model info
+    # the checkpoint carries a key and a value scale per layer (compressed-tensors
+    # ``kv_cache_scheme``), which an FP8 KV cache takes instead of 1.0
+    kv_scales: bool = False
 
 
 def parse_quantization(hf: dict[str, Any], requested: str | None) -> QuantConfig | None:
@@ -74,4 +77,18 @@ def _compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
     else:
         raise ValueError(f"compressed-tensors activations: dynamic per token or static per "
                          f"tensor only, got {a!r}")  # fmt: skip
-    return QuantConfig(w["strategy"], acts, method=f"fp8 ({w['strategy']} weights, {acts} acts)")
+    kv_scales = _kv_cache_scheme(qc.get("kv_cache_scheme"))
+    method = f"fp8 ({w['strategy']} weights, {acts} acts{', KV scales' if kv_scales else ''})"
+    return QuantConfig(w["strategy"], acts, method=method, kv_scales=kv_scales)
+
+
+def _kv_cache_scheme(kv: dict[str, Any] | None) -> bool:
+    """Whether the checkpoint has KV cache scales: static, 8-bit float, one per tensor (a key
+    and a value scale per layer, ``self_attn.k_scale`` / ``v_scale``), or none."""
+    if kv is None:
+        return False
+    kind = (kv.get("num_bits"), kv.get("type"), kv.get("strategy"), bool(kv.get("dynamic")))
+    if kind != (8, "float", "tensor", False):
+        raise ValueError(f"compressed-tensors kv_cache_scheme: static 8-bit float scales per "
+                         f"tensor only, got {kv!r}")  # fmt: skip
+    return True

@@ -49,7 +49,10 @@ class CheckpointTensor:
         return CheckpointTensor(self.handle, tuple(shape), self.counter, tuple(region))
 
     def load(self) -> torch.Tensor:
-        t = self.handle[self.region] if self.region else self.handle[:]
+        if not self.shape:  # a scalar (a KV cache scale): safetensors cannot slice it
+            t = self.handle[()]
+        else:
+            t = self.handle[self.region] if self.region else self.handle[:]
         self.counter.bytes += t.numel() * t.element_size()
         self.counter.tensors += 1
         return t

@@ -79,7 +79,14 @@ class ModelRunner:
     def _bind_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = self.layout.allocate(num_blocks, self.device)
         for i, attn in enumerate(self.model.attention_layers()):
-            attn.kv_cache = layer_views(self.kv_cache, i)
+            view = layer_views(self.kv_cache, i)
+            if view.is_fp8:  # the checkpoint's KV cache scales, or 1
+                view.k_scale, view.v_scale = attn.kv_scales()
+            attn.kv_cache = view
+
+    def kv_scales(self) -> list[tuple[float, float]]:
+        """Each layer's (key, value) scales of an FP8 cache (1.0 without the checkpoint's)."""
+        return [attn.kv_scales() for attn in self.model.attention_layers()]
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` blocks plus one spare that padded graph rows write into."""
