@@ -111,7 +111,10 @@ def test_the_engine_on_the_fp8_kernels_matches_the_dequantizing_reference(
     finally:
         fp8_linear.fp8_gemv, fp8_linear.fp8_mm = gemv, mm  # type: ignore[assignment]
     assert calls["gemv"] > 0 and calls["mm"] > 0
-    exact = _check_against_reference(path, outs)
+    # the prompts' KV comes from the tensor cores, whose FP8 accumulation moves an output by
+    # up to ~1e-3 of the largest (test_fp8_linear_matches_the_plain_path): the logprobs are
+    # not the reference's arithmetic to 1e-3, as on CPU, only close to it
+    exact = _check_against_reference(path, outs, median_atol=1e-2)
     assert exact >= 0.9 * len(PROMPTS) * GREEDY.max_tokens
 
 
