@@ -37,6 +37,7 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.roofline import copy_bandwidth, matmul_peak
+from services.worker.engine import tuned_configs
 from services.worker.engine.attention import triton_backend
 from services.worker.engine.attention.backend import AttentionMetadata
 from services.worker.engine.attention.registry import get_backend
@@ -355,7 +356,7 @@ def tune(args: argparse.Namespace) -> None:
         "measured": report,
     }
     print(json.dumps({k: config[k] for k in ("prefill", "decode")}, indent=1))
-    path = Path(args.tune) / triton_backend.config_file(report["gpu"])
+    path = Path(args.tune) / tuned_configs.config_file(report["gpu"])
     path.write_text(json.dumps(config, indent=1) + "\n")
     print("wrote", path)
 
@@ -426,7 +427,7 @@ def tune_split_decode(args: argparse.Namespace) -> None:
     config.setdefault("measured", {})["split_decode"] = report
     print(json.dumps({k: report[k] for k in ("cases", "best_us", "chosen_us", "before_us")}))
     print(json.dumps(config["decode"], indent=1))
-    path = Path(args.tune_split_decode) / triton_backend.config_file(gpu)
+    path = Path(args.tune_split_decode) / tuned_configs.config_file(gpu)
     path.write_text(json.dumps(config, indent=1) + "\n")
     print("wrote", path)
 

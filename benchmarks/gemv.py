@@ -7,6 +7,13 @@ cycling through enough weight copies that none is read from L2 twice.
 
     python benchmarks/gemv.py --shape llama-3.1-8b --output gemv.json
 
+``--tune DIR``: each GEMV kernel's configurations timed that way per projection of each
+``--shapes``, the fastest written into ``DIR/<GPU name>.json``, merged over the kept file of
+this GPU (``services/worker/engine/models/layers/configs/`` keeps them; the kernels read
+that launch instead of their autotuner's: ``layers/gemv_configs.py``).
+
+    python benchmarks/gemv.py --tune services/worker/engine/models/layers/configs
+
 ``--fp8``: the FP8 GEMV (models/layers/fp8_linear.py: e4m3 weights with a scale per row, the
 activation quantized per token inside the kernel) beside the bf16 Triton GEMV, each against
 its own weight bytes over the copy bandwidth.
@@ -73,6 +80,8 @@ def main() -> None:
         "max(weight bytes ÷ bandwidth, FLOPs ÷ matmul peak)",
     )
     p.add_argument("--fp8", action="store_true", help="instead: the FP8 GEMV against the bf16")
+    p.add_argument("--tune", metavar="DIR", help="instead: measure both GEMVs' launches")
+    p.add_argument("--shapes", nargs="+", default=None, help="--tune: default --shape")
     p.add_argument("--output")
     args = p.parse_args()
     dev = torch.device("cuda")
@@ -81,6 +90,8 @@ def main() -> None:
         return batched(args, dev, bandwidth)
     if args.fp8:
         return fp8(args, dev, bandwidth)
+    if args.tune:
+        return tune(args, dev)
     result: dict[str, Any] = {"shape": args.shape, "copy_bandwidth_tbs": bandwidth / 1e12,
                               "device": torch.cuda.get_device_name(), "layers": {}}  # fmt: skip
     backends = {
@@ -154,6 +165,64 @@ def fp8(args: argparse.Namespace, dev: torch.device, bandwidth: float) -> None:
     print(json.dumps({k: v for k, v in result.items() if k != "layers"}, indent=2))
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=2))
+
+
+def tune(args: argparse.Namespace, dev: torch.device) -> None:
+    """Per kind (bf16 ``gemv``, ``fp8_gemv``) and projection: every configuration of the
+    kernel's autotune list, timed in a CUDA graph of back-to-back calls over weights from HBM;
+    the fastest kept (the whole table under ``measured``)."""
+    from services.worker.engine import tuned_configs
+    from services.worker.engine.models.layers import fp8_linear, gemv_configs
+    from services.worker.engine.models.layers import gemv as gemv_module
+    from services.worker.engine.models.quantization import quantize_rows
+
+    gpu = torch.cuda.get_device_name(dev)
+    kept = tuned_configs.read(gemv_configs.CONFIG_DIR, gpu)
+    doc: dict[str, Any] = {kind: dict(kept.get(kind, {})) for kind in gemv_configs.KINDS}
+    measured: dict[str, Any] = {"gpu": gpu, "us": {}}
+    kernels = {"gemv": gemv_module._CONFIGS, "fp8_gemv": fp8_linear._CONFIGS}
+    shapes = {nk for s in (args.shapes or [args.shape]) for nk in projections(SHAPES[s]).values()}
+    for n, k in sorted(shapes):
+        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        for kind, configs in kernels.items():
+            nbytes = n * k * (1 if kind == "fp8_gemv" else 2)
+            copies = max(2, -(-(512 << 20) // nbytes))  # ≥ 512 MiB in all: nothing stays in L2
+            if kind == "fp8_gemv":
+                weights: list[Any] = [
+                    quantize_rows(torch.randn(n, k, device=dev) * 0.05) for _ in range(copies)
+                ]
+            else:
+                weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+                           for _ in range(copies)]  # fmt: skip
+            times = {}
+            for c in configs:
+                entry = {"block_n": c.kwargs["BLOCK_N"], "block_k": c.kwargs["BLOCK_K"],
+                         "warps": c.num_warps, "stages": c.num_stages}  # fmt: skip
+                launch = gemv_configs.as_keywords(entry)
+
+                def call(
+                    x: torch.Tensor, w: Any, launch: dict[str, int] = launch, kind: str = kind
+                ) -> Any:
+                    if kind == "fp8_gemv":
+                        return fp8_linear.fp8_gemv(x, *w, config=launch)
+                    return gemv_module.gemv(x, w, config=launch)
+
+                times["-".join(map(str, entry.values()))] = (
+                    time_calls(call, weights, x, args.reps),
+                    entry,
+                )
+            best = min(times, key=lambda c: times[c][0])
+            doc[kind][f"{n}x{k}"] = times[best][1]
+            us = {c: round(t * 1e6, 2) for c, (t, _) in times.items()}
+            measured["us"][f"{kind} {n}x{k}"] = us
+            print(f"{kind:9s} {n:6d}x{k:<6d} best {best} {times[best][0] * 1e6:.2f} us", flush=True)
+            del weights
+            torch.cuda.empty_cache()
+    doc["measured"] = measured
+    gemv_configs.parse(doc)  # what the kernels will read
+    path = Path(args.tune) / tuned_configs.config_file(gpu)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print("wrote", path)
 
 
 def batched(args: argparse.Namespace, dev: torch.device, bandwidth: float) -> None:

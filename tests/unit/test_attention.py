@@ -246,6 +246,7 @@ def test_an_fp8_cache_is_read_as_its_e4m3_values(
 def test_a_tuned_config_sets_the_launches_and_the_split_rule(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from services.worker.engine import tuned_configs
     from services.worker.engine.attention import triton_backend
 
     doc = {
@@ -255,12 +256,12 @@ def test_a_tuned_config_sets_the_launches_and_the_split_rule(
     }
     (tmp_path / "NVIDIA_H200.json").write_text(json.dumps(doc))
     monkeypatch.setattr(triton_backend, "CONFIG_DIR", tmp_path)
-    triton_backend.tuned_config.cache_clear()
+    tuned_configs.read.cache_clear()
     try:
         assert triton_backend.tuned_config("NVIDIA H200") == doc
         assert triton_backend.tuned_config("Some Other GPU") == {}
     finally:
-        triton_backend.tuned_config.cache_clear()
+        tuned_configs.read.cache_clear()
     impl = triton_backend.TritonAttentionBackend(32, 8, 128, 128**-0.5)
     impl.apply_config(doc)
     assert (impl.PREFILL_BLOCK_M, impl.PREFILL_BLOCK_N, impl.PREFILL_WARPS) == (128, 32, 8)

@@ -14,15 +14,13 @@ Launch configurations: the class defaults below, or those measured on a GPU mode
 file (read once per process, for the GPU the backend runs on).
 """
 
-import functools
-import json
-import re
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 import triton
 
+from services.worker.engine import tuned_configs
 from services.worker.engine.attention.backend import (
     AttentionBackend,
     AttentionMetadata,
@@ -43,16 +41,9 @@ TOKENS_PER_SPLIT = 512  # below this a split's work is too small to pay for the 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
 
-def config_file(device_name: str) -> str:
-    """The file name of a GPU model's configuration: "NVIDIA H200" → "NVIDIA_H200.json"."""
-    return re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json"
-
-
-@functools.cache
 def tuned_config(device_name: str) -> dict[str, Any]:
     """The measured launch configuration of a GPU model ({} when none was measured)."""
-    path = CONFIG_DIR / config_file(device_name)
-    return dict(json.loads(path.read_text())) if path.is_file() else {}
+    return tuned_configs.read(CONFIG_DIR, device_name)
 
 
 def num_decode_splits(

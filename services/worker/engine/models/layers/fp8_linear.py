@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from services.worker.engine.dependent_launch import await_inputs, launch_options
+from services.worker.engine.models.layers import gemv_configs
 from services.worker.engine.models.quantization import FP8, FP8_MAX
 
 MIN_SCALE = 1e-12  # as the reference clamps a scale of an all-zero row
@@ -122,9 +123,10 @@ def fp8_gemv(
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     input_scale: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """x: [1, K]; weight: [N, K] e4m3 (rows contiguous); weight_scale: [N, 1] float32;
-    returns [1, N] in x's dtype."""
+    returns [1, N] in x's dtype. ``config``: as ``gemv.gemv``'s."""
     assert x.shape[0] == 1 and weight.stride(1) == 1, "one token, row-major weight"
     x = x.contiguous()
     n, k = weight.shape
@@ -136,8 +138,13 @@ def fp8_gemv(
     flags: dict[str, int] = {"STATIC": input_scale is not None, "HAS_BIAS": bias is not None}
     flags["AMAX_BLOCK"] = min(8192, triton.next_power_of_2(k)) if x.is_cuda else 128
     if x.is_cuda:
-        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        _fp8_gemv_tuned[grid](*args, **flags, **launch_options(x))
+        config = config or gemv_configs.launch("fp8_gemv", x, n, k)
+        if config is not None:
+            grid = (triton.cdiv(n, config["BLOCK_N"]),)
+            _fp8_gemv_kernel[grid](*args, **flags, **config, **launch_options(x))
+            return y
+        tuned_grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+        _fp8_gemv_tuned[tuned_grid](*args, **flags, **launch_options(x))
     else:  # Triton's interpreter (tests on CPU): one fixed tile
         _fp8_gemv_kernel[(triton.cdiv(n, 8),)](*args, **flags, BLOCK_N=8, BLOCK_K=128)
     return y

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from services.worker.engine.dependent_launch import await_inputs, launch_options
+from services.worker.engine.models.layers import gemv_configs
 
 
 @triton.jit
@@ -56,22 +57,32 @@ _CONFIGS = [
 _gemv_tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "HAS_BIAS"])(_gemv_kernel)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [1, K]; weight: [N, K] (rows contiguous); returns [1, N] in x's dtype."""
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """x: [1, K]; weight: [N, K] (rows contiguous); returns [1, N] in x's dtype. ``config``:
+    this launch's BLOCK_N, BLOCK_K, num_warps and num_stages (the tuner's); else this GPU's
+    measured one (layers/gemv_configs.py), else the autotuner's."""
     assert x.shape[0] == 1 and weight.stride(1) == 1, "one token, row-major weight"
     x = x.contiguous()
     n, k = weight.shape
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     b = bias if bias is not None else y  # (unused without HAS_BIAS)
+    args = (x, weight, b, y, n, k, weight.stride(0))
     if x.is_cuda:
+        config = config or gemv_configs.launch("gemv", x, n, k)
+        if config is not None:
+            _gemv_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](
+                *args, HAS_BIAS=bias is not None, **config, **launch_options(x)
+            )
+            return y
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        _gemv_tuned[grid](
-            x, weight, b, y, n, k, weight.stride(0), HAS_BIAS=bias is not None,
-            **launch_options(x),
-        )  # fmt: skip
+        _gemv_tuned[grid](*args, HAS_BIAS=bias is not None, **launch_options(x))
     else:  # Triton's interpreter (tests on CPU): one fixed tile, nothing to tune
         _gemv_kernel[(triton.cdiv(n, 4),)](
-            x, weight, b, y, n, k, weight.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_N=4, BLOCK_K=64,
+            *args, HAS_BIAS=bias is not None, BLOCK_N=4, BLOCK_K=64
         )  # fmt: skip
     return y

@@ -1,0 +1,22 @@
+"""Launch configurations measured per GPU model, kept as JSON files beside the kernels they
+configure (``attention/configs/``, ``models/layers/configs/``): one file per model, named by
+``config_file``, read once per process. The benchmarks that measure them write them
+(``benchmarks/attention_sweep.py --tune``, ``benchmarks/gemv.py --tune``)."""
+
+import functools
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+
+def config_file(device_name: str) -> str:
+    """The file name of a GPU model's configuration: "NVIDIA H200" → "NVIDIA_H200.json"."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json"
+
+
+@functools.cache
+def read(directory: Path, device_name: str) -> dict[str, Any]:
+    """The measured configuration of a GPU model in ``directory`` ({} when none was)."""
+    path = directory / config_file(device_name)
+    return dict(json.loads(path.read_text())) if path.is_file() else {}

@@ -1,0 +1,57 @@
+"""The measured GEMV launches per GPU (models/layers/gemv_configs.py): what a configuration
+file may say, and that every kept one says only that. (The kernels themselves are tested in
+the interpreter by test_fused_ops.py / test_fp8_kernels.py and on the GPU by tests/gpu.)"""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from services.worker.engine import tuned_configs
+from services.worker.engine.models.layers import gemv_configs
+
+LAUNCH = {"block_n": 8, "block_k": 512, "warps": 4, "stages": 3}
+
+
+def test_a_configuration_maps_shapes_to_launches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    doc = {"gemv": {"6144x4096": LAUNCH}, "fp8_gemv": {"4096x14336": {**LAUNCH, "warps": 8}},
+           "measured": {"anything": 1}}  # fmt: skip
+    table = gemv_configs.parse(doc)
+    assert table["gemv"][(6144, 4096)] == LAUNCH
+    assert table["fp8_gemv"][(4096, 14336)]["warps"] == 8
+    assert gemv_configs.as_keywords(LAUNCH) == {
+        "BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3,
+    }  # fmt: skip
+    # read from the directory by GPU name, as the attention kernels' are
+    (tmp_path / "NVIDIA_H200.json").write_text(json.dumps(doc))
+    tuned_configs.read.cache_clear()
+    try:
+        assert gemv_configs.parse(tuned_configs.read(tmp_path, "NVIDIA H200")) == table
+        assert tuned_configs.read(tmp_path, "Another GPU") == {}
+    finally:
+        tuned_configs.read.cache_clear()
+    # a CPU tensor never takes a GPU's launch (the interpreter's fixed tile)
+    assert gemv_configs.launch("gemv", torch.zeros(1, 4096), 6144, 4096) is None
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        ({"gemm": {}}, "unknown GEMV configuration kinds"),
+        ({"gemv": {"6144-4096": LAUNCH}}, "a shape is 'NxK'"),
+        ({"gemv": {"6144x4096": {**LAUNCH, "extra": 1}}}, "a launch is positive"),
+        ({"gemv": {"6144x4096": {**LAUNCH, "warps": 0}}}, "a launch is positive"),
+    ],
+)
+def test_a_malformed_configuration_is_refused(doc: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        gemv_configs.parse(doc)
+
+
+def test_every_kept_configuration_is_valid() -> None:
+    for path in sorted(gemv_configs.CONFIG_DIR.glob("*.json")):
+        gemv_configs.parse(json.loads(path.read_text()))
