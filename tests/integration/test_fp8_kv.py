@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from baton import LLM, SamplingParams
 from shared.text.tokenizer import TextTokenizer
+from tests.integration.test_fp8 import _copy_checkpoint
 from tests.integration.test_pd_transfer import disaggregated
 
 PROMPTS = ["Hi", "The quick brown fox jumps over the lazy dog", "import os\nimport sys\n\n"]
@@ -191,11 +192,7 @@ def test_kv_scales_by_their_older_names_and_a_float_cache_ignores_them(
     ``v_proj.output_scale``; a float KV cache has no use for them (and reads as without)."""
     from safetensors.torch import load_file, save_file
 
-    path = tmp_path / "old-names"
-    path.mkdir()
-    for f in scaled_checkpoint.iterdir():
-        if f.is_file():
-            (path / f.name).write_bytes(f.read_bytes())
+    path = _copy_checkpoint(scaled_checkpoint, tmp_path / "old-names")
     tensors = load_file(path / "model.safetensors")
     renamed = {k.replace("self_attn.k_scale", "self_attn.k_proj.output_scale")
                 .replace("self_attn.v_scale", "self_attn.v_proj.output_scale"): v
@@ -235,11 +232,7 @@ def test_kv_scales_the_engine_cannot_use_are_refused(
 
     from safetensors.torch import load_file, save_file
 
-    path = tmp_path / change
-    path.mkdir()
-    for f in scaled_checkpoint.iterdir():
-        if f.is_file():
-            (path / f.name).write_bytes(f.read_bytes())
+    path = _copy_checkpoint(scaled_checkpoint, tmp_path / change)
     tensors = load_file(path / "model.safetensors")
     name = "model.layers.0.self_attn.k_scale"
     if change == "dynamic":
