@@ -69,15 +69,9 @@ def _kv_amax(model: Any, tokenizer: Any) -> dict[int, tuple[float, float]]:
     return seen
 
 
-@contextlib.contextmanager
-def rounding_kv_cache(path: str | Path) -> Iterator[None]:
-    """While it holds, ``transformers`` models store each key and value rounded through e4m3
-    as an FP8 KV cache holds them: ``e4m3(k / k_scale) · k_scale`` with the checkpoint's
-    per-layer scales, or 1 without them (the oracle of ``kv_cache_dtype="fp8"``)."""
-    import torch
+def kv_scales(path: str | Path) -> dict[int, tuple[float, float]]:
+    """A checkpoint's KV cache scales: {layer: (k_scale, v_scale)} ({} without them)."""
     from safetensors import safe_open
-
-    from services.worker.engine.models.quantization import FP8, FP8_MAX, divide
 
     scales: dict[int, tuple[float, float]] = {}
     with safe_open(str(Path(path) / "model.safetensors"), framework="pt") as f:
@@ -87,14 +81,24 @@ def rounding_kv_cache(path: str | Path) -> Iterator[None]:
                 k, v = scales.get(layer, (1.0, 1.0))
                 value = float(f.get_tensor(name).float().reshape(()))
                 scales[layer] = (value, v) if name.endswith("k_scale") else (k, value)
+    return scales
+
+
+@contextlib.contextmanager
+def rounding_kv_cache(path: str | Path) -> Iterator[None]:
+    """While it holds, ``transformers`` models store each key and value rounded through e4m3
+    as an FP8 KV cache holds them: ``e4m3(k / k_scale) · k_scale`` with the checkpoint's
+    per-layer scales, or 1 without them (the oracle of ``kv_cache_dtype="fp8"``)."""
+    import torch
+
+    from services.worker.engine.models.quantization import to_e4m3
+
+    scales = kv_scales(path)
 
     def rounded(k: Any, v: Any, layer: int) -> tuple[Any, Any]:
         ks, vs = scales.get(layer, (1.0, 1.0))
-
-        def e4m3(x: Any, s: float) -> Any:
-            return (divide(x, s).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * s).to(x.dtype)
-
-        return e4m3(k, ks), e4m3(v, vs)
+        return ((to_e4m3(k, ks).float() * ks).to(k.dtype),
+                (to_e4m3(v, vs).float() * vs).to(v.dtype))  # fmt: skip
 
     with torch.no_grad(), _cache_entries(rounded):
         yield

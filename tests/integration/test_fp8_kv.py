@@ -146,13 +146,10 @@ def scaled_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _stored_scales(path: Path) -> list[tuple[float, float]]:
-    from safetensors.torch import load_file
+    from baton.tiny_fp8 import kv_scales
 
-    t = load_file(path / "model.safetensors")
-    layers = sorted({int(k.split(".")[2]) for k in t if k.endswith("self_attn.k_scale")})
-    prefix = "model.layers.{}.self_attn."
-    return [(float(t[prefix.format(i) + "k_scale"]), float(t[prefix.format(i) + "v_scale"]))
-            for i in layers]  # fmt: skip
+    scales = kv_scales(path)
+    return [scales[i] for i in sorted(scales)]
 
 
 def test_checkpoint_kv_scales_reach_the_cache_and_match_the_reference(

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.worker.engine.models.quantization import FP8_MAX, divide
+from services.worker.engine.models.quantization import to_e4m3
 
 
 @dataclass
@@ -118,7 +118,6 @@ def write_kv(
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping % block_size
     if kv_cache.is_fp8:  # e4m3 of k / k_scale, saturated at its largest finite value
-        k = divide(k, kv_cache.k_scale).clamp(-FP8_MAX, FP8_MAX)
-        v = divide(v, kv_cache.v_scale).clamp(-FP8_MAX, FP8_MAX)
+        k, v = to_e4m3(k, kv_cache.k_scale), to_e4m3(v, kv_cache.v_scale)
     kv_cache.key[blocks, offsets] = k.to(kv_cache.key.dtype)
     kv_cache.value[blocks, offsets] = v.to(kv_cache.value.dtype)

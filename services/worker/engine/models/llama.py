@@ -26,7 +26,7 @@ from services.worker.engine.models.layers.linear import (
 from services.worker.engine.models.layers.norm import RMSNorm
 from services.worker.engine.models.layers.rotary import RotaryEmbedding
 from services.worker.engine.models.quantization import QuantConfig
-from services.worker.engine.models.weights import CheckpointTensor, Loaded
+from services.worker.engine.models.weights import Loaded, one_value
 
 
 class LlamaAttention(nn.Module):
@@ -65,11 +65,7 @@ class LlamaAttention(nn.Module):
         self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None
     ) -> None:
         """``self_attn.k_scale`` / ``v_scale``: one positive value each (every rank the same)."""
-        value = (loaded.load() if isinstance(loaded, CheckpointTensor) else loaded).float()
-        if value.numel() != 1:
-            raise ValueError(f"a KV cache scale has one value (per tensor), got shape "
-                             f"{tuple(value.shape)}")  # fmt: skip
-        scale = float(value.reshape(()))
+        scale = float(one_value(loaded, "a KV cache scale (per tensor)"))
         if not scale > 0.0 or scale == float("inf"):
             raise ValueError(f"a KV cache scale must be positive and finite, got {scale}")
         param.data.fill_(scale)

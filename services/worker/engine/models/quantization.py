@@ -39,10 +39,16 @@ def divide(x: torch.Tensor, by: float | torch.Tensor) -> torch.Tensor:
     return x.float() / by.float()
 
 
+def to_e4m3(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+    """The e4m3 codes of ``x / scale``, saturated at e4m3's largest finite value and rounded to
+    nearest even: how every FP8 weight, activation and KV cache entry here is written."""
+    return divide(x, scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row (output channel) e4m3 quantization: (w_fp8, scale [rows, 1])."""
     scale = divide(w.abs().amax(dim=1, keepdim=True), FP8_MAX).clamp(min=1e-12)
-    return (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    return to_e4m3(w, scale), scale
 
 
 def quantize_activations(
@@ -62,9 +68,9 @@ def quantize_activations(
             pad = torch.nn.functional.pad(xf, (0, -cols % block))
             groups = pad.view(rows, -1, block)
         s = divide(groups.abs().amax(dim=-1, keepdim=True), FP8_MAX).clamp(min=1e-12)
-        q = (groups / s).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * s
+        q = to_e4m3(groups, s).float() * s
         return q.reshape(rows, -1)[:, :cols].to(x.dtype)
-    return ((xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale).to(x.dtype)
+    return (to_e4m3(xf, scale).float() * scale).to(x.dtype)
 
 
 def dequantize(w: torch.Tensor, scale: torch.Tensor, cols: torch.Tensor | None) -> torch.Tensor:

@@ -61,8 +61,21 @@ class CheckpointTensor:
 Loaded = torch.Tensor | CheckpointTensor
 
 
+def full(t: Loaded) -> torch.Tensor:
+    """The whole of a (lazy) checkpoint tensor, read."""
+    return t.load() if isinstance(t, CheckpointTensor) else t
+
+
+def one_value(t: Loaded, what: str) -> torch.Tensor:
+    """A per-tensor scale as float32 of shape [1]; refuses one of more values."""
+    value = full(t).float().reshape(-1)
+    if value.numel() != 1:
+        raise ValueError(f"{what} has one value, got shape {tuple(t.shape)}")
+    return value
+
+
 def copy_weight(dst: torch.Tensor, src: Loaded) -> None:
     """Copy a checkpoint tensor into a parameter (or a slice of one), refusing a shape mismatch."""
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"checkpoint tensor of shape {tuple(src.shape)} != {tuple(dst.shape)}")
-    dst.data.copy_(src.load() if isinstance(src, CheckpointTensor) else src)
+    dst.data.copy_(full(src))

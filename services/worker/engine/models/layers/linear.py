@@ -25,7 +25,7 @@ from services.worker.engine.models.quantization import (
     quantize_activations,
     quantize_rows,
 )
-from services.worker.engine.models.weights import CheckpointTensor, Loaded, copy_weight
+from services.worker.engine.models.weights import Loaded, copy_weight, full, one_value
 
 
 class _LinearBase(nn.Module):
@@ -91,9 +91,7 @@ class _LinearBase(nn.Module):
     ) -> None:
         dst0, size, src0, total = self._rows(shard_id)
         if param is self.input_scale:  # q, k and v (gate and up) share one input: the largest
-            value = _full(loaded).float().reshape(-1).to(param.device)
-            if value.numel() != 1:
-                raise ValueError(f"a static input scale has one value, got {tuple(loaded.shape)}")
+            value = one_value(loaded, "a static input scale").to(param.device)
             param.data.copy_(torch.maximum(param.data, value))
             return
         if param is self.weight_scale:
@@ -114,7 +112,7 @@ class _LinearBase(nn.Module):
         dst = param.data.narrow(0, dst0, size)
         if param is self.weight and self.derives_scale:
             assert self.weight_scale is not None
-            weight, scale = quantize_rows(_full(src))
+            weight, scale = quantize_rows(full(src))
             copy_weight(dst, weight)
             self.weight_scale.data.narrow(0, dst0, size).copy_(scale)
             return
@@ -124,7 +122,7 @@ class _LinearBase(nn.Module):
         """This rank's rows (and block columns) of a shard's weight scale, in the layer's
         layout: one column per row, or one per block column."""
         assert self.quant is not None and self.weight_scale is not None
-        scale = _full(loaded).float()
+        scale = full(loaded).float()
         dst = self.weight_scale.data.narrow(0, dst0, size)
         kind = self.quant.weights
         if kind == "tensor":
@@ -175,10 +173,6 @@ class _LinearBase(nn.Module):
 
             return gemv(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
-
-
-def _full(t: Loaded) -> torch.Tensor:
-    return t.load() if isinstance(t, CheckpointTensor) else t
 
 
 class ColumnParallelLinear(_LinearBase):
