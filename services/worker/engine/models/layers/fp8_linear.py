@@ -42,34 +42,92 @@ def _row_scale(X, K, xs_in, STATIC: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _quantize(x, xs):
-    """x / xs rounded to e4m3, saturated at ±FP8_MAX (as the reference's clamp, then cast)."""
-    q = tl.math.div_rn(x, xs)
+def _quantize(x, xs, r, GPU: tl.constexpr):
+    """x / xs rounded to e4m3, saturated at ±FP8_MAX (as the reference's clamp, then cast).
+    ``r`` is 1 / xs correctly rounded: on a GPU the quotient is x·r corrected by one fused
+    multiply-add with its remainder, which is the correctly rounded quotient (Markstein's
+    theorem; on an H200 equal to ``div_rn``'s on 16.8M values of 4096-wide rows), without the
+    reciprocal, range check and slow-path call ``div_rn`` spends per element. The interpreter
+    has no fused multiply-add and keeps ``div_rn``."""
+    if GPU:
+        q0 = x * r
+        q = tl.fma(tl.fma(-q0, xs, x), r, q0)
+    else:
+        q = tl.math.div_rn(x, xs)
     return tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
 
 
 @triton.jit
 def _quantize_rows_kernel(
     X, Q, S, xs_in, K, stride_x, stride_q,
-    STATIC: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
+    STATIC: tl.constexpr, BLOCK_K: tl.constexpr, GPU: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     await_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     X += row * stride_x
     xs = _row_scale(X, K, xs_in, STATIC, BLOCK_K)
+    r = tl.math.div_rn(1.0, xs)
     tl.store(S + row, xs)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
-        tl.store(Q + row * stride_q + cols, _quantize(x, xs), mask=cols < K)
+        tl.store(Q + row * stride_q + cols, _quantize(x, xs, r, GPU), mask=cols < K)
+
+
+@triton.jit
+def _code(words, shift: tl.constexpr):
+    return ((words >> shift) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _widen4(words, GPU: tl.constexpr):
+    """int32 words of four e4m3 codes (little-endian) as four float32 tensors, codes 0 to 3.
+    On a GPU in PTX: two e4m3x2 → f16x2 conversions and four widenings a word. Triton's own
+    cast of an e4m3 tile takes each byte out of the loaded vector and packs pairs again, 5.7
+    instructions a weight in the GEMV's loop against 3.0 this way, and the GEMV was bound by
+    its instructions, not by HBM (docs/results/h200-2026-12-02b/NOTES.md). The interpreter
+    (no PTX) takes the bytes by shifts."""
+    if GPU:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b16 lo, hi, a0, a1, b0, b1;
+            .reg .b32 a, b;
+            mov.b32 {lo, hi}, $4;
+            cvt.rn.f16x2.e4m3x2 a, lo;
+            cvt.rn.f16x2.e4m3x2 b, hi;
+            mov.b32 {a0, a1}, a;
+            mov.b32 {b0, b1}, b;
+            cvt.f32.f16 $0, a0;
+            cvt.f32.f16 $1, a1;
+            cvt.f32.f16 $2, b0;
+            cvt.f32.f16 $3, b1;
+            }""",
+            "=r,=r,=r,=r,r", [words], dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+            is_pure=True, pack=1,
+        )  # fmt: skip
+    return _code(words, 0), _code(words, 8), _code(words, 16), _code(words, 24)
+
+
+@triton.jit
+def _x_codes(X, first, ok, xs, r, GPU: tl.constexpr):
+    """The activation's elements ``first`` (every fourth column) quantized, as float32."""
+    x = tl.load(X + first, mask=ok, other=0.0).to(tl.float32)
+    return _quantize(x, xs, r, GPU).to(tl.float32)
 
 
 @triton.jit
 def _fp8_gemv_kernel(
     X, W, WS, B, Y, xs_in, N, K, stride_wn,
     STATIC: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, AMAX_BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
+    BLOCK_K: tl.constexpr, AMAX_BLOCK: tl.constexpr, GPU: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    """W: the e4m3 weight as int32 words of four codes ([N, K / 4], ``stride_wn`` in words);
+    BLOCK_K counts weights (BLOCK_K / 4 words a tile). Column 4j + b of the product is word j's
+    code b: each tile is four products of a widened code plane with the matching activation
+    columns."""
+    WORDS: tl.constexpr = BLOCK_K // 4
+    k4 = K // 4
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = W + rows[:, None].to(tl.int64) * stride_wn
@@ -77,19 +135,22 @@ def _fp8_gemv_kernel(
     # read overlaps the previous kernel's tail), then the activation's scale in AMAX_BLOCK-wide
     # loads (one or two for an 8B model's rows): measured 1.2x faster than a BLOCK_K-wide scan
     # after the wait (docs/results/h200-2026-12-02/NOTES.md)
-    cols = tl.arange(0, BLOCK_K)
-    col_ok = cols < K
-    w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    j = tl.arange(0, WORDS)
+    w = tl.load(w_rows + j[None, :], mask=row_ok[:, None] & (j < k4)[None, :], other=0)
     await_inputs(USE_PDL)
     xs = _row_scale(X, K, xs_in, STATIC, AMAX_BLOCK)
-    x = tl.load(X + cols, mask=col_ok, other=0.0).to(tl.float32)
-    acc = w.to(tl.float32) * _quantize(x, xs).to(tl.float32)[None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        col_ok = cols < K
-        w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-        x = tl.load(X + cols, mask=col_ok, other=0.0).to(tl.float32)
-        acc += w.to(tl.float32) * _quantize(x, xs).to(tl.float32)[None, :]
+    r = tl.math.div_rn(1.0, xs)
+    acc = tl.zeros([BLOCK_N, WORDS], tl.float32)
+    for k0 in range(0, k4, WORDS):
+        j = k0 + tl.arange(0, WORDS)
+        ok = j < k4
+        w0, w1, w2, w3 = _widen4(w, GPU)
+        acc += w0 * _x_codes(X, 4 * j, ok, xs, r, GPU)[None, :]
+        acc += w1 * _x_codes(X, 4 * j + 1, ok, xs, r, GPU)[None, :]
+        acc += w2 * _x_codes(X, 4 * j + 2, ok, xs, r, GPU)[None, :]
+        acc += w3 * _x_codes(X, 4 * j + 3, ok, xs, r, GPU)[None, :]
+        j += WORDS
+        w = tl.load(w_rows + j[None, :], mask=row_ok[:, None] & (j < k4)[None, :], other=0)
     y = tl.sum(acc, axis=1) * xs * tl.load(WS + rows, mask=row_ok, other=0.0)
     if HAS_BIAS:
         y += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -97,12 +158,12 @@ def _fp8_gemv_kernel(
 
 
 # one byte per weight: wider K chunks than the bf16 GEMV's for the same bytes per load (the
-# fastest of each 8B projection in the sweep of docs/results/h200-2026-12-02/, and neighbours)
+# fastest of each 8B projection in the sweep of docs/results/h200-2026-12-02b/, and neighbours)
 _CONFIGS = [
     triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
     for n, k, w, s in [
-        (2, 2048, 4, 3), (4, 1024, 4, 3), (8, 1024, 4, 3), (8, 1024, 8, 3), (8, 2048, 8, 2),
-        (16, 512, 4, 3), (16, 1024, 8, 3), (32, 512, 8, 3),
+        (4, 2048, 4, 3), (8, 1024, 4, 3), (8, 2048, 4, 3), (16, 512, 4, 3), (16, 1024, 8, 3),
+        (16, 2048, 4, 3), (32, 512, 4, 3),
     ]
 ]  # fmt: skip
 _fp8_gemv_tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "HAS_BIAS", "STATIC"])(
@@ -128,15 +189,18 @@ def fp8_gemv(
     """x: [1, K]; weight: [N, K] e4m3 (rows contiguous); weight_scale: [N, 1] float32;
     returns [1, N] in x's dtype. ``config``: as ``gemv.gemv``'s."""
     assert x.shape[0] == 1 and weight.stride(1) == 1, "one token, row-major weight"
-    x = x.contiguous()
     n, k = weight.shape
+    assert k % 4 == 0 and weight.stride(0) % 4 == 0, "rows of whole 4-byte words"
+    x = x.contiguous()
+    words = weight.view(torch.int32)  # the kernel reads four codes a load element
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     args = (
-        x, weight, weight_scale, bias if bias is not None else y, y,
-        _static(input_scale, weight_scale), n, k, weight.stride(0),
+        x, words, weight_scale, bias if bias is not None else y, y,
+        _static(input_scale, weight_scale), n, k, words.stride(0),
     )  # fmt: skip
     flags: dict[str, int] = {"STATIC": input_scale is not None, "HAS_BIAS": bias is not None}
     flags["AMAX_BLOCK"] = min(8192, triton.next_power_of_2(k)) if x.is_cuda else 128
+    flags["GPU"] = x.is_cuda
     if x.is_cuda:
         config = config or gemv_configs.launch("fp8_gemv", x, n, k)
         if config is not None:
@@ -161,7 +225,7 @@ def quantize_rows(
     _quantize_rows_kernel[(m,)](
         x, q, s, _static(input_scale, s), k, x.stride(0), q.stride(0),
         STATIC=input_scale is not None, BLOCK_K=min(4096, triton.next_power_of_2(k)),
-        num_warps=8, **launch_options(x),
+        GPU=x.is_cuda, num_warps=8, **launch_options(x),
     )  # fmt: skip
     return q, s
 
