@@ -361,13 +361,18 @@ def tune(args: argparse.Namespace) -> None:
     print("wrote", path)
 
 
-SPLIT_CASES = [(1, 32768), (4, 32768), (1, 8192)]
-SPLIT_LAUNCHES = list(itertools.product((64, 128, 256), (4, 8), (2, 3, 4)))
+# the long contexts that split, and two batched ones whose best count is 2 or 4 (a rule that
+# fills the GPU once gives them 1 or 2): the rule must not trade those for the long ones
+SPLIT_CASES = [(1, 32768), (4, 32768), (1, 8192), (32, 4096), (16, 32768)]
+# the old default and the fastest of a sweep of BLOCK_N 64-256 x 4|8 warps x 2-4 stages at
+# 1 x 32k, 4 x 32k and 1 x 8k on an H200 (docs/results/h200-2026-12-02b/NOTES.md)
+SPLIT_LAUNCHES = [(64, 4, 2), (64, 8, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 4)]
+SPLIT_COUNTS = (1, 2, 4, 8, 16, 32)
 
 
 def tune_split_decode(args: argparse.Namespace) -> None:
     """The decode kernel's launch when it splits the context (one or a few long requests), and
-    the split rule with it: every SPLIT_LAUNCHES (BLOCK_N, warps, stages) at 4 to 32 splits on
+    the split rule with it: every SPLIT_LAUNCHES (BLOCK_N, warps, stages) at 1 to 32 splits on
     each SPLIT_CASES; the launch and rule with the least summed time relative to each case's
     best, over the measured split counts. Merged into the kept configuration of this GPU (or
     a new one) and written into ``--tune-split-decode``."""
@@ -376,7 +381,7 @@ def tune_split_decode(args: argparse.Namespace) -> None:
     impl._tuned = True  # this sweep sets the configurations itself
     gpu = torch.cuda.get_device_name(dev)
     sms = impl._sms(torch.empty(1, device=dev))
-    counts = (4, 8, 16, 32)
+    counts = SPLIT_COUNTS
     times: dict[tuple[int, ...], list[dict[int, float]]] = {}
     for batch, ctx in SPLIT_CASES:
         q, meta, cache, _ = decode_case([ctx] * batch, args, dev)
