@@ -9,6 +9,7 @@ task dies and cancels them all on stop. No fire-and-forget ``create_task``.
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 from collections.abc import Coroutine
@@ -18,6 +19,17 @@ logger = logging.getLogger(__name__)
 
 
 _TASKS_GAUGE: Any = None
+
+
+def freeze_startup_heap() -> None:
+    """Once a process has started serving: collect what starting left behind, then move every
+    object still alive out of the garbage collector's reach (``gc.freeze``). Modules, the model
+    code and the engine's long-lived state live as long as the process, so the collector then
+    scans only what serving allocates, and the process's exit, which ran full collections over
+    torch's and transformers' objects, is short: an interpreter that imported torch took 1.0 s
+    to exit on a 2-core VM, 0.2 s frozen; a worker's front end 1.2 s, its engine core 0.9 s."""
+    gc.collect()
+    gc.freeze()
 
 
 def export_task_count() -> None:

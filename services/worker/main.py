@@ -19,7 +19,13 @@ from services.worker.settings import WorkerSettings, new_incarnation
 from shared import rpc
 from shared.affinity import pin_threads
 from shared.kv_events import KVEventBatch
-from shared.lifecycle import StopSignal, TaskOwner, export_task_count, wait_or_forced
+from shared.lifecycle import (
+    StopSignal,
+    TaskOwner,
+    export_task_count,
+    freeze_startup_heap,
+    wait_or_forced,
+)
 from shared.probes import LoopTicker, start_probe_server
 from shared.protos.baton.v1 import scheduler_pb2, worker_pb2_grpc
 
@@ -114,6 +120,7 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> Non
             await _wait_registered(heartbeats)
         owner.spawn(_watch_engine(engine, stop), "engine-watch")
         serving.set()
+        freeze_startup_heap()
         logger.info("worker %s (%s) serving %s on %s", settings.worker_id, settings.role,
                     engine.model_name, address)  # fmt: skip
         if settings.cpus:  # the engine core runs in its own process, which keeps every CPU

@@ -21,8 +21,8 @@ from services.worker.engine.output_processor import OutputProcessor, fan_out
 from services.worker.engine.outputs import RequestOutput
 from services.worker.engine.params import SamplingParams
 from services.worker.engine.processor import InputProcessor, PromptType
-from services.worker.engine.tokenizer import load_tokenizer
 from shared.kv_events import KVEventBatch
+from shared.text.tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 class AsyncLLM:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.tokenizer = load_tokenizer(config.model.tokenizer)
+        # torch-free, as the gateway's (engine/tokenizer.py): this process runs no model
+        self.tokenizer = TextTokenizer(config.model.tokenizer)
         self.processor = InputProcessor(config.model, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.client = AsyncMPClient(config)

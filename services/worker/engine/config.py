@@ -6,7 +6,10 @@ KV blocks that fit in memory) travel as explicit constructor arguments instead.
 """
 
 import dataclasses
+import glob
 import json
+import os
+import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -272,6 +275,8 @@ def _check_positive(**values: int) -> None:
 def _resolve_device(device: str) -> str:
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+    if device == "cpu" or (device == "auto" and _no_gpu_device_node()):
+        return "cpu"
     import torch
 
     if device == "cuda" and not torch.cuda.is_available():
@@ -279,6 +284,16 @@ def _resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
+
+
+def _no_gpu_device_node() -> bool:
+    """A Linux machine with no NVIDIA device node (``/dev/nvidia<N>``, or WSL's ``/dev/dxg``),
+    where CUDA cannot be available: "auto" is the CPU without importing torch, which the worker
+    service's front end (it builds this config and runs no model) otherwise imports for this
+    question alone, 3 s of its start on a 2-core VM."""
+    if sys.platform != "linux":
+        return False
+    return not (glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/dxg"))
 
 
 def _resolve_dtype(dtype: str, arch: ArchConfig, device: str) -> str:

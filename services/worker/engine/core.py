@@ -27,13 +27,12 @@ from services.worker.engine.executor.executor import StepResult, make_executor
 from services.worker.engine.kv_transfer.params import KVTransferParams
 from services.worker.engine.kv_transfer.scheduler_side import KVTransferBookkeeping
 from services.worker.engine.messages import (
+    UTILITY_METHODS,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreUtility,
-    EngineStats,
     ErrorCode,
-    ModelInfo,
     UtilityResult,
 )
 from services.worker.engine.request import FinishReason, Request, RequestStatus
@@ -43,14 +42,6 @@ from shared.ids import RequestId
 from shared.kv_events import KVEventBatch
 
 logger = logging.getLogger(__name__)
-
-# Named calls a client may make on the core, with what each returns (decoded with this type).
-UTILITY_METHODS: dict[str, type] = {
-    "get_stats": EngineStats,
-    "get_model_info": ModelInfo,
-    "reset_prefix_cache": bool,
-    "resync_kv_events": bool,
-}
 
 
 class EngineCore:

@@ -25,8 +25,8 @@ import zmq
 import zmq.asyncio
 
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.core import UTILITY_METHODS, EngineCore
 from services.worker.engine.messages import (
+    UTILITY_METHODS,
     EngineCoreAbort,
     EngineCoreInput,
     EngineCoreOutputs,
@@ -84,6 +84,10 @@ def _decode_result(result: UtilityResult, method: str) -> Any:
 
 class InprocClient(EngineCoreClient):
     def __init__(self, config: EngineConfig, show_progress: bool = True):
+        # imported here: the core brings torch and the model code, which a process that runs
+        # it in ``EngineCoreProc`` (the worker service's front end) never needs
+        from services.worker.engine.core import EngineCore
+
         self.core = EngineCore(config, show_progress)
 
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -27,6 +27,7 @@ from services.worker.engine.messages import (
     EngineCoreUtility,
 )
 from shared import hop_trace
+from shared.lifecycle import freeze_startup_heap
 
 POLL_MS = 500
 KV_POLL_MS = 2
@@ -132,7 +133,9 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineConfig)
-    EngineCoreProc(config, args.input, args.output, args.parent_pid).run()
+    proc = EngineCoreProc(config, args.input, args.output, args.parent_pid)
+    freeze_startup_heap()
+    proc.run()
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from services.worker.engine.output_processor import OutputProcessor, fan_out
 from services.worker.engine.outputs import RequestOutput
 from services.worker.engine.params import RequestOutputKind, SamplingParams
 from services.worker.engine.processor import InputProcessor, PromptType
-from services.worker.engine.tokenizer import apply_chat_template, load_tokenizer
+from services.worker.engine.tokenizer import HFTokenizer, apply_chat_template, load_tokenizer
 
 
 class LLM:
@@ -33,7 +33,8 @@ class LLM:
             raise TypeError(f"unknown LLM arguments: {', '.join(sorted(unknown))}; known: {known}")
         self.config = EngineArgs(model=model, **kwargs).create_engine_config()
         self.tokenizer = load_tokenizer(self.config.model.tokenizer)
-        self.processor = InputProcessor(self.config.model, self.tokenizer)
+        self._tokens = HFTokenizer(self.tokenizer)
+        self.processor = InputProcessor(self.config.model, self._tokens)
         self.show_progress = show_progress
         self.client: EngineCoreClient = (
             MPClient(self.config) if multiprocess else InprocClient(self.config, show_progress)
@@ -50,7 +51,7 @@ class LLM:
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         params = _per_prompt(sampling_params, len(prompts))
-        processor = OutputProcessor(self.tokenizer)
+        processor = OutputProcessor(self._tokens)
         order = [self._add(processor, p, sp) for p, sp in zip(prompts, params, strict=True)]
         return self._run(processor, order, use_tqdm and self.show_progress)
 

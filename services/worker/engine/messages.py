@@ -29,7 +29,7 @@ class EngineCoreAbort(msgspec.Struct, tag="abort"):
 
 
 class EngineCoreUtility(msgspec.Struct, tag="utility"):
-    """A named call on the core (see ``core.UTILITY_METHODS``), answered in ``UtilityResult``."""
+    """A named call on the core (see ``UTILITY_METHODS`` below), answered in ``UtilityResult``."""
 
     call_id: int
     method: str
@@ -130,3 +130,12 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
     utility_results: list[UtilityResult] = msgspec.field(default_factory=list)
     kv_events: KVEventBatch | None = None
     ready: EngineStats | None = None  # sent once by EngineCoreProc when it can take requests
+
+
+# Named calls a client may make on the core, with what each returns (decoded with this type).
+UTILITY_METHODS: dict[str, type] = {
+    "get_stats": EngineStats,
+    "get_model_info": ModelInfo,
+    "reset_prefix_cache": bool,
+    "resync_kv_events": bool,
+}

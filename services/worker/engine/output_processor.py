@@ -9,8 +9,6 @@ of a seeded request uses ``seed + i``, so the n samples differ yet stay reproduc
 
 from dataclasses import dataclass, field
 
-from transformers import PreTrainedTokenizerBase
-
 from services.worker.engine.kv_transfer.params import RemoteKV
 from services.worker.engine.messages import (
     EngineCoreOutput,
@@ -20,6 +18,7 @@ from services.worker.engine.messages import (
 )
 from services.worker.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from services.worker.engine.params import RequestOutputKind, SamplingParams
+from services.worker.engine.tokenizer import Tokenizer
 from shared.text.detokenizer import IncrementalDetokenizer
 
 
@@ -82,7 +81,7 @@ class ProcessedOutputs:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+    def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self._requests: dict[str, _RequestState] = {}
         self._core_to_request: dict[str, str] = {}
@@ -112,7 +111,7 @@ class OutputProcessor:
         if not p.detokenize:
             return None
         return IncrementalDetokenizer(
-            self.tokenizer._tokenizer,  # the Rust tokenizer behind the fast one
+            self.tokenizer.tokenizer,
             prompt_ids,
             p.stop,
             p.include_stop_str_in_output,
@@ -175,7 +174,7 @@ class OutputProcessor:
     def _logprob_dict(self, lp: SampleLogprobs, decode: bool) -> dict[int, Logprob]:
         ranks = [lp.sampled_rank, *range(1, len(lp.token_ids))]
         return {
-            tok: Logprob(value, rank, str(self.tokenizer.decode([tok])) if decode else None)
+            tok: Logprob(value, rank, self.tokenizer.token_text(tok) if decode else None)
             for tok, value, rank in zip(lp.token_ids, lp.logprobs, ranks, strict=True)
         }
 

@@ -4,12 +4,11 @@ length against the context, and fails early with a clear ``ValueError``."""
 import time
 from typing import Any
 
-from transformers import PreTrainedTokenizerBase
-
 from services.worker.engine.config import ModelConfig
 from services.worker.engine.kv_transfer.params import KVTransferParams
 from services.worker.engine.messages import EngineCoreRequest
 from services.worker.engine.params import SamplingParams
+from services.worker.engine.tokenizer import Tokenizer
 
 # What ``generate`` accepts as one prompt: text, or {"prompt_token_ids": [...]} (vLLM's form),
 # optionally with "cache_salt" and, for a leg of a disaggregated request, "kv_transfer".
@@ -17,13 +16,13 @@ PromptType = str | dict[str, Any]
 
 
 class InputProcessor:
-    def __init__(self, config: ModelConfig, tokenizer: PreTrainedTokenizerBase):
+    def __init__(self, config: ModelConfig, tokenizer: Tokenizer):
         self.config = config
         self.tokenizer = tokenizer
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, list(self.tokenizer(prompt)["input_ids"])
+            return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, list) or not all(

@@ -1,16 +1,56 @@
-"""Tokenizer and chat template from the checkpoint directory, through ``transformers``."""
+"""Tokenizers of the engine's front ends.
 
-from typing import Any
+What input and output processing use of one is ``Tokenizer``: text to ids, one token's text,
+and the Rust ``tokenizers`` model that incremental detokenization steps through. Two kinds
+meet it:
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+- ``LLM`` (offline) loads the ``transformers`` tokenizer (``load_tokenizer``, wrapped by
+  ``HFTokenizer``): its chat templates, and what ``LLM.tokenizer`` users expect.
+- ``AsyncLLM`` (the worker service's front end, whose core runs in another process) takes
+  ``shared.text.tokenizer.TextTokenizer``, torch-free as the gateway is. ``transformers``
+  imports torch when it is installed: 3.8 s of a 6.9 s start of that process on a 2-core VM,
+  for a process that never runs a model. The gateway already tokenizes with it; its ids are
+  checked equal to ``transformers``' on every test checkpoint (tests/unit/test_text_tokenizer.py).
+"""
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import tokenizers
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+class Tokenizer(Protocol):
+    tokenizer: tokenizers.Tokenizer  # the Rust model (incremental detokenization)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def token_text(self, token_id: int) -> str: ...
+
+
+class HFTokenizer:
+    """A ``transformers`` fast tokenizer as a ``Tokenizer``."""
+
+    def __init__(self, hf: "PreTrainedTokenizerBase"):
+        self.hf = hf
+        self.tokenizer: tokenizers.Tokenizer = hf.backend_tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def token_text(self, token_id: int) -> str:
+        return str(self.hf.decode([token_id]))
+
+
+def load_tokenizer(path: str) -> "PreTrainedTokenizerBase":
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(path)
 
 
 def apply_chat_template(
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: "PreTrainedTokenizerBase",
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
 ) -> list[int]:

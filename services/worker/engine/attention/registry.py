@@ -1,8 +1,11 @@
-"""Attention backends by name, imported lazily. An unknown name lists the known ones."""
+"""Attention backends by name, imported lazily (resolving a name imports no torch: the worker
+service's front end resolves its config without it). An unknown name lists the known ones."""
 
 import importlib
+from typing import TYPE_CHECKING
 
-from services.worker.engine.attention.backend import AttentionBackend
+if TYPE_CHECKING:
+    from services.worker.engine.attention.backend import AttentionBackend
 
 _BACKENDS: dict[str, str] = {
     "torch": "services.worker.engine.attention.torch_ref:TorchAttentionBackend",
@@ -32,6 +35,6 @@ def resolve_backend_name(name: str, device: str) -> str:
     return name
 
 
-def get_backend(name: str) -> type[AttentionBackend]:
+def get_backend(name: str) -> "type[AttentionBackend]":
     module, _, cls = _BACKENDS[resolve_backend_name(name, "cpu")].partition(":")
     return getattr(importlib.import_module(module), cls)
