@@ -81,13 +81,6 @@ def main() -> None:
     )
     p.add_argument("--fp8", action="store_true", help="instead: the FP8 GEMV against the bf16")
     p.add_argument("--tune", metavar="DIR", help="instead: measure both GEMVs' launches")
-    p.add_argument(
-        "--fp8-tc",
-        action="store_true",
-        help="instead: the tensor-core FP8 GEMV's launches and split counts, its activation "
-        "quantized inside, given as codes, or given as codes in 16 rows, beside the CUDA-core "
-        "FP8 GEMV's kept launch",
-    )
     p.add_argument("--shapes", nargs="+", default=None, help="--tune: default --shape")
     p.add_argument("--output")
     args = p.parse_args()
@@ -97,8 +90,6 @@ def main() -> None:
         return batched(args, dev, bandwidth)
     if args.fp8:
         return fp8(args, dev, bandwidth)
-    if args.fp8_tc:
-        return fp8_tc(args, dev, bandwidth)
     if args.tune:
         return tune(args, dev)
     result: dict[str, Any] = {"shape": args.shape, "copy_bandwidth_tbs": bandwidth / 1e12,
@@ -171,78 +162,6 @@ def fp8(args: argparse.Namespace, dev: torch.device, bandwidth: float) -> None:
         result[f"{label}_us_per_step"] = round(
             sum(r[label]["us"] for r in result["layers"].values()) * layers, 1
         )
-    print(json.dumps({k: v for k, v in result.items() if k != "layers"}, indent=2))
-    if args.output:
-        Path(args.output).write_text(json.dumps(result, indent=2))
-
-
-TC_LAUNCHES = [
-    (bn, bk, w, s)
-    for bn, w in ((64, 4), (128, 4), (128, 8))
-    for bk in (128, 256, 512)
-    for s in (3, 4, 6)
-    if s * (bn + 16) * bk <= 200 * 1024  # shared memory: the stages of both operands
-]
-TC_SPLITS = (1, 2, 4, 8)
-
-
-def fp8_tc(args: argparse.Namespace, dev: torch.device, bandwidth: float) -> None:
-    """Per projection: the tensor-core FP8 GEMV (layers/fp8_gemv.py) at every launch of
-    TC_LAUNCHES and split of TC_SPLITS, for each way of handing it the activation, against the
-    CUDA-core FP8 GEMV at its kept launch; each one's error against a float64 product of the
-    same codes."""
-    from services.worker.engine.models.layers import fp8_linear
-    from services.worker.engine.models.layers.fp8_gemv import fp8_gemv_tc
-    from services.worker.engine.models.quantization import dequantize, quantize_rows
-
-    result: dict[str, Any] = {"shape": args.shape, "copy_bandwidth_tbs": bandwidth / 1e12,
-                              "device": torch.cuda.get_device_name(), "layers": {}}  # fmt: skip
-    for name, (n, k) in projections(SHAPES[args.shape]).items():
-        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
-        xq, xs = fp8_linear.quantize_rows(x)
-        rep = xq.expand(16, k).contiguous()
-        copies = max(2, -(-(512 << 20) // (n * k)))
-        pairs = [quantize_rows(torch.randn(n, k, device=dev) * 0.05) for _ in range(copies)]
-        want = (xq.double() * xs.double()) @ dequantize(*pairs[0], None).double().t()
-        bound = n * k / bandwidth
-        row: dict[str, Any] = {"n": n, "k": k, "bound_us": round(bound * 1e6, 2)}
-
-        def timed(fn: Any) -> dict[str, float]:
-            err = (fn(x, pairs[0]).double() - want).abs().max() / want.abs().max()
-            seconds = time_calls(fn, pairs, x, args.reps)
-            return {"us": round(seconds * 1e6, 2), "of_bound": round(bound / seconds, 3),
-                    "rel_err": float(err)}  # fmt: skip
-
-        row["cuda_cores"] = timed(lambda x, p: fp8_linear.fp8_gemv(x, *p))
-        modes = {"quantizes": {}, "codes16": {"codes": (rep, xs), "repeated": True}}
-        for mode, extra in modes.items():
-            times = {}
-            for bn, bk, w, s in TC_LAUNCHES:
-                for split in TC_SPLITS:
-                    c = {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": w,
-                         "num_stages": s}  # fmt: skip
-                    fn = lambda x, p, c=c: fp8_gemv_tc(x, *p, config=c, **extra)  # noqa: E731
-                    try:
-                        times[f"{bn}-{bk}-{w}-{s}-{split}"] = timed(fn)
-                    except Exception as e:  # a launch that does not fit this GPU
-                        print(f"  {mode} {bn}-{bk}-{w}-{s}-{split}: {type(e).__name__}")
-            best = min(times, key=lambda c: times[c]["us"])
-            row[mode] = {"best": best, **times[best], "all": times}
-        bn, bk, w, s, split = map(int, row["codes16"]["best"].split("-"))
-        c = {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": w, "num_stages": s}
-        row["codes"] = {"best": row["codes16"]["best"], **timed(
-            lambda x, p: fp8_gemv_tc(x, *p, config=c, codes=(xq, xs)))}  # fmt: skip
-        result["layers"][name] = row
-        print(f"{name:8s} {n:6d}x{k:<6d} bound {row['bound_us']:6.2f} us  " + "  ".join(
-            f"{m} {row[m]['us']:6.2f} ({100 * row[m]['of_bound']:.0f} %, err {row[m]['rel_err']:.1e}"
-            + (f", {row[m]['best']})" if "best" in row[m] else ")")
-            for m in ("cuda_cores", "quantizes", "codes", "codes16")
-        ), flush=True)  # fmt: skip
-        del pairs
-        torch.cuda.empty_cache()
-    for m in ("cuda_cores", "quantizes", "codes", "codes16"):
-        result[f"{m}_us_per_layer"] = round(sum(r[m]["us"] for r in result["layers"].values()), 2)
-    result["bound_us_per_layer"] = round(sum(r["bound_us"] for r in result["layers"].values()), 2)
     print(json.dumps({k: v for k, v in result.items() if k != "layers"}, indent=2))
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=2))

@@ -81,34 +81,6 @@ def test_fp8_linear_matches_the_plain_path(
         assert err <= tol, (bias is not None, float(err))
 
 
-@pytest.mark.parametrize("split", [1, 3, 8])
-@pytest.mark.parametrize("given", ["row", "codes", "codes16"])
-@pytest.mark.parametrize(("n", "k"), [(4096, 4096), (96, 64), (4096, 14336), (200, 4160)])
-def test_the_tensor_core_gemv_matches_the_plain_path(n: int, k: int, given: str, split: int) -> None:
-    """layers/fp8_gemv.py: any split of K (the last program of a row block adds the partials)
-    and the activation quantized inside or handed over as codes; the tensor cores' FP8
-    accumulation bounds it as it bounds fp8_mm. Twice in a row: the counters are reset."""
-    from services.worker.engine.models.layers.fp8_gemv import fp8_gemv_tc
-    from services.worker.engine.models.layers.fp8_linear import quantize_rows
-
-    w, ws = _layer(n, k, n + k + split)
-    x = (torch.randn(1, k, device="cuda") * 2).to(torch.bfloat16)
-    b = (torch.randn(n, device="cuda") * 0.1).to(torch.bfloat16)
-    xq, xs = quantize_rows(x)
-    codes = {"row": {}, "codes": {"codes": (xq, xs)},
-             "codes16": {"codes": (xq.expand(16, k).contiguous(), xs), "repeated": True}}[given]  # fmt: skip
-    want = _reference(x, w, ws, b, None)
-    config = {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
-    first = fp8_gemv_tc(x, w, ws, b, config=config, **codes)  # type: ignore[arg-type]
-    again = fp8_gemv_tc(x, w, ws, b, config=config, **codes)  # type: ignore[arg-type]
-    assert torch.equal(first, again)  # deterministic: partials added in split order
-    err = (first.double() - want).abs().max() / want.abs().max()
-    assert err <= 1e-2, float(err)  # bf16 output: one rounding on top (as fp8_mm's bf16 case)
-    f32 = fp8_gemv_tc(x.float(), w, ws, None, config=config, **codes)  # type: ignore[arg-type]
-    err = (f32.double() - _reference(x.float(), w, ws, None, None)).abs().max() / want.abs().max()
-    assert err <= 2e-3, float(err)
-
-
 @pytest.mark.parametrize(("fmt", "arch"), [("fp8-tensor", "llama"), ("fp8-channel", "qwen3")])
 def test_the_engine_on_the_fp8_kernels_matches_the_dequantizing_reference(
     tmp_path: Path, fmt: str, arch: str
