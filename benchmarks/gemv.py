@@ -168,7 +168,8 @@ def fp8(args: argparse.Namespace, dev: torch.device, bandwidth: float) -> None:
 
 
 def tune(args: argparse.Namespace, dev: torch.device) -> None:
-    """Per kind (bf16 ``gemv``, ``fp8_gemv``) and projection: every configuration of the
+    """Per kind (bf16 ``gemv``, ``fp8_gemv``, ``fp8_gemv_codes``: its activation quantized by
+    the kernel before) and projection: every configuration of the
     kernel's autotune list, timed in a CUDA graph of back-to-back calls over weights from HBM;
     the fastest kept (the whole table under ``measured``)."""
     from services.worker.engine import tuned_configs
@@ -180,14 +181,18 @@ def tune(args: argparse.Namespace, dev: torch.device) -> None:
     kept = tuned_configs.read(gemv_configs.CONFIG_DIR, gpu)
     doc: dict[str, Any] = {kind: dict(kept.get(kind, {})) for kind in gemv_configs.KINDS}
     measured: dict[str, Any] = {"gpu": gpu, "us": {}}
-    kernels = {"gemv": gemv_module._CONFIGS, "fp8_gemv": fp8_linear._CONFIGS}
+    from services.worker.engine.models.quantization import Codes
+
+    kernels = {"gemv": gemv_module._CONFIGS, "fp8_gemv": fp8_linear._CONFIGS,
+               "fp8_gemv_codes": fp8_linear._CONFIGS}  # fmt: skip
     shapes = {nk for s in (args.shapes or [args.shape]) for nk in projections(SHAPES[s]).values()}
     for n, k in sorted(shapes):
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        codes = Codes(*fp8_linear.quantize_rows(x), x.dtype)  # as RMSNorm / SiLU·mul hand over
         for kind, configs in kernels.items():
-            nbytes = n * k * (1 if kind == "fp8_gemv" else 2)
+            nbytes = n * k * (2 if kind == "gemv" else 1)
             copies = max(2, -(-(512 << 20) // nbytes))  # ≥ 512 MiB in all: nothing stays in L2
-            if kind == "fp8_gemv":
+            if kind != "gemv":
                 weights: list[Any] = [
                     quantize_rows(torch.randn(n, k, device=dev) * 0.05) for _ in range(copies)
                 ]
@@ -201,10 +206,16 @@ def tune(args: argparse.Namespace, dev: torch.device) -> None:
                 launch = gemv_configs.as_keywords(entry)
 
                 def call(
-                    x: torch.Tensor, w: Any, launch: dict[str, int] = launch, kind: str = kind
+                    x: torch.Tensor,
+                    w: Any,
+                    launch: dict[str, int] = launch,
+                    kind: str = kind,
+                    codes: Codes = codes,
                 ) -> Any:
                     if kind == "fp8_gemv":
                         return fp8_linear.fp8_gemv(x, *w, config=launch)
+                    if kind == "fp8_gemv_codes":
+                        return fp8_linear.fp8_gemv(codes, *w, config=launch)
                     return gemv_module.gemv(x, w, config=launch)
 
                 times["-".join(map(str, entry.values()))] = (

@@ -81,6 +81,34 @@ def test_fp8_linear_matches_the_plain_path(
         assert err <= tol, (bias is not None, float(err))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [1, 300])
+def test_the_fused_kernels_hand_over_the_layers_own_codes(dtype: torch.dtype, rows: int) -> None:
+    """RMSNorm (with and without the residual add) and SiLU·mul writing codes: bit for bit
+    quantize_rows' codes of their plain output; the GEMV / fp8_mm given them: exactly their
+    output given the plain row."""
+    from services.worker.engine.models.layers.fp8_linear import fp8_gemv, fp8_mm, quantize_rows
+    from services.worker.engine.models.layers.fused_ops import add_rms_norm, silu_and_mul
+    from services.worker.engine.models.quantization import Codes
+
+    x = torch.randn(rows, 4096, device="cuda") * torch.linspace(0.01, 30, 4096, device="cuda")
+    x, res = x.to(dtype), torch.randn(rows, 4096, device="cuda").to(dtype)
+    w = (torch.rand(4096, device="cuda") + 0.5).to(dtype)
+    h = (torch.randn(rows, 2 * 14336, device="cuda") * 3).to(dtype)
+    normed, r1 = add_rms_norm(x, res.clone(), w, 1e-6)
+    normed_codes, r2 = add_rms_norm(x, res.clone(), w, 1e-6, quantize=True)
+    assert torch.equal(r1, r2)
+    pairs = ((normed, normed_codes), (silu_and_mul(h), silu_and_mul(h, quantize=True)))
+    for plain, codes in pairs:
+        assert isinstance(codes, Codes) and isinstance(plain, torch.Tensor)
+        q, s = quantize_rows(plain)
+        assert torch.equal(codes.codes.view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(codes.scales, s)
+        wq, ws = _layer(1024, plain.shape[1], rows)
+        fn = fp8_gemv if rows == 1 else fp8_mm
+        assert torch.equal(fn(codes, wq, ws), fn(plain, wq, ws))
+
+
 @pytest.mark.parametrize(("fmt", "arch"), [("fp8-tensor", "llama"), ("fp8-channel", "qwen3")])
 def test_the_engine_on_the_fp8_kernels_matches_the_dequantizing_reference(
     tmp_path: Path, fmt: str, arch: str
@@ -111,6 +139,8 @@ def test_the_engine_on_the_fp8_kernels_matches_the_dequantizing_reference(
     finally:
         fp8_linear.fp8_gemv, fp8_linear.fp8_mm = gemv, mm  # type: ignore[assignment]
     assert calls["gemv"] > 0 and calls["mm"] > 0
+    # (the fp8-channel checkpoint quantizes its activations per token: its norms and SiLU·mul
+    # hand the layers codes, test_the_fused_kernels_hand_over_the_layers_own_codes)
     # the prompts' KV comes from the tensor cores, whose FP8 accumulation moves an output by
     # up to ~1e-3 of the largest (test_fp8_linear_matches_the_plain_path): the logprobs are
     # not the reference's arithmetic to 1e-3, as on CPU, only close to it

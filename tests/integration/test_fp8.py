@@ -166,3 +166,36 @@ def test_unknown_formats_are_refused(
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
         LLM(model=str(path), show_progress=False)
+
+
+def test_codes_from_the_fused_kernels_change_no_token(
+    fp8_models: dict[tuple[str, str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine on the FP8 kernels (Triton's interpreter; the GPU check bypassed) with the
+    norms and SiLU·mul handing the linear layers codes, and with every layer quantizing its
+    own input: the same tokens and logprobs, as the codes are the layers' own rounding."""
+    from services.worker.engine.models.layers import fp8_linear, linear
+
+    monkeypatch.setattr(fp8_linear, "supported", lambda x, w: True)
+    calls = {"codes": 0}
+    take = linear._LinearBase._linear
+
+    def counted(self: Any, x: Any, bias: Any) -> torch.Tensor:
+        calls["codes"] += isinstance(x, linear.Codes)
+        return take(self, x, bias)
+
+    monkeypatch.setattr(linear._LinearBase, "_linear", counted)
+    path = fp8_models[("fp8-channel", "qwen3")]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
+    runs = []
+    for codes in (True, False):
+        if not codes:
+            monkeypatch.setattr(linear._LinearBase, "takes_codes", lambda self, like: False)
+        llm = LLM(model=str(path), fused_ops=True, enforce_eager=True, show_progress=False)
+        runs.append([o.outputs[0] for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)])
+        llm.shutdown()
+        if codes:
+            assert calls["codes"] > 0  # the codes really went in (prefill and decode steps)
+    for a, b in zip(*runs, strict=True):
+        assert a.token_ids == b.token_ids
+        assert [list(lp.values()) for lp in a.logprobs] == [list(lp.values()) for lp in b.logprobs]

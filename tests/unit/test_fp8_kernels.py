@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.engine.models.layers import fp8_linear
-from services.worker.engine.models.quantization import dequantize
+from services.worker.engine.models.quantization import Codes, dequantize
 from services.worker.engine.models.quantization import quantize_rows as quantize_weight_rows
 
 
@@ -62,3 +62,59 @@ def test_the_layers_take_the_kernels_on_a_gpu_only() -> None:
     """On CPU (and for block checkpoints) a layer stays on the plain path: no FP8 tensor cores."""
     x, w, *_ = _case(2, 32, 64)
     assert not fp8_linear.supported(x, w)
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add-norm"])
+def test_rms_norm_writes_the_codes_quantize_rows_would(residual: bool) -> None:
+    """RMSNorm handing an FP8 layer its input quantized: the codes and scales of its own output,
+    bit for bit (the same rounding as the layer's quantize_rows), the residual as without."""
+    from services.worker.engine.models.layers.fused_ops import add_rms_norm, rms_norm
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 320, generator=g) * torch.linspace(0.01, 30, 320)
+    r = torch.randn(4, 320, generator=g)
+    w = torch.rand(320, generator=g) + 0.5
+    if residual:
+        plain, r_plain = add_rms_norm(x, r.clone(), w, 1e-6)
+        codes, r_codes = add_rms_norm(x, r.clone(), w, 1e-6, quantize=True)
+        assert torch.equal(r_codes, r_plain)
+    else:
+        plain, codes = rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6, quantize=True)
+    assert isinstance(codes, Codes) and isinstance(plain, torch.Tensor)
+    q, s = fp8_linear.quantize_rows(plain)
+    assert codes.dtype == x.dtype and codes.rows == 4
+    assert torch.equal(codes.codes.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(codes.scales, s)
+
+
+def test_silu_mul_writes_the_codes_quantize_rows_would() -> None:
+    from services.worker.engine.models.layers.fused_ops import silu_and_mul
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 2 * 1100, generator=g) * 4  # wider than one 1024-column program
+    plain, codes = silu_and_mul(x), silu_and_mul(x, quantize=True)
+    assert isinstance(codes, Codes) and isinstance(plain, torch.Tensor)
+    q, s = fp8_linear.quantize_rows(plain)
+    assert torch.equal(codes.codes.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(codes.scales, s)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("rows", [1, 6])
+def test_the_kernels_take_codes_as_their_own_quantization(rows: int, bias: bool) -> None:
+    """Given the codes of x, the GEMV and fp8_mm compute exactly what they compute from x."""
+    x, w, ws, b = _case(rows, 48, 320)
+    q, s = fp8_linear.quantize_rows(x)
+    fn = fp8_linear.fp8_gemv if rows == 1 else fp8_linear.fp8_mm
+    got = fn(Codes(q, s, x.dtype), w, ws, b if bias else None)
+    assert got.dtype == x.dtype and torch.equal(got, fn(x, w, ws, b if bias else None))
+
+
+def test_only_fused_dynamic_layers_on_a_gpu_take_codes() -> None:
+    from services.worker.engine.models.layers.linear import RowParallelLinear
+    from services.worker.engine.models.quant_config import parse_quantization
+
+    fp8 = parse_quantization({}, "fp8")
+    x = torch.randn(1, 64)
+    assert not RowParallelLinear(64, 32, fused=True, quant=fp8).takes_codes(x)  # CPU
+    assert not RowParallelLinear(64, 32, fused=True).takes_codes(x)  # not FP8

@@ -25,7 +25,7 @@ from services.worker.engine.models.layers.linear import (
 )
 from services.worker.engine.models.layers.norm import RMSNorm
 from services.worker.engine.models.layers.rotary import RotaryEmbedding
-from services.worker.engine.models.quantization import QuantConfig
+from services.worker.engine.models.quantization import Codes, QuantConfig
 from services.worker.engine.models.weights import Loaded, one_value
 
 
@@ -77,7 +77,7 @@ class LlamaAttention(nn.Module):
         return float(self.k_scale), float(self.v_scale)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
+        self, positions: torch.Tensor, x: torch.Tensor | Codes, meta: AttentionMetadata
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -103,8 +103,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, arch.hidden_size, arch.mlp_bias, fused, quant)
         self.act = SiluAndMul(fused)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor | Codes) -> torch.Tensor:
+        h = self.gate_up_proj(x)
+        return self.down_proj(self.act(h, self.down_proj.takes_codes(h)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -129,13 +130,17 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # an FP8 layer that takes its input quantized gets codes from the norm before it
+        codes = self.self_attn.qkv_proj.takes_codes(x)
+        h: torch.Tensor | Codes
         if residual is None:
-            residual, x = x, self.input_layernorm(x)
+            residual, h = x, self.input_layernorm(x, codes)
         else:
-            x, residual = self.input_layernorm.forward_residual(x, residual)
-        x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm.forward_residual(x, residual)
-        return self.mlp(x), residual
+            h, residual = self.input_layernorm.forward_residual(x, residual, codes)
+        x = self.self_attn(positions, h, meta)
+        codes = self.mlp.gate_up_proj.takes_codes(x)
+        h, residual = self.post_attention_layernorm.forward_residual(x, residual, codes)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -163,8 +168,9 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
         assert residual is not None
-        x, _ = self.norm.forward_residual(x, residual)
-        return x
+        out, _ = self.norm.forward_residual(x, residual)
+        assert isinstance(out, torch.Tensor)  # (no codes asked)
+        return out
 
 
 class LlamaForCausalLM(nn.Module):

@@ -19,14 +19,32 @@ This module is the plain-PyTorch path (it runs everywhere, CI included): activat
 are quantized exactly as the FP8 kernels would, then multiplied dequantized.
 """
 
+from dataclasses import dataclass
+
 import torch
 
 from services.worker.engine.models.quant_config import QuantConfig, parse_quantization
 
-__all__ = ["FP8", "FP8_MAX", "QuantConfig", "parse_quantization"]
+__all__ = ["FP8", "FP8_MAX", "Codes", "QuantConfig", "parse_quantization"]
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
+
+
+@dataclass(frozen=True, slots=True)
+class Codes:
+    """An activation already quantized per token, as a fused kernel before an FP8 layer hands
+    it over (``layers/fused_ops``: RMSNorm, SiLU·mul), so that the layer's kernels skip their
+    own quantization: the same codes and scales ``quantize_activations(x, "token", ...)``
+    rounds ``x`` to."""
+
+    codes: torch.Tensor  # float8_e4m3fn [rows, K]
+    scales: torch.Tensor  # float32 [rows, 1]: x ≈ codes · scales
+    dtype: torch.dtype  # the activation's dtype, which the layer's output takes
+
+    @property
+    def rows(self) -> int:
+        return self.codes.shape[0]
 
 
 def divide(x: torch.Tensor, by: float | torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,10 @@ layer's input, dynamically per token or with the checkpoint's static scale.
   (``quantize_rows``: a scale per row), then the FP8 tensor cores through ``torch._scaled_mm``
   with row-wise scales (bf16/fp16 out; float32 models take the product unscaled in float32
   and scale it after, since row-wise scaling writes 16-bit outputs only).
+- Either takes its input already quantized (``quantization.Codes``), when the kernel before
+  it wrote the codes with its output row in registers (``store_codes``, called by
+  ``fused_ops``' RMSNorm and SiLU·mul): the GEMV then only widens codes and the rows skip
+  ``quantize_rows``. A layer says whether it takes them (``_LinearBase.takes_codes``).
 
 The plain-PyTorch path (models/quantization.py) is the reference these are tested against
 (tests/gpu/test_fp8_kernels.py). Block-scaled checkpoints (128×128 weight blocks, activations
@@ -23,7 +27,7 @@ import triton.language as tl
 
 from services.worker.engine.dependent_launch import await_inputs, launch_options
 from services.worker.engine.models.layers import gemv_configs
-from services.worker.engine.models.quantization import FP8, FP8_MAX
+from services.worker.engine.models.quantization import FP8, FP8_MAX, Codes
 
 MIN_SCALE = 1e-12  # as the reference clamps a scale of an all-zero row
 
@@ -55,6 +59,16 @@ def _quantize(x, xs, r, GPU: tl.constexpr):
     else:
         q = tl.math.div_rn(x, xs)
     return tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
+
+
+@triton.jit
+def store_codes(y, ok, Q, S, GPU: tl.constexpr):
+    """A whole row ``y`` (float32, masked lanes 0) quantized per token, as ``quantize_rows``
+    and the reference quantize it: its scale max |y| / FP8_MAX (at least MIN_SCALE) to S,
+    the codes to the pointers Q."""
+    xs = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), 0), 448.0), 1e-12)
+    tl.store(Q, _quantize(y, xs, tl.math.div_rn(1.0, xs), GPU), mask=ok)
+    tl.store(S, xs)
 
 
 @triton.jit
@@ -109,8 +123,11 @@ def _widen4(words, GPU: tl.constexpr):
 
 
 @triton.jit
-def _x_codes(X, first, ok, xs, r, GPU: tl.constexpr):
-    """The activation's elements ``first`` (every fourth column) quantized, as float32."""
+def _x_codes(X, first, ok, xs, r, GPU: tl.constexpr, CODES: tl.constexpr):
+    """The activation's elements ``first`` (every fourth column) quantized, as float32 (with
+    CODES, X holds the codes already)."""
+    if CODES:
+        return tl.load(X + first, mask=ok, other=0.0).to(tl.float32)
     x = tl.load(X + first, mask=ok, other=0.0).to(tl.float32)
     return _quantize(x, xs, r, GPU).to(tl.float32)
 
@@ -119,13 +136,13 @@ def _x_codes(X, first, ok, xs, r, GPU: tl.constexpr):
 def _fp8_gemv_kernel(
     X, W, WS, B, Y, xs_in, N, K, stride_wn,
     STATIC: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, AMAX_BLOCK: tl.constexpr, GPU: tl.constexpr,
+    BLOCK_K: tl.constexpr, AMAX_BLOCK: tl.constexpr, GPU: tl.constexpr, CODES: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """W: the e4m3 weight as int32 words of four codes ([N, K / 4], ``stride_wn`` in words);
     BLOCK_K counts weights (BLOCK_K / 4 words a tile). Column 4j + b of the product is word j's
     code b: each tile is four products of a widened code plane with the matching activation
-    columns."""
+    columns. With CODES, X is the activation's e4m3 codes and ``xs_in`` its scale."""
     WORDS: tl.constexpr = BLOCK_K // 4
     k4 = K // 4
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -138,17 +155,21 @@ def _fp8_gemv_kernel(
     j = tl.arange(0, WORDS)
     w = tl.load(w_rows + j[None, :], mask=row_ok[:, None] & (j < k4)[None, :], other=0)
     await_inputs(USE_PDL)
-    xs = _row_scale(X, K, xs_in, STATIC, AMAX_BLOCK)
-    r = tl.math.div_rn(1.0, xs)
+    if CODES:
+        xs = tl.load(xs_in)
+        r = xs  # unread
+    else:
+        xs = _row_scale(X, K, xs_in, STATIC, AMAX_BLOCK)
+        r = tl.math.div_rn(1.0, xs)
     acc = tl.zeros([BLOCK_N, WORDS], tl.float32)
     for k0 in range(0, k4, WORDS):
         j = k0 + tl.arange(0, WORDS)
         ok = j < k4
         w0, w1, w2, w3 = _widen4(w, GPU)
-        acc += w0 * _x_codes(X, 4 * j, ok, xs, r, GPU)[None, :]
-        acc += w1 * _x_codes(X, 4 * j + 1, ok, xs, r, GPU)[None, :]
-        acc += w2 * _x_codes(X, 4 * j + 2, ok, xs, r, GPU)[None, :]
-        acc += w3 * _x_codes(X, 4 * j + 3, ok, xs, r, GPU)[None, :]
+        acc += w0 * _x_codes(X, 4 * j, ok, xs, r, GPU, CODES)[None, :]
+        acc += w1 * _x_codes(X, 4 * j + 1, ok, xs, r, GPU, CODES)[None, :]
+        acc += w2 * _x_codes(X, 4 * j + 2, ok, xs, r, GPU, CODES)[None, :]
+        acc += w3 * _x_codes(X, 4 * j + 3, ok, xs, r, GPU, CODES)[None, :]
         j += WORDS
         w = tl.load(w_rows + j[None, :], mask=row_ok[:, None] & (j < k4)[None, :], other=0)
     y = tl.sum(acc, axis=1) * xs * tl.load(WS + rows, mask=row_ok, other=0.0)
@@ -166,7 +187,7 @@ _CONFIGS = [
         (16, 2048, 4, 3), (32, 512, 4, 3),
     ]
 ]  # fmt: skip
-_fp8_gemv_tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "HAS_BIAS", "STATIC"])(
+_fp8_gemv_tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "HAS_BIAS", "STATIC", "CODES"])(
     _fp8_gemv_kernel
 )
 
@@ -179,36 +200,37 @@ def _static(input_scale: torch.Tensor | None, like: torch.Tensor) -> torch.Tenso
 
 
 def fp8_gemv(
-    x: torch.Tensor,
+    x: torch.Tensor | Codes,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     input_scale: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
 ) -> torch.Tensor:
-    """x: [1, K]; weight: [N, K] e4m3 (rows contiguous); weight_scale: [N, 1] float32;
-    returns [1, N] in x's dtype. ``config``: as ``gemv.gemv``'s."""
-    assert x.shape[0] == 1 and weight.stride(1) == 1, "one token, row-major weight"
+    """x: [1, K], or its codes; weight: [N, K] e4m3 (rows contiguous); weight_scale: [N, 1]
+    float32; returns [1, N] in x's dtype. ``config``: as ``gemv.gemv``'s."""
+    codes = isinstance(x, Codes)
+    xin = x.codes if isinstance(x, Codes) else x.contiguous()
+    assert xin.shape[0] == 1 and weight.stride(1) == 1, "one token, row-major weight"
     n, k = weight.shape
     assert k % 4 == 0 and weight.stride(0) % 4 == 0, "rows of whole 4-byte words"
-    x = x.contiguous()
     words = weight.view(torch.int32)  # the kernel reads four codes a load element
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    args = (
-        x, words, weight_scale, bias if bias is not None else y, y,
-        _static(input_scale, weight_scale), n, k, words.stride(0),
-    )  # fmt: skip
+    y = torch.empty((1, n), dtype=x.dtype, device=xin.device)
+    scale = x.scales if isinstance(x, Codes) else _static(input_scale, weight_scale)
+    args = (xin, words, weight_scale, bias if bias is not None else y, y, scale, n, k,
+            words.stride(0))  # fmt: skip
     flags: dict[str, int] = {"STATIC": input_scale is not None, "HAS_BIAS": bias is not None}
-    flags["AMAX_BLOCK"] = min(8192, triton.next_power_of_2(k)) if x.is_cuda else 128
-    flags["GPU"] = x.is_cuda
-    if x.is_cuda:
-        config = config or gemv_configs.launch("fp8_gemv", x, n, k)
+    flags["AMAX_BLOCK"] = min(8192, triton.next_power_of_2(k)) if xin.is_cuda else 128
+    flags["GPU"], flags["CODES"] = y.is_cuda, codes
+    if y.is_cuda:  # (y: one token on x's device, what the launch options ask)
+        kind = "fp8_gemv_codes" if codes else "fp8_gemv"
+        config = config or gemv_configs.launch(kind, y, n, k)
         if config is not None:
             grid = (triton.cdiv(n, config["BLOCK_N"]),)
-            _fp8_gemv_kernel[grid](*args, **flags, **config, **launch_options(x))
+            _fp8_gemv_kernel[grid](*args, **flags, **config, **launch_options(y))
             return y
         tuned_grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        _fp8_gemv_tuned[tuned_grid](*args, **flags, **launch_options(x))
+        _fp8_gemv_tuned[tuned_grid](*args, **flags, **launch_options(y))
     else:  # Triton's interpreter (tests on CPU): one fixed tile
         _fp8_gemv_kernel[(triton.cdiv(n, 8),)](*args, **flags, BLOCK_N=8, BLOCK_K=128)
     return y
@@ -231,19 +253,22 @@ def quantize_rows(
 
 
 def fp8_mm(
-    x: torch.Tensor,
+    x: torch.Tensor | Codes,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     input_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x: [M, K] → [M, N] in x's dtype, on the FP8 tensor cores."""
-    xq, xs = quantize_rows(x, input_scale)
+    """x: [M, K], or its codes → [M, N] in x's dtype, on the FP8 tensor cores."""
+    if isinstance(x, Codes):
+        xq, xs, dtype = x.codes, x.scales, x.dtype
+    else:
+        (xq, xs), dtype = quantize_rows(x, input_scale), x.dtype
     ws = weight_scale.reshape(1, -1)
-    if x.dtype in (torch.bfloat16, torch.float16):
-        y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=ws, out_dtype=x.dtype)
+    if dtype in (torch.bfloat16, torch.float16):
+        y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=ws, out_dtype=dtype)
     else:  # row-wise scales write 16-bit outputs only: scale the float32 product after
-        one = torch.ones((), dtype=torch.float32, device=x.device)
+        one = torch.ones((), dtype=torch.float32, device=xq.device)
         y = torch._scaled_mm(xq, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
         y = y * xs * ws
     return y if bias is None else y + bias
@@ -258,4 +283,6 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return n % 16 == 0 and k % 16 == 0
 
 
-__all__ = ["FP8_MAX", "MIN_SCALE", "fp8_gemv", "fp8_mm", "quantize_rows", "supported"]
+__all__ = [
+    "FP8_MAX", "MIN_SCALE", "fp8_gemv", "fp8_mm", "quantize_rows", "store_codes", "supported",
+]  # fmt: skip

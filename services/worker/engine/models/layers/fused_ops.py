@@ -4,6 +4,11 @@ In eager PyTorch these are chains of small kernels (RMSNorm alone is seven); at 
 GPU their launches cost as much as reading the weights. Each kernel here is one launch and
 rounds where the PyTorch/Hugging Face version rounds (casts to the model dtype at the same
 points), so outputs agree to within a unit in the last place.
+
+RMSNorm and SiLU·mul hold a whole output row in registers, so when the FP8 layer after them
+takes its input quantized per token (``quantize=True``), they write that row's e4m3 codes and
+scale instead of the row (``fp8_linear.store_codes``: the rounding of the layer's own
+quantization, bit for bit), and the layer skips its quantization pass.
 """
 
 import torch
@@ -11,14 +16,27 @@ import triton
 import triton.language as tl
 
 from services.worker.engine.dependent_launch import await_inputs, launch_options
+from services.worker.engine.models.layers.fp8_linear import store_codes
+from services.worker.engine.models.quantization import FP8, Codes
+
+
+def _codes_out(rows: int, n: int, like: torch.Tensor) -> Codes:
+    """Room for ``rows`` rows of ``n`` codes and their scales, of an activation like ``like``."""
+    return Codes(
+        torch.empty((rows, n), dtype=FP8, device=like.device),
+        torch.empty((rows, 1), dtype=torch.float32, device=like.device),
+        like.dtype,
+    )
 
 
 @triton.jit
 def _rms_norm(
-    X, R, W, Y, stride_xt, stride_xh, stride_rt, stride_yt, stride_yh, N, eps,
-    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr = False,
+    X, R, W, Y, Q, S, stride_xt, stride_xh, stride_rt, stride_yt, stride_yh, N, eps,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, GPU: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """One row (token, head) per program: [r = x + r (stored)]; y = w * norm(r or x)."""
+    """One row (token, head) per program: [r = x + r (stored)]; y = w * norm(r or x), stored,
+    or with QUANT its codes to Q and scale to S (rows ``stride_yt`` apart; one head)."""
     await_inputs(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -33,36 +51,66 @@ def _rms_norm(
     inv = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
     normed = (xf * inv).to(x.dtype).to(tl.float32)
     w = tl.load(W + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(Y + t * stride_yt + h * stride_yh + offs, (w * normed).to(Y.dtype.element_ty), mask=ok)
+    y = (w * normed).to(Y.dtype.element_ty)
+    if QUANT:
+        store_codes(y.to(tl.float32), ok, Q + t * stride_yt + offs, S + t, GPU)
+    else:
+        tl.store(Y + t * stride_yt + h * stride_yh + offs, y, mask=ok)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [T, N] or [T, H, N] (any strides, last dim contiguous); returns a new tensor."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool = False
+) -> torch.Tensor | Codes:
+    """x: [T, N] or [T, H, N] (any strides, last dim contiguous); returns a new tensor, or
+    with ``quantize`` (x: [T, N]) its codes."""
+    if quantize:
+        assert x.dim() == 2, "codes of whole rows"
+        return _add_rms_norm(x, None, weight, eps, quantize)
     x3 = x if x.dim() == 3 else x.unsqueeze(1)
     y = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
     n = x3.shape[-1]
     _rms_norm[(x3.shape[0], x3.shape[1])](
-        x3, x3, weight, y, x3.stride(0), x3.stride(1), 0, y.stride(0), y.stride(1), n, eps,
-        BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=False, **launch_options(x),
+        x3, x3, weight, y, y, y, x3.stride(0), x3.stride(1), 0, y.stride(0), y.stride(1), n,
+        eps, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=False, QUANT=False, GPU=x.is_cuda,
+        **launch_options(x),
     )  # fmt: skip
     return y if x.dim() == 3 else y.squeeze(1)
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``residual += x`` in place; returns (norm of it, it). x, residual: [T, N]."""
-    y = torch.empty_like(x)
-    n = x.shape[-1]
-    _rms_norm[(x.shape[0], 1)](
-        x, residual, weight, y, x.stride(0), 0, residual.stride(0), y.stride(0), 0, n, eps,
-        BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=True, **launch_options(x),
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    quantize: bool = False,
+) -> tuple[torch.Tensor | Codes, torch.Tensor]:  # fmt: skip
+    """``residual += x`` in place; returns (norm of it, or its codes, it). x, residual: [T, N]."""
+    return _add_rms_norm(x, residual, weight, eps, quantize), residual
+
+
+def _add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+    quantize: bool,
+) -> torch.Tensor | Codes:  # fmt: skip
+    """The norm of [T, N] rows (after ``residual += x`` when a residual is given)."""
+    rows, n = x.shape
+    y = torch.empty_like(x) if not quantize else x  # (x: only its dtype is read)
+    codes = _codes_out(rows, n, x) if quantize else None
+    q, s = (codes.codes, codes.scales) if codes is not None else (y, y)
+    stride_y = q.stride(0) if quantize else y.stride(0)
+    r = residual if residual is not None else x
+    _rms_norm[(rows, 1)](
+        x, r, weight, y, q, s, x.stride(0), 0, r.stride(0), stride_y, 0, n, eps,
+        BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None, QUANT=quantize,
+        GPU=x.is_cuda, **launch_options(x),
     )  # fmt: skip
-    return y, residual
+    return codes if codes is not None else y
 
 
 @triton.jit
-def _silu_mul(X, Y, stride_x, stride_y, N, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+def _silu_mul(
+    X, Y, S, stride_x, stride_y, N, BLOCK: tl.constexpr, QUANT: tl.constexpr, GPU: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):  # fmt: skip
+    """BLOCK columns of one token per program; with QUANT a whole row, whose codes go to Y
+    (e4m3) and scale to S."""
     await_inputs(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -70,17 +118,31 @@ def _silu_mul(X, Y, stride_x, stride_y, N, BLOCK: tl.constexpr, USE_PDL: tl.cons
     gate = tl.load(X + t * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(X + t * stride_x + N + offs, mask=ok, other=0.0)
     act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)
-    tl.store(Y + t * stride_y + offs, (act * up.to(tl.float32)).to(Y.dtype.element_ty), mask=ok)
+    y = (act * up.to(tl.float32)).to(up.dtype)
+    if QUANT:
+        store_codes(y.to(tl.float32), ok, Y + t * stride_y + offs, S + t, GPU)
+    else:
+        tl.store(Y + t * stride_y + offs, y.to(Y.dtype.element_ty), mask=ok)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x: [T, 2N] = [gate ‖ up] → silu(gate) · up: [T, N]."""
-    n = x.shape[-1] // 2
-    y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+def silu_and_mul(x: torch.Tensor, quantize: bool = False) -> torch.Tensor | Codes:
+    """x: [T, 2N] = [gate ‖ up] → silu(gate) · up: [T, N], or with ``quantize`` its codes."""
+    rows, n = x.shape[0], x.shape[-1] // 2
+    if quantize:  # one program a row: its scale needs the whole row
+        codes = _codes_out(rows, n, x)
+        block = triton.next_power_of_2(n)
+        _silu_mul[(rows, 1)](
+            x, codes.codes, codes.scales, x.stride(0), codes.codes.stride(0), n, BLOCK=block,
+            QUANT=True, GPU=x.is_cuda, **launch_options(x),
+            **({"num_warps": 16 if block > 8192 else 8} if x.is_cuda else {}),
+        )  # fmt: skip
+        return codes
+    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(n))
-    _silu_mul[(x.shape[0], triton.cdiv(n, block))](
-        x, y, x.stride(0), y.stride(0), n, BLOCK=block, **launch_options(x)
-    )
+    _silu_mul[(rows, triton.cdiv(n, block))](
+        x, y, y, x.stride(0), y.stride(0), n, BLOCK=block, QUANT=False, GPU=x.is_cuda,
+        **launch_options(x),
+    )  # fmt: skip
     return y
 
 

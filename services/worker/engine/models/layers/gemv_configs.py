@@ -8,7 +8,7 @@ H200 it chose FP8 GEMV configurations 9 % slower per layer than a sweep over wei
 HBM inside a graph (docs/results/h200-2026-12-02/NOTES.md). The tuner measures the latter way.
 
     {"gemv": {"6144x4096": {"block_n": 8, "block_k": 512, "warps": 4, "stages": 3}, ...},
-     "fp8_gemv": {...}, "measured": {...}}
+     "fp8_gemv": {...}, "fp8_gemv_codes": {...}, "measured": {...}}
 """
 
 import functools
@@ -20,7 +20,7 @@ import torch
 from services.worker.engine import tuned_configs
 
 CONFIG_DIR = Path(__file__).parent / "configs"
-KINDS = ("gemv", "fp8_gemv")
+KINDS = ("gemv", "fp8_gemv", "fp8_gemv_codes")  # the last: its activation quantized before
 KEYS = ("block_n", "block_k", "warps", "stages")
 
 Table = dict[str, dict[tuple[int, int], dict[str, int]]]

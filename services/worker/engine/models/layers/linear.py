@@ -20,6 +20,7 @@ from torch import nn
 from services.worker.engine.distributed import all_reduce, tp_rank, tp_size
 from services.worker.engine.models.quantization import (
     FP8,
+    Codes,
     QuantConfig,
     dequantize,
     quantize_activations,
@@ -55,6 +56,7 @@ class _LinearBase(nn.Module):
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
         self.weight_scale: nn.Parameter | None = None
         self.input_scale: nn.Parameter | None = None
+        self._takes_codes: bool | None = None  # answered on the first ask (the device is set)
         self.scale_cols: torch.Tensor | None
         self.register_buffer("scale_cols", None, persistent=False)  # block layers set it
         if quant is not None:
@@ -149,17 +151,38 @@ class _LinearBase(nn.Module):
         first = self.col_start // b
         dst.copy_(rows[:, first : first + self.weight_scale.shape[1]])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_codes(self, like: torch.Tensor) -> bool:
+        """Whether this layer's FP8 kernels take an input like ``like`` quantized beforehand
+        (``quantization.Codes``): dynamic per-token activations on the GPU kernels, so that the
+        fused kernel before it (RMSNorm, SiLU·mul) writes the codes instead of the row. Asked
+        by the module that calls both; the answer is fixed once the weights sit on a device."""
+        if self._takes_codes is None:
+            q = self.quant
+            if q is None or not self.fused or q.activations != "token":
+                self._takes_codes = False
+            else:
+                from services.worker.engine.models.layers import fp8_linear
+
+                self._takes_codes = fp8_linear.supported(like, self.weight)
+        return self._takes_codes
+
+    def forward(self, x: torch.Tensor | Codes) -> torch.Tensor:
         return self._linear(x, self.bias)
 
-    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor | Codes, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(x, Codes):  # quantized by the kernel before (takes_codes said so)
+            from services.worker.engine.models.layers import fp8_linear
+
+            assert self.weight_scale is not None
+            fn = fp8_linear.fp8_gemv if x.rows == 1 else fp8_linear.fp8_mm
+            return fn(x, self.weight, self.weight_scale, bias)
         if self.quant is not None:
             assert self.weight_scale is not None
             q = self.quant
-            if self.fused and q.weights != "block" and x.is_cuda:
+            if self.fused and q.weights != "block":
                 from services.worker.engine.models.layers import fp8_linear
 
-                if fp8_linear.supported(x, self.weight):
+                if fp8_linear.supported(x, self.weight):  # (on a GPU only)
                     # the FP8 kernels: a GEMV for one token, else the tensor cores
                     fn = fp8_linear.fp8_gemv if x.shape[0] == 1 else fp8_linear.fp8_mm
                     return fn(x, self.weight, self.weight_scale, bias, self.input_scale)
@@ -191,7 +214,7 @@ class RowParallelLinear(_LinearBase):
         super().__init__(in_features // tp_size(), out_features, bias, 1, fused, quant,
                          in_total=in_features)  # fmt: skip
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Codes) -> torch.Tensor:
         return all_reduce(self._linear(x, self.bias if self.tp_rank == 0 else None))
 
 

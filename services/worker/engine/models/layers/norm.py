@@ -3,6 +3,8 @@
 import torch
 from torch import nn
 
+from services.worker.engine.models.quantization import Codes
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, fused: bool = False):
@@ -17,21 +19,25 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, quantize: bool = False) -> torch.Tensor | Codes:
+        """``quantize``: the FP8 layer after this one takes its input as codes
+        (``_LinearBase.takes_codes``, which only a fused layer on a GPU says): write those."""
         if self.fused:
             from services.worker.engine.models.layers.fused_ops import rms_norm
 
-            return rms_norm(x, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps, quantize)
+        assert not quantize, "codes come from the fused kernel"
         return self._norm(x)
 
     def forward_residual(
-        self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``residual + x`` becomes the new residual; returns (norm of it, it). The fused
-        kernel updates ``residual`` in place."""
+        self, x: torch.Tensor, residual: torch.Tensor, quantize: bool = False
+    ) -> tuple[torch.Tensor | Codes, torch.Tensor]:
+        """``residual + x`` becomes the new residual; returns (norm of it, or its codes, it).
+        The fused kernel updates ``residual`` in place."""
         if self.fused:
             from services.worker.engine.models.layers.fused_ops import add_rms_norm
 
-            return add_rms_norm(x, residual, self.weight, self.eps)
+            return add_rms_norm(x, residual, self.weight, self.eps, quantize)
+        assert not quantize, "codes come from the fused kernel"
         residual = residual + x
         return self._norm(residual), residual
