@@ -42,18 +42,24 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # for one token, the FP8 tensor cores (torch._scaled_mm) for more
     "fp8": {"quantization": "fp8"},
     "fp8_eager": {"quantization": "fp8", "enforce_eager": True},  # for --profile's kernel table
+    # FP8, but every layer quantizes its own input (no codes from RMSNorm / SiLU·mul)
+    "fp8_no_codes": {"quantization": "fp8"},
 }
 
 
 @contextlib.contextmanager
 def _variant_patches(variant: str) -> Iterator[None]:
     """``cublas_gemv``: the linear layers' Triton GEMV swapped for F.linear; ``no_pdl``: the
-    Triton kernels launched without PDL (engine/dependent_launch.py). Either holds while the
-    engine is built (its CUDA graphs capture whichever is in place) and used."""
+    Triton kernels launched without PDL (engine/dependent_launch.py); ``fp8_no_codes``: no
+    layer takes its input as codes (models/layers/linear.py). Each holds while the engine is
+    built (its CUDA graphs capture whichever is in place) and used."""
     from services.worker.engine import dependent_launch
-    from services.worker.engine.models.layers import gemv
+    from services.worker.engine.models.layers import gemv, linear
 
     original = gemv.gemv, dependent_launch.supported
+    takes_codes = linear._LinearBase.takes_codes
+    if variant == "fp8_no_codes":
+        linear._LinearBase.takes_codes = lambda self, like: False  # type: ignore[method-assign]
     if variant == "cublas_gemv":
         gemv.gemv = lambda x, w, b=None: torch.nn.functional.linear(x, w, b)  # type: ignore[assignment]
     if variant == "no_pdl":
@@ -62,6 +68,7 @@ def _variant_patches(variant: str) -> Iterator[None]:
         yield
     finally:
         gemv.gemv, dependent_launch.supported = original
+        linear._LinearBase.takes_codes = takes_codes  # type: ignore[method-assign]
 
 
 def _timed(llm: LLM, ids: list[int], max_tokens: int) -> float:
