@@ -36,7 +36,6 @@ from benchmarks.attention_sweep import prefill_case, prefill_ms
 from benchmarks.profiling import kernel_rows
 from benchmarks.roofline import ModelCost, limits
 from benchmarks.shapes import write_shape
-from services.worker.engine.attention.flash_attn_backend import FlashAttnBackend
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "triton": {"attention_backend": "triton"},
@@ -46,14 +45,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # flash_attn, its result copied into the step's output (the public wrapper) instead of
     # written in place: the A/B of FlashAttnBackend.WRITE_IN_PLACE
     "flash_attn_copy": {"attention_backend": "flash_attn"},
-    # flash_attn at every length (FlashAttnBackend.SHORT_KV = 0): where the Triton prefill is
-    # faster, and so where flash_attn hands short steps to it
-    "flash_attn_always": {"attention_backend": "flash_attn"},
-    "flash_attn_always_p128": {"attention_backend": "flash_attn", "block_size": 128},
 }
-
-
-SHORT_KV = FlashAttnBackend.SHORT_KV  # the backend's own, restored after an ``always`` variant
 
 
 def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
@@ -88,8 +80,9 @@ def _isolated_attention(llm: LLM, n: int, block_size: int) -> dict[str, float]:
 
 
 def measure(model: str, variant: str, args: argparse.Namespace, decode: bool) -> dict[str, Any]:
+    from services.worker.engine.attention.flash_attn_backend import FlashAttnBackend
+
     FlashAttnBackend.WRITE_IN_PLACE = variant != "flash_attn_copy"  # this process's engine
-    FlashAttnBackend.SHORT_KV = 0 if variant.startswith("flash_attn_always") else SHORT_KV
     spec = VARIANTS[variant]
     bs = spec.get("block_size", 16)
     top = max([*args.lengths, args.decode_context])

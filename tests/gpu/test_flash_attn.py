@@ -23,15 +23,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def flash_attn_at_every_length(monkeypatch: pytest.MonkeyPatch) -> None:
-    """These prompts are shorter than FlashAttnBackend.SHORT_KV: without this, every step
-    would run the Triton prefill and the tests would compare Triton with itself."""
-    from services.worker.engine.attention.flash_attn_backend import FlashAttnBackend
-
-    monkeypatch.setattr(FlashAttnBackend, "SHORT_KV", 0)
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """head_dim 64 (FlashAttention's tiles), GQA 2:1, 2 layers, random weights."""
@@ -112,33 +103,6 @@ def test_greedy_equals_triton_with_chunks_prefix_hits_and_preemption(
         assert llm.get_stats().num_preemptions > 0
         llm.shutdown()
     assert_same_greedy(outs["flash_attn"], outs["triton"])
-
-
-@pytest.mark.parametrize("short_kv", [0, 600])
-def test_short_steps_run_the_triton_prefill(
-    model: Path, short_kv: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A step whose sequences are all shorter than SHORT_KV never calls FlashAttention; a
-    longer one does."""
-    from services.worker.engine.attention.flash_attn_backend import FlashAttnBackend
-
-    monkeypatch.setattr(FlashAttnBackend, "SHORT_KV", short_kv)
-    calls = {"fa": 0}
-    llm = engine(model, "flash_attn", max_num_batched_tokens=1024)
-    impl = llm.client.core.executor.worker.runner.model.attention_layers()[0].attn  # type: ignore[attr-defined]
-    assert isinstance(impl, FlashAttnBackend) and impl._fwd is not None
-    fwd = impl._fwd
-
-    def counted(*a: object, **kw: object) -> object:
-        calls["fa"] += 1
-        return fwd(*a, **kw)
-
-    impl._fwd = counted
-    greedy(llm, [prompts()[0]], n=2)  # 340 tokens
-    short = calls["fa"]
-    greedy(llm, [prompts()[7]], n=2)  # 750 tokens
-    llm.shutdown()
-    assert short == (1 if short_kv == 0 else 0) and calls["fa"] == short + 1
 
 
 def test_pd_with_a_flash_attn_prefill_and_a_triton_decode_equals_colocated(model: Path) -> None:

@@ -107,10 +107,6 @@ def small_decode_splits(monkeypatch: pytest.MonkeyPatch) -> None:
     from services.worker.engine.attention import triton_backend
 
     monkeypatch.setattr(triton_backend, "TOKENS_PER_SPLIT", 8)
-    # and FlashAttention at this test's short lengths (it hands short steps to Triton)
-    from services.worker.engine.attention.flash_attn_backend import FlashAttnBackend
-
-    monkeypatch.setattr(FlashAttnBackend, "SHORT_KV", 0)
     # ... also over a GPU's measured rule (attention/configs/), which names its own minimum
     rule = triton_backend.num_decode_splits
     monkeypatch.setattr(triton_backend, "num_decode_splits",

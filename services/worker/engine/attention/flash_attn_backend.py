@@ -9,9 +9,7 @@ a Hopper forward path) for the prefill rows of a step, the Triton kernels for th
   decode kernel, which CUDA graphs capture, as in the Triton backend.
 - K/V writes: the Triton ``_write_kv``; the cache layout (and what NIXL pulls) is unchanged.
 - float32 (which FlashAttention does not run), head dims its paged path does not take
-  (other than 64, 128, 256), and an FP8 cache go to the Triton prefill kernel; so do steps
-  whose sequences are all shorter than ``SHORT_KV`` tokens, where the Triton kernel was
-  measured as fast or faster (docs/performance.md, "Long context").
+  (other than 64, 128, 256), and an FP8 cache go to the Triton prefill kernel.
 
 FlashAttention reads whole pages: rows past a sequence's end in its last page are masked but
 must be finite, which holds since the KV cache is allocated zeroed (kv_cache/layout.py) and
@@ -51,10 +49,6 @@ class FlashAttnBackend(TritonAttentionBackend):
     # its result in: False gives the public wrapper's path, for benchmarks/long_context.py's
     # ``flash_attn_copy`` variant (2k prompts ran 5.6 ms slower in the run that added it)
     WRITE_IN_PLACE = True
-    # a step whose longest sequence (prompt, or cached prefix and chunk) is shorter runs the
-    # Triton prefill kernel (0: FlashAttention at every length, benchmarks/long_context.py's
-    # ``flash_attn_always``)
-    SHORT_KV = 4096
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
@@ -88,7 +82,6 @@ class FlashAttnBackend(TritonAttentionBackend):
             or not q.is_cuda
             or not self._paged_ok
             or kv.is_fp8  # an FP8 cache: the Triton prefill reads it
-            or meta.max_seq_len < self.SHORT_KV
         ):
             super()._prefill(q, kv, meta, out, num_reqs)
             return
