@@ -46,7 +46,7 @@ def _row_scale(X, K, xs_in, STATIC: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def quantize(x, xs, r, GPU: tl.constexpr):
+def _quantize(x, xs, r, GPU: tl.constexpr):
     """x / xs rounded to e4m3, saturated at ±FP8_MAX (as the reference's clamp, then cast).
     ``r`` is 1 / xs correctly rounded: on a GPU the quotient is x·r corrected by one fused
     multiply-add with its remainder, which is the correctly rounded quotient (Markstein's
@@ -67,7 +67,7 @@ def store_codes(y, ok, Q, S, GPU: tl.constexpr):
     and the reference quantize it: its scale max |y| / FP8_MAX (at least MIN_SCALE) to S,
     the codes to the pointers Q."""
     xs = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), 0), 448.0), 1e-12)
-    tl.store(Q, quantize(y, xs, tl.math.div_rn(1.0, xs), GPU), mask=ok)
+    tl.store(Q, _quantize(y, xs, tl.math.div_rn(1.0, xs), GPU), mask=ok)
     tl.store(S, xs)
 
 
@@ -85,7 +85,7 @@ def _quantize_rows_kernel(
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
-        tl.store(Q + row * stride_q + cols, quantize(x, xs, r, GPU), mask=cols < K)
+        tl.store(Q + row * stride_q + cols, _quantize(x, xs, r, GPU), mask=cols < K)
 
 
 @triton.jit
@@ -129,7 +129,7 @@ def _x_codes(X, first, ok, xs, r, GPU: tl.constexpr, CODES: tl.constexpr):
     if CODES:
         return tl.load(X + first, mask=ok, other=0.0).to(tl.float32)
     x = tl.load(X + first, mask=ok, other=0.0).to(tl.float32)
-    return quantize(x, xs, r, GPU).to(tl.float32)
+    return _quantize(x, xs, r, GPU).to(tl.float32)
 
 
 @triton.jit
@@ -284,6 +284,5 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 __all__ = [
-    "FP8_MAX", "MIN_SCALE", "fp8_gemv", "fp8_mm", "quantize", "quantize_rows", "store_codes",
-    "supported",
+    "FP8_MAX", "MIN_SCALE", "fp8_gemv", "fp8_mm", "quantize_rows", "store_codes", "supported",
 ]  # fmt: skip

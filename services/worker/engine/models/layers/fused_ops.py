@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from services.worker.engine.dependent_launch import await_inputs, launch_options
-from services.worker.engine.models.layers.fp8_linear import quantize, store_codes
+from services.worker.engine.models.layers.fp8_linear import store_codes
 from services.worker.engine.models.quantization import FP8, Codes
 
 
@@ -105,43 +105,22 @@ def _add_rms_norm(
 
 
 @triton.jit
-def _silu_mul_cols(X, N, offs, ok):
-    """silu(gate) · up at columns ``offs`` of one token's [gate ‖ up] row, rounded to its dtype
-    as the PyTorch version rounds, as float32."""
-    gate = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(X + N + offs, mask=ok, other=0.0)
-    act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)
-    return (act * up.to(tl.float32)).to(up.dtype).to(tl.float32)
-
-
-@triton.jit
 def _silu_mul(
-    X, Y, S, stride_x, stride_y, N, BLOCK: tl.constexpr, QUANT: tl.constexpr,
-    WHOLE_ROW: tl.constexpr, GPU: tl.constexpr, USE_PDL: tl.constexpr = False,
+    X, Y, S, stride_x, stride_y, N, BLOCK: tl.constexpr, QUANT: tl.constexpr, GPU: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """BLOCK columns of one token per program. With QUANT the codes go to Y (e4m3) and the
-    row's scale to S; the scale needs the whole row's maximum: with WHOLE_ROW a program holds
-    its row, otherwise (one token: a row over many programs) each program scans the whole row
-    for it (the same arithmetic, so the same values) and writes the codes of its own columns."""
+    """BLOCK columns of one token per program; with QUANT a whole row, whose codes go to Y
+    (e4m3) and scale to S."""
     await_inputs(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
-    X += t * stride_x
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
-    y = _silu_mul_cols(X, N, offs, ok)
+    gate = tl.load(X + t * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(X + t * stride_x + N + offs, mask=ok, other=0.0)
+    act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)
+    y = (act * up.to(tl.float32)).to(up.dtype)
     if QUANT:
-        if WHOLE_ROW:
-            amax = tl.max(tl.abs(y), 0)
-        else:
-            m = tl.zeros([BLOCK], tl.float32)
-            for c0 in range(0, N, BLOCK):
-                cols = c0 + tl.arange(0, BLOCK)
-                m = tl.maximum(m, tl.abs(_silu_mul_cols(X, N, cols, cols < N)))
-            amax = tl.max(m, 0)
-        xs = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-12)
-        tl.store(Y + t * stride_y + offs, quantize(y, xs, tl.math.div_rn(1.0, xs), GPU), mask=ok)
-        if tl.program_id(1) == 0:
-            tl.store(S + t, xs)
+        store_codes(y.to(tl.float32), ok, Y + t * stride_y + offs, S + t, GPU)
     else:
         tl.store(Y + t * stride_y + offs, y.to(Y.dtype.element_ty), mask=ok)
 
@@ -149,18 +128,22 @@ def _silu_mul(
 def silu_and_mul(x: torch.Tensor, quantize: bool = False) -> torch.Tensor | Codes:
     """x: [T, 2N] = [gate ‖ up] → silu(gate) · up: [T, N], or with ``quantize`` its codes."""
     rows, n = x.shape[0], x.shape[-1] // 2
-    codes = _codes_out(rows, n, x) if quantize else None
-    y = codes.codes if codes is not None else torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    # a program a row when quantizing many rows (its scale needs the whole row); else blocks
-    # of 1024 columns, so that one token's row spreads over many programs
-    whole = quantize and rows > 1
-    block = triton.next_power_of_2(n) if whole else min(1024, triton.next_power_of_2(n))
+    if quantize:  # one program a row: its scale needs the whole row
+        codes = _codes_out(rows, n, x)
+        block = triton.next_power_of_2(n)
+        _silu_mul[(rows, 1)](
+            x, codes.codes, codes.scales, x.stride(0), codes.codes.stride(0), n, BLOCK=block,
+            QUANT=True, GPU=x.is_cuda, **launch_options(x),
+            **({"num_warps": 16 if block > 8192 else 8} if x.is_cuda else {}),
+        )  # fmt: skip
+        return codes
+    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(n))
     _silu_mul[(rows, triton.cdiv(n, block))](
-        x, y, codes.scales if codes is not None else y, x.stride(0), y.stride(0), n,
-        BLOCK=block, QUANT=quantize, WHOLE_ROW=whole, GPU=x.is_cuda, **launch_options(x),
-        **({"num_warps": 16 if block > 8192 else 8 if block > 1024 else 4} if x.is_cuda else {}),
+        x, y, y, x.stride(0), y.stride(0), n, BLOCK=block, QUANT=False, GPU=x.is_cuda,
+        **launch_options(x),
     )  # fmt: skip
-    return codes if codes is not None else y
+    return y
 
 
 ROTARY_HEAD_TOKENS = 64
