@@ -33,6 +33,13 @@ MIN_SCALE = 1e-12  # as the reference clamps a scale of an all-zero row
 
 
 @triton.jit
+def _scale_of(amax):
+    """A row's per-token scale from its largest magnitude: amax / FP8_MAX, correctly rounded,
+    at least MIN_SCALE (the reference's ``divide(...).clamp(min=1e-12)``)."""
+    return tl.maximum(tl.math.div_rn(amax, 448.0), 1e-12)
+
+
+@triton.jit
 def _row_scale(X, K, xs_in, STATIC: tl.constexpr, BLOCK_K: tl.constexpr):
     """The row's activation scale: the static one, or max |x| / FP8_MAX (at least MIN_SCALE)."""
     if STATIC:
@@ -42,7 +49,7 @@ def _row_scale(X, K, xs_in, STATIC: tl.constexpr, BLOCK_K: tl.constexpr):
         cols = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    return tl.maximum(tl.math.div_rn(tl.max(amax, 0), 448.0), 1e-12)
+    return _scale_of(tl.max(amax, 0))
 
 
 @triton.jit
@@ -66,7 +73,7 @@ def store_codes(y, ok, Q, S, GPU: tl.constexpr):
     """A whole row ``y`` (float32, masked lanes 0) quantized per token, as ``quantize_rows``
     and the reference quantize it: its scale max |y| / FP8_MAX (at least MIN_SCALE) to S,
     the codes to the pointers Q."""
-    xs = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), 0), 448.0), 1e-12)
+    xs = _scale_of(tl.max(tl.abs(y), 0))
     tl.store(Q, _quantize(y, xs, tl.math.div_rn(1.0, xs), GPU), mask=ok)
     tl.store(S, xs)
 

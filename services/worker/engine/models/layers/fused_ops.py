@@ -89,15 +89,20 @@ def _add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
     quantize: bool,
 ) -> torch.Tensor | Codes:  # fmt: skip
-    """The norm of [T, N] rows (after ``residual += x`` when a residual is given)."""
+    """The norm of [T, N] rows (after ``residual += x`` when a residual is given), or its
+    codes. The kernel writes one of Y (the row) or Q and S (codes, scales); the other
+    pointers are placeholders of the right type that it never touches."""
     rows, n = x.shape
-    y = torch.empty_like(x) if not quantize else x  # (x: only its dtype is read)
-    codes = _codes_out(rows, n, x) if quantize else None
-    q, s = (codes.codes, codes.scales) if codes is not None else (y, y)
-    stride_y = q.stride(0) if quantize else y.stride(0)
     r = residual if residual is not None else x
+    codes = _codes_out(rows, n, x) if quantize else None
+    if codes is not None:
+        y, q, s = x, codes.codes, codes.scales  # (Y's dtype is the rows', x's)
+    else:
+        y = torch.empty_like(x)
+        q, s = y, y
+    out_stride = q.stride(0) if codes is not None else y.stride(0)  # (both contiguous: n)
     _rms_norm[(rows, 1)](
-        x, r, weight, y, q, s, x.stride(0), 0, r.stride(0), stride_y, 0, n, eps,
+        x, r, weight, y, q, s, x.stride(0), 0, r.stride(0), out_stride, 0, n, eps,
         BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None, QUANT=quantize,
         GPU=x.is_cuda, **launch_options(x),
     )  # fmt: skip
