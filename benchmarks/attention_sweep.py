@@ -5,6 +5,9 @@ configurations and (``--splits``) numbers of context splits, as achieved GB/s of
 against the copy bandwidth measured in the same run. Picks TritonAttentionBackend's DECODE_*
 defaults and the split rule (``num_decode_splits``).
 
+``--kv-cache-dtypes auto fp8`` sweeps a bf16 cache and an e4m3 one in turn (the KV bytes a
+step reads are counted in the cache's own width).
+
 The requests are taken longest context first, as the engine's runner orders them
 (``AttentionMetadata.decode_order``); the default configuration is also timed in batch order,
 alternating with the first, ``--rounds`` times.
@@ -58,6 +61,10 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=28)  # the cache's layout stride, as in a model
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--splits", type=int, nargs="*", default=[], help="decode: split counts to time")
+    p.add_argument(
+        "--kv-cache-dtypes", nargs="+", choices=("auto", "fp8"), default=["auto"],
+        help="decode: the cache's dtypes, each swept in turn (auto: bf16; fp8: e4m3)",
+    )  # fmt: skip
     p.add_argument("--prefill", action="store_true")
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 16384, 32768])
     p.add_argument("--backends", nargs="+", default=["triton", "flash_attn"])
@@ -80,13 +87,27 @@ def main() -> None:
         tune_split_decode(args)
         return
     dev = torch.device("cuda")
+    bandwidth = copy_bandwidth(dev)
+    summaries, everything = {}, {}
+    for kv_dtype in args.kv_cache_dtypes:
+        summaries[kv_dtype], everything[kv_dtype] = decode_sweep(args, dev, bandwidth, kv_dtype)
+    print(json.dumps(summaries, indent=1))
+    if args.output:
+        record = {"summary": summaries, "all": everything}
+        Path(args.output).write_text(json.dumps(record, indent=1))
+
+
+def decode_sweep(
+    args: argparse.Namespace, dev: torch.device, bandwidth: float, kv_dtype: str
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Every decode launch configuration on one batch over a cache of ``kv_dtype``: a summary
+    (the fastest, the default's, by request order and split count) and every result."""
     rng = random.Random(0)
     lens = [rng.randint(args.min_ctx, args.max_ctx) for _ in range(args.batch)]
-    q, meta, cache, kv_bytes = decode_case(lens, args, dev)
+    q, meta, cache, kv_bytes = decode_case(lens, args, dev, kv_dtype=kv_dtype)
     longest_first = torch.argsort(meta.seq_lens, descending=True, stable=True).to(torch.int32)
     meta.decode_order = longest_first
     out = torch.empty_like(q)
-    bandwidth = copy_bandwidth(dev)
     results = []
     backend = TritonAttentionBackend(args.heads, args.kv_heads, args.head_dim, args.head_dim**-0.5)
     backend._tuned = True  # this sweep sets the configurations itself
@@ -136,9 +157,7 @@ def main() -> None:
         "default": [r for r in ok if (r["block_n"], r["warps"], r["stages"]) == default],
         "default_GBps_by_order": orders,
     }
-    print(json.dumps(summary, indent=1))
-    if args.output:
-        Path(args.output).write_text(json.dumps({"summary": summary, "all": results}, indent=1))
+    return summary, results
 
 
 def decode_ms_by_splits(
@@ -158,14 +177,20 @@ def decode_ms_by_splits(
 
 
 def decode_case(
-    lens: list[int], args: argparse.Namespace, dev: torch.device, bs: int = 16
+    lens: list[int],
+    args: argparse.Namespace,
+    dev: torch.device,
+    bs: int = 16,
+    kv_dtype: str = "auto",
 ) -> tuple[torch.Tensor, AttentionMetadata, Any, int]:
-    """One decode query per context length, over a paged cache whose blocks are shuffled:
-    queries, metadata (longest first, as the runner orders them), the layer's cache view and
-    the KV bytes a step reads."""
+    """One decode query per context length, over a paged cache (bf16, or e4m3 with
+    ``kv_dtype="fp8"``) whose blocks are shuffled: queries, metadata (longest first, as the
+    runner orders them), the layer's cache view and the KV bytes a step reads."""
     nblocks = [-(-n // bs) for n in lens]
     layout = KVCacheLayout(args.layers, args.kv_heads, args.head_dim, bs, torch.bfloat16)
     kv = layout.allocate(sum(nblocks) + 1, dev).normal_()
+    if kv_dtype == "fp8":
+        kv = kv.to(torch.float8_e4m3fn)
     perm = torch.randperm(sum(nblocks)).tolist()
     tables, i = [], 0
     for n in nblocks:
@@ -185,8 +210,11 @@ def decode_case(
     )
     meta.decode_order = torch.argsort(meta.seq_lens, descending=True, stable=True).to(torch.int32)
     q = torch.randn(batch, args.heads, args.head_dim, device=dev, dtype=torch.bfloat16)
-    kv_bytes = sum(lens) * args.kv_heads * args.head_dim * 2 * 2  # K and V, bf16
-    return q, meta, layer_views(kv, args.layers // 2), kv_bytes
+    kv_bytes = sum(lens) * args.kv_heads * args.head_dim * 2 * kv.element_size()  # K and V
+    view = layer_views(kv, args.layers // 2)
+    if kv_dtype == "fp8":  # scales as a calibrated cache's: the values keep their spread
+        view.k_scale = view.v_scale = 0.5
+    return q, meta, view, kv_bytes
 
 
 def prefill_case(

@@ -188,6 +188,7 @@ class TritonAttentionBackend(AttentionBackend):
             # bf16 queries over an FP8 cache: the dots in float16, which e4m3 widens to
             # directly (triton_kernels._compute_dtype)
             "DOT_F16": kv.is_fp8 and q.dtype == torch.bfloat16,
+            "GPU": q.is_cuda,  # PTX where the interpreter has none (triton_kernels._widen_values)
         }  # fmt: skip
 
     def _prefill(

@@ -54,11 +54,34 @@ def _compute_dtype(q, DOT_F16: tl.constexpr):
 
 
 @triton.jit
+def _widen_values(v, dtype, GPU: tl.constexpr):
+    """A tile of values in the dots' dtype. Over an FP8 cache with float16 dots, on a GPU, the
+    widening is PTX (two e4m3x2 → f16x2 conversions per four codes) that Triton may not move:
+    with Triton's own cast it moves the change to the dot operand's layout before the widening,
+    and the values, which the product takes transposed, then come out of shared memory one byte
+    at a time (64 single-byte loads a thread for each 64-key tile of the decode kernel on
+    sm_90, where bf16 tiles take transposing ldmatrix). Widened in the load's layout, the tile
+    goes to shared memory as float16 and takes transposing ldmatrix too."""
+    if GPU and v.dtype == tl.float8e4nv and dtype == tl.float16:
+        # not pure: Triton moves layout changes only across pure (side-effect free) operations
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b16 lo, hi;
+            mov.b32 {lo, hi}, $2;
+            cvt.rn.f16x2.e4m3x2 $0, lo;
+            cvt.rn.f16x2.e4m3x2 $1, hi;
+            }""",
+            "=r,=r,r", [v.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4,
+        )  # fmt: skip
+    return v.to(dtype)
+
+
+@triton.jit
 def _attend_tile(
     q, K, V, table, offs_n, n_ok, visible, offs_d, d_ok, kv_head,
     stride_kb, stride_ks, stride_kh, qk_scale, m_i, l_i, acc,
     KV_BLOCK: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr = True,
-    EVEN_D: tl.constexpr = False,
+    EVEN_D: tl.constexpr = False, GPU: tl.constexpr = False,
 ):  # fmt: skip
     """One step of the flash-attention recurrence: gather the keys/values of token positions
     ``offs_n`` through the block table, score them against ``q`` (masked by ``visible``) and
@@ -84,7 +107,7 @@ def _attend_tile(
         v = tl.load(V + kv[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
     # an FP8 cache: e4m3 widens exactly to the dots' dtype (``_compute_dtype``; its scales are
     # applied outside: k_scale in qk_scale, v_scale to the accumulated output)
-    k, v = k.to(q.dtype), v.to(q.dtype)
+    k, v = k.to(q.dtype), _widen_values(v, q.dtype, GPU)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
@@ -110,7 +133,7 @@ def _prefill(
     KV_BLOCK: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_F16: tl.constexpr = False,
+    PRECISION: tl.constexpr, DOT_F16: tl.constexpr = False, GPU: tl.constexpr = False,
 ):  # fmt: skip
     # grid (q heads, query tiles, requests): the heads of one tile run side by side (those of
     # one kv head read the same keys, from L2), and the last tiles, which see the most keys,
@@ -151,7 +174,7 @@ def _prefill(
         m_i, l_i, acc = _attend_tile(
             q, K, V, table, offs_n, offs_n, offs_n, offs_d, d_ok, kv_head,
             stride_kb, stride_ks, stride_kh, qk_scale, m_i, l_i, acc, KV_BLOCK, PRECISION,
-            MASKED=False, EVEN_D=BLOCK_D == HEAD_DIM,
+            MASKED=False, EVEN_D=BLOCK_D == HEAD_DIM, GPU=GPU,
         )  # fmt: skip
     hi = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_M)  # the last query's causal edge
     for start in range(seen_by_all, hi, BLOCK_N):
@@ -161,6 +184,7 @@ def _prefill(
         m_i, l_i, acc = _attend_tile(
             q, K, V, table, offs_n, n_ok, visible, offs_d, d_ok, kv_head,
             stride_kb, stride_ks, stride_kh, qk_scale, m_i, l_i, acc, KV_BLOCK, PRECISION,
+            GPU=GPU,
         )  # fmt: skip
     out = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
@@ -180,7 +204,7 @@ def _decode(
     KV_BLOCK: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, ORDERED: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False, DOT_F16: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, DOT_F16: tl.constexpr = False, GPU: tl.constexpr = False,
 ):  # fmt: skip
     await_inputs(USE_PDL)
     # ``local``: the request's offset from first_req, which also indexes the partials
@@ -221,6 +245,7 @@ def _decode(
         m_i, l_i, acc = _attend_tile(
             q, K, V, table, offs_n, n_ok, n_ok[None, :], offs_d, d_ok, kv_head,
             stride_kb, stride_ks, stride_kh, qk_scale, m_i, l_i, acc, KV_BLOCK, PRECISION,
+            GPU=GPU,
         )  # fmt: skip
     out_mask = g_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
