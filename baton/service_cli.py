@@ -42,6 +42,7 @@ ENGINE_FLAGS = (
     "max_num_batched_tokens", "attention_backend", "device", "enable_prefix_caching",
     "enforce_eager", "async_scheduling", "kv_lease_seconds", "kv_recompute_on_failure",
     "tensor_parallel_size", "distributed_executor_backend", "quantization", "kv_cache_dtype",
+    "fp8_fast_accumulation",
 )  # fmt: skip
 ENGINE_HELP = {
     "enforce_eager": "no CUDA graphs",
@@ -50,8 +51,9 @@ ENGINE_HELP = {
     "kv_lease_seconds": "prefill side: how long a prompt's KV waits to be pulled",
     "kv_recompute_on_failure": "decode side: a failed KV pull fails its request with a 502 "
     "instead of recomputing the prompt locally (the default)",
-    "kv_cache_dtype": "fp8: the KV cache in e4m3, one byte an element (torch attention backend "
-    "only so far)",
+    "kv_cache_dtype": "fp8: the KV cache in e4m3, one byte an element, with a scale per layer",
+    "fp8_fast_accumulation": "FP8 models: batched products accumulate in the tensor cores' own "
+    "precision instead of float32 (default: on; faster, less exact over long rows)",
     "quantization": "fp8: quantize a float checkpoint's linear layers to FP8 at load (an FP8 "
     "checkpoint is read as it is, without this flag)",
     "tensor_parallel_size": "split the model over N ranks (GPUs), one process each "

@@ -39,11 +39,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # executor's messages cost a step, against "graphs" in the same run
     "multiproc": {"distributed_executor_backend": "mp"},
     # FP8 linear weights quantized at load (per channel; activations per token): the FP8 GEMV
-    # for one token, the FP8 tensor cores (torch._scaled_mm) for more
+    # for one token, the FP8 tensor cores (torch._scaled_mm) for more, accumulating in their
+    # own precision (EngineArgs.fp8_fast_accumulation, on for FP8 models by default)
     "fp8": {"quantization": "fp8"},
     "fp8_eager": {"quantization": "fp8", "enforce_eager": True},  # for --profile's kernel table
     # FP8, but every layer quantizes its own input (no codes from RMSNorm / SiLU·mul)
     "fp8_no_codes": {"quantization": "fp8"},
+    # FP8, the batched products' partial sums promoted to float32 (the default before
+    # 2026-12-02)
+    "fp8_fp32_accumulation": {"quantization": "fp8", "fp8_fast_accumulation": False},
 }
 
 
@@ -101,6 +105,10 @@ def measure(model: str, variant: str, args: argparse.Namespace) -> dict[str, Any
     replay_ms = _graph_replay_ms(llm)
     eager = VARIANTS[variant].get("enforce_eager", False)
     kernels = _kernel_table(llm, prompt) if args.profile and eager else None
+    prefill_kernels = prefill_host = None
+    if args.profile_prefill:
+        prefill_kernels = _prefill_kernel_table(llm, long_prompt)
+        prefill_host = _prefill_host_table(llm, long_prompt)
     cost = ModelCost(info, llm.config.model.arch)
     # every weight that multiplies each token (the LM head only the last), and attention over
     # the causal half of the square. (Until 2026-11-30 this counted 2 FLOPs per token for every
@@ -121,6 +129,8 @@ def measure(model: str, variant: str, args: argparse.Namespace) -> dict[str, Any
         "read_weight_bytes": cost.read_weight_bytes,
         "graph_replay_ms": replay_ms,  # GPU time of one batch-1 step; the rest is host work
         "kernels": kernels,
+        "prefill_kernels": prefill_kernels,
+        "prefill_host": prefill_host,
     }
 
 
@@ -151,6 +161,31 @@ def _kernel_table(llm: LLM, prompt: list[int], steps: int = 16) -> list[dict[str
              "calls_per_step": round(r["calls_per_step"], 1)} for r in rows]  # fmt: skip
 
 
+def _prefill_kernel_table(llm: LLM, prompt: list[int]) -> list[dict[str, Any]]:
+    """GPU time of one long prefill by kernel (prefills run outside CUDA graphs), largest
+    first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _timed(llm, prompt, 1)
+    return [{**r, "us_per_step": round(r["us_per_step"], 1)} for r in kernel_rows(prof)[:20]]
+
+
+def _prefill_host_table(llm: LLM, prompt: list[int], top: int = 25) -> list[dict[str, Any]]:
+    """The host's functions during one long prefill (cProfile, which slows Python calls
+    itself), by their own time, largest first: whether the host keeps the GPU fed."""
+    import cProfile
+    import pstats
+
+    hot = cProfile.Profile()
+    hot.runcall(_timed, llm, prompt, 1)
+    stats = pstats.Stats(hot).stats  # type: ignore[attr-defined]
+    rows = [{"function": f"{Path(file).name}:{line}({name})", "calls": calls,
+             "own_ms": round(own * 1e3, 2), "cumulative_ms": round(cum * 1e3, 2)}
+            for (file, line, name), (_, calls, own, cum, _) in stats.items()]  # fmt: skip
+    return sorted(rows, key=lambda r: -r["own_ms"])[:top]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -168,6 +203,10 @@ def main() -> None:
     p.add_argument(
         "--profile", action="store_true", help="kernel table of a decode step of each eager variant"
     )
+    p.add_argument(
+        "--profile-prefill", action="store_true",
+        help="kernel table and host profile of one --prefill-len prefill of each variant",
+    )  # fmt: skip
     p.add_argument("--output")
     args = p.parse_args()
     device = torch.device("cuda")
@@ -197,10 +236,15 @@ def main() -> None:
     )
     if any(v.startswith("fp8") for v in args.variants):
         fp8_peak = fp8_matmul_peak(device)
+        fast_peak = fp8_matmul_peak(device, fast_accumulation=True)
         results["fp8_matmul_peak_TFLOPs"] = round(fp8_peak / 1e12, 1)
+        results["fp8_fast_matmul_peak_TFLOPs"] = round(fast_peak / 1e12, 1)
         for v in results["variants"]:
             if v["variant"].startswith("fp8"):
-                v["fraction_of_fp8_matmul_peak"] = round(v["prefill_TFLOPs"] * 1e12 / fp8_peak, 3)
+                # each against the peak of its own accumulation
+                fast = VARIANTS[v["variant"]].get("fp8_fast_accumulation") is not False
+                own = fast_peak if fast else fp8_peak
+                v["fraction_of_fp8_matmul_peak"] = round(v["prefill_TFLOPs"] * 1e12 / own, 3)
     for v in results["variants"]:
         # each variant against the bytes its own step reads (an FP8 model's are its own)
         own_ms = v["read_weight_bytes"] / bandwidth * 1e3

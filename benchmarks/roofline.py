@@ -57,13 +57,17 @@ def matmul_peak(
     return 2 * n**3 / seconds
 
 
-def fp8_matmul_peak(device: torch.device, n: int = 8192, reps: int = 10) -> float:
+def fp8_matmul_peak(
+    device: torch.device, n: int = 8192, reps: int = 10, fast_accumulation: bool = False
+) -> float:
     """FLOP/s of a square e4m3 product on the FP8 tensor cores (bf16 out, per-tensor scales):
-    what the FP8 linear layers' prefill is measured against."""
+    what the FP8 linear layers' prefill is measured against; ``fast_accumulation``: without
+    promoting the partial sums to float32 (cuBLASLt's fast-accumulation mode)."""
     a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
     b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # column-major
     one = torch.ones((), device=device)
-    mm = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
+    mm = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,  # noqa: E731
+                                  use_fast_accum=fast_accumulation)  # fmt: skip
     return 2 * n**3 / min(_times(mm, device, reps))
 
 

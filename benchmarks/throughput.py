@@ -56,6 +56,7 @@ def run_baton(
         distributed_executor_backend=getattr(args, "executor", None),
         quantization=getattr(args, "quantization", None),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+        fp8_fast_accumulation=getattr(args, "fp8_fast_accumulation", None),
     )
     prompts, out_lens = make_workload(args, llm.config.model.arch.vocab_size)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
@@ -285,6 +286,10 @@ def main() -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--quantization", choices=["fp8"], default=None)
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    p.add_argument(
+        "--fp8-fast-accumulation", action=argparse.BooleanOptionalAction,
+        help="FP8: batched products without float32 promotion (default: on)",
+    )  # fmt: skip
     p.add_argument(
         "--executor", choices=["uni", "mp", "ray"], default=None,
         help="how the ranks run (default: uni at TP=1, mp above); mp at TP=1 measures what the "

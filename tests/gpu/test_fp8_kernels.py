@@ -81,6 +81,20 @@ def test_fp8_linear_matches_the_plain_path(
         assert err <= tol, (bias is not None, float(err))
 
 
+@pytest.mark.parametrize(("n", "k"), [(4096, 4096), (4096, 14336)])
+def test_fast_accumulation_stays_near_the_plain_path(n: int, k: int) -> None:
+    """fp8_mm without float32 promotion of its partial sums (``fast_accumulation``), over the
+    longest rows of the 8B shape (down: K = 14,336): within 2e-2 of the largest output."""
+    from services.worker.engine.models.layers.fp8_linear import fp8_mm
+
+    w, ws = _layer(n, k, n + k)
+    x = (torch.randn(300, k, device="cuda") * 2).to(torch.bfloat16)
+    want = _reference(x, w, ws, None, None)
+    got = fp8_mm(x, w, ws, fast_accumulation=True)
+    err = (got.double() - want).abs().max() / want.abs().max()
+    assert got.dtype == torch.bfloat16 and err <= 2e-2, float(err)
+
+
 GEMV_LAUNCH = {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 3}
 
 
@@ -122,14 +136,16 @@ def test_the_fused_kernels_hand_over_the_layers_own_codes(dtype: torch.dtype, ro
         assert torch.equal(fn(Codes(q, s, dtype), wq, ws, **launch), fn(plain, wq, ws, **launch))
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["fp32-accumulation", "fast-accumulation"])
 @pytest.mark.parametrize(("fmt", "arch"), [("fp8-tensor", "llama"), ("fp8-channel", "qwen3")])
 def test_the_engine_on_the_fp8_kernels_matches_the_dequantizing_reference(
-    tmp_path: Path, fmt: str, arch: str
+    tmp_path: Path, fmt: str, arch: str, fast: bool
 ) -> None:
     """float32, checked as on CPU (tests/integration/test_fp8.py): each greedy token is the
     reference's argmax teacher-forced, or a near-tie; almost all are exact, the logprobs agree;
     and both kernels really ran (not the plain path). One prompt at a time, so that decode
-    steps have one row (the GEMV) and prefill several (the tensor cores)."""
+    steps have one row (the GEMV) and prefill several (the tensor cores), which with ``fast``
+    accumulate without float32 promotion."""
     from services.worker.engine.models.layers import fp8_linear
 
     path = make_tiny_model(tmp_path / fmt, arch=arch, quantize=fmt, hidden_size=128)
@@ -140,13 +156,14 @@ def test_the_engine_on_the_fp8_kernels_matches_the_dequantizing_reference(
         calls["gemv"] += 1
         return gemv(*a)
 
-    def counted_mm(*a: Any) -> torch.Tensor:
+    def counted_mm(*a: Any, **kw: Any) -> torch.Tensor:
         calls["mm"] += 1
-        return mm(*a)
+        return mm(*a, **kw)
 
     fp8_linear.fp8_gemv, fp8_linear.fp8_mm = counted_gemv, counted_mm  # type: ignore[assignment]
     try:
-        llm = LLM(model=str(path), dtype="float32", enforce_eager=True, show_progress=False)
+        llm = LLM(model=str(path), dtype="float32", enforce_eager=True, show_progress=False,
+                  fp8_fast_accumulation=fast)  # fmt: skip
         outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in PROMPTS]
         llm.shutdown()
     finally:

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from baton import LLM, SamplingParams
+from baton import LLM, EngineArgs, SamplingParams
 from baton.tiny_fp8 import dequantized_reference
 from baton.tiny_model import make_tiny_model
 
@@ -115,6 +115,28 @@ def test_a_float_checkpoint_quantized_at_load(fp8_models: dict[tuple[str, str], 
         online.shutdown()
         stored.shutdown()
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
+def test_fast_accumulation_is_an_fp8_models_setting(
+    fp8_models: dict[tuple[str, str], Path],
+) -> None:
+    """``fp8_fast_accumulation`` is on for an FP8 model unless turned off, reaches the layers'
+    quantization config and what the worker says it serves; asked of a model without FP8
+    layers, it is refused."""
+    path = fp8_models[("fp8-channel", "qwen3")]
+
+    def quant(model: Path, **kw: Any) -> Any:
+        return EngineArgs(model=str(model), **kw).create_engine_config().model.quantization
+
+    for on in (quant(path), quant(path, fp8_fast_accumulation=True),
+               quant(path / "unquantized", quantization="fp8")):  # fmt: skip
+        assert on is not None and on.fast_accumulation
+        assert on.method.endswith("fast accumulation")
+    off = quant(path, fp8_fast_accumulation=False)
+    assert off is not None and not off.fast_accumulation and "fast" not in off.method
+    assert quant(path / "unquantized") is None  # the default asks nothing of a float model
+    with pytest.raises(ValueError, match="fp8_fast_accumulation needs an FP8 model"):
+        quant(path / "unquantized", fp8_fast_accumulation=True)
 
 
 def test_fp8_with_tensor_parallelism(fp8_models: dict[tuple[str, str], Path]) -> None:

@@ -133,6 +133,10 @@ class EngineArgs:
     kv_connector: str = "nixl"  # nixl | fake (in-process tensor copies, for tests)
     quantization: str | None = None  # fp8: quantize a float checkpoint's linear layers at load
     kv_cache_dtype: str = "auto"  # fp8: the KV cache in e4m3 (1 byte an element)
+    # FP8 linear layers: products of more than one row accumulate in the tensor cores' own
+    # precision, not promoted to float32 (faster; sums over long rows less exact: measured in
+    # docs/performance.md). None: on for an FP8 model (as the FP8 GEMMs of other servers run)
+    fp8_fast_accumulation: bool | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -151,6 +155,14 @@ class EngineArgs:
         parallel = self._parallel_config(arch, device)
         hf_config = json.loads((Path(self.model) / "config.json").read_text())
         quantization = parse_quantization(hf_config, self.quantization)
+        if self.fp8_fast_accumulation and quantization is None:
+            raise ValueError("fp8_fast_accumulation needs an FP8 model: a quantized "
+                             "checkpoint or quantization='fp8'")  # fmt: skip
+        if quantization is not None and self.fp8_fast_accumulation is not False:
+            quantization = dataclasses.replace(
+                quantization, fast_accumulation=True,
+                method=f"{quantization.method}, fast accumulation",
+            )  # fmt: skip
         from services.worker.engine.kv_transfer.connector import CONNECTORS
 
         if self.kv_connector not in CONNECTORS:

@@ -20,6 +20,9 @@ class QuantConfig:
     # the checkpoint carries a key and a value scale per layer (compressed-tensors
     # ``kv_cache_scheme``), which an FP8 KV cache takes instead of 1.0
     kv_scales: bool = False
+    # the FP8 tensor cores' products of more than one row accumulate in the tensor cores' own
+    # precision, without promoting partial sums to float32 (EngineArgs.fp8_fast_accumulation)
+    fast_accumulation: bool = False
 
 
 def parse_quantization(hf: dict[str, Any], requested: str | None) -> QuantConfig | None:

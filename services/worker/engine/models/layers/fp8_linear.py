@@ -265,18 +265,24 @@ def fp8_mm(
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     input_scale: torch.Tensor | None = None,
+    fast_accumulation: bool = False,
 ) -> torch.Tensor:
-    """x: [M, K], or its codes → [M, N] in x's dtype, on the FP8 tensor cores."""
+    """x: [M, K], or its codes → [M, N] in x's dtype, on the FP8 tensor cores. With
+    ``fast_accumulation`` the tensor cores' partial sums are not promoted to float32 as the
+    product goes (cuBLASLt's fast-accumulation mode): faster, less exact over long rows
+    (``benchmarks/fp8_mm.py`` measures both)."""
     if isinstance(x, Codes):
         xq, xs, dtype = x.codes, x.scales, x.dtype
     else:
         (xq, xs), dtype = quantize_rows(x, input_scale), x.dtype
     ws = weight_scale.reshape(1, -1)
+    fast = {"use_fast_accum": fast_accumulation}
     if dtype in (torch.bfloat16, torch.float16):
-        y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=ws, out_dtype=dtype)
+        y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=ws, out_dtype=dtype, **fast)
     else:  # row-wise scales write 16-bit outputs only: scale the float32 product after
         one = torch.ones((), dtype=torch.float32, device=xq.device)
-        y = torch._scaled_mm(xq, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        y = torch._scaled_mm(xq, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32,
+                             **fast)  # fmt: skip
         y = y * xs * ws
     return y if bias is None else y + bias
 

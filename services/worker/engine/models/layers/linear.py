@@ -173,9 +173,11 @@ class _LinearBase(nn.Module):
         if isinstance(x, Codes):  # quantized by the kernel before (takes_codes said so)
             from services.worker.engine.models.layers import fp8_linear
 
-            assert self.weight_scale is not None
-            fn = fp8_linear.fp8_gemv if x.rows == 1 else fp8_linear.fp8_mm
-            return fn(x, self.weight, self.weight_scale, bias)
+            assert self.weight_scale is not None and self.quant is not None
+            if x.rows == 1:
+                return fp8_linear.fp8_gemv(x, self.weight, self.weight_scale, bias)
+            return fp8_linear.fp8_mm(x, self.weight, self.weight_scale, bias,
+                                     fast_accumulation=self.quant.fast_accumulation)  # fmt: skip
         if self.quant is not None:
             assert self.weight_scale is not None
             q = self.quant
@@ -184,8 +186,10 @@ class _LinearBase(nn.Module):
 
                 if fp8_linear.supported(x, self.weight):  # (on a GPU only)
                     # the FP8 kernels: a GEMV for one token, else the tensor cores
-                    fn = fp8_linear.fp8_gemv if x.shape[0] == 1 else fp8_linear.fp8_mm
-                    return fn(x, self.weight, self.weight_scale, bias, self.input_scale)
+                    args = (x, self.weight, self.weight_scale, bias, self.input_scale)
+                    if x.shape[0] == 1:
+                        return fp8_linear.fp8_gemv(*args)
+                    return fp8_linear.fp8_mm(*args, fast_accumulation=q.fast_accumulation)
             # the plain-PyTorch path (models/quantization.py): everywhere else, and the
             # reference of the kernels
             xq = quantize_activations(x, q.activations, q.block, self.input_scale)
