@@ -59,18 +59,17 @@ def test_gpus_without_nvidia_smi(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cluster().gpus() == []
 
 
-@pytest.mark.parametrize(
-    ("flags", "expected"),
-    [([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)],
-)
-def test_async_scheduling_reaches_the_workers(flags: list[str], expected: bool | None) -> None:
+@pytest.mark.parametrize("name", ["async_scheduling", "fp8_fast_accumulation"])
+@pytest.mark.parametrize(("given", "expected"), [("", None), ("--", True), ("--no-", False)])
+def test_tristate_flags_reach_the_workers(name: str, given: str, expected: bool | None) -> None:
     """``baton serve`` passes the flag on to every worker, whose engine args carry it (None:
-    the device decides)."""
+    the engine decides: the device for async scheduling, the model for FP8 accumulation)."""
     from baton.service_cli import engine_args, engine_flags_argv
 
+    flags = [given + name.replace("_", "-")] if given else []
     serve = build_parser().parse_args(["serve", "--model", "m", *flags])
     worker_argv = ["worker", "--model", "m", *engine_flags_argv(serve)]
-    assert engine_args(build_parser().parse_args(worker_argv)).async_scheduling is expected
+    assert getattr(engine_args(build_parser().parse_args(worker_argv)), name) is expected
 
 
 _PROBE = (
