@@ -276,13 +276,13 @@ def fp8_mm(
     else:
         (xq, xs), dtype = quantize_rows(x, input_scale), x.dtype
     ws = weight_scale.reshape(1, -1)
-    fast = {"use_fast_accum": fast_accumulation}
     if dtype in (torch.bfloat16, torch.float16):
-        y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=ws, out_dtype=dtype, **fast)
+        y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=ws, out_dtype=dtype,
+                             use_fast_accum=fast_accumulation)  # fmt: skip
     else:  # row-wise scales write 16-bit outputs only: scale the float32 product after
         one = torch.ones((), dtype=torch.float32, device=xq.device)
         y = torch._scaled_mm(xq, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32,
-                             **fast)  # fmt: skip
+                             use_fast_accum=fast_accumulation)  # fmt: skip
         y = y * xs * ws
     return y if bias is None else y + bias
 
