@@ -115,8 +115,18 @@ def test_sigterm_to_a_prefill_worker_mid_transfer_fails_nothing(
             decode.send_signal(signal.SIGSTOP)
             try:
                 held = "baton_worker_kv_leases_held"
-                wait_for(lambda: scheduler_metric(cluster, held, "prefill-0") > 0, 10.0,
-                         "prefill-0 to hold KV nobody pulled yet")  # fmt: skip
+
+                def holds_throughout() -> bool:
+                    """Leases held at every sample over 1 s: KV waiting for the held decode
+                    worker, not a lease decode-1 pulls a moment later (seen once: SIGTERM
+                    came on such a lease, and prefill-0 had nothing left to wait for)."""
+                    for _ in range(5):
+                        if scheduler_metric(cluster, held, "prefill-0") <= 0:
+                            return False
+                        time.sleep(0.2)
+                    return True
+
+                wait_for(holds_throughout, 15.0, "prefill-0 to hold KV nobody pulls")
                 at = time.monotonic()
                 prefill.send_signal(signal.SIGTERM)
                 time.sleep(1.5)
