@@ -76,6 +76,8 @@ def run_baton(
     device, dtype = torch.device(info.device), getattr(torch, info.dtype)
     bandwidth, peak = limits(device, dtype)  # the best of this and the one before the engine
     result = _result("baton", produced, sum(map(len, prompts)), elapsed)
+    # what ran, as the engine says it (an FP8 model's layers, the KV cache's element type)
+    result.update(quantization=info.quantization, kv_cache_dtype=info.kv_cache_dtype)
     result.update(_bounds(before, after, cost, elapsed, produced, bandwidth, peak))
     result["copy_bandwidth_GBps_measured"] = [
         round(b / 1e9, 1) for b, _ in limits_seen(device, dtype)

@@ -84,6 +84,8 @@ def test_throughput_step_trace_reports_each_kind_of_step(tiny_model: Path) -> No
         min_len=20, max_len=40, max_num_seqs=4, seed=0, inproc=True, step_trace=True,
     )  # fmt: skip
     result, _, _ = run_baton(args)
+    # the result says what ran: a float model, its KV cache in the model's dtype
+    assert result["quantization"] == "" and result["kv_cache_dtype"] == "float32"
     trace = result["step_trace"]
     assert trace["all"]["steps"] == result["steps"]
     kinds = [k for k in trace if k not in ("all", "copy_bandwidth_GBps", "matmul_peak_TFLOPs")]
