@@ -107,7 +107,7 @@ def measure(model: str, variant: str, args: argparse.Namespace) -> dict[str, Any
     kernels = _kernel_table(llm, prompt) if args.profile and eager else None
     prefill_kernels = prefill_host = None
     if args.profile_prefill:
-        prefill_kernels = _prefill_kernel_table(llm, long_prompt)
+        prefill_kernels = _kernel_table(llm, long_prompt, steps=0)
         prefill_host = _prefill_host_table(llm, long_prompt)
     cost = ModelCost(info, llm.config.model.arch)
     # every weight that multiplies each token (the LM head only the last), and attention over
@@ -151,24 +151,16 @@ def _graph_replay_ms(llm: LLM) -> float | None:
 
 
 def _kernel_table(llm: LLM, prompt: list[int], steps: int = 16) -> list[dict[str, Any]]:
-    """GPU time per decode step by kernel (eager, so each kernel is visible), largest first."""
+    """GPU time per step by kernel, largest first: of ``steps`` decode steps after the prompt
+    (eager, so each kernel is visible), or with ``steps=0`` of the prompt's prefill alone
+    (prefills run outside CUDA graphs)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _timed(llm, prompt, steps + 1)
-    rows = kernel_rows(prof, steps)[:20]
+    rows = kernel_rows(prof, max(steps, 1))[:20]
     return [{**r, "us_per_step": round(r["us_per_step"], 1),
              "calls_per_step": round(r["calls_per_step"], 1)} for r in rows]  # fmt: skip
-
-
-def _prefill_kernel_table(llm: LLM, prompt: list[int]) -> list[dict[str, Any]]:
-    """GPU time of one long prefill by kernel (prefills run outside CUDA graphs), largest
-    first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _timed(llm, prompt, 1)
-    return [{**r, "us_per_step": round(r["us_per_step"], 1)} for r in kernel_rows(prof)[:20]]
 
 
 def _prefill_host_table(llm: LLM, prompt: list[int], top: int = 25) -> list[dict[str, Any]]:

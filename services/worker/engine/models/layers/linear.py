@@ -169,15 +169,20 @@ class _LinearBase(nn.Module):
     def forward(self, x: torch.Tensor | Codes) -> torch.Tensor:
         return self._linear(x, self.bias)
 
-    def _linear(self, x: torch.Tensor | Codes, bias: torch.Tensor | None) -> torch.Tensor:
-        if isinstance(x, Codes):  # quantized by the kernel before (takes_codes said so)
-            from services.worker.engine.models.layers import fp8_linear
+    def _fp8_kernels(self, x: torch.Tensor | Codes, bias: torch.Tensor | None) -> torch.Tensor:
+        """The GPU's FP8 kernels: a GEMV for one token, else the tensor cores. ``x``: the
+        activation, or its codes from the kernel before (``takes_codes`` said so)."""
+        from services.worker.engine.models.layers import fp8_linear
 
-            assert self.weight_scale is not None and self.quant is not None
-            if x.rows == 1:
-                return fp8_linear.fp8_gemv(x, self.weight, self.weight_scale, bias)
-            return fp8_linear.fp8_mm(x, self.weight, self.weight_scale, bias,
-                                     fast_accumulation=self.quant.fast_accumulation)  # fmt: skip
+        assert self.weight_scale is not None and self.quant is not None
+        args = (x, self.weight, self.weight_scale, bias, self.input_scale)
+        if (x.rows if isinstance(x, Codes) else x.shape[0]) == 1:
+            return fp8_linear.fp8_gemv(*args)
+        return fp8_linear.fp8_mm(*args, fast_accumulation=self.quant.fast_accumulation)
+
+    def _linear(self, x: torch.Tensor | Codes, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(x, Codes):
+            return self._fp8_kernels(x, bias)
         if self.quant is not None:
             assert self.weight_scale is not None
             q = self.quant
@@ -185,11 +190,7 @@ class _LinearBase(nn.Module):
                 from services.worker.engine.models.layers import fp8_linear
 
                 if fp8_linear.supported(x, self.weight):  # (on a GPU only)
-                    # the FP8 kernels: a GEMV for one token, else the tensor cores
-                    args = (x, self.weight, self.weight_scale, bias, self.input_scale)
-                    if x.shape[0] == 1:
-                        return fp8_linear.fp8_gemv(*args)
-                    return fp8_linear.fp8_mm(*args, fast_accumulation=q.fast_accumulation)
+                    return self._fp8_kernels(x, bias)
             # the plain-PyTorch path (models/quantization.py): everywhere else, and the
             # reference of the kernels
             xq = quantize_activations(x, q.activations, q.block, self.input_scale)
