@@ -42,7 +42,7 @@ ENGINE_FLAGS = (
     "max_num_batched_tokens", "attention_backend", "device", "enable_prefix_caching",
     "enforce_eager", "async_scheduling", "kv_lease_seconds", "kv_recompute_on_failure",
     "tensor_parallel_size", "distributed_executor_backend", "quantization", "kv_cache_dtype",
-    "fp8_fast_accumulation",
+    "fp8_fast_accumulation", "piecewise_cuda_graph_tokens",
 )  # fmt: skip
 ENGINE_HELP = {
     "enforce_eager": "no CUDA graphs",
@@ -54,6 +54,8 @@ ENGINE_HELP = {
     "kv_cache_dtype": "fp8: the KV cache in e4m3, one byte an element, with a scale per layer",
     "fp8_fast_accumulation": "FP8 models: batched products accumulate in the tensor cores' own "
     "precision instead of float32 (default: on; faster, less exact over long rows)",
+    "piecewise_cuda_graph_tokens": "steps of up to N tokens that the decode graphs do not "
+    "take (prefill, mixed) replay CUDA graphs split at each attention call (default 0: eager)",
     "quantization": "fp8: quantize a float checkpoint's linear layers to FP8 at load (an FP8 "
     "checkpoint is read as it is, without this flag)",
     "tensor_parallel_size": "split the model over N ranks (GPUs), one process each "

@@ -48,6 +48,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # FP8, the batched products' partial sums promoted to float32 (the default before
     # 2026-12-02)
     "fp8_fp32_accumulation": {"quantization": "fp8", "fp8_fast_accumulation": False},
+    # prefill steps (and the short prompt's) replayed from piecewise CUDA graphs, up to the
+    # step's token budget (--prefill-len): the host launches a graph a layer, not its kernels
+    "piecewise": {"piecewise_cuda_graph_tokens": 1 << 16},
+    "fp8_piecewise": {"quantization": "fp8", "piecewise_cuda_graph_tokens": 1 << 16},
 }
 
 

@@ -57,6 +57,7 @@ def run_baton(
         quantization=getattr(args, "quantization", None),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         fp8_fast_accumulation=getattr(args, "fp8_fast_accumulation", None),
+        piecewise_cuda_graph_tokens=getattr(args, "piecewise_cuda_graph_tokens", 0),
     )
     prompts, out_lens = make_workload(args, llm.config.model.arch.vocab_size)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
@@ -77,7 +78,8 @@ def run_baton(
     bandwidth, peak = limits(device, dtype)  # the best of this and the one before the engine
     result = _result("baton", produced, sum(map(len, prompts)), elapsed)
     # what ran, as the engine says it (an FP8 model's layers, the KV cache's element type)
-    result.update(quantization=info.quantization, kv_cache_dtype=info.kv_cache_dtype)
+    result.update(quantization=info.quantization, kv_cache_dtype=info.kv_cache_dtype,
+                  piecewise_graph_sizes=list(llm.config.device.piecewise_graph_sizes))  # fmt: skip
     result.update(_bounds(before, after, cost, elapsed, produced, bandwidth, peak))
     result["copy_bandwidth_GBps_measured"] = [
         round(b / 1e9, 1) for b, _ in limits_seen(device, dtype)
@@ -291,6 +293,10 @@ def main() -> None:
     p.add_argument(
         "--fp8-fast-accumulation", action=argparse.BooleanOptionalAction,
         help="FP8: batched products without float32 promotion (default: on)",
+    )  # fmt: skip
+    p.add_argument(
+        "--piecewise-cuda-graph-tokens", type=int, default=0,
+        help="steps of up to N tokens outside the decode graphs replay piecewise CUDA graphs",
     )  # fmt: skip
     p.add_argument(
         "--executor", choices=["uni", "mp", "ray"], default=None,

@@ -76,6 +76,7 @@ class AttentionConfig:
 class DeviceConfig:
     device: str  # "cpu" | "cuda"
     cuda_graph_batch_sizes: tuple[int, ...]  # decode batch sizes captured; () = eager only
+    piecewise_graph_sizes: tuple[int, ...] = ()  # token counts of piecewise graphs; () = none
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,10 @@ class EngineArgs:
     fused_ops: bool | None = None  # None: on for CUDA, off for CPU
     enforce_eager: bool = False  # no CUDA graphs
     max_cuda_graph_batch_size: int = 256
+    # steps of up to this many tokens that the decode graphs do not take (prefill chunks, mixed
+    # steps) replay piecewise CUDA graphs (worker/piecewise_graphs.py), capped at the step's
+    # token budget; 0: they run eagerly. Off by default until measured on a GPU.
+    piecewise_cuda_graph_tokens: int = 0
     async_scheduling: bool | None = None  # None: on for CUDA (hides host work), off for CPU
     device: Literal["auto", "cpu", "cuda"] = "auto"
     kv_transfer: bool = False  # disaggregated prefill/decode over NIXL
@@ -218,7 +223,9 @@ class EngineArgs:
             ),
             parallel=parallel,
             attention=AttentionConfig(backend=backend),
-            device=DeviceConfig(device, self._graph_sizes(device)),
+            device=DeviceConfig(
+                device, self._graph_sizes(device), self._piecewise_sizes(device, budget)
+            ),
             kv_transfer=KVTransferConfig(
                 enabled=self.kv_transfer,
                 engine_id=f"baton-{uuid.uuid4().hex[:12]}",
@@ -267,6 +274,14 @@ class EngineArgs:
             raise ValueError("the fake KV connector copies within one process: tp=1 only")
         return ParallelConfig(tp, backend)
 
+    def _piecewise_sizes(self, device: str, budget: int) -> tuple[int, ...]:
+        """Token counts of the piecewise graphs (``piecewise_graphs.piecewise_sizes``)."""
+        if self.piecewise_cuda_graph_tokens < 0:
+            raise ValueError("piecewise_cuda_graph_tokens must be >= 0 (0: none)")
+        if device != "cuda" or self.enforce_eager:
+            return ()
+        return piecewise_sizes(min(self.piecewise_cuda_graph_tokens, budget))
+
     def _graph_sizes(self, device: str) -> tuple[int, ...]:
         """1, 2, 4, 8, then every multiple of 16, up to the largest decode batch."""
         if device != "cuda" or self.enforce_eager:
@@ -276,6 +291,18 @@ class EngineArgs:
         if ladder[-1] != top:
             ladder.append(top)
         return tuple(ladder)
+
+
+def piecewise_sizes(top: int) -> tuple[int, ...]:
+    """16, 32, 64, 128, 256, then steps of 128 up to 2,048, of 256 up to 4,096, of 512 up to
+    8,192 (an eighth of the power of two below), ... up to ``top`` (itself included): above
+    1,024 tokens a step is padded by less than an eighth of its tokens."""
+    ladder = [s for s in (16, 32, 64, 128, 256) if s < top]
+    size = 384
+    while size < top:
+        ladder.append(size)
+        size += max(128, (1 << (size.bit_length() - 1)) // 8)
+    return (*ladder, top) if top >= 1 else ()
 
 
 def _check_positive(**values: int) -> None:

@@ -23,7 +23,7 @@ from services.worker.engine.models.quantization import to_e4m3
 class AttentionMetadata:
     """Built once per step by the model runner; read by every layer. Device tensors unless noted."""
 
-    num_tokens: int  # scheduled tokens in this step (length of the flattened batch)
+    num_tokens: int  # length of the flattened batch: the scheduled tokens (and any padding rows)
     query_start_loc: torch.Tensor  # int32 [num_reqs + 1]: request i's tokens are [qsl[i], qsl[i+1])
     seq_lens: torch.Tensor  # int32 [num_reqs]: cached + scheduled tokens per request
     block_tables: torch.Tensor  # int32 [num_reqs, max_blocks]: KV block ids, padded past the end
@@ -83,9 +83,12 @@ class AttentionBackend(ABC):
     """One instance per attention layer. Called once per layer per step, inside the forward pass.
 
     ``forward`` must (1) write this step's k/v into ``kv_cache`` at ``metadata.slot_mapping`` and
-    (2) return causal attention of ``q`` over each request's whole context (cached + new). It must
-    not allocate per-step state that outlives the call and must not synchronise with the host
-    except where a reference implementation says so.
+    (2) return causal attention of ``q`` over each request's whole context (cached + new), in
+    ``out`` when given (the static buffer of a piecewise CUDA graph: worker/piecewise_graphs.py).
+    Rows of ``q`` past ``metadata.query_start_loc[-1]`` are padding: their keys and values go
+    to the slots ``slot_mapping`` names for them, and their output is left as it is. It must not
+    allocate per-step state that outlives the call and must not synchronise with the host except
+    where a reference implementation says so.
     """
 
     name: str = "abstract"
@@ -106,6 +109,7 @@ class AttentionBackend(ABC):
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: LayerKVCache,
         metadata: AttentionMetadata,
+        out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], written and returned
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 

@@ -5,6 +5,7 @@ paged KV cache through the attention backend; ``compute_logits`` runs only on th
 runner will sample from.
 """
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -27,6 +28,11 @@ from services.worker.engine.models.layers.norm import RMSNorm
 from services.worker.engine.models.layers.rotary import RotaryEmbedding
 from services.worker.engine.models.quantization import Codes, QuantConfig
 from services.worker.engine.models.weights import Loaded, one_value
+
+# (the layer, q, k, v, the step's metadata) → the attention's output, [tokens, heads, head_dim]
+AttentionSplit = Callable[
+    ["LlamaAttention", torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor
+]
 
 
 class LlamaAttention(nn.Module):
@@ -53,6 +59,9 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(d, arch.rms_norm_eps, fused) if arch.qk_norm else None
         self.attn = backend(self.num_heads, self.num_kv_heads, d, scale=d**-0.5)
         self.kv_cache: LayerKVCache | None = None  # bound by the worker after cache allocation
+        # set by a piecewise CUDA graph runner (worker/piecewise_graphs.py) while it captures or
+        # runs the forward: it is called in place of the backend, and the graph splits there
+        self.split: AttentionSplit | None = None
         # a checkpoint's KV cache scales (compressed-tensors kv_cache_scheme): an FP8 cache
         # holds k / k_scale and v / v_scale; without them its scales are 1
         self.k_scale: nn.Parameter | None = None
@@ -87,7 +96,10 @@ class LlamaAttention(nn.Module):
         norms = (self.q_norm, self.k_norm) if self.q_norm and self.k_norm else None
         q, k = self.rotary(positions, q, k, norms)
         assert self.kv_cache is not None, "KV cache not bound"
-        out = self.attn.forward(q, k, v, self.kv_cache, meta)
+        if self.split is not None:
+            out = self.split(self, q, k, v, meta)
+        else:
+            out = self.attn.forward(q, k, v, self.kv_cache, meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

@@ -1,6 +1,6 @@
 """``ModelRunner.submit(scheduler_output)``: update per-request state, build the
-flattened batch, run the model (eagerly, or by replaying a CUDA graph for decode batches),
-sample, and report the new tokens.
+flattened batch, run the model (by replaying a CUDA graph for decode batches, piecewise CUDA
+graphs for other steps when they are on, or eagerly), sample, and report the new tokens.
 
 One step, for requests A (3-token prefill chunk that completes its prompt), B (decode):
 
@@ -36,6 +36,7 @@ from services.worker.engine.worker.input_batch import (
     build_sampling_metadata,
     to_device,
 )
+from services.worker.engine.worker.piecewise_graphs import PiecewiseGraphRunner
 from services.worker.engine.worker.step_inputs import StepInputs, TokenFill, build_step_inputs
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -58,6 +59,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_cache: torch.Tensor | None = None
         self.graphs: CudaGraphRunner | None = None
+        self.pad_block = 0  # the spare block past the real cache that padding rows write to
+        self.pieces: PiecewiseGraphRunner | None = None  # the steps decode graphs do not take
         self.last_step: StepHandle | None = None  # the latest sampling step not yet taken
         self._rng = np.random.default_rng(config.model.seed)
         self.read = ReadCounter()  # what loading read from the checkpoint (this rank's slices)
@@ -98,6 +101,35 @@ class ModelRunner:
                 pad_block=num_blocks, device=self.device,
             )  # fmt: skip
             self.graphs.capture()
+        self.pad_block = num_blocks
+        if self.config.device.piecewise_graph_sizes:
+            self.start_piecewise_graphs(self.config.device.piecewise_graph_sizes)
+
+    def start_piecewise_graphs(self, sizes: tuple[int, ...], capture: bool = True) -> None:
+        """Steps of up to ``max(sizes)`` tokens that the decode graphs do not take run in
+        piecewise graphs from now on; ``capture=False`` runs their split forward inline (on
+        CPU, for the tests). The attention runs eagerly between the pieces: any backend will
+        do."""
+        self.pieces = PiecewiseGraphRunner(
+            self.model, sizes, self.block_size, pad_block=self.pad_block, dtype=self.dtype,
+            device=self.device, capture=capture,
+        )  # fmt: skip
+        if capture:
+            self.pieces.capture()
+
+    def piecewise_reserve_bytes(self, step_peak_bytes: int) -> int:
+        """Memory the piecewise graphs will hold beside the KV cache: their static buffers and
+        their pool, which holds the activations of one forward of the largest size, counted as
+        that share of a full step's profiled peak (``profile_peak_bytes``)."""
+        sizes = self.config.device.piecewise_graph_sizes
+        if not sizes:
+            return 0
+        arch, tp = self.config.model.arch, self.tp.world_size
+        heads = max(1, arch.num_heads // tp) + 2 * kv_heads_per_rank(arch.num_kv_heads, tp)
+        per_token = (heads + max(1, arch.num_heads // tp)) * arch.head_dim * self.dtype.itemsize
+        budget = self.config.scheduler.max_num_batched_tokens
+        top = max(sizes)
+        return -(-step_peak_bytes * top // budget) + top * (per_token + 24)
 
     @torch.inference_mode()
     def profile_peak_bytes(self) -> int:
@@ -167,6 +199,7 @@ class ModelRunner:
             attn.kv_cache = None
         self.kv_cache = None
         self.graphs = None
+        self.pieces = None
         self.requests.clear()
         self.last_step = None
 
@@ -228,10 +261,13 @@ class ModelRunner:
             if not inputs.sample_rows:
                 return None
             return logits[to_device(inputs.sample_rows, torch.int64, self.device)]
-        input_ids, positions, meta, logits_indices = inputs.to_device(self.device)
-        if fill is not None:
-            fill.apply(input_ids)
-        hidden = self.model(input_ids, positions, meta)
+        if self.pieces is not None and self.pieces.can_run(inputs):
+            hidden, logits_indices = self.pieces.run(inputs, fill)  # (padding rows at the end)
+        else:
+            input_ids, positions, meta, logits_indices = inputs.to_device(self.device)
+            if fill is not None:
+                fill.apply(input_ids)
+            hidden = self.model(input_ids, positions, meta)
         if not inputs.sample_rows:
             return None
         return self.model.compute_logits(hidden[logits_indices])

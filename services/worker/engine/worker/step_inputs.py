@@ -44,26 +44,32 @@ class StepInputs:
         self, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """(input_ids, positions, attention metadata, logits indices) on ``device``."""
-        i32, i64 = torch.int32, torch.int64
+        i64 = torch.int64
+        return (
+            to_device(self.input_ids, i64, device),
+            to_device(self.positions, i64, device),
+            self.metadata(device, to_device(self.slot_mapping, i64, device)),
+            to_device(self.logits_indices, i64, device),
+        )
+
+    def metadata(self, device: torch.device, slot_mapping: torch.Tensor) -> AttentionMetadata:
+        """The attention metadata on ``device``, over ``slot_mapping``: this step's slots, or
+        (a piecewise CUDA graph's padded batch) a static buffer holding them and then the
+        padding rows' slots; ``num_tokens`` is its length."""
+        i32 = torch.int32
         # none to order in a step without decode rows
         order = to_device(self.decode_order, i32, device) if self.decode_order.size else None
-        meta = AttentionMetadata(
-            num_tokens=self.num_tokens,
+        return AttentionMetadata(
+            num_tokens=slot_mapping.shape[0],
             query_start_loc=to_device(self.query_start_loc, i32, device),
             seq_lens=to_device(self.seq_lens, i32, device),
             block_tables=to_device(self.block_table, i32, device),
-            slot_mapping=to_device(self.slot_mapping, i64, device),
+            slot_mapping=slot_mapping,
             query_start_loc_cpu=self.query_start_loc,
             seq_lens_cpu=self.seq_lens,
             max_query_len=self.max_query_len,
             max_seq_len=max(self.seq_lens),
             decode_order=order,
-        )
-        return (
-            to_device(self.input_ids, i64, device),
-            to_device(self.positions, i64, device),
-            meta,
-            to_device(self.logits_indices, i64, device),
         )
 
 

@@ -73,7 +73,8 @@ class Worker:
         weights = torch.cuda.memory_allocated(self.device)
         outside_torch = (total - free) - torch.cuda.memory_reserved(self.device)
         allowed = int(total * self.config.cache.gpu_memory_utilization)
-        return max(0, allowed - weights - peak - outside_torch - CUDA_GRAPH_RESERVE_BYTES)
+        graphs = CUDA_GRAPH_RESERVE_BYTES + self.runner.piecewise_reserve_bytes(peak)
+        return max(0, allowed - weights - peak - outside_torch - graphs)
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)

@@ -1,0 +1,210 @@
+"""Piecewise CUDA graphs for steps of many tokens (prefill chunks, mixed steps, decode batches
+larger than the decode graphs'): the model forward captured once per token count of a ladder,
+in pieces that end at each layer's attention call. The attention runs eagerly between the
+pieces, on the step's own metadata, so one graph of N tokens serves every mix of requests
+whose tokens add up to at most N. (vLLM captures its prefill steps the same way, splitting the
+graph that torch.compile traces at the attention op; here the split point is the model's one
+attention call a layer, ``LlamaAttention.split``.)
+
+Why: a step of 2,048 prompt tokens launches some 350-500 kernels, and with FP8 linear layers
+the host takes longer to launch them (Triton's launch path, cuBLASLt's per-call set-up, the
+tensors' allocations) than the GPU takes to run them: the step is bound by the host
+(docs/results/h200-2026-12-02d/NOTES.md). Replayed, a step costs one graph launch per layer
+plus the attention's own launches.
+
+Capture (``capture``), per size N, largest first, every piece in one memory pool:
+
+- the forward runs once eagerly on the static inputs (kernels compiled, allocations settled),
+  then again under capture, with each attention layer's ``split`` set: the split copies the
+  layer's q, k, v into static buffers (the copies end the piece being captured), ends that
+  piece's capture, begins the next one, and hands the layer the static output buffer, which
+  the next piece reads. N layers give N + 1 pieces; the last one's hidden states stay.
+- Nothing runs during a capture, so no attention runs then: the output buffer's contents are
+  whatever the replayed attention writes later.
+
+Replay (``run``), a step of n ≤ N tokens in the smallest size N: its ids, positions and KV slots
+go to the static buffers, rows [n, N) padded (token 0 at position 0, its K/V written to the
+spare block past the real cache, as the decode graphs' padding rows); then piece 0, layer 0's
+attention (``forward(..., out=)`` on the static q/k/v, with the step's metadata whose slot
+mapping is the static, padded one), piece 1, ... the last piece. The attention computes no
+padding row: the metadata covers the n real tokens, and every later kernel works row by row,
+so what the padding rows hold never reaches a real one.
+
+Without capture (``capture=False``: CPU, where CUDA graphs do not exist) ``run`` runs the same
+split forward inline: each layer's q, k, v go through the static buffers and the attention
+runs at the split exactly as it does between replayed pieces. The tests check that path on CPU
+against the eager forward, and the captured one on the GPU.
+"""
+
+import bisect
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from services.worker.engine.attention.backend import AttentionMetadata
+from services.worker.engine.models.llama import AttentionSplit, LlamaAttention
+from services.worker.engine.worker.input_batch import host_tensor, to_device
+from services.worker.engine.worker.step_inputs import StepInputs, TokenFill
+
+
+class PiecewiseGraphRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        sizes: tuple[int, ...],
+        block_size: int,
+        pad_block: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        capture: bool = True,
+    ):
+        self.model = model
+        self.sizes = sorted(sizes)
+        self.block_size = block_size
+        self.pad_block = pad_block
+        self.pad_slot = pad_block * block_size
+        self.device = device
+        self.captured = capture
+        top = self.sizes[-1]
+        self.layers: list[LlamaAttention] = model.attention_layers()  # type: ignore[operator]
+        first = self.layers[0]
+        heads, kv_heads, d = first.num_heads, first.num_kv_heads, first.head_dim
+        self.input_ids = torch.zeros(top, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(top, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((top,), self.pad_slot, dtype=torch.int64, device=device)
+        # what crosses from a piece to the attention and back; every layer uses the same ones
+        self.q = torch.zeros((top, heads, d), dtype=dtype, device=device)
+        self.k = torch.zeros((top, kv_heads, d), dtype=dtype, device=device)
+        self.v = torch.zeros((top, kv_heads, d), dtype=dtype, device=device)
+        self.out = torch.zeros((top, heads, d), dtype=dtype, device=device)
+        self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.order: dict[int, list[LlamaAttention]] = {}  # the layers between the pieces
+        self.hidden: dict[int, torch.Tensor] = {}  # the last piece's output, per size
+
+    @property
+    def static_bytes(self) -> int:
+        """The static buffers' bytes (outside the graphs' memory pool)."""
+        tensors = (self.input_ids, self.positions, self.slot_mapping, self.q, self.k, self.v,
+                   self.out)  # fmt: skip
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def can_run(self, inputs: StepInputs) -> bool:
+        return inputs.num_tokens <= self.sizes[-1]
+
+    # ---- capture ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # (a capture needs a stream other than the default)
+            for size in reversed(self.sizes):  # largest first: the smaller reuse its memory
+                meta = self._capture_metadata(size)
+                # on the capture stream, as the capture will: kernels compiled, cuBLAS's
+                # workspace for this stream allocated, the allocator settled
+                self.model(self.input_ids[:size], self.positions[:size], meta)
+                stream.synchronize()
+                self._capture_size(size, meta, pool)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+
+    def _capture_size(self, size: int, meta: AttentionMetadata, pool: Any) -> None:
+        pieces = [torch.cuda.CUDAGraph()]
+        order: list[LlamaAttention] = []
+
+        def split(layer: LlamaAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  _: AttentionMetadata) -> torch.Tensor:  # fmt: skip
+            self._stage(size, q, k, v)
+            pieces[-1].capture_end()
+            order.append(layer)
+            pieces.append(torch.cuda.CUDAGraph())
+            pieces[-1].capture_begin(pool=pool)
+            return self.out[:size]
+
+        with self._splitting(split):
+            pieces[0].capture_begin(pool=pool)
+            hidden = self.model(self.input_ids[:size], self.positions[:size], meta)
+            pieces[-1].capture_end()
+        self.pieces[size], self.order[size], self.hidden[size] = pieces, order, hidden
+
+    def _capture_metadata(self, size: int) -> AttentionMetadata:
+        """One request of ``size`` tokens over the spare block (its writes land there): what
+        the warm-up forward attends with. The captured forward runs no attention."""
+        dev = self.device
+        width = -(-size // self.block_size)
+        return AttentionMetadata(
+            num_tokens=size,
+            query_start_loc=torch.tensor([0, size], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([size], dtype=torch.int32, device=dev),
+            block_tables=torch.full((1, width), self.pad_block, dtype=torch.int32, device=dev),
+            slot_mapping=self.slot_mapping[:size],
+            query_start_loc_cpu=[0, size],
+            seq_lens_cpu=[size],
+            max_query_len=size,
+            max_seq_len=size,
+        )
+
+    # ---- one step --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(
+        self, inputs: StepInputs, fill: TokenFill | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden states of the padded batch [N, hidden], the sampled rows' token indices)
+        for a step of at most the largest size's tokens. ``fill`` writes tokens the previous
+        step sampled on the device into their rows' inputs."""
+        n = inputs.num_tokens
+        size = self.sizes[bisect.bisect_left(self.sizes, n)]
+        dev, i64 = self.device, torch.int64
+        # from pinned memory, without blocking: the previous step may still be running
+        self.input_ids[:n].copy_(host_tensor(inputs.input_ids, i64, dev), non_blocking=True)
+        if fill is not None:
+            fill.apply(self.input_ids)
+        self.positions[:n].copy_(host_tensor(inputs.positions, i64, dev), non_blocking=True)
+        self.slot_mapping[:n].copy_(host_tensor(inputs.slot_mapping, i64, dev), non_blocking=True)
+        if size > n:  # padding rows: token 0 at position 0, its K/V to the spare block
+            self.input_ids[n:size].zero_()
+            self.positions[n:size].zero_()
+            self.slot_mapping[n:size].fill_(self.pad_slot)
+        meta = inputs.metadata(dev, self.slot_mapping[:size])
+        logits_indices = to_device(inputs.logits_indices, i64, dev)
+        if not self.captured:
+            return self._split_inline(size, meta), logits_indices
+        pieces = self.pieces[size]
+        for piece, layer in zip(pieces, self.order[size], strict=False):
+            piece.replay()
+            self._attend(layer, size, meta)
+        pieces[-1].replay()
+        return self.hidden[size], logits_indices
+
+    def _split_inline(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
+        def split(layer: LlamaAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  meta: AttentionMetadata) -> torch.Tensor:  # fmt: skip
+            self._stage(size, q, k, v)
+            return self._attend(layer, size, meta)
+
+        with self._splitting(split):
+            hidden: torch.Tensor = self.model(self.input_ids[:size], self.positions[:size], meta)
+            return hidden
+
+    def _stage(self, size: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.q[:size].copy_(q)
+        self.k[:size].copy_(k)
+        self.v[:size].copy_(v)
+
+    def _attend(self, layer: LlamaAttention, size: int, meta: AttentionMetadata) -> torch.Tensor:
+        assert layer.kv_cache is not None, "KV cache not bound"
+        return layer.attn.forward(self.q[:size], self.k[:size], self.v[:size], layer.kv_cache,
+                                  meta, out=self.out[:size])  # fmt: skip
+
+    @contextlib.contextmanager
+    def _splitting(self, split: AttentionSplit) -> Iterator[None]:
+        for layer in self.layers:
+            layer.split = split
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                layer.split = None
