@@ -84,13 +84,6 @@ class PiecewiseGraphRunner:
         self.order: dict[int, list[LlamaAttention]] = {}  # the layers between the pieces
         self.hidden: dict[int, torch.Tensor] = {}  # the last piece's output, per size
 
-    @property
-    def static_bytes(self) -> int:
-        """The static buffers' bytes (outside the graphs' memory pool)."""
-        tensors = (self.input_ids, self.positions, self.slot_mapping, self.q, self.k, self.v,
-                   self.out)  # fmt: skip
-        return sum(t.numel() * t.element_size() for t in tensors)
-
     def can_run(self, inputs: StepInputs) -> bool:
         return inputs.num_tokens <= self.sizes[-1]
 
