@@ -11,7 +11,7 @@ the GPU (``tests/gpu/test_gpu_engine.py``)."""
 
 import itertools
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -132,3 +132,78 @@ def test_piecewise_sizes_cover_the_budget() -> None:
     assert EngineArgs(model="m", enforce_eager=True, **args)._piecewise_sizes("cuda", 2048) == ()
     with pytest.raises(ValueError, match="piecewise_cuda_graph_tokens must be >= 0"):
         EngineArgs(model="m", piecewise_cuda_graph_tokens=-1)._piecewise_sizes("cuda", 2048)
+
+
+class _FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on CPU: records when its capture begins and ends
+    and when it is replayed, into one shared log."""
+
+    log: ClassVar[list[str]] = []
+
+    def __init__(self) -> None:
+        self.name = f"piece{sum(e.startswith('begin') for e in self.log)}"
+
+    def capture_begin(self, pool: object = None) -> None:
+        self.log.append(f"begin {self.name}")
+
+    def capture_end(self) -> None:
+        self.log.append(f"end {self.name}")
+
+    def replay(self) -> None:
+        self.log.append(f"replay {self.name}")
+
+
+def test_capture_ends_a_piece_at_every_attention_call(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What capture and replay do, in order, with CUDA's graph calls recorded (CPU): one piece
+    per layer plus one, each layer's attention between its two pieces at capture (none runs
+    then) and at replay (on the step's metadata), every size captured."""
+    import contextlib
+
+    llm = _engine(tiny_model, "torch")
+    runner = llm.client.core.executor.worker.runner  # type: ignore[attr-defined]
+    layers = runner.model.attention_layers()
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: type("S", (), {
+        "wait_stream": lambda self, other: None, "synchronize": lambda self: None})())  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: torch.cuda.Stream())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    log = _FakeGraph.log
+    log.clear()
+    backend = type(layers[0].attn)
+    calls: list[int] = []
+    forward = backend.forward
+
+    def attend(self, q, k, v, kv, meta, out=None):  # type: ignore[no-untyped-def]
+        calls.append(q.shape[0])
+        log.append(f"attention {[a.attn for a in layers].index(self)}")
+        return forward(self, q, k, v, kv, meta, out)
+
+    monkeypatch.setattr(backend, "forward", attend)
+    runner.start_piecewise_graphs((16, 32))
+    n = len(layers)
+    pieces = runner.pieces
+    assert sorted(pieces.pieces) == [16, 32] and all(
+        len(p) == n + 1 for p in pieces.pieces.values()
+    )
+    assert all(pieces.order[s] == layers for s in (16, 32))
+    # per size: a warm-up forward (n attention calls), then the capture: no attention inside
+    want = []
+    for _ in (32, 16):
+        want += [f"attention {i}" for i in range(n)]
+        base = sum(e.startswith("begin") for e in want)
+        for i in range(n + 1):
+            want += [f"begin piece{base + i}", f"end piece{base + i}"]
+    assert log == want
+    log.clear()
+    calls.clear()
+    params = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate([{"prompt_token_ids": list(range(3, 23))}], params, use_tqdm=False)  # 20 → 32
+    # the size-32 pieces were captured first: piece0 … piece{n}
+    assert log == [e for i in range(n) for e in (f"replay piece{i}", f"attention {i}")] + [
+        f"replay piece{n}"
+    ], "not the 32-token graphs, or not interleaved"
+    assert calls == [32] * n
