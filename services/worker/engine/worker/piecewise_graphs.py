@@ -176,7 +176,8 @@ class PiecewiseGraphRunner:
         def split(layer: LlamaAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   meta: AttentionMetadata) -> torch.Tensor:  # fmt: skip
             self._stage(size, q, k, v)
-            return self._attend(layer, size, meta)
+            self._attend(layer, size, meta)
+            return self.out[:size]  # (what the next piece reads, as in replay)
 
         with self._splitting(split):
             hidden: torch.Tensor = self.model(self.input_ids[:size], self.positions[:size], meta)
@@ -187,10 +188,12 @@ class PiecewiseGraphRunner:
         self.k[:size].copy_(k)
         self.v[:size].copy_(v)
 
-    def _attend(self, layer: LlamaAttention, size: int, meta: AttentionMetadata) -> torch.Tensor:
+    def _attend(self, layer: LlamaAttention, size: int, meta: AttentionMetadata) -> None:
+        """The layer's attention into the static output (its return value is not read: the
+        captured piece after it reads the buffer)."""
         assert layer.kv_cache is not None, "KV cache not bound"
-        return layer.attn.forward(self.q[:size], self.k[:size], self.v[:size], layer.kv_cache,
-                                  meta, out=self.out[:size])  # fmt: skip
+        layer.attn.forward(self.q[:size], self.k[:size], self.v[:size], layer.kv_cache, meta,
+                           out=self.out[:size])  # fmt: skip
 
     @contextlib.contextmanager
     def _splitting(self, split: AttentionSplit) -> Iterator[None]:
