@@ -9,6 +9,7 @@ engine token for token, and leave the same KV cache: chunked prefill over cached
 mixed steps of prefill chunks and decode rows, preemption. The captured pieces are checked on
 the GPU (``tests/gpu/test_gpu_engine.py``)."""
 
+import dataclasses
 import itertools
 from pathlib import Path
 from typing import Any, ClassVar
@@ -207,3 +208,18 @@ def test_capture_ends_a_piece_at_every_attention_call(
         f"replay piece{n}"
     ], "not the 32-token graphs, or not interleaved"
     assert calls == [32] * n
+
+
+def test_the_kv_budget_leaves_room_for_the_graphs(tiny_model: Path) -> None:
+    """What the piecewise graphs will hold is kept out of the KV cache's budget: the largest
+    size's share of a full step's activations, and the static buffers (ids, positions, slots;
+    q, k, v and the attention's output)."""
+    llm = LLM(model=str(tiny_model), show_progress=False, dtype="float32")
+    runner = llm.client.core.executor.worker.runner  # type: ignore[attr-defined]
+    assert runner.piecewise_reserve_bytes(1 << 20) == 0  # none configured (CPU)
+    runner.config = dataclasses.replace(runner.config, device=dataclasses.replace(
+        runner.config.device, piecewise_graph_sizes=(16, 32, 1024)))  # fmt: skip
+    arch = runner.config.model.arch
+    budget = runner.config.scheduler.max_num_batched_tokens
+    per_token = 3 * 8 + (2 * arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim * 4
+    assert runner.piecewise_reserve_bytes(budget * 100) == 1024 * 100 + 1024 * per_token

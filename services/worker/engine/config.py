@@ -275,7 +275,7 @@ class EngineArgs:
         return ParallelConfig(tp, backend)
 
     def _piecewise_sizes(self, device: str, budget: int) -> tuple[int, ...]:
-        """Token counts of the piecewise graphs (``piecewise_graphs.piecewise_sizes``)."""
+        """Token counts of the piecewise graphs (``piecewise_sizes``), up to the budget."""
         if self.piecewise_cuda_graph_tokens < 0:
             raise ValueError("piecewise_cuda_graph_tokens must be >= 0 (0: none)")
         if device != "cuda" or self.enforce_eager:

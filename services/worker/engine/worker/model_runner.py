@@ -94,14 +94,14 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` blocks plus one spare that padded graph rows write into."""
         self._bind_kv_cache(num_blocks + 1)
+        self.pad_block = num_blocks
         sizes = self.config.device.cuda_graph_batch_sizes
         if sizes and getattr(self.backend, "supports_cuda_graphs", False):
             self.graphs = CudaGraphRunner(
                 self.model, sizes, self.config.model.max_model_len, self.block_size,
-                pad_block=num_blocks, device=self.device,
+                pad_block=self.pad_block, device=self.device,
             )  # fmt: skip
             self.graphs.capture()
-        self.pad_block = num_blocks
         if self.config.device.piecewise_graph_sizes:
             self.start_piecewise_graphs(self.config.device.piecewise_graph_sizes)
 
@@ -124,12 +124,9 @@ class ModelRunner:
         sizes = self.config.device.piecewise_graph_sizes
         if not sizes:
             return 0
-        arch, tp = self.config.model.arch, self.tp.world_size
-        heads = max(1, arch.num_heads // tp) + 2 * kv_heads_per_rank(arch.num_kv_heads, tp)
-        per_token = (heads + max(1, arch.num_heads // tp)) * arch.head_dim * self.dtype.itemsize
-        budget = self.config.scheduler.max_num_batched_tokens
-        top = max(sizes)
-        return -(-step_peak_bytes * top // budget) + top * (per_token + 24)
+        budget, top = self.config.scheduler.max_num_batched_tokens, max(sizes)
+        buffers = PiecewiseGraphRunner.static_bytes(self.model, top, self.dtype)
+        return -(-step_peak_bytes * top // budget) + buffers
 
     @torch.inference_mode()
     def profile_peak_bytes(self) -> int:

@@ -18,7 +18,7 @@ Capture (``capture``), per size N, largest first, every piece in one memory pool
   then again under capture, with each attention layer's ``split`` set: the split copies the
   layer's q, k, v into static buffers (the copies end the piece being captured), ends that
   piece's capture, begins the next one, and hands the layer the static output buffer, which
-  the next piece reads. N layers give N + 1 pieces; the last one's hidden states stay.
+  the next piece reads. L layers give L + 1 pieces; the last one's hidden states stay.
 - Nothing runs during a capture, so no attention runs then: the output buffer's contents are
   whatever the replayed attention writes later.
 
@@ -70,8 +70,7 @@ class PiecewiseGraphRunner:
         self.captured = capture
         top = self.sizes[-1]
         self.layers: list[LlamaAttention] = model.attention_layers()  # type: ignore[operator]
-        first = self.layers[0]
-        heads, kv_heads, d = first.num_heads, first.num_kv_heads, first.head_dim
+        heads, kv_heads, d = _dims(self.layers[0])
         self.input_ids = torch.zeros(top, dtype=torch.int64, device=device)
         self.positions = torch.zeros(top, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((top,), self.pad_slot, dtype=torch.int64, device=device)
@@ -83,6 +82,12 @@ class PiecewiseGraphRunner:
         self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.order: dict[int, list[LlamaAttention]] = {}  # the layers between the pieces
         self.hidden: dict[int, torch.Tensor] = {}  # the last piece's output, per size
+
+    @staticmethod
+    def static_bytes(model: nn.Module, top: int, dtype: torch.dtype) -> int:
+        """The static buffers' bytes for steps of up to ``top`` tokens (outside the pool)."""
+        heads, kv_heads, d = _dims(model.attention_layers()[0])  # type: ignore[operator]
+        return top * (3 * 8 + (2 * heads + 2 * kv_heads) * d * dtype.itemsize)
 
     def can_run(self, inputs: StepInputs) -> bool:
         return inputs.num_tokens <= self.sizes[-1]
@@ -204,3 +209,8 @@ class PiecewiseGraphRunner:
         finally:
             for layer in self.layers:
                 layer.split = None
+
+
+def _dims(layer: LlamaAttention) -> tuple[int, int, int]:
+    """This rank's query heads, KV heads, and the head dim."""
+    return layer.num_heads, layer.num_kv_heads, layer.head_dim
