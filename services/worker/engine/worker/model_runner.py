@@ -9,6 +9,8 @@ One step, for requests A (3-token prefill chunk that completes its prompt), B (d
     logits rows:  last token of every request whose tokens are now all computed → [2, 3]
 """
 
+import logging
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -38,6 +40,8 @@ from services.worker.engine.worker.input_batch import (
 )
 from services.worker.engine.worker.piecewise_graphs import PiecewiseGraphRunner
 from services.worker.engine.worker.step_inputs import StepInputs, TokenFill, build_step_inputs
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -115,7 +119,13 @@ class ModelRunner:
             device=self.device, capture=capture,
         )  # fmt: skip
         if capture:
+            start, held = time.perf_counter(), torch.cuda.memory_reserved(self.device)
             self.pieces.capture()
+            logger.info(
+                "piecewise CUDA graphs: %d sizes up to %d tokens captured in %.1f s (%.0f MiB)",
+                len(sizes), max(sizes), time.perf_counter() - start,
+                (torch.cuda.memory_reserved(self.device) - held) / (1 << 20),
+            )  # fmt: skip
 
     def piecewise_reserve_bytes(self, step_peak_bytes: int) -> int:
         """Memory the piecewise graphs will hold beside the KV cache: their static buffers and
