@@ -62,18 +62,21 @@ def _generate(llm: LLM, max_tokens: int) -> list[CompletionOutput]:
 
 
 def _same_or_a_near_tie(ours: CompletionOutput, theirs: CompletionOutput) -> None:
-    """Equal tokens, or equal up to a step where both engines' two best were within 0.02 of
-    each other: FP8 rounds each activation to 3 mantissa bits, and a last-bit difference of a
-    padded (more rows) float product can move a value across a rounding boundary, by 1/16 to
-    1/8 of itself; on the tiny random model such a change swaps near-tied tokens."""
+    """Logprobs within 0.06 and equal tokens, up to a step (if any) where both engines' two
+    best were within 0.05 of each other: FP8 rounds each activation to 3 mantissa bits, and a
+    last-bit difference of a padded (more rows) float product can move a value across a
+    rounding boundary, by 1/16 to 1/8 of itself. On the tiny random model that moved logprobs
+    by up to 0.03 here, and swapped tokens whose logprobs were 0.007-0.010 apart."""
     a, b = ours.token_ids, theirs.token_ids
-    diverge = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
-    if diverge is None:
+    diverge = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+    assert ours.logprobs is not None and theirs.logprobs is not None
+    for x, y in zip(ours.logprobs[:diverge], theirs.logprobs[:diverge], strict=True):
+        assert all(abs(x[t].logprob - y[t].logprob) < 0.06 for t in x.keys() & y.keys())
+    if diverge == len(a):
         return
     for lps in (ours.logprobs, theirs.logprobs):
-        assert lps is not None
         top = sorted(lp.logprob for lp in lps[diverge].values())[-2:]
-        assert top[1] - top[0] < 0.02, f"diverged at token {diverge} on no near-tie: {top}"
+        assert top[1] - top[0] < 0.05, f"diverged at token {diverge} on no near-tie: {top}"
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
