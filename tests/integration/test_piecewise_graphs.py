@@ -226,3 +226,41 @@ def test_the_kv_budget_leaves_room_for_the_graphs(tiny_model: Path) -> None:
     budget = runner.config.scheduler.max_num_batched_tokens
     per_token = 3 * 8 + (2 * arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim * 4
     assert runner.piecewise_reserve_bytes(budget * 100) == 1024 * 100 + 1024 * per_token
+
+
+def test_a_failed_capture_says_what_failed_and_ends_the_capture(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operation the capture refuses (here: layer 1's staging copies, inside the second
+    piece) stops start-up with the size, how far it got and what to change, and the piece
+    being captured is ended (a stream left capturing would fail every later launch)."""
+    import contextlib
+
+    from services.worker.engine.worker.piecewise_graphs import PiecewiseGraphRunner
+
+    llm = _engine(tiny_model, "torch")
+    runner = llm.client.core.executor.worker.runner  # type: ignore[attr-defined]
+    stage = PiecewiseGraphRunner._stage
+    staged: list[int] = []
+
+    def refusing(self, size, q, k, v):  # type: ignore[no-untyped-def]
+        staged.append(size)
+        if len(staged) == 2:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        stage(self, size, q, k, v)
+
+    monkeypatch.setattr(PiecewiseGraphRunner, "_stage", refusing)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: type("S", (), {
+        "wait_stream": lambda self, other: None, "synchronize": lambda self: None})())  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: torch.cuda.Stream())
+    _FakeGraph.log.clear()
+    want = (r"capturing the 32-token forward failed after 1 of its \d+ attention calls "
+            r"\(operation not permitted.*piecewise-cuda-graph-tokens")  # fmt: skip
+    with pytest.raises(RuntimeError, match=want):
+        runner.start_piecewise_graphs((16, 32))
+    # piece0 ended at layer 0's split; piece1, open when layer 1's copies failed, was ended
+    assert _FakeGraph.log == ["begin piece0", "end piece0", "begin piece1", "end piece1"]
+    assert all(a.split is None for a in runner.model.attention_layers())

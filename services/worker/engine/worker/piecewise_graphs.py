@@ -112,20 +112,39 @@ class PiecewiseGraphRunner:
     def _capture_size(self, size: int, meta: AttentionMetadata, pool: Any) -> None:
         pieces = [torch.cuda.CUDAGraph()]
         order: list[LlamaAttention] = []
+        open_ = [False]  # a piece's capture has begun and not ended
+
+        def begin() -> None:
+            pieces[-1].capture_begin(pool=pool)
+            open_[0] = True
+
+        def end() -> None:
+            open_[0] = False
+            pieces[-1].capture_end()
 
         def split(layer: LlamaAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   _: AttentionMetadata) -> torch.Tensor:  # fmt: skip
             self._stage(size, q, k, v)
-            pieces[-1].capture_end()
+            end()
             order.append(layer)
             pieces.append(torch.cuda.CUDAGraph())
-            pieces[-1].capture_begin(pool=pool)
+            begin()
             return self.out[:size]
 
-        with self._splitting(split):
-            pieces[0].capture_begin(pool=pool)
-            hidden = self.model(self.input_ids[:size], self.positions[:size], meta)
-            pieces[-1].capture_end()
+        try:
+            with self._splitting(split):
+                begin()
+                hidden = self.model(self.input_ids[:size], self.positions[:size], meta)
+                end()
+        except Exception as e:
+            if open_[0]:  # leave the stream out of capture mode
+                with contextlib.suppress(Exception):
+                    pieces[-1].capture_end()
+            raise RuntimeError(
+                f"piecewise CUDA graphs: capturing the {size}-token forward failed after "
+                f"{len(order)} of its {len(self.layers)} attention calls ({e}); serve without "
+                "--piecewise-cuda-graph-tokens (or with fewer tokens)"
+            ) from e
         self.pieces[size], self.order[size], self.hidden[size] = pieces, order, hidden
 
     def _capture_metadata(self, size: int) -> AttentionMetadata:
