@@ -157,17 +157,12 @@ class _FakeGraph:
         self.log.append(f"replay {self.name}")
 
 
-def test_capture_ends_a_piece_at_every_attention_call(
-    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """What capture and replay do, in order, with CUDA's graph calls recorded (CPU): one piece
-    per layer plus one, each layer's attention between its two pieces at capture (none runs
-    then) and at replay (on the step's metadata), every size captured."""
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """CUDA's graph, stream and synchronisation calls replaced for a capture on CPU; the
+    graphs' shared log, emptied."""
     import contextlib
 
-    llm = _engine(tiny_model, "torch")
-    runner = llm.client.core.executor.worker.runner  # type: ignore[attr-defined]
-    layers = runner.model.attention_layers()
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: type("S", (), {
@@ -175,8 +170,21 @@ def test_capture_ends_a_piece_at_every_attention_call(
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: torch.cuda.Stream())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    log = _FakeGraph.log
-    log.clear()
+    _FakeGraph.log.clear()
+    return _FakeGraph.log
+
+
+def test_capture_ends_a_piece_at_every_attention_call(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch, fake_cuda: list[str]
+) -> None:
+    """What capture and replay do, in order, with CUDA's graph calls recorded (CPU): one piece
+    per layer plus one, each layer's attention between its two pieces at capture (none runs
+    then) and at replay (on the step's metadata), every size captured."""
+
+    llm = _engine(tiny_model, "torch")
+    runner = llm.client.core.executor.worker.runner  # type: ignore[attr-defined]
+    layers = runner.model.attention_layers()
+    log = fake_cuda
     backend = type(layers[0].attn)
     calls: list[int] = []
     forward = backend.forward
@@ -229,12 +237,11 @@ def test_the_kv_budget_leaves_room_for_the_graphs(tiny_model: Path) -> None:
 
 
 def test_a_failed_capture_says_what_failed_and_ends_the_capture(
-    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch, fake_cuda: list[str]
 ) -> None:
     """An operation the capture refuses (here: layer 1's staging copies, inside the second
     piece) stops start-up with the size, how far it got and what to change, and the piece
     being captured is ended (a stream left capturing would fail every later launch)."""
-    import contextlib
 
     from services.worker.engine.worker.piecewise_graphs import PiecewiseGraphRunner
 
@@ -250,17 +257,10 @@ def test_a_failed_capture_says_what_failed_and_ends_the_capture(
         stage(self, size, q, k, v)
 
     monkeypatch.setattr(PiecewiseGraphRunner, "_stage", refusing)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: type("S", (), {
-        "wait_stream": lambda self, other: None, "synchronize": lambda self: None})())  # fmt: skip
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: torch.cuda.Stream())
-    _FakeGraph.log.clear()
     want = (r"capturing the 32-token forward failed after 1 of its \d+ attention calls "
             r"\(operation not permitted.*piecewise-cuda-graph-tokens")  # fmt: skip
     with pytest.raises(RuntimeError, match=want):
         runner.start_piecewise_graphs((16, 32))
     # piece0 ended at layer 0's split; piece1, open when layer 1's copies failed, was ended
-    assert _FakeGraph.log == ["begin piece0", "end piece0", "begin piece1", "end piece1"]
+    assert fake_cuda == ["begin piece0", "end piece0", "begin piece1", "end piece1"]
     assert all(a.split is None for a in runner.model.attention_layers())
