@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from baton import LLM, SamplingParams
-from benchmarks.profiling import kernel_rows
+from benchmarks.profiling import device_span_us, kernel_rows
 from benchmarks.roofline import ModelCost, fp8_matmul_peak, limits, limits_seen
 from benchmarks.shapes import write_shape
 
@@ -108,10 +108,10 @@ def measure(model: str, variant: str, args: argparse.Namespace) -> dict[str, Any
     long_prefill = min(_timed(llm, long_prompt, 1) for _ in range(3))
     replay_ms = _graph_replay_ms(llm)
     eager = VARIANTS[variant].get("enforce_eager", False)
-    kernels = _kernel_table(llm, prompt) if args.profile and eager else None
-    prefill_kernels = prefill_host = None
+    kernels = _kernel_table(llm, prompt)[0] if args.profile and eager else None
+    prefill_kernels = prefill_host = prefill_span = None
     if args.profile_prefill:
-        prefill_kernels = _kernel_table(llm, long_prompt, steps=0)
+        prefill_kernels, prefill_span = _kernel_table(llm, long_prompt, steps=0)
         prefill_host = _prefill_host_table(llm, long_prompt)
     cost = ModelCost(info, llm.config.model.arch)
     # every weight that multiplies each token (the LM head only the last), and attention over
@@ -134,6 +134,9 @@ def measure(model: str, variant: str, args: argparse.Namespace) -> dict[str, Any
         "graph_replay_ms": replay_ms,  # GPU time of one batch-1 step; the rest is host work
         "kernels": kernels,
         "prefill_kernels": prefill_kernels,
+        # the profiled prefill's GPU activity, first start to last end (the rest of its wall
+        # time is the host's, before the first launch and after the last kernel)
+        "prefill_gpu_span_ms": prefill_span,
         "prefill_host": prefill_host,
     }
 
@@ -154,17 +157,21 @@ def _graph_replay_ms(llm: LLM) -> float | None:
     return round(start.elapsed_time(end) / 50, 3)
 
 
-def _kernel_table(llm: LLM, prompt: list[int], steps: int = 16) -> list[dict[str, Any]]:
+def _kernel_table(
+    llm: LLM, prompt: list[int], steps: int = 16
+) -> tuple[list[dict[str, Any]], float]:
     """GPU time per step by kernel, largest first: of ``steps`` decode steps after the prompt
     (eager, so each kernel is visible), or with ``steps=0`` of the prompt's prefill alone
-    (prefills run outside CUDA graphs)."""
+    (outside the decode graphs; a piecewise graph's kernels are seen too); and the profiled
+    call's GPU span in ms (``device_span_us``)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _timed(llm, prompt, steps + 1)
     rows = kernel_rows(prof, max(steps, 1))[:20]
-    return [{**r, "us_per_step": round(r["us_per_step"], 1),
-             "calls_per_step": round(r["calls_per_step"], 1)} for r in rows]  # fmt: skip
+    table = [{**r, "us_per_step": round(r["us_per_step"], 1),
+              "calls_per_step": round(r["calls_per_step"], 1)} for r in rows]  # fmt: skip
+    return table, round(device_span_us(prof) / 1e3, 2)
 
 
 def _prefill_host_table(llm: LLM, prompt: list[int], top: int = 25) -> list[dict[str, Any]]:

@@ -20,6 +20,7 @@ import torch
 from baton import LLM, SamplingParams
 from services.worker.engine.config import EngineArgs, piecewise_sizes
 from services.worker.engine.outputs import CompletionOutput
+from services.worker.engine.worker import piecewise_graphs
 from services.worker.engine.worker.step_inputs import StepInputs, TokenFill
 
 SIZES = (16, 32, 48)  # 48: the step's token budget, so every step runs split
@@ -170,6 +171,9 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: torch.cuda.Stream())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    # on CPU no pool holds the pieces' memory: a view that owns nothing would read freed
+    # memory at replay, so here the views own theirs (test_unowned_views checks the real one)
+    monkeypatch.setattr(piecewise_graphs, "_unowned", lambda t: t)
     _FakeGraph.log.clear()
     return _FakeGraph.log
 
@@ -224,7 +228,7 @@ def test_capture_ends_a_piece_at_every_attention_call(
 def test_the_kv_budget_leaves_room_for_the_graphs(tiny_model: Path) -> None:
     """What the piecewise graphs will hold is kept out of the KV cache's budget: the largest
     size's share of a full step's activations, and the static buffers (ids, positions, slots;
-    q, k, v and the attention's output)."""
+    the attention's output)."""
     llm = LLM(model=str(tiny_model), show_progress=False, dtype="float32")
     runner = llm.client.core.executor.worker.runner  # type: ignore[attr-defined]
     assert runner.piecewise_reserve_bytes(1 << 20) == 0  # none configured (CPU)
@@ -232,35 +236,48 @@ def test_the_kv_budget_leaves_room_for_the_graphs(tiny_model: Path) -> None:
         runner.config.device, piecewise_graph_sizes=(16, 32, 1024)))  # fmt: skip
     arch = runner.config.model.arch
     budget = runner.config.scheduler.max_num_batched_tokens
-    per_token = 3 * 8 + (2 * arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim * 4
+    per_token = 3 * 8 + arch.num_heads * arch.head_dim * 4
     assert runner.piecewise_reserve_bytes(budget * 100) == 1024 * 100 + 1024 * per_token
 
 
 def test_a_failed_capture_says_what_failed_and_ends_the_capture(
     tiny_model: Path, monkeypatch: pytest.MonkeyPatch, fake_cuda: list[str]
 ) -> None:
-    """An operation the capture refuses (here: layer 1's staging copies, inside the second
-    piece) stops start-up with the size, how far it got and what to change, and the piece
+    """An operation the capture refuses (here: at layer 1's split, inside the second piece)
+    stops start-up with the size, how far it got and what to change, and the piece
     being captured is ended (a stream left capturing would fail every later launch)."""
-
-    from services.worker.engine.worker.piecewise_graphs import PiecewiseGraphRunner
 
     llm = _engine(tiny_model, "torch")
     runner = llm.client.core.executor.worker.runner  # type: ignore[attr-defined]
-    stage = PiecewiseGraphRunner._stage
-    staged: list[int] = []
+    viewed: list[torch.Tensor] = []
 
-    def refusing(self, size, q, k, v):  # type: ignore[no-untyped-def]
-        staged.append(size)
-        if len(staged) == 2:
+    def refusing(t: torch.Tensor) -> torch.Tensor:  # layer 1's q is the fourth view
+        viewed.append(t)
+        if len(viewed) == 4:
             raise RuntimeError("operation not permitted when stream is capturing")
-        stage(self, size, q, k, v)
+        return t
 
-    monkeypatch.setattr(PiecewiseGraphRunner, "_stage", refusing)
+    monkeypatch.setattr(piecewise_graphs, "_unowned", refusing)
     want = (r"capturing the 32-token forward failed after 1 of its \d+ attention calls "
             r"\(operation not permitted.*piecewise-cuda-graph-tokens")  # fmt: skip
     with pytest.raises(RuntimeError, match=want):
         runner.start_piecewise_graphs((16, 32))
-    # piece0 ended at layer 0's split; piece1, open when layer 1's copies failed, was ended
+    # piece0 ended at layer 0's split; piece1, open when layer 1's split failed, was ended
     assert fake_cuda == ["begin piece0", "end piece0", "begin piece1", "end piece1"]
     assert all(a.split is None for a in runner.model.attention_layers())
+
+
+def test_unowned_views_alias_without_holding_the_memory() -> None:
+    """What a piece hands its attention: a view of the same memory, offset and strides (a
+    column slice of a wider row, as q, k and v of the fused projection are) that adds no
+    owner, so the graphs' pool may reuse the memory once the piece's own tensor is gone."""
+    base = torch.arange(48.0).view(4, 12)
+    q = base[:, 4:8].view(4, 2, 2)
+    owners = torch._C._storage_Use_Count(base.untyped_storage()._cdata)
+    view = piecewise_graphs._unowned(q)
+    assert torch._C._storage_Use_Count(base.untyped_storage()._cdata) == owners
+    assert (view.shape, view.stride(), view.storage_offset()) == (
+        q.shape, q.stride(), q.storage_offset())  # fmt: skip
+    assert view.data_ptr() == q.data_ptr() and torch.equal(view, q)
+    base.add_(1.0)
+    assert torch.equal(view, q)  # one memory: a write through either shows in both

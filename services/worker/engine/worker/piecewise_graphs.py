@@ -15,10 +15,14 @@ plus the attention's own launches.
 Capture (``capture``), per size N, largest first, every piece in one memory pool:
 
 - the forward runs once eagerly on the static inputs (kernels compiled, allocations settled),
-  then again under capture, with each attention layer's ``split`` set: the split copies the
-  layer's q, k, v into static buffers (the copies end the piece being captured), ends that
-  piece's capture, begins the next one, and hands the layer the static output buffer, which
-  the next piece reads. L layers give L + 1 pieces; the last one's hidden states stay.
+  then again under capture, with each attention layer's ``split`` set: the split keeps
+  unowned views of the layer's q, k, v (``_unowned``: their memory is the pool's, where the
+  replayed piece writes them), ends that piece's capture, begins the next one, and hands the
+  layer the static output buffer, which the next piece reads. L layers give L + 1 pieces; the
+  last one's hidden states stay.
+- The views own nothing, so the pool may hand their memory to a later piece; that piece
+  replays after the attention that reads them, so nothing is copied between a piece and the
+  attention (as vLLM's piecewise graphs keep weak references to their pieces' outputs).
 - Nothing runs during a capture, so no attention runs then: the output buffer's contents are
   whatever the replayed attention writes later.
 
@@ -32,8 +36,8 @@ so what the padding rows hold never reaches a real one.
 
 Without capture (``capture=False``: CPU, where CUDA graphs do not exist) ``run`` runs the same
 split forward inline: each layer's q, k, v go through the static buffers and the attention
-runs at the split exactly as it does between replayed pieces. The tests check that path on CPU
-against the eager forward, and the captured one on the GPU.
+runs at the split exactly as it does between replayed pieces (on the layer's own q, k, v). The
+tests check that path on CPU against the eager forward, and the captured one on the GPU.
 """
 
 import bisect
@@ -70,24 +74,23 @@ class PiecewiseGraphRunner:
         self.captured = capture
         top = self.sizes[-1]
         self.layers: list[LlamaAttention] = model.attention_layers()  # type: ignore[operator]
-        heads, kv_heads, d = _dims(self.layers[0])
+        heads, _, d = _dims(self.layers[0])
         self.input_ids = torch.zeros(top, dtype=torch.int64, device=device)
         self.positions = torch.zeros(top, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((top,), self.pad_slot, dtype=torch.int64, device=device)
-        # what crosses from a piece to the attention and back; every layer uses the same ones
-        self.q = torch.zeros((top, heads, d), dtype=dtype, device=device)
-        self.k = torch.zeros((top, kv_heads, d), dtype=dtype, device=device)
-        self.v = torch.zeros((top, kv_heads, d), dtype=dtype, device=device)
+        # what crosses from the attention to the next piece; every layer uses the same one
         self.out = torch.zeros((top, heads, d), dtype=dtype, device=device)
         self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.order: dict[int, list[LlamaAttention]] = {}  # the layers between the pieces
+        # per size, per attention call: unowned views of the q, k, v its piece writes
+        self.qkv: dict[int, list[QKV]] = {}
         self.hidden: dict[int, torch.Tensor] = {}  # the last piece's output, per size
 
     @staticmethod
     def static_bytes(model: nn.Module, top: int, dtype: torch.dtype) -> int:
         """The static buffers' bytes for steps of up to ``top`` tokens (outside the pool)."""
-        heads, kv_heads, d = _dims(model.attention_layers()[0])  # type: ignore[operator]
-        return top * (3 * 8 + (2 * heads + 2 * kv_heads) * d * dtype.itemsize)
+        heads, _, d = _dims(model.attention_layers()[0])  # type: ignore[operator]
+        return top * (3 * 8 + heads * d * dtype.itemsize)
 
     def can_run(self, inputs: StepInputs) -> bool:
         return inputs.num_tokens <= self.sizes[-1]
@@ -112,6 +115,7 @@ class PiecewiseGraphRunner:
     def _capture_size(self, size: int, meta: AttentionMetadata, pool: Any) -> None:
         pieces = [torch.cuda.CUDAGraph()]
         order: list[LlamaAttention] = []
+        views: list[QKV] = []
         open_ = [False]  # a piece's capture has begun and not ended
 
         def begin() -> None:
@@ -124,7 +128,7 @@ class PiecewiseGraphRunner:
 
         def split(layer: LlamaAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   _: AttentionMetadata) -> torch.Tensor:  # fmt: skip
-            self._stage(size, q, k, v)
+            views.append((_unowned(q), _unowned(k), _unowned(v)))
             end()
             order.append(layer)
             pieces.append(torch.cuda.CUDAGraph())
@@ -146,6 +150,7 @@ class PiecewiseGraphRunner:
                 "--piecewise-cuda-graph-tokens (or with fewer tokens)"
             ) from e
         self.pieces[size], self.order[size], self.hidden[size] = pieces, order, hidden
+        self.qkv[size] = views
 
     def _capture_metadata(self, size: int) -> AttentionMetadata:
         """One request of ``size`` tokens over the spare block (its writes land there): what
@@ -190,34 +195,28 @@ class PiecewiseGraphRunner:
         if not self.captured:
             return self._split_inline(size, meta), logits_indices
         pieces = self.pieces[size]
-        for piece, layer in zip(pieces, self.order[size], strict=False):
+        for piece, layer, (q, k, v) in zip(pieces, self.order[size], self.qkv[size], strict=False):
             piece.replay()
-            self._attend(layer, size, meta)
+            self._attend(layer, size, q, k, v, meta)
         pieces[-1].replay()
         return self.hidden[size], logits_indices
 
     def _split_inline(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
         def split(layer: LlamaAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   meta: AttentionMetadata) -> torch.Tensor:  # fmt: skip
-            self._stage(size, q, k, v)
-            self._attend(layer, size, meta)
+            self._attend(layer, size, q, k, v, meta)
             return self.out[:size]  # (what the next piece reads, as in replay)
 
         with self._splitting(split):
             hidden: torch.Tensor = self.model(self.input_ids[:size], self.positions[:size], meta)
             return hidden
 
-    def _stage(self, size: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.q[:size].copy_(q)
-        self.k[:size].copy_(k)
-        self.v[:size].copy_(v)
-
-    def _attend(self, layer: LlamaAttention, size: int, meta: AttentionMetadata) -> None:
+    def _attend(self, layer: LlamaAttention, size: int, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, meta: AttentionMetadata) -> None:  # fmt: skip
         """The layer's attention into the static output (its return value is not read: the
         captured piece after it reads the buffer)."""
         assert layer.kv_cache is not None, "KV cache not bound"
-        layer.attn.forward(self.q[:size], self.k[:size], self.v[:size], layer.kv_cache, meta,
-                           out=self.out[:size])  # fmt: skip
+        layer.attn.forward(q, k, v, layer.kv_cache, meta, out=self.out[:size])
 
     @contextlib.contextmanager
     def _splitting(self, split: AttentionSplit) -> Iterator[None]:
@@ -228,6 +227,21 @@ class PiecewiseGraphRunner:
         finally:
             for layer in self.layers:
                 layer.split = None
+
+
+QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _unowned(t: torch.Tensor) -> torch.Tensor:
+    """A view of ``t``'s memory (its offset, shape and strides) that keeps no reference to it:
+    the allocator counts the memory free once ``t`` is gone. (PyTorch's own CUDA-graph trees
+    rebuild their outputs' views the same way.)"""
+    storage = t.untyped_storage()
+    alias = torch._C._construct_storage_from_data_pointer(
+        storage.data_ptr(), t.device, storage.nbytes()
+    )
+    view = torch.empty(0, dtype=t.dtype, device=t.device)
+    return view.set_(alias, t.storage_offset(), t.shape, t.stride())
 
 
 def _dims(layer: LlamaAttention) -> tuple[int, int, int]:
