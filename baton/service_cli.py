@@ -55,7 +55,8 @@ ENGINE_HELP = {
     "fp8_fast_accumulation": "FP8 models: batched products accumulate in the tensor cores' own "
     "precision instead of float32 (default: on; faster, less exact over long rows)",
     "piecewise_cuda_graph_tokens": "steps of up to N tokens that the decode graphs do not "
-    "take (prefill, mixed) replay CUDA graphs split at each attention call (default 0: eager)",
+    "take (prefill, mixed) replay CUDA graphs split at each attention call (0: eager; "
+    "default: 8192 on one GPU, 0 at tensor_parallel_size > 1)",
     "quantization": "fp8: quantize a float checkpoint's linear layers to FP8 at load (an FP8 "
     "checkpoint is read as it is, without this flag)",
     "tensor_parallel_size": "split the model over N ranks (GPUs), one process each "

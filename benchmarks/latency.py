@@ -27,7 +27,9 @@ from benchmarks.roofline import ModelCost, fp8_matmul_peak, limits, limits_seen
 from benchmarks.shapes import write_shape
 
 VARIANTS: dict[str, dict[str, Any]] = {
-    "graphs": {},  # the default: CUDA graphs + fused kernels + attention "auto", async scheduling
+    # the default: CUDA graphs (whole decode steps; prefill steps piecewise) + fused kernels +
+    # attention "auto", async scheduling
+    "graphs": {},
     "sync": {"async_scheduling": False},  # the default, but the host waits for each step
     "eager": {"enforce_eager": True},
     "unfused": {"fused_ops": False},
@@ -48,10 +50,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # FP8, the batched products' partial sums promoted to float32 (the default before
     # 2026-12-02)
     "fp8_fp32_accumulation": {"quantization": "fp8", "fp8_fast_accumulation": False},
-    # prefill steps (and the short prompt's) replayed from piecewise CUDA graphs, up to the
-    # step's token budget (--prefill-len): the host launches a graph a layer, not its kernels
-    "piecewise": {"piecewise_cuda_graph_tokens": 1 << 16},
-    "fp8_piecewise": {"quantization": "fp8", "piecewise_cuda_graph_tokens": 1 << 16},
+    # prefill steps (and the short prompt's) launched kernel by kernel, not replayed from the
+    # piecewise CUDA graphs (the default replays them up to the step's budget, --prefill-len)
+    "no_piecewise": {"piecewise_cuda_graph_tokens": 0},
+    "fp8_no_piecewise": {"quantization": "fp8", "piecewise_cuda_graph_tokens": 0},
 }
 
 

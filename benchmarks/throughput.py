@@ -57,7 +57,7 @@ def run_baton(
         quantization=getattr(args, "quantization", None),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         fp8_fast_accumulation=getattr(args, "fp8_fast_accumulation", None),
-        piecewise_cuda_graph_tokens=getattr(args, "piecewise_cuda_graph_tokens", 0),
+        piecewise_cuda_graph_tokens=getattr(args, "piecewise_cuda_graph_tokens", None),
     )
     prompts, out_lens = make_workload(args, llm.config.model.arch.vocab_size)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
@@ -295,8 +295,9 @@ def main() -> None:
         help="FP8: batched products without float32 promotion (default: on)",
     )  # fmt: skip
     p.add_argument(
-        "--piecewise-cuda-graph-tokens", type=int, default=0,
-        help="steps of up to N tokens outside the decode graphs replay piecewise CUDA graphs",
+        "--piecewise-cuda-graph-tokens", type=int, default=None,
+        help="steps of up to N tokens outside the decode graphs replay piecewise CUDA graphs "
+        "(0: none; default: the engine's)",
     )  # fmt: skip
     p.add_argument(
         "--executor", choices=["uni", "mp", "ray"], default=None,

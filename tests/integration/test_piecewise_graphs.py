@@ -132,11 +132,21 @@ def test_piecewise_sizes_cover_the_budget() -> None:
         assert big - small <= max(128, small // 8 + 1)
     # capped at the step's token budget; none on CPU or with enforce_eager
     args = {"piecewise_cuda_graph_tokens": 4096, "max_num_batched_tokens": 2048}
-    assert EngineArgs(model="m", **args)._piecewise_sizes("cuda", 2048)[-1] == 2048
-    assert EngineArgs(model="m", **args)._piecewise_sizes("cpu", 2048) == ()
-    assert EngineArgs(model="m", enforce_eager=True, **args)._piecewise_sizes("cuda", 2048) == ()
+    assert EngineArgs(model="m", **args)._piecewise_sizes("cuda", 2048, 1)[-1] == 2048
+    assert EngineArgs(model="m", **args)._piecewise_sizes("cpu", 2048, 1) == ()
+    eager = EngineArgs(model="m", enforce_eager=True, **args)
+    assert eager._piecewise_sizes("cuda", 2048, 1) == ()
     with pytest.raises(ValueError, match="piecewise_cuda_graph_tokens must be >= 0"):
-        EngineArgs(model="m", piecewise_cuda_graph_tokens=-1)._piecewise_sizes("cuda", 2048)
+        EngineArgs(model="m", piecewise_cuda_graph_tokens=-1)._piecewise_sizes("cuda", 2048, 1)
+    # by default: on one GPU up to 8,192 tokens (or the budget), none above one rank unless
+    # asked for; 0 turns them off
+    default = EngineArgs(model="m")
+    assert default._piecewise_sizes("cuda", 16384, 1) == piecewise_sizes(8192)
+    assert default._piecewise_sizes("cuda", 2048, 1) == piecewise_sizes(2048)
+    assert default._piecewise_sizes("cuda", 16384, 2) == ()
+    assert EngineArgs(model="m", **args)._piecewise_sizes("cuda", 2048, 2)[-1] == 2048
+    off = EngineArgs(model="m", piecewise_cuda_graph_tokens=0)
+    assert off._piecewise_sizes("cuda", 2048, 1) == ()
 
 
 class _FakeGraph:
