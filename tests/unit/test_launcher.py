@@ -72,6 +72,20 @@ def test_tristate_flags_reach_the_workers(name: str, given: str, expected: bool 
     assert getattr(engine_args(build_parser().parse_args(worker_argv)), name) is expected
 
 
+@pytest.mark.parametrize(("flags", "expected"), [([], None), (["0"], 0), (["2048"], 2048)])
+def test_piecewise_graph_tokens_reach_the_workers(flags: list[str], expected: int | None) -> None:
+    """Absent, the workers' engines decide (on at one GPU); 0 (off) is passed on, not taken
+    for the default."""
+    from baton.service_cli import engine_args, engine_flags_argv
+
+    given = ["--piecewise-cuda-graph-tokens", *flags] if flags else []
+    serve = build_parser().parse_args(["serve", "--model", "m", *given])
+    worker_argv = ["worker", "--model", "m", *engine_flags_argv(serve)]
+    assert engine_args(build_parser().parse_args(worker_argv)).piecewise_cuda_graph_tokens == (
+        expected
+    )
+
+
 _PROBE = (
     "import os, sys; from baton.cli import build_parser; build_parser(); "
     "print('grpc' in sys.modules, repr(os.environ.get('GRPC_EXPERIMENTS')))"
