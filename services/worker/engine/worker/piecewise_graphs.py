@@ -35,9 +35,9 @@ padding row: the metadata covers the n real tokens, and every later kernel works
 so what the padding rows hold never reaches a real one.
 
 Without capture (``capture=False``: CPU, where CUDA graphs do not exist) ``run`` runs the same
-split forward inline: each layer's q, k, v go through the static buffers and the attention
-runs at the split exactly as it does between replayed pieces (on the layer's own q, k, v). The
-tests check that path on CPU against the eager forward, and the captured one on the GPU.
+split forward inline: at each split the attention runs on the layer's own q, k, v into the
+static output buffer, which the rest of the forward reads, as it does between replayed pieces.
+The tests check that path on CPU against the eager forward, and the captured one on the GPU.
 """
 
 import bisect
@@ -234,8 +234,9 @@ QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 def _unowned(t: torch.Tensor) -> torch.Tensor:
     """A view of ``t``'s memory (its offset, shape and strides) that keeps no reference to it:
-    the allocator counts the memory free once ``t`` is gone. (PyTorch's own CUDA-graph trees
-    rebuild their outputs' views the same way.)"""
+    the allocator counts the memory free once ``t`` is gone. It stays valid as long as the
+    graphs' pool does (the runner holds the graphs). (PyTorch's own CUDA-graph trees rebuild
+    their outputs' views through the same call, ``torch._C``'s, as no public one exists.)"""
     storage = t.untyped_storage()
     alias = torch._C._construct_storage_from_data_pointer(
         storage.data_ptr(), t.device, storage.nbytes()
