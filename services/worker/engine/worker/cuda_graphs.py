@@ -18,6 +18,32 @@ from services.worker.engine.worker.input_batch import host_tensor
 from services.worker.engine.worker.step_inputs import StepInputs, TokenFill
 
 
+class StaticTokens:
+    """What a captured forward reads for its tokens, in buffers of ``top`` rows its graphs
+    keep: ids, positions, KV slots. ``load`` puts a step's ``n`` rows there and pads rows
+    [n, size): token 0 at position 0, its K/V written to the spare slot past the cache."""
+
+    def __init__(self, top: int, pad_slot: int, device: torch.device):
+        self.pad_slot = pad_slot
+        self.input_ids = torch.zeros(top, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(top, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((top,), pad_slot, dtype=torch.int64, device=device)
+
+    def load(self, inputs: StepInputs, n: int, size: int, fill: TokenFill | None) -> None:
+        """``fill`` writes tokens the previous step sampled on the device into their rows."""
+        dev, i64 = self.input_ids.device, torch.int64
+        # from pinned memory, without blocking: the previous step may still be running
+        self.input_ids[:n].copy_(host_tensor(inputs.input_ids, i64, dev), non_blocking=True)
+        if fill is not None:
+            fill.apply(self.input_ids)
+        self.positions[:n].copy_(host_tensor(inputs.positions, i64, dev), non_blocking=True)
+        self.slot_mapping[:n].copy_(host_tensor(inputs.slot_mapping, i64, dev), non_blocking=True)
+        if size > n:
+            self.input_ids[n:size].zero_()
+            self.positions[n:size].zero_()
+            self.slot_mapping[n:size].fill_(self.pad_slot)
+
+
 class CudaGraphRunner:
     def __init__(
         self,
@@ -35,9 +61,7 @@ class CudaGraphRunner:
         self.pad_block = pad_block
         top = self.sizes[-1]
         width = -(-max_model_len // block_size)
-        self.input_ids = torch.zeros(top, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(top, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((top,), self.pad_slot, dtype=torch.int64, device=device)
+        self.tokens = StaticTokens(top, self.pad_slot, device)
         self.seq_lens = torch.ones(top, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.full((top, width), pad_block, dtype=torch.int32, device=device)
@@ -71,13 +95,8 @@ class CudaGraphRunner:
         writes tokens the previous step sampled on the device into their rows' inputs."""
         b = len(inputs.req_ids)
         size = self.sizes[bisect.bisect_left(self.sizes, b)]
-        dev, i32, i64 = self.input_ids.device, torch.int32, torch.int64
-        # from pinned memory, without blocking: the previous step may still be running
-        self.input_ids[:b].copy_(host_tensor(inputs.input_ids, i64, dev), non_blocking=True)
-        if fill is not None:
-            fill.apply(self.input_ids)
-        self.positions[:b].copy_(host_tensor(inputs.positions, i64, dev), non_blocking=True)
-        self.slot_mapping[:b].copy_(host_tensor(inputs.slot_mapping, i64, dev), non_blocking=True)
+        dev, i32 = self.seq_lens.device, torch.int32
+        self.tokens.load(inputs, b, size, fill)  # (from pinned memory, without blocking)
         self.seq_lens[:b].copy_(host_tensor(inputs.seq_lens, i32, dev), non_blocking=True)
         width = inputs.block_table.shape[1]
         table = host_tensor(inputs.block_table, i32, dev)
@@ -87,9 +106,6 @@ class CudaGraphRunner:
             self.decode_order[:b].copy_(order, non_blocking=True)
         if size > b:  # padding rows: harmless single-token requests on the spare block
             self.decode_order[b:size].copy_(self.rows[b:size])
-            self.input_ids[b:size].zero_()
-            self.positions[b:size].zero_()
-            self.slot_mapping[b:size].fill_(self.pad_slot)
             self.seq_lens[b:size].fill_(1)
             self.block_tables[b:size, 0].fill_(self.pad_block)
         self.graphs[size].replay()
@@ -101,7 +117,7 @@ class CudaGraphRunner:
             query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size],
             block_tables=self.block_tables[:size],
-            slot_mapping=self.slot_mapping[:size],
+            slot_mapping=self.tokens.slot_mapping[:size],
             query_start_loc_cpu=list(range(size + 1)),
             seq_lens_cpu=[self.max_model_len] * size,
             max_query_len=1,
@@ -110,5 +126,5 @@ class CudaGraphRunner:
         )
 
     def _forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:size], self.positions[:size], meta)
+        hidden = self.model(self.tokens.input_ids[:size], self.tokens.positions[:size], meta)
         return self.model.compute_logits(hidden)  # type: ignore[operator]

@@ -50,7 +50,8 @@ from torch import nn
 
 from services.worker.engine.attention.backend import AttentionMetadata
 from services.worker.engine.models.llama import AttentionSplit, LlamaAttention
-from services.worker.engine.worker.input_batch import host_tensor, to_device
+from services.worker.engine.worker.cuda_graphs import StaticTokens
+from services.worker.engine.worker.input_batch import to_device
 from services.worker.engine.worker.step_inputs import StepInputs, TokenFill
 
 
@@ -75,9 +76,7 @@ class PiecewiseGraphRunner:
         top = self.sizes[-1]
         self.layers: list[LlamaAttention] = model.attention_layers()  # type: ignore[operator]
         heads, _, d = _dims(self.layers[0])
-        self.input_ids = torch.zeros(top, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(top, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((top,), self.pad_slot, dtype=torch.int64, device=device)
+        self.tokens = StaticTokens(top, self.pad_slot, device)
         # what crosses from the attention to the next piece; every layer uses the same one
         self.out = torch.zeros((top, heads, d), dtype=dtype, device=device)
         self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
@@ -106,7 +105,7 @@ class PiecewiseGraphRunner:
                 meta = self._capture_metadata(size)
                 # on the capture stream, as the capture will: kernels compiled, cuBLAS's
                 # workspace for this stream allocated, the allocator settled
-                self.model(self.input_ids[:size], self.positions[:size], meta)
+                self._forward(size, meta)
                 stream.synchronize()
                 self._capture_size(size, meta, pool)
         torch.cuda.current_stream(self.device).wait_stream(stream)
@@ -138,7 +137,7 @@ class PiecewiseGraphRunner:
         try:
             with self._splitting(split):
                 begin()
-                hidden = self.model(self.input_ids[:size], self.positions[:size], meta)
+                hidden = self._forward(size, meta)
                 end()
         except Exception as e:
             if open_[0]:  # leave the stream out of capture mode
@@ -162,7 +161,7 @@ class PiecewiseGraphRunner:
             query_start_loc=torch.tensor([0, size], dtype=torch.int32, device=dev),
             seq_lens=torch.tensor([size], dtype=torch.int32, device=dev),
             block_tables=torch.full((1, width), self.pad_block, dtype=torch.int32, device=dev),
-            slot_mapping=self.slot_mapping[:size],
+            slot_mapping=self.tokens.slot_mapping[:size],
             query_start_loc_cpu=[0, size],
             seq_lens_cpu=[size],
             max_query_len=size,
@@ -179,19 +178,9 @@ class PiecewiseGraphRunner:
         step sampled on the device into their rows' inputs."""
         n = inputs.num_tokens
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
-        dev, i64 = self.device, torch.int64
-        # from pinned memory, without blocking: the previous step may still be running
-        self.input_ids[:n].copy_(host_tensor(inputs.input_ids, i64, dev), non_blocking=True)
-        if fill is not None:
-            fill.apply(self.input_ids)
-        self.positions[:n].copy_(host_tensor(inputs.positions, i64, dev), non_blocking=True)
-        self.slot_mapping[:n].copy_(host_tensor(inputs.slot_mapping, i64, dev), non_blocking=True)
-        if size > n:  # padding rows: token 0 at position 0, its K/V to the spare block
-            self.input_ids[n:size].zero_()
-            self.positions[n:size].zero_()
-            self.slot_mapping[n:size].fill_(self.pad_slot)
-        meta = inputs.metadata(dev, self.slot_mapping[:size])
-        logits_indices = to_device(inputs.logits_indices, i64, dev)
+        self.tokens.load(inputs, n, size, fill)  # (from pinned memory, without blocking)
+        meta = inputs.metadata(self.device, self.tokens.slot_mapping[:size])
+        logits_indices = to_device(inputs.logits_indices, torch.int64, self.device)
         if not self.captured:
             return self._split_inline(size, meta), logits_indices
         pieces = self.pieces[size]
@@ -208,8 +197,13 @@ class PiecewiseGraphRunner:
             return self.out[:size]  # (what the next piece reads, as in replay)
 
         with self._splitting(split):
-            hidden: torch.Tensor = self.model(self.input_ids[:size], self.positions[:size], meta)
-            return hidden
+            return self._forward(size, meta)
+
+    def _forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
+        hidden: torch.Tensor = self.model(
+            self.tokens.input_ids[:size], self.tokens.positions[:size], meta
+        )
+        return hidden
 
     def _attend(self, layer: LlamaAttention, size: int, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, meta: AttentionMetadata) -> None:  # fmt: skip
