@@ -151,7 +151,7 @@ def decode_sweep(
     summary = {
         "copy_bandwidth_GBps": round(bandwidth / 1e9, 1),
         "kv_MB": round(kv_bytes / 1e6, 1),
-        "rule_splits": rule(args.batch, args.kv_heads, max(lens), backend._sms(q)),
+        "rule_splits": rule(args.batch, args.kv_heads, max(lens), backend._sms(q.device)),
         "by_splits": by_splits,
         "best": ok[:5],
         "default": [r for r in ok if (r["block_n"], r["warps"], r["stages"]) == default],
@@ -352,7 +352,7 @@ def tune(args: argparse.Namespace) -> None:
     }
     print(json.dumps(report["prefill_ms"], indent=1), flush=True)
 
-    sms = impl._sms(torch.empty(1, device=dev))
+    sms = impl._sms(dev)
     measured = []
     for batch, ctx in DECODE_CASES:
         q, meta, cache, _ = decode_case([ctx] * batch, args, dev)
@@ -408,7 +408,7 @@ def tune_split_decode(args: argparse.Namespace) -> None:
     impl = TritonAttentionBackend(args.heads, args.kv_heads, args.head_dim, args.head_dim**-0.5)
     impl._tuned = True  # this sweep sets the configurations itself
     gpu = torch.cuda.get_device_name(dev)
-    sms = impl._sms(torch.empty(1, device=dev))
+    sms = impl._sms(dev)
     counts = SPLIT_COUNTS
     times: dict[tuple[int, ...], list[dict[int, float]]] = {}
     for batch, ctx in SPLIT_CASES:

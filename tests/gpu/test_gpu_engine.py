@@ -33,6 +33,49 @@ def test_cuda_graphs_equal_eager_and_the_cpu_reference(tiny_model: Path) -> None
     assert greedy(graphs) == greedy(eager) == cpu
 
 
+def test_decode_graphs_of_two_context_bounds_equal_eager(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A split launch for contexts above 48 tokens (``DECODE_LONG_CONTEXT``) and contexts split
+    from 8 tokens on: every size whose rows split the context is captured for contexts up to
+    48 and up to max_model_len, each step replays the graph of its longest context, and the
+    greedy tokens are eager's (which launches by the step's real contexts)."""
+    from services.worker.engine.attention import triton_backend
+
+    cls = triton_backend.TritonAttentionBackend
+    monkeypatch.setattr(triton_backend, "TOKENS_PER_SPLIT", 8)
+    for name, value in (("DECODE_SPLIT_BLOCK_N", 32), ("DECODE_SPLIT_WARPS", 2),
+                        ("DECODE_SPLIT_STAGES", 3), ("DECODE_LONG_CONTEXT", 48)):  # fmt: skip
+        monkeypatch.setattr(cls, name, value)
+    path = str(tiny_model)
+    kw = {"dtype": "float32", "attention_backend": "triton", "show_progress": False}
+    eager = LLM(model=path, enforce_eager=True, **kw)  # type: ignore[arg-type]
+    graphs = LLM(model=path, **kw)  # type: ignore[arg-type]
+    runner = graphs.client.core.executor.worker.runner.graphs  # type: ignore[attr-defined]
+    top = graphs.config.model.max_model_len
+    arch = graphs.config.model.arch
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for size in runner.sizes:  # the default rule: fill the GPU once
+        split = triton_backend.num_decode_splits(size, arch.num_kv_heads, top, sms) > 1
+        assert runner.contexts[size] == ([48, top] if split else [top]), size
+    assert runner.contexts[1] == [48, top]
+    assert set(runner.graphs) == {(s, c) for s, bounds in runner.contexts.items() for c in bounds}
+    keys: list[tuple[int, int]] = []
+    key = runner.key
+
+    def counted(batch: int, longest: int) -> tuple[int, int]:
+        keys.append(key(batch, longest))
+        return keys[-1]
+
+    runner.key = counted
+    short = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in eager.generate(["Hi", "Hello there"], short)]
+    got = [o.outputs[0].token_ids for o in graphs.generate(["Hi", "Hello there"], short)]
+    assert got == want
+    assert greedy(graphs) == greedy(eager)  # the long prompt's contexts pass 48 tokens
+    assert {c for _, c in keys} == {48, top}
+
+
 def test_bfloat16_is_the_default_and_close_to_float32(tiny_model: Path) -> None:
     bf16 = LLM(model=str(tiny_model), show_progress=False)
     from services.worker.engine.attention.flash_attn_backend import available

@@ -279,6 +279,54 @@ def test_a_tuned_config_sets_the_launches_and_the_split_rule(
         impl.apply_config({"prefill": {"head_dim_128": {"block_k": 64}}})
 
 
+def test_the_split_launch_serves_contexts_above_the_long_context_only() -> None:
+    """A tuned ``long_context``: a split context up to it takes the one-range launch, a longer
+    one the split launch; a decode graph size whose rows split the context is then captured
+    for both bounds (a graph keeps its launch), and for one bound where its rows do not split
+    it, the two launches are the same, or none is set."""
+    from services.worker.engine.attention.triton_backend import TritonAttentionBackend
+
+    impl = TritonAttentionBackend(32, 8, 128, 128**-0.5)
+    impl._tuned = True  # this test's document, not the GPU's
+    impl.apply_config({"decode": {"head_dim_128": {
+        "block_n": 64, "warps": 4, "stages": 2, "split_block_n": 128, "split_warps": 8,
+        "split_stages": 4, "long_context": 16384, "waves": 2}}})  # fmt: skip
+    cpu = torch.device("cpu")
+    one, split = impl._launches()
+    assert (one, split) == ((64, 4, 2), (128, 8, 4))
+    assert not impl._long_context(16384) and impl._long_context(16385)
+    # 8 SMs on CPU, 8 kv heads, two waves: one row splits a context in two, two rows do not
+    assert impl.decode_graph_contexts(1, 131072, cpu) == (16384, 131072)
+    assert impl.decode_graph_contexts(2, 131072, cpu) == (131072,)
+    assert impl.decode_graph_contexts(1, 16384, cpu) == (16384,)  # nothing longer to serve
+    impl.DECODE_LONG_CONTEXT = None  # every split context takes the split launch
+    assert impl._long_context(100) and impl.decode_graph_contexts(1, 131072, cpu) == (131072,)
+    same = TritonAttentionBackend(32, 8, 128, 128**-0.5)
+    same._tuned = True
+    same.apply_config({"decode": {"head_dim_128": {"long_context": 4096, "waves": 2}}})
+    assert same.decode_graph_contexts(1, 131072, cpu) == (131072,)  # no split launch of its own
+
+
+def test_the_decode_graph_of_a_step_holds_its_batch_and_its_longest_context() -> None:
+    from services.worker.engine.worker.cuda_graphs import CudaGraphRunner
+
+    def runner(contexts: dict[int, tuple[int, ...]] | None) -> CudaGraphRunner:
+        return CudaGraphRunner(torch.nn.Identity(), (1, 2, 4, 8), 32768, 16, pad_block=0,
+                               device=torch.device("cpu"), contexts=contexts)  # fmt: skip
+
+    two = runner({s: (16384, 32768) for s in (1, 2, 4)})  # size 8: the default, one bound
+    assert two.contexts[8] == [32768]
+    assert two.key(1, 200) == (1, 16384)
+    assert two.key(3, 16384) == (4, 16384)
+    assert two.key(3, 16385) == (4, 32768)
+    assert two.key(5, 10) == (8, 32768)
+    assert runner(None).key(5, 10) == (8, 32768)  # one graph a size, at the longest context
+    with pytest.raises(ValueError, match="must end at 32768"):
+        runner({2: (16384,)})
+    meta = two._metadata(2, 16384)  # captured as if every row had the bound's context
+    assert meta.max_seq_len == 16384 and meta.max_decode_seq_len == 16384
+
+
 def test_the_kept_configs_are_valid() -> None:
     """Every measured configuration in the package applies to the head dims it names."""
     from services.worker.engine.attention import triton_backend

@@ -113,6 +113,16 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 
+    def decode_graph_contexts(
+        self, num_reqs: int, max_model_len: int, device: torch.device
+    ) -> tuple[int, ...]:
+        """The longest contexts a decode CUDA graph of ``num_reqs`` rows is captured for,
+        ascending, the last ``max_model_len``: a graph captured at a context serves every step
+        whose longest context is no longer (worker/cuda_graphs.py). More than one where the
+        backend launches its decode kernel differently for shorter contexts; a captured graph
+        keeps the launch it was captured with."""
+        return (max_model_len,)
+
 
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKVCache, slot_mapping: torch.Tensor

@@ -77,10 +77,15 @@ class TritonAttentionBackend(AttentionBackend):
     DECODE_BLOCK_N = 64
     DECODE_WARPS = 4
     DECODE_STAGES = 2
-    # ... when the context is split (few rows, long contexts); None: as above
+    # ... when the context is split over more than DECODE_LONG_CONTEXT tokens (few rows, long
+    # contexts); None: as above. Up to DECODE_LONG_CONTEXT (None: no limit) a split context
+    # takes the launch above: its splits are short, and on the H200 the split launch's deeper
+    # pipeline made a batch-1 step of the 8B shape 0.1–0.35 ms slower at 128–16k tokens of
+    # context, 0.09 ms faster at 32k (docs/performance.md)
     DECODE_SPLIT_BLOCK_N: int | None = None
     DECODE_SPLIT_WARPS: int | None = None
     DECODE_SPLIT_STAGES: int | None = None
+    DECODE_LONG_CONTEXT: int | None = None
     PREFILL_BLOCK_M = 64
     PREFILL_BLOCK_N = 64
     PREFILL_WARPS = 4
@@ -94,12 +99,12 @@ class TritonAttentionBackend(AttentionBackend):
         self._split_rule: dict[str, int] = {}
         self._tuned = False
 
-    def _tune(self, q: torch.Tensor) -> None:
+    def _tune(self, device: torch.device) -> None:
         """Take the measured configuration of this GPU over the class defaults, once. (A sweep
         that sets its own configurations marks the instance tuned first.)"""
         self._tuned = True
-        if q.is_cuda:
-            self.apply_config(tuned_config(torch.cuda.get_device_name(q.device)))
+        if device.type == "cuda":
+            self.apply_config(tuned_config(torch.cuda.get_device_name(device)))
 
     TUNABLE: ClassVar[dict[str, tuple[str, ...]]] = {
         "prefill": ("block_m", "block_n", "warps", "stages"),
@@ -113,6 +118,7 @@ class TritonAttentionBackend(AttentionBackend):
             "split_block_n",
             "split_warps",
             "split_stages",
+            "long_context",
         ),
     }
     SPLIT_RULE = ("waves", "max_splits", "tokens_per_split")
@@ -202,7 +208,7 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> None:
         """The first ``num_reqs`` requests of the batch."""
         if not self._tuned:
-            self._tune(q)
+            self._tune(q.device)
         block_m, block_n = (self.PREFILL_BLOCK_M, self.PREFILL_BLOCK_N) if q.is_cuda else (16, 16)
         grid = (self.num_heads, triton.cdiv(meta.max_query_len, block_m), num_reqs)
         launch = {"num_warps": self.PREFILL_WARPS, "num_stages": self.PREFILL_STAGES}
@@ -222,10 +228,14 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> None:
         """The requests from ``first`` on, one query each, in ``meta.decode_order``."""
         if not self._tuned:
-            self._tune(q)
+            self._tune(q.device)
         num_reqs = meta.seq_lens.shape[0] - first
         splits = num_decode_splits(
-            num_reqs, self.num_kv_heads, meta.max_decode_seq_len, self._sms(q), **self._split_rule
+            num_reqs,
+            self.num_kv_heads,
+            meta.max_decode_seq_len,
+            self._sms(q.device),
+            **self._split_rule,
         )
         part_acc = part_ml = out  # unused placeholders when there is a single split
         if splits > 1:
@@ -242,7 +252,8 @@ class TritonAttentionBackend(AttentionBackend):
             meta.block_tables, meta.query_start_loc, meta.seq_lens, first,
             order if order is not None else meta.seq_lens, ORDERED=order is not None,
             GROUP_PAD=max(16, triton.next_power_of_2(self.group)),
-            NUM_SPLITS=splits, **common, **self._decode_launch(q, splits),
+            NUM_SPLITS=splits, **common,
+            **self._decode_launch(q, splits, meta.max_decode_seq_len),
         )  # fmt: skip
         if splits > 1:
             _combine[(num_reqs, self.num_heads)](
@@ -252,21 +263,48 @@ class TritonAttentionBackend(AttentionBackend):
                 **launch_options(q),
             )  # fmt: skip
 
-    def _decode_launch(self, q: torch.Tensor, splits: int) -> dict[str, int | bool]:
+    def _decode_launch(
+        self, q: torch.Tensor, splits: int, max_seq_len: int
+    ) -> dict[str, int | bool]:
         if not q.is_cuda:
             return {"BLOCK_N": 16}
-        block_n, warps, stages = self.DECODE_BLOCK_N, self.DECODE_WARPS, self.DECODE_STAGES
-        if splits > 1:
-            block_n = self.DECODE_SPLIT_BLOCK_N or block_n
-            warps = self.DECODE_SPLIT_WARPS or warps
-            stages = self.DECODE_SPLIT_STAGES or stages
+        one, split = self._launches()
+        block_n, warps, stages = split if splits > 1 and self._long_context(max_seq_len) else one
         return {
             "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, **launch_options(q),
         }  # fmt: skip
 
-    def _sms(self, q: torch.Tensor) -> int:
+    def _launches(self) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """(BLOCK_N, warps, stages) of the decode kernel: one range, and long split ones."""
+        one = self.DECODE_BLOCK_N, self.DECODE_WARPS, self.DECODE_STAGES
+        split = (self.DECODE_SPLIT_BLOCK_N, self.DECODE_SPLIT_WARPS, self.DECODE_SPLIT_STAGES)
+        return one, (split[0] or one[0], split[1] or one[1], split[2] or one[2])
+
+    def _long_context(self, max_seq_len: int) -> bool:
+        """Whether a split context of ``max_seq_len`` tokens takes the split launch."""
+        return self.DECODE_LONG_CONTEXT is None or max_seq_len > self.DECODE_LONG_CONTEXT
+
+    def decode_graph_contexts(
+        self, num_reqs: int, max_model_len: int, device: torch.device
+    ) -> tuple[int, ...]:
+        """Two where ``num_reqs`` rows split a context of ``max_model_len`` tokens and the
+        split launch, of its own, starts above ``DECODE_LONG_CONTEXT``: contexts up to it, and
+        the rest (a graph keeps its launch). One otherwise."""
+        if not self._tuned:
+            self._tune(device)
+        long = self.DECODE_LONG_CONTEXT
+        one, split = self._launches()
+        splits = num_decode_splits(
+            num_reqs, self.num_kv_heads, max_model_len, self._sms(device), **self._split_rule
+        )
+        if splits == 1 or long is None or long >= max_model_len or one == split:
+            return (max_model_len,)
+        return (long, max_model_len)
+
+    def _sms(self, device: torch.device) -> int:
         if self._num_sms is None:
+            cuda = device.type == "cuda"
             self._num_sms = (
-                torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
+                torch.cuda.get_device_properties(device).multi_processor_count if cuda else 8
             )
         return self._num_sms

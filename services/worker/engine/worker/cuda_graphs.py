@@ -5,6 +5,12 @@ A batch of B requests runs in the smallest captured size S ≥ B; rows [B, S) ar
 token at position 0 that writes to the spare block after the real cache and attends to itself.
 Batches larger than the largest size, and any step with a prefill, run eagerly.
 
+A graph keeps the launches it was captured with, among them the decode attention's split count
+and launch configuration, chosen for the longest context the graph may see. Where the backend
+launches shorter contexts differently (``AttentionBackend.decode_graph_contexts``), each size
+is captured once per such context bound, and a step replays the graph of the smallest bound
+that holds its longest context.
+
 Capture needs a backend that reads no per-step host values (``supports_cuda_graphs``).
 """
 
@@ -53,10 +59,19 @@ class CudaGraphRunner:
         block_size: int,
         pad_block: int,
         device: torch.device,
+        contexts: dict[int, tuple[int, ...]] | None = None,
     ):
         self.model = model
         self.sizes = sorted(sizes)
         self.max_model_len = max_model_len
+        # per size: the longest context each of its graphs is captured for, ascending
+        given = contexts or {}
+        self.contexts = {s: sorted(given.get(s, (max_model_len,))) for s in self.sizes}
+        for size, bounds in self.contexts.items():
+            if bounds[-1] != max_model_len:
+                raise ValueError(
+                    f"size {size}'s graph contexts {bounds} must end at {max_model_len}"
+                )
         self.pad_slot = pad_block * block_size
         self.pad_block = pad_block
         top = self.sizes[-1]
@@ -69,8 +84,9 @@ class CudaGraphRunner:
         # nothing to order and is captured without); padding rows keep theirs, at the end
         self.rows = torch.arange(top, dtype=torch.int32, device=device)
         self.decode_order = self.rows.clone()
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        # keyed by (size, context bound)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, int], torch.Tensor] = {}
 
     def can_run(self, inputs: StepInputs) -> bool:
         return inputs.max_query_len == 1 and len(inputs.req_ids) <= self.sizes[-1]
@@ -78,23 +94,34 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         pool = None
-        for size in reversed(self.sizes):  # largest first: later graphs reuse its memory
-            meta = self._metadata(size)
+        # largest first: later graphs reuse its memory (no two of them ever run at once)
+        keys = [(s, c) for s, bounds in self.contexts.items() for c in bounds]
+        for key in sorted(keys, reverse=True):
+            size = key[0]
+            meta = self._metadata(*key)
             for _ in range(2):  # compile kernels, settle allocations
                 self._forward(size, meta)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self._forward(size, meta)
+                self.logits[key] = self._forward(size, meta)
             pool = graph.pool()
-            self.graphs[size] = graph
+            self.graphs[key] = graph
         torch.cuda.synchronize()
+
+    def key(self, batch: int, longest: int) -> tuple[int, int]:
+        """The graph a step of ``batch`` decode rows whose longest context is ``longest``
+        tokens replays: the smallest size and context bound that hold them."""
+        size = self.sizes[bisect.bisect_left(self.sizes, batch)]
+        bounds = self.contexts[size]
+        return size, bounds[bisect.bisect_left(bounds, longest)]
 
     def run(self, inputs: StepInputs, fill: TokenFill | None = None) -> torch.Tensor:
         """Logits [B, vocab] for a decode batch of B requests (one token each). ``fill``
         writes tokens the previous step sampled on the device into their rows' inputs."""
         b = len(inputs.req_ids)
-        size = self.sizes[bisect.bisect_left(self.sizes, b)]
+        key = self.key(b, max(inputs.seq_lens))
+        size = key[0]
         dev, i32 = self.seq_lens.device, torch.int32
         self.tokens.load(inputs, b, size, fill)  # (from pinned memory, without blocking)
         self.seq_lens[:b].copy_(host_tensor(inputs.seq_lens, i32, dev), non_blocking=True)
@@ -108,10 +135,10 @@ class CudaGraphRunner:
             self.decode_order[b:size].copy_(self.rows[b:size])
             self.seq_lens[b:size].fill_(1)
             self.block_tables[b:size, 0].fill_(self.pad_block)
-        self.graphs[size].replay()
-        return self.logits[size][:b]
+        self.graphs[key].replay()
+        return self.logits[key][:b]
 
-    def _metadata(self, size: int) -> AttentionMetadata:
+    def _metadata(self, size: int, context: int) -> AttentionMetadata:
         return AttentionMetadata(
             num_tokens=size,
             query_start_loc=self.query_start_loc[: size + 1],
@@ -119,9 +146,9 @@ class CudaGraphRunner:
             block_tables=self.block_tables[:size],
             slot_mapping=self.tokens.slot_mapping[:size],
             query_start_loc_cpu=list(range(size + 1)),
-            seq_lens_cpu=[self.max_model_len] * size,
+            seq_lens_cpu=[context] * size,
             max_query_len=1,
-            max_seq_len=self.max_model_len,  # fixes the decode kernel's split count
+            max_seq_len=context,  # fixes the decode kernel's split count and launch
             decode_order=self.decode_order[:size] if size > 1 else None,
         )
 

@@ -101,9 +101,12 @@ class ModelRunner:
         self.pad_block = num_blocks
         sizes = self.config.device.cuda_graph_batch_sizes
         if sizes and getattr(self.backend, "supports_cuda_graphs", False):
+            max_len = self.config.model.max_model_len
+            attn = self.model.attention_layers()[0].attn
+            bounds = {s: attn.decode_graph_contexts(s, max_len, self.device) for s in sizes}
             self.graphs = CudaGraphRunner(
-                self.model, sizes, self.config.model.max_model_len, self.block_size,
-                pad_block=self.pad_block, device=self.device,
+                self.model, sizes, max_len, self.block_size, pad_block=self.pad_block,
+                device=self.device, contexts=bounds,
             )  # fmt: skip
             self.graphs.capture()
         if self.config.device.piecewise_graph_sizes:
