@@ -80,8 +80,8 @@ class TritonAttentionBackend(AttentionBackend):
     # ... when the context is split over more than DECODE_LONG_CONTEXT tokens (few rows, long
     # contexts); None: as above. Up to DECODE_LONG_CONTEXT (None: no limit) a split context
     # takes the launch above: its splits are short, and on the H200 the split launch's deeper
-    # pipeline made a batch-1 step of the 8B shape 0.1–0.35 ms slower at 128–16k tokens of
-    # context, 0.09 ms faster at 32k (docs/performance.md)
+    # pipeline made a batch-1 step of the 8B shape 0.12–0.36 ms slower (bf16) at 128–16k tokens
+    # of context, 0.09 ms faster at 32k (docs/performance.md)
     DECODE_SPLIT_BLOCK_N: int | None = None
     DECODE_SPLIT_WARPS: int | None = None
     DECODE_SPLIT_STAGES: int | None = None
