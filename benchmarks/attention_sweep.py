@@ -306,7 +306,7 @@ def prefill(args: argparse.Namespace) -> None:
 
 PREFILL_GRID = list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)))
 DECODE_CASES = [(1, 32768), (4, 32768), (16, 32768), (1, 8192), (32, 4096), (256, 1024)]
-SPLIT_RULES = list(itertools.product((1, 2, 4), (16, 32, 64), (256, 512)))
+SPLIT_RULES = list(itertools.product((1, 2, 4), (16, 32, 64), (32, 256, 512)))
 
 
 def tune(args: argparse.Namespace) -> None:
@@ -398,23 +398,91 @@ SPLIT_LAUNCHES = [(64, 4, 2), (64, 8, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4),
 SPLIT_COUNTS = (1, 2, 4, 8, 16, 32)
 
 
+class SplitChoice:
+    """The split launch and rule a sweep's times pick, each case timed as the engine launches
+    it: a case whose context is at most ``long_context`` with the one-range launch ``one``
+    whatever the candidate (``TritonAttentionBackend.DECODE_LONG_CONTEXT``), a longer one with
+    the candidate; at the split count the rule gives it. ``times[launch][case][splits]``:
+    seconds, from a sweep of every launch at every count of SPLIT_COUNTS (a count not measured
+    is never chosen)."""
+
+    def __init__(
+        self,
+        times: dict[tuple[int, ...], list[dict[int, float]]],
+        cases: list[tuple[int, int]],
+        kv_heads: int,
+        sms: int,
+        one: tuple[int, ...],
+        long_context: int | None,
+    ) -> None:
+        self.times, self.cases, self.kv_heads, self.sms = times, cases, kv_heads, sms
+        self.one, self.long_context = one, long_context
+        # each case's best as the engine can launch it
+        self.best = [
+            min(min(self.times[la][i].values()) for la in self._launches(i))
+            for i in range(len(cases))
+        ]
+
+    def _short(self, case: int) -> bool:
+        """The engine runs this case's split context with the one-range launch."""
+        return self.long_context is not None and self.cases[case][1] <= self.long_context
+
+    def _launches(self, case: int) -> list[tuple[int, ...]]:
+        return [self.one] if self._short(case) else list(self.times)
+
+    def time(self, launch: tuple[int, ...], rule: tuple[int, int, int], case: int) -> float:
+        batch, ctx = self.cases[case]
+        launch = self.one if self._short(case) else launch
+        n = triton_backend.num_decode_splits(batch, self.kv_heads, ctx, self.sms, *rule)
+        return self.times[launch][case].get(n, float("inf"))
+
+    def score(self, launch: tuple[int, ...], rule: tuple[int, int, int]) -> float:
+        return sum(self.time(launch, rule, i) / b for i, b in enumerate(self.best))
+
+    def pick(
+        self, rules: list[tuple[int, int, int]], now: tuple[int, int, int]
+    ) -> tuple[tuple[int, ...], tuple[int, int, int]]:
+        """The (launch, rule) of least score; ties go to the kept rule, then the first."""
+        ordered = sorted(rules, key=lambda r: (r != now, r))
+        pairs = [(la, r) for la in self.times for r in ordered]
+        return min(pairs, key=lambda lr: self.score(*lr))
+
+
 def tune_split_decode(args: argparse.Namespace) -> None:
     """The decode kernel's launch when it splits the context (one or a few long requests), and
     the split rule with it: every SPLIT_LAUNCHES (BLOCK_N, warps, stages) at 1 to 32 splits on
     each SPLIT_CASES; the launch and rule with the least summed time relative to each case's
-    best, over the measured split counts. Merged into the kept configuration of this GPU (or
-    a new one) and written into ``--tune-split-decode``."""
+    best, over the measured split counts, each case launched as the engine would
+    (``SplitChoice``: the kept ``long_context`` keeps the candidates to the longer cases).
+    Merged into the kept configuration of this GPU (or a new one) and written into
+    ``--tune-split-decode``.
+
+    The kernel is timed alone. At short contexts that misjudged the engine's step: there the
+    deep launch it picked cost a batch-1 step 0.12–0.36 ms, where alone it was within 1–2 µs
+    a layer (docs/results/h200-2026-12-02f); ``long_context`` was set from the step's times."""
     dev = torch.device("cuda")
+    gpu = torch.cuda.get_device_name(dev)
+    key = f"head_dim_{args.head_dim}"
+    kept = triton_backend.tuned_config(gpu)
+    rule_now = kept.get("decode", {}).get(key, {})
+    now = (rule_now.get("waves", 1), rule_now.get("max_splits", 16),
+           rule_now.get("tokens_per_split", 512))  # fmt: skip
+    # the kept launches: split contexts up to long_context take the one-range launch
+    engine = TritonAttentionBackend(args.heads, args.kv_heads, args.head_dim, args.head_dim**-0.5)
+    engine._tuned = True
+    engine.apply_config(kept)
+    one, split_now = engine._launches()
+    launches = list(dict.fromkeys([*SPLIT_LAUNCHES, one, split_now]))
+    # the sweep times every launch as a split launch, whatever the context
     impl = TritonAttentionBackend(args.heads, args.kv_heads, args.head_dim, args.head_dim**-0.5)
     impl._tuned = True  # this sweep sets the configurations itself
-    gpu = torch.cuda.get_device_name(dev)
     sms = impl._sms(dev)
     counts = SPLIT_COUNTS
     times: dict[tuple[int, ...], list[dict[int, float]]] = {}
     for batch, ctx in SPLIT_CASES:
         q, meta, cache, _ = decode_case([ctx] * batch, args, dev)
         out = torch.empty_like(q)
-        for launch in SPLIT_LAUNCHES:
+        for launch in launches:
             impl.DECODE_SPLIT_BLOCK_N, impl.DECODE_SPLIT_WARPS, impl.DECODE_SPLIT_STAGES = launch
             try:
                 t = decode_ms_by_splits(impl, q, cache, meta, out, counts)
@@ -423,30 +491,16 @@ def tune_split_decode(args: argparse.Namespace) -> None:
             times.setdefault(launch, []).append(t)
         del q, meta, cache, out
         torch.cuda.empty_cache()
-    best_case = [min(min(t[i].values()) for t in times.values()) for i in range(len(SPLIT_CASES))]
-    key = f"head_dim_{args.head_dim}"
-    kept = triton_backend.tuned_config(gpu)
-    rule_now = kept.get("decode", {}).get(key, {})
-    now = (rule_now.get("waves", 1), rule_now.get("max_splits", 16),
-           rule_now.get("tokens_per_split", 512))  # fmt: skip
-
-    def chosen(launch: tuple[int, ...], rule: tuple[int, int, int], case: int) -> float:
-        """The time of a case with this launch at the split count the rule picks for it."""
-        b, c = SPLIT_CASES[case]
-        n = triton_backend.num_decode_splits(b, args.kv_heads, c, sms, *rule)
-        return times[launch][case].get(n, float("inf"))  # a count not measured: never chosen
-
-    def score(launch: tuple[int, ...], rule: tuple[int, int, int]) -> float:
-        return sum(chosen(launch, rule, i) / best for i, best in enumerate(best_case))
-
-    rules = sorted(SPLIT_RULES, key=lambda r: (r != now, r))  # ties: the kept rule
-    launch, rule = min(((la, r) for la in SPLIT_LAUNCHES for r in rules), key=lambda lr: score(*lr))
-    default = (impl.DECODE_BLOCK_N, impl.DECODE_WARPS, impl.DECODE_STAGES)
+    long = engine.DECODE_LONG_CONTEXT
+    choice = SplitChoice(times, SPLIT_CASES, args.kv_heads, sms, one, long)
+    picked, rule = choice.pick(SPLIT_RULES, now)
+    best_case, chosen = choice.best, choice.time
     report = {
         "cases": [f"{b}x{c}" for b, c in SPLIT_CASES],
         "best_us": [round(b * 1e3, 1) for b in best_case],
-        "chosen_us": [round(chosen(launch, rule, i) * 1e3, 1) for i in range(len(SPLIT_CASES))],
-        "before_us": [round(chosen(default, now, i) * 1e3, 1) for i in range(len(SPLIT_CASES))],
+        "chosen_us": [round(chosen(picked, rule, i) * 1e3, 1) for i in range(len(SPLIT_CASES))],
+        "before_us": [round(chosen(split_now, now, i) * 1e3, 1) for i in range(len(SPLIT_CASES))],
+        "long_context": long,
         "us_by_launch_and_splits": {
             "-".join(map(str, la)): [{str(k): round(v * 1e3, 1) for k, v in t.items()} for t in ts]
             for la, ts in times.items()
@@ -455,7 +509,7 @@ def tune_split_decode(args: argparse.Namespace) -> None:
     config = {k: v for k, v in kept.items()} if kept else {"prefill": {}, "decode": {}}
     decode = dict(config.get("decode", {}).get(key, {}))
     decode.update(zip(("waves", "max_splits", "tokens_per_split"), rule, strict=True))
-    decode.update(zip(("split_block_n", "split_warps", "split_stages"), launch, strict=True))
+    decode.update(zip(("split_block_n", "split_warps", "split_stages"), picked, strict=True))
     config.setdefault("decode", {})[key] = decode
     config.setdefault("measured", {})["split_decode"] = report
     print(json.dumps({k: report[k] for k in ("cases", "best_us", "chosen_us", "before_us")}))

@@ -115,3 +115,33 @@ def test_limits_are_the_best_of_every_measurement_of_one_device(
     assert roofline.limits(torch.device("cuda"), bf16) == (4.2e12, 7.9e14)  # before the engine
     assert roofline.limits(torch.device("cuda:0"), bf16) == (4.2e12, 7.9e14)  # after: lower
     assert [b for b, _ in roofline.limits_seen(torch.device("cuda", 0), bf16)] == [4.2e12, 3.8e12]
+
+
+def test_the_split_tune_times_each_case_with_the_launch_the_engine_gives_it() -> None:
+    """``attention_sweep.py --tune-split-decode`` scores a candidate split launch only on the
+    cases whose context is longer than ``long_context``: shorter ones run the one-range launch
+    in the engine, whatever the split launch is, so the sweep's times of a candidate there
+    must not pick it (here the deep launch is the fastest alone at the short case, and loses
+    at the long one)."""
+    from benchmarks.attention_sweep import SplitChoice
+
+    one, deep, mid = (64, 4, 2), (128, 8, 4), (128, 4, 3)
+    cases = [(1, 32768), (1, 2048)]
+    # seconds by case and split count; 8 SMs, 8 kv heads, rule (waves 2, ≤ 2 splits, 32 tokens):
+    # both cases take 2 splits
+    times = {
+        one: [{1: 9.0, 2: 8.0}, {1: 3.0, 2: 2.0}],
+        deep: [{1: 9.0, 2: 5.0}, {1: 3.0, 2: 1.0}],
+        mid: [{1: 9.0, 2: 4.0}, {1: 3.0, 2: 1.8}],
+    }
+    rule = (2, 2, 32)
+    engine = SplitChoice(times, cases, kv_heads=8, sms=8, one=one, long_context=16384)
+    assert engine.best == [4.0, 2.0]  # the short case: only the one-range launch counts
+    assert engine.time(deep, rule, 1) == 2.0 and engine.time(deep, rule, 0) == 5.0
+    assert engine.pick([rule], rule) == (mid, rule)
+    alone = SplitChoice(times, cases, kv_heads=8, sms=8, one=one, long_context=None)
+    assert alone.best == [4.0, 1.0]
+    # without long_context every case takes the candidate: deep's 1.0 at the short case wins
+    assert alone.pick([rule], rule) == (deep, rule)
+    # a rule whose split count was not measured is never chosen
+    assert engine.time(mid, (4, 4, 32), 0) == float("inf")  # 4 splits
