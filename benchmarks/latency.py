@@ -148,7 +148,7 @@ def _graph_replay_ms(llm: LLM) -> float | None:
     graphs = worker.runner.graphs if worker is not None else None  # in this process only
     if graphs is None:
         return None
-    graph = graphs.graphs[graphs.key(1, 1)]  # the one a short prompt's steps replay
+    graph = graphs.graphs[graphs.key(1, [1])]  # the one a short prompt's steps replay
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph.replay()
     start.record()

@@ -63,8 +63,8 @@ def test_decode_graphs_of_two_context_bounds_equal_eager(
     keys: list[tuple[int, int]] = []
     key = runner.key
 
-    def counted(batch: int, longest: int) -> tuple[int, int]:
-        keys.append(key(batch, longest))
+    def counted(batch: int, seq_lens: list[int]) -> tuple[int, int]:
+        keys.append(key(batch, seq_lens))
         return keys[-1]
 
     runner.key = counted

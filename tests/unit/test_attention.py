@@ -316,11 +316,11 @@ def test_the_decode_graph_of_a_step_holds_its_batch_and_its_longest_context() ->
 
     two = runner({s: (16384, 32768) for s in (1, 2, 4)})  # size 8: the default, one bound
     assert two.contexts[8] == [32768]
-    assert two.key(1, 200) == (1, 16384)
-    assert two.key(3, 16384) == (4, 16384)
-    assert two.key(3, 16385) == (4, 32768)
-    assert two.key(5, 10) == (8, 32768)
-    assert runner(None).key(5, 10) == (8, 32768)  # one graph a size, at the longest context
+    assert two.key(1, [200]) == (1, 16384)
+    assert two.key(3, [5, 16384]) == (4, 16384)
+    assert two.key(3, [16385, 7]) == (4, 32768)
+    assert two.key(5, [10]) == (8, 32768)
+    assert runner(None).key(5, [10]) == (8, 32768)  # one graph a size, at the longest context
     with pytest.raises(ValueError, match="must end at 32768"):
         runner({2: (16384,)})
     meta = two._metadata(2, 16384)  # captured as if every row had the bound's context

@@ -7,9 +7,10 @@ Batches larger than the largest size, and any step with a prefill, run eagerly.
 
 A graph keeps the launches it was captured with, among them the decode attention's split count
 and launch configuration, chosen for the longest context the graph may see. Where the backend
-launches shorter contexts differently (``AttentionBackend.decode_graph_contexts``), each size
-is captured once per such context bound, and a step replays the graph of the smallest bound
-that holds its longest context.
+launches shorter contexts differently (``AttentionBackend.decode_graph_contexts``, asked per
+size: only sizes whose rows split the context get more than one), a size is captured once per
+context bound, and a step replays the graph of the smallest bound that holds its longest
+context.
 
 Capture needs a backend that reads no per-step host values (``supports_cuda_graphs``).
 """
@@ -109,18 +110,21 @@ class CudaGraphRunner:
             self.graphs[key] = graph
         torch.cuda.synchronize()
 
-    def key(self, batch: int, longest: int) -> tuple[int, int]:
-        """The graph a step of ``batch`` decode rows whose longest context is ``longest``
-        tokens replays: the smallest size and context bound that hold them."""
+    def key(self, batch: int, seq_lens: list[int]) -> tuple[int, int]:
+        """The graph a step of ``batch`` decode rows with contexts ``seq_lens`` replays: the
+        smallest size and context bound that hold them (the longest context is looked for
+        only where the size has more than one bound)."""
         size = self.sizes[bisect.bisect_left(self.sizes, batch)]
         bounds = self.contexts[size]
-        return size, bounds[bisect.bisect_left(bounds, longest)]
+        if len(bounds) == 1:
+            return size, bounds[0]
+        return size, bounds[bisect.bisect_left(bounds, max(seq_lens))]
 
     def run(self, inputs: StepInputs, fill: TokenFill | None = None) -> torch.Tensor:
         """Logits [B, vocab] for a decode batch of B requests (one token each). ``fill``
         writes tokens the previous step sampled on the device into their rows' inputs."""
         b = len(inputs.req_ids)
-        key = self.key(b, max(inputs.seq_lens))
+        key = self.key(b, inputs.seq_lens)
         size = key[0]
         dev, i32 = self.seq_lens.device, torch.int32
         self.tokens.load(inputs, b, size, fill)  # (from pinned memory, without blocking)
