@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from services.worker.engine.sample.gumbel import (
+    greedy_argmax_triton,
     gumbel_argmax_reference,
     gumbel_argmax_triton,
     row_keys,
@@ -57,3 +58,33 @@ def test_keys_depend_on_seed_and_counter_only() -> None:
     a = row_keys(np.array([1, 1, 2, -5]), np.array([0, 1, 0, 3]))
     assert len(set(a.tolist())) == 4 and (a >= 0).all() and (a < 2**32).all()
     assert row_keys(np.array([-5]), np.array([3]))[0] == a[3]
+
+
+@pytest.mark.parametrize(
+    ("rows", "vocab", "slice_len"), [(1, 5000, 1024), (3, 1000, 128), (2, 77, 16), (4, 64, 64)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_greedy_kernel_is_argmax(rows: int, vocab: int, slice_len: int, dtype: torch.dtype) -> None:
+    torch.manual_seed(vocab)
+    x = (torch.randn(rows, vocab, device=DEVICE) * 3).to(dtype)
+    x[0, :] = float("-inf")  # a row with nothing allowed takes column 0, as torch's
+    first = (slice_len + 3) % (vocab - 4)  # past the first slice where there are two
+    if rows > 1:  # equal best values in two slices, and twice in one: the first column
+        x[1, :] = 0.0
+        x[1, [vocab - 1, first, first + 2]] = 9.0
+    if rows > 2:
+        x[2, [5, 6]] = 100.0
+    got = greedy_argmax_triton(x, slice_len)
+    assert got.dtype == torch.int64
+    assert got.tolist() == x.argmax(-1).tolist()
+    if rows > 1:
+        assert got[1].item() == first
+
+
+def test_greedy_argmax_slices_a_row_into_some_hundreds() -> None:
+    from services.worker.engine.sample.gumbel import SLICE, _slice_len
+
+    assert _slice_len(1, 128256) == 1024  # 126 programs for one row, not 16
+    assert _slice_len(16, 128256) == 4096
+    assert _slice_len(256, 128256) == SLICE
+    assert _slice_len(1, 300) == 1024

@@ -93,12 +93,12 @@ def _mix32_tl(x):
 @triton.jit
 def _gumbel_argmax(
     X, stride_x, INV_T, KEYS, BEST_V, BEST_I, vocab, per_program,
-    NUM_SLICES: tl.constexpr, BLOCK: tl.constexpr,
+    NUM_SLICES: tl.constexpr, BLOCK: tl.constexpr, GREEDY: tl.constexpr = False,
 ):  # fmt: skip
+    """The best score and its column in slice ``part`` of row ``row``. GREEDY: every row's
+    inverse temperature is 0 (INV_T and KEYS unread): the logits are the scores."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    inv_t = tl.load(INV_T + row).to(tl.float32)
-    key = tl.load(KEYS + row).to(tl.uint32)
     start = part * per_program
     end = tl.minimum(start + per_program, vocab)
     best_v = -float("inf")
@@ -107,12 +107,17 @@ def _gumbel_argmax(
         cols = off + tl.arange(0, BLOCK)
         ok = cols < end
         x = tl.load(X + row * stride_x + cols, mask=ok, other=-float("inf")).to(tl.float32)
-        h = _mix32_tl(_mix32_tl(cols.to(tl.uint32)) ^ key)
-        v = (h.to(tl.float32) + 0.5) * 2.3283064365386963e-10  # 2^-32
-        series = v * (1.0 + v * (0.5 + v * (1.0 / 3.0)))
-        e = tl.where(v < 0.0009765625, series, -tl.log(1.0 - v))
-        noisy = x * inv_t - tl.log(e)
-        score = tl.where(inv_t > 0, noisy, x)
+        if GREEDY:
+            score = x
+        else:
+            inv_t = tl.load(INV_T + row).to(tl.float32)
+            key = tl.load(KEYS + row).to(tl.uint32)
+            h = _mix32_tl(_mix32_tl(cols.to(tl.uint32)) ^ key)
+            v = (h.to(tl.float32) + 0.5) * 2.3283064365386963e-10  # 2^-32
+            series = v * (1.0 + v * (0.5 + v * (1.0 / 3.0)))
+            e = tl.where(v < 0.0009765625, series, -tl.log(1.0 - v))
+            noisy = x * inv_t - tl.log(e)
+            score = tl.where(inv_t > 0, noisy, x)
         score = tl.where(ok, score, -float("inf"))
         v_max = tl.max(score, 0)
         i_max = tl.argmax(score, 0) + off
@@ -123,17 +128,60 @@ def _gumbel_argmax(
     tl.store(BEST_I + row * NUM_SLICES + part, best_i.to(tl.int64))
 
 
-def gumbel_argmax_triton(
-    x: torch.Tensor, inv_temperature: torch.Tensor, keys: torch.Tensor, slice_len: int = SLICE
-) -> torch.Tensor:
+@triton.jit
+def _best_slice(BEST_V, BEST_I, OUT, NUM_SLICES: tl.constexpr, BLOCK: tl.constexpr):
+    """A row's column: that of its best slice (the first of equal ones, as the slices' own
+    loops keep the first)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    v = tl.load(BEST_V + row * NUM_SLICES + offs, mask=offs < NUM_SLICES, other=-float("inf"))
+    best = tl.argmax(v, 0, tie_break_left=True)
+    tl.store(OUT + row, tl.load(BEST_I + row * NUM_SLICES + best))
+
+
+def _slice_len(rows: int, vocab: int) -> int:
+    """Logits per program: some 512 programs in all, at least 1,024 and at most SLICE each (a
+    batch-1 row of a 128k vocabulary in 126 slices, not 16: on an H200 ``torch.argmax`` took
+    26 us over it, the Gumbel pass 11 us in 16 slices and 6.7 in 63;
+    docs/results/h200-2026-12-02g/call1/argmax.json)."""
+    return max(1024, min(SLICE, triton.next_power_of_2(triton.cdiv(rows * vocab, 512))))
+
+
+def _argmax_slices(
+    x: torch.Tensor, inv_temperature: torch.Tensor | None, keys: torch.Tensor | None,
+    slice_len: int,
+) -> torch.Tensor:  # fmt: skip
     rows, vocab = x.shape
     assert x.stride(1) == 1
     slices = triton.cdiv(vocab, slice_len)
     best_v = torch.empty(rows, slices, dtype=torch.float32, device=x.device)
     best_i = torch.empty(rows, slices, dtype=torch.int64, device=x.device)
     block = min(1024, triton.next_power_of_2(slice_len))
+    greedy = inv_temperature is None
     _gumbel_argmax[(rows, slices)](
-        x, x.stride(0), inv_temperature, keys, best_v, best_i, vocab, slice_len,
-        NUM_SLICES=slices, BLOCK=block,
+        x, x.stride(0), best_v if greedy else inv_temperature, best_i if greedy else keys,
+        best_v, best_i, vocab, slice_len, NUM_SLICES=slices, BLOCK=block, GREEDY=greedy,
     )  # fmt: skip
-    return best_i.gather(1, best_v.argmax(-1, keepdim=True)).squeeze(1)
+    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    _best_slice[(rows,)](best_v, best_i, out, NUM_SLICES=slices,
+                         BLOCK=triton.next_power_of_2(slices))  # fmt: skip
+    return out
+
+
+def gumbel_argmax_triton(
+    x: torch.Tensor, inv_temperature: torch.Tensor, keys: torch.Tensor, slice_len: int = SLICE
+) -> torch.Tensor:
+    return _argmax_slices(x, inv_temperature, keys, slice_len)
+
+
+def greedy_argmax(x: torch.Tensor, slice_len: int | None = None) -> torch.Tensor:
+    """``x.argmax(-1)`` of [rows, vocab] logits, int64 [rows] (the first column of equal
+    best ones); on a GPU in slices, one pass over the logits (torch's reduction takes a
+    batch-1 row of a large vocabulary on few SMs)."""
+    if not x.is_cuda or x.stride(1) != 1:
+        return x.argmax(-1)
+    return greedy_argmax_triton(x, slice_len or _slice_len(*x.shape))
+
+
+def greedy_argmax_triton(x: torch.Tensor, slice_len: int) -> torch.Tensor:
+    return _argmax_slices(x, None, None, slice_len)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.engine.sample.gumbel import gumbel_argmax
+from services.worker.engine.sample.gumbel import greedy_argmax, gumbel_argmax
 from services.worker.engine.sample.metadata import Penalties, SamplingMetadata
 
 
@@ -34,7 +34,7 @@ class Sampler:
         if meta.penalties is not None:
             logits = apply_penalties(logits, meta.penalties)
         if meta.all_greedy:
-            sampled = logits.argmax(-1)
+            sampled = greedy_argmax(logits)
         else:
             sampled = self._sample_random(logits, meta)
         return _with_logprobs(sampled, raw_logprobs, meta.max_num_logprobs)
