@@ -26,6 +26,10 @@ _M32 = 0xFFFFFFFF
 _C1, _C2 = 0x7FEB352D, 0x846CA68B  # lowbias32 (C. Wellons): a bijective 32-bit mixer
 _SERIES_BELOW = 2.0**-10  # -log(1 - v) by its series below this: v is exact, 1 - v is not
 SLICE = 8192  # logits per program on the GPU
+# ... for greedy rows: a batch-1 row of a 128k vocabulary in 126 programs. On an H200 over it
+# torch.argmax took 26 us, this 2.8; at 16 rows 26.9 against 5.3, at 256 45.8 against 31.9
+# (bf16; docs/results/h200-2026-12-02g/call5/argmax2.json, slices of 1,024 to 8,192 then)
+GREEDY_SLICE = 1024
 
 
 def row_keys(seeds: np.ndarray, counters: np.ndarray) -> np.ndarray:
@@ -139,14 +143,6 @@ def _best_slice(BEST_V, BEST_I, OUT, NUM_SLICES: tl.constexpr, BLOCK: tl.constex
     tl.store(OUT + row, tl.load(BEST_I + row * NUM_SLICES + best))
 
 
-def _slice_len(rows: int, vocab: int) -> int:
-    """Logits per program: some 512 programs in all, at least 1,024 and at most SLICE each (a
-    batch-1 row of a 128k vocabulary in 126 slices, not 16: on an H200 ``torch.argmax`` took
-    26 us over it, the Gumbel pass 11 us in 16 slices and 6.7 in 63;
-    docs/results/h200-2026-12-02g/call1/argmax.json)."""
-    return max(1024, min(SLICE, triton.next_power_of_2(triton.cdiv(rows * vocab, 512))))
-
-
 def _argmax_slices(
     x: torch.Tensor, inv_temperature: torch.Tensor | None, keys: torch.Tensor | None,
     slice_len: int,
@@ -174,13 +170,14 @@ def gumbel_argmax_triton(
     return _argmax_slices(x, inv_temperature, keys, slice_len)
 
 
-def greedy_argmax(x: torch.Tensor, slice_len: int | None = None) -> torch.Tensor:
+def greedy_argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(-1)`` of [rows, vocab] logits, int64 [rows] (the first column of equal
-    best ones); on a GPU in slices, one pass over the logits (torch's reduction takes a
-    batch-1 row of a large vocabulary on few SMs)."""
+    best ones); on a GPU in slices of GREEDY_SLICE, one pass over the logits: torch's
+    reduction takes a batch-1 row of a large vocabulary on few SMs. One slice length at every
+    batch size, so a model compiles one variant (at start-up: worker/model_runner.py)."""
     if not x.is_cuda or x.stride(1) != 1:
         return x.argmax(-1)
-    return greedy_argmax_triton(x, slice_len or _slice_len(*x.shape))
+    return greedy_argmax_triton(x, GREEDY_SLICE)
 
 
 def greedy_argmax_triton(x: torch.Tensor, slice_len: int) -> torch.Tensor:

@@ -25,6 +25,7 @@ from services.worker.engine.models.loader import load_dummy, load_safetensors
 from services.worker.engine.models.registry import resolve_model_class
 from services.worker.engine.models.weights import ReadCounter
 from services.worker.engine.params import SamplingParams
+from services.worker.engine.sample.gumbel import greedy_argmax
 from services.worker.engine.sample.sampler import Sampler, SamplerOutput
 from services.worker.engine.sched.output import (
     CachedRequestData,
@@ -180,6 +181,9 @@ class ModelRunner:
             plain = [CachedRequestState("p", [0], 1, SamplingParams(temperature=1.0), (), [], 0)]
             plain_meta = build_sampling_metadata(plain, cfg.arch.vocab_size, self.device)
             self.sampler(logits[:1], plain_meta)
+            # greedy steps' argmax: over the model's dtype, and over float32 (penalties, bans)
+            greedy_argmax(logits[:1])
+            greedy_argmax(logits[:1].float())
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base - kv_bytes
         self.release()
