@@ -27,8 +27,8 @@ _C1, _C2 = 0x7FEB352D, 0x846CA68B  # lowbias32 (C. Wellons): a bijective 32-bit 
 _SERIES_BELOW = 2.0**-10  # -log(1 - v) by its series below this: v is exact, 1 - v is not
 SLICE = 8192  # logits per program on the GPU
 # ... for greedy rows: a batch-1 row of a 128k vocabulary in 126 programs. On an H200 over it
-# torch.argmax took 26 us, this 2.8; at 16 rows 26.9 against 5.3, at 256 45.8 against 31.9
-# (bf16; docs/results/h200-2026-12-02g/call5/argmax2.json, slices of 1,024 to 8,192 then)
+# torch.argmax took 26.3 us, this 2.9; at 16 rows 26.9 against 5.0, at 256 45.8 against 35.9
+# (bf16; docs/results/h200-2026-12-02g/call6/argmax2.json)
 GREEDY_SLICE = 1024
 
 
