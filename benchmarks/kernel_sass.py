@@ -1,0 +1,169 @@
+"""What the engine's Triton kernels compile to on Hopper, read on any machine (no GPU needed):
+each kernel compiled for sm_90 by Triton's bundled ``ptxas`` with the specializations a launch
+on the H200 gets, then its registers, shared memory and spills (``cuobjdump -res-usage``) and
+the instruction mix of its main loop (the longest backward branch of ``nvdisasm``'s listing).
+
+For reading a kernel change before spending device time on it: barriers, shared-memory trips,
+spills, register pressure. Not for speed: a GEMV with 28 % fewer instructions in its loop ran
+no faster (docs/results/h200-2026-12-02g/NOTES.md §4).
+
+    python benchmarks/kernel_sass.py                       # every preset
+    python benchmarks/kernel_sass.py --kernels fp8_gemv_codes decode_fp8 --output sass.json
+"""
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from services.worker.engine.attention import triton_kernels
+from services.worker.engine.models.layers import fp8_linear
+
+TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
+_TOOLS = Path(triton.__path__[0]) / "backends" / "nvidia" / "bin"
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A kernel and one launch of it: argument types (scalars not named are int32), the
+    constexprs, warps and stages."""
+
+    kernel: Any
+    types: dict[str, str]
+    constexprs: dict[str, Any]
+    warps: int
+    stages: int
+
+
+def _gemv(codes: bool) -> Preset:
+    """The FP8 GEMV at the 8B shape's kept launch for o, gate_up and down (8 rows × 2,048)."""
+    return Preset(
+        fp8_linear._fp8_gemv_kernel,
+        {"X": "*fp8e4nv" if codes else "*bf16", "W": "*i32", "WS": "*fp32", "B": "*bf16",
+         "Y": "*bf16", "xs_in": "*fp32"},
+        {"STATIC": False, "HAS_BIAS": False, "BLOCK_N": 8, "BLOCK_K": 2048, "AMAX_BLOCK": 4096,
+         "GPU": True, "CODES": codes, "USE_PDL": True},
+        warps=4, stages=3,
+    )  # fmt: skip
+
+
+def _decode(fp8: bool) -> Preset:
+    """The decode attention of a batch over one range a row (the one-range launch: 64 keys a
+    tile), Llama-3.1-8B's heads (4 queries a KV head, head dim 128), bf16 queries."""
+    kv = "*fp8e4nv" if fp8 else "*bf16"
+    return Preset(
+        triton_kernels._decode,
+        {"Q": "*bf16", "K": kv, "V": kv, "Out": "*bf16", "part_acc": "*bf16",
+         "part_ml": "*bf16", "block_tables": "*i32", "query_start_loc": "*i32",
+         "seq_lens": "*i32", "order": "*i32", "qk_scale": "fp32", "v_scale": "fp32"},
+        {"KV_BLOCK": 16, "GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "BLOCK_D": 128,
+         "BLOCK_N": 64, "NUM_SPLITS": 1, "PRECISION": "tf32", "ORDERED": True,
+         "USE_PDL": False, "DOT_F16": fp8, "GPU": True},
+        warps=4, stages=2,
+    )  # fmt: skip
+
+
+PRESETS = {
+    "fp8_gemv_codes": _gemv(codes=True),
+    "fp8_gemv": _gemv(codes=False),
+    "decode_bf16": _decode(fp8=False),
+    "decode_fp8": _decode(fp8=True),
+}
+
+
+def compile_sm90(p: Preset) -> Any:
+    """The compiled kernel; pointers and int32 arguments divisible by 16, as Triton
+    specializes a launch whose tensors and strides are."""
+    names = p.kernel.arg_names
+    sig = {n: "constexpr" if n in p.constexprs else p.types.get(n, "i32") for n in names}
+    unknown = (set(p.types) | set(p.constexprs)) - set(names)
+    if unknown:
+        raise ValueError(f"{p.kernel.__name__} has no arguments {sorted(unknown)}")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("TRITON_INTERPRET=1: the kernels were made for the interpreter")
+    aligned = [n for n in names if sig[n].startswith("*") or sig[n] == "i32"]
+    src = ASTSource(
+        fn=p.kernel, signature=sig,
+        constexprs={(names.index(k),): v for k, v in p.constexprs.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
+    )  # fmt: skip
+    return triton.compile(src, target=TARGET, options={"num_warps": p.warps,
+                                                       "num_stages": p.stages})  # fmt: skip
+
+
+def _tool(name: str, cubin: bytes, *args: str) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        run = subprocess.run([str(_TOOLS / name), *args, f.name], capture_output=True, text=True)
+    run.check_returncode()
+    return run.stdout
+
+
+def resources(cubin: bytes) -> dict[str, int]:
+    """Registers a thread, and bytes of stack, static shared and local (spilled) memory."""
+    out = _tool("cuobjdump", cubin, "-res-usage")
+    found = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", out))
+    names = {"REG": "registers", "STACK": "stack", "SHARED": "shared_static", "LOCAL": "local"}
+    return {names[k]: int(v) for k, v in found.items()}
+
+
+def loop_mix(sass: str) -> collections.Counter[str]:
+    """Opcodes between the label the longest backward branch targets and that branch."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines)
+              if (m := re.match(r"\s*\.(L_x_\d+):", line))}  # fmt: skip
+    best: tuple[int, int] | None = None
+    for i, line in enumerate(lines):
+        m = re.search(r"\bBRA\s+`?\(?\.(L_x_\d+)", line)
+        if m and labels.get(m.group(1), i) < i:
+            start = labels[m.group(1)]
+            if best is None or i - start > best[1] - best[0]:
+                best = (start, i)
+    mix: collections.Counter[str] = collections.Counter()
+    if best is None:
+        return mix
+    for line in lines[best[0] : best[1] + 1]:
+        m = re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if m:
+            mix[m.group(1)] += 1
+    return mix
+
+
+def report(name: str) -> dict[str, Any]:
+    p = PRESETS[name]
+    compiled = compile_sm90(p)
+    mix = loop_mix(_tool("nvdisasm", compiled.asm["cubin"], "-c"))
+    return {
+        "kernel": p.kernel.__name__, "warps": p.warps, "stages": p.stages,
+        **resources(compiled.asm["cubin"]), "shared_dynamic": compiled.metadata.shared,
+        "loop_instructions": sum(mix.values()), "loop_mix": dict(mix.most_common()),
+    }  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kernels", nargs="+", default=sorted(PRESETS), choices=sorted(PRESETS))
+    ap.add_argument("--output")
+    args = ap.parse_args()
+    results = {name: report(name) for name in args.kernels}
+    print(json.dumps(results, indent=1))
+    if args.output:
+        Path(args.output).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
