@@ -180,16 +180,20 @@ class Outcome:
 class StreamLoad:
     """``clients`` threads streaming completions back to back (greedy, ``max_tokens`` each)
     until stopped, every outcome kept; a 503 is retried after a short pause, as a client
-    honouring Retry-After would."""
+    honouring Retry-After would. With ``lockstep`` the clients start each round of requests
+    together (a batch job's shape), so that every round has a moment when all of them are
+    early in their streams."""
 
     def __init__(
         self, url: str, clients: int = 16, max_tokens: int = 16,
         prompt: Callable[[int, int], str] = lambda c, i: f"client {c} request {i}",
+        lockstep: bool = False,
     ):  # fmt: skip
         self.url, self.max_tokens, self.prompt = url, max_tokens, prompt
         self.outcomes: list[Outcome] = []
         self._current: dict[int, Outcome] = {}  # each client's request in progress
         self._stop = threading.Event()
+        self._round = threading.Barrier(clients) if lockstep else None
         self._threads = [threading.Thread(target=self._client, args=(c,), daemon=True)
                          for c in range(clients)]  # fmt: skip
 
@@ -203,6 +207,8 @@ class StreamLoad:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._round is not None:
+            self._round.abort()  # the clients waiting for a round leave
         for t in self._threads:
             t.join(timeout=60)
         assert not any(t.is_alive() for t in self._threads), "a client hung"
@@ -221,6 +227,11 @@ class StreamLoad:
         i = 0
         with httpx.Client(timeout=60) as http:
             while not self._stop.is_set():
+                if self._round is not None:
+                    try:
+                        self._round.wait(timeout=120)  # a request that hung fails the test
+                    except threading.BrokenBarrierError:
+                        return
                 self.outcomes.append(self._one(http, c, self.prompt(c, i)))
                 if self.outcomes[-1].status == 503:
                     time.sleep(0.2)

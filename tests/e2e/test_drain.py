@@ -164,31 +164,46 @@ def test_sigterm_to_a_prefill_worker_holding_kv_fails_nothing(
 def test_a_drain_that_times_out_ends_the_rest_resumably(
     tiny_model: Path, tmp_path: Path, offline: "LLM"
 ) -> None:
-    """A 0.5 s drain timeout against streams of 400 tokens (2.2 s of decode here, more on a
-    loaded machine), sent as soon as decode-0 has one request past its pull: what is still
-    running on the decode worker then ends with UNAVAILABLE, and the gateway resumes each on
-    the other one (the client sees one stream, with the same text)."""
-    policy, prompts, refs = _setup(tiny_model, tmp_path, offline, max_tokens=400)
+    """A 0.5 s drain timeout against streams of 860 tokens (some 3 s of decode on a 2-core
+    machine), sent while every client's stream is early in its decode: what is still running on
+    the decode worker then ends with UNAVAILABLE, and the gateway resumes each on the other one
+    (the client sees one stream, with the same text).
+
+    The moment is chosen from what the clients hold, in rounds that start together, not from
+    the worker's counters: those come with its heartbeat, up to a poll late, and a SIGTERM
+    sent that late could land in the last half second of decode-0's streams, which then all
+    finished inside the drain timeout and nothing was cut short (this failed in CI). Without
+    rounds, a loaded machine could pass the first moment when every stream was early and
+    never see another."""
+    from shared.text.tokenizer import TextTokenizer
+
+    max_tokens, clients = 860, 8  # the longest prompt (156) + 860 fits --max-model-len 1024
+    policy, prompts, refs = _setup(tiny_model, tmp_path, offline, max_tokens=max_tokens)
+    tok = TextTokenizer(tiny_model)
     with running_cluster(tiny_model, 0, "--prefill-workers", "1", "--decode-workers", "2",
                          "--routing-policy", str(policy), "--drain-timeout", "0.5",
-                         "--max-restarts", "0", "--no-prefix-caching",
-                         "--worker-metrics") as cluster:  # fmt: skip
+                         "--max-restarts", "0", "--no-prefix-caching") as cluster:  # fmt: skip
         decode = cluster.procs["decode-0"]
 
         def prompt(c: int, i: int) -> str:
             return prompts[(c + i) % len(prompts)]
 
-        def decoding() -> bool:
-            """Requests on decode-0 past their pulls (decoding, not waiting for their KV: a
-            drain that ends a request before its first decoded token is a refusal)."""
-            try:
-                pulled = scheduler_metric(cluster, "baton_worker_kv_pulls_total", "decode-0")
-            except AssertionError:  # not exported until it first counts
+        def early_in_decode() -> bool:
+            """decode-0 runs requests, and every client's stream has a few decoded tokens
+            (counted by encoding its text so far; past its KV pull: a drain that ends a
+            request before its first decoded token is a refusal) and at most 300 of its 860:
+            whatever decode-0 runs is among them (a request it began since has no first chunk
+            yet, and then not every client streams), with over 500 tokens to go, seconds past
+            the drain timeout."""
+            if worker_health(cluster, "decode-0").num_running == 0:
                 return False
-            return pulled >= 1 and worker_health(cluster, "decode-0").num_running > 0
+            streams = load.streaming()  # read after the worker's answer
+            lengths = [len(tok.encode(o.text)) for o in streams]
+            return len(streams) == clients and all(3 <= n <= 300 for n in lengths)
 
-        with StreamLoad(cluster.url or "", clients=8, max_tokens=400, prompt=prompt) as load:
-            wait_for(decoding, 60.0, "requests decoding on decode-0")
+        with StreamLoad(cluster.url or "", clients=clients, max_tokens=max_tokens,
+                        prompt=prompt, lockstep=True) as load:  # fmt: skip
+            wait_for(early_in_decode, 60.0, "every stream early in its decode")
             at = time.monotonic()
             decode.send_signal(signal.SIGTERM)
             decode.wait(timeout=20)
