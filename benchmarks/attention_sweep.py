@@ -111,20 +111,22 @@ def decode_sweep(
     results = []
     backend = TritonAttentionBackend(args.heads, args.kv_heads, args.head_dim, args.head_dim**-0.5)
     backend._tuned = True  # this sweep sets the configurations itself
-    for block_n, warps, stages in itertools.product((16, 32, 64, 128), (2, 4, 8), (1, 2, 3)):
+    # one stream a program (a tile over the warps), and the context in a lane per warp
+    launches = [(*c, 1) for c in itertools.product((16, 32, 64, 128), (2, 4, 8), (1, 2, 3))]
+    launches += [(16, 4, 2, 4), (16, 4, 3, 4), (32, 4, 2, 4), (16, 2, 2, 2)]
+    for block_n, warps, stages, lanes in launches:
         backend.DECODE_BLOCK_N, backend.DECODE_WARPS, backend.DECODE_STAGES = block_n, warps, stages
+        backend.DECODE_LANES = lanes
+        launch = {"block_n": block_n, "warps": warps, "stages": stages, "lanes": lanes}
         try:
             ms = triton.testing.do_bench(
                 lambda: backend._decode(q, cache, meta, out), return_mode="median"
             )
         except Exception as e:  # a configuration the compiler rejects (shared memory)
-            results.append(
-                {"block_n": block_n, "warps": warps, "stages": stages, "error": str(e)[:80]}
-            )
+            results.append({**launch, "error": str(e)[:80]})
             continue
         results.append({
-            "block_n": block_n, "warps": warps, "stages": stages, "us": round(ms * 1e3, 1),
-            "GBps": round(kv_bytes / ms / 1e6, 1),
+            **launch, "us": round(ms * 1e3, 1), "GBps": round(kv_bytes / ms / 1e6, 1),
             "fraction_of_copy": round(kv_bytes / ms / 1e-3 / bandwidth, 3),
         })  # fmt: skip
     ok = sorted((r for r in results if "us" in r), key=lambda r: r["us"])
@@ -132,8 +134,10 @@ def decode_sweep(
         TritonAttentionBackend.DECODE_BLOCK_N,
         TritonAttentionBackend.DECODE_WARPS,
         TritonAttentionBackend.DECODE_STAGES,
+        TritonAttentionBackend.DECODE_LANES,
     )
-    backend.DECODE_BLOCK_N, backend.DECODE_WARPS, backend.DECODE_STAGES = default
+    backend.DECODE_BLOCK_N, backend.DECODE_WARPS, backend.DECODE_STAGES = default[:3]
+    backend.DECODE_LANES = default[3]
     orders: dict[str, list[float]] = {"longest_first": [], "batch_order": []}
     for _ in range(args.rounds):
         for name, order in (("longest_first", longest_first), ("batch_order", None)):
@@ -154,7 +158,9 @@ def decode_sweep(
         "rule_splits": rule(args.batch, args.kv_heads, max(lens), backend._sms(q.device)),
         "by_splits": by_splits,
         "best": ok[:5],
-        "default": [r for r in ok if (r["block_n"], r["warps"], r["stages"]) == default],
+        "default": [
+            r for r in ok if (r["block_n"], r["warps"], r["stages"], r["lanes"]) == default
+        ],
         "default_GBps_by_order": orders,
     }
     return summary, results

@@ -71,7 +71,7 @@ def _decode(fp8: bool) -> Preset:
          "seq_lens": "*i32", "order": "*i32", "qk_scale": "fp32", "v_scale": "fp32"},
         {"KV_BLOCK": 16, "GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "BLOCK_D": 128,
          "BLOCK_N": 64, "NUM_SPLITS": 1, "PRECISION": "tf32", "ORDERED": True,
-         "USE_PDL": False, "DOT_F16": fp8, "GPU": True},
+         "USE_PDL": False, "DOT_F16": fp8, "GPU": True, "LANES": 1, "PREFETCH": 0},
         warps=4, stages=2,
     )  # fmt: skip
 

@@ -41,6 +41,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "triton": {"attention_backend": "triton"},
     "flash_attn": {"attention_backend": "flash_attn"},
     "triton_p128": {"attention_backend": "triton", "block_size": 128},
+    # an FP8 (e4m3) KV cache; with FP8 weights too
+    "triton_fp8kv": {"attention_backend": "triton", "kv_cache_dtype": "fp8"},
+    "fp8_fp8kv": {"attention_backend": "triton", "kv_cache_dtype": "fp8", "quantization": "fp8"},
     "flash_attn_p128": {"attention_backend": "flash_attn", "block_size": 128},
     # flash_attn, its result copied into the step's output (the public wrapper) instead of
     # written in place: the A/B of FlashAttnBackend.WRITE_IN_PLACE

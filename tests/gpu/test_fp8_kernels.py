@@ -120,14 +120,16 @@ def test_the_fused_kernels_hand_over_the_layers_own_codes(dtype: torch.dtype, ro
         assert isinstance(codes, Codes) and isinstance(plain, torch.Tensor)
         q, s = quantize_rows(plain)
         differ = codes.codes.view(torch.uint8) != q.view(torch.uint8)
-        if dtype == torch.bfloat16:  # the row rounded to bf16 first: the same values
-            assert not differ.any() and torch.equal(codes.scales, s)
-        else:  # float32: the norm's kernel with codes and without compile apart, and their
-            # rows may part in the last bit (on an H200: 56 of 300 rows' scales, all codes
-            # equal; docs/results/h200-2026-12-02c/NOTES.md)
-            assert torch.allclose(codes.scales, s, rtol=1e-6, atol=0)
-            assert differ.float().mean() < 1e-3
-            assert (codes.codes.float() - q.float()).abs().le(q.float().abs() / 8 + 2**-9).all()
+        # the kernels with codes and without compile apart, and their float32 rows may part
+        # in the last bit (on an H200: 56 of 300 rows' scales, all codes equal;
+        # docs/results/h200-2026-12-02c/NOTES.md). Rounded to bf16 first, a row is mostly
+        # the same, but a last-bit difference on a rounding edge moves a bf16 value a step:
+        # with 300 random rows one code of millions differed, in two GPU runs of many
+        # (docs/results/h200-2026-12-02f/ and -12-02h/)
+        step = 2**-7 if dtype == torch.bfloat16 else 1e-6  # (a bf16 step of the largest value)
+        assert torch.allclose(codes.scales, s, rtol=step, atol=0)
+        assert differ.float().mean() < (1e-5 if dtype == torch.bfloat16 else 1e-3)
+        assert (codes.codes.float() - q.float()).abs().le(q.float().abs() / 8 + 2**-9).all()
         wq, ws = _layer(1024, plain.shape[1], rows)
         # (the GEMV at one launch: its kept launches with and without codes differ, and so
         # would the order of its sums)

@@ -146,12 +146,25 @@ def test_backend_matches_dense_attention(
 @pytest.mark.parametrize("case", [c for c in sorted(CASES) if "decode" in c])
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(8, 2, 32), (6, 1, 8)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("lanes", [1, 4], ids=["one-stream", "lanes"])
 def test_triton_decode_rows_in_longest_first_order(
-    case: str, hq: int, hkv: int, d: int, dtype: torch.dtype
+    case: str, hq: int, hkv: int, d: int, dtype: torch.dtype, lanes: int
 ) -> None:
     """With ``decode_order`` (the runner always gives one) the decode kernel takes its
-    requests in that order: each must still land in its own output row and partials."""
-    check_backend("triton", case, hq, hkv, d, dtype, longest_first=True)
+    requests in that order: each must still land in its own output row and partials. Also
+    with the context in interleaved lanes (``DECODE_LANES``) and prefetching."""
+    check_backend("triton", case, hq, hkv, d, dtype, longest_first=True, lanes=lanes)
+
+
+def in_lanes(impl: object, lanes: int) -> None:
+    """The Triton decode kernel's context in ``lanes`` streams, both launches, with the keys
+    a tile on asked of L2 (a GPU only; the interpreter skips it): over the GPU's own config."""
+    if lanes == 1:
+        return
+    impl._tune(torch.device(DEVICE))  # type: ignore[attr-defined]
+    for name, value in (("LANES", lanes), ("PREFETCH", 1)):
+        setattr(impl, f"DECODE_{name}", value)
+        setattr(impl, f"DECODE_SPLIT_{name}", value)
 
 
 @pytest.mark.parametrize("backend", known_backends())
@@ -169,6 +182,7 @@ def check_backend(
     d: int,
     dtype: torch.dtype,
     longest_first: bool,
+    lanes: int = 1,
 ) -> None:
     if backend in ("triton", "flash_attn") and dtype == torch.bfloat16 and DEVICE == "cpu":
         pytest.skip("Triton's CPU interpreter has no bfloat16 matmul (numpy); runs on the GPU")
@@ -188,6 +202,7 @@ def check_backend(
     cache = layer_views(kv, LAYER)
     other_layers = kv[:, [i for i in range(LAYERS) if i != LAYER]].clone()
     impl = get_backend(backend)(hq, hkv, d, scale=d**-0.5)
+    in_lanes(impl, lanes)
     out = impl.forward(q, k, v, cache, meta)
     tol = TOLERANCE[dtype]
     assert torch.allclose(out.double().cpu(), expected, atol=tol, rtol=tol)
@@ -201,8 +216,9 @@ def check_backend(
 @pytest.mark.parametrize("case", ["mixed-with-prefix", "mixed-trailing-decodes"])
 @pytest.mark.parametrize(("k_scale", "v_scale"), [(1.0, 1.0), (0.5, 4.0)], ids=["unit", "scaled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("lanes", [1, 4], ids=["one-stream", "lanes"])
 def test_an_fp8_cache_is_read_as_its_e4m3_values(
-    backend: str, case: str, k_scale: float, v_scale: float, dtype: torch.dtype
+    backend: str, case: str, k_scale: float, v_scale: float, dtype: torch.dtype, lanes: int
 ) -> None:
     """An FP8 (e4m3) cache with a key and a value scale: it holds k / k_scale and v / v_scale.
     The keys and values are chosen so those are on e4m3's grid, so the write is exact and the
@@ -228,7 +244,10 @@ def test_an_fp8_cache_is_read_as_its_e4m3_values(
         values = torch.cat([codes.value[blocks, pos % BS] * v_scale, v8[start:end]])
         expected.append(dense(q[start:end], keys, values, 32**-0.5))
         start = end
+    if backend == "torch" and lanes > 1:
+        pytest.skip("lanes are the Triton decode kernel's")
     impl = get_backend(backend)(8, 2, 32, scale=32**-0.5)
+    in_lanes(impl, lanes)
     q, k8, v8 = q.to(DEVICE), k8.to(dtype).to(DEVICE), v8.to(dtype).to(DEVICE)
     for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
         setattr(meta, name, getattr(meta, name).to(DEVICE))
@@ -305,6 +324,16 @@ def test_the_split_launch_serves_contexts_above_the_long_context_only() -> None:
     same._tuned = True
     same.apply_config({"decode": {"head_dim_128": {"long_context": 4096, "waves": 2}}})
     assert same.decode_graph_contexts(1, 131072, cpu) == (131072,)  # no split launch of its own
+    # lanes and prefetch alone make a split launch of its own too, and reach the kernel
+    lanes = TritonAttentionBackend(32, 8, 128, 128**-0.5)
+    lanes._tuned = True
+    lanes.apply_config({"decode": {"head_dim_128": {
+        "long_context": 4096, "waves": 2, "split_lanes": 4, "split_prefetch": 2}}})  # fmt: skip
+    assert lanes._streams() == ((1, 0), (4, 2))
+    assert lanes.decode_graph_contexts(1, 131072, cpu) == (4096, 131072)
+    q = torch.empty(1, 32, 128)
+    assert lanes._decode_launch(q, 2, 8192)["LANES"] == 4  # split, above long_context
+    assert lanes._decode_launch(q, 2, 4096)["LANES"] == 1
 
 
 def test_the_decode_graph_of_a_step_holds_its_batch_and_its_longest_context() -> None:

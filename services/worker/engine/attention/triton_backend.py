@@ -85,6 +85,13 @@ class TritonAttentionBackend(AttentionBackend):
     DECODE_SPLIT_BLOCK_N: int | None = None
     DECODE_SPLIT_WARPS: int | None = None
     DECODE_SPLIT_STAGES: int | None = None
+    # a launch's context in LANES interleaved streams of BLOCK_N keys, each with its own
+    # softmax state (triton_kernels._attend_lanes; 1: one stream, the tile split over warps),
+    # and the keys PREFETCH tiles on asked of L2 (0: none); the split launch's own, or None
+    DECODE_LANES = 1
+    DECODE_PREFETCH = 0
+    DECODE_SPLIT_LANES: int | None = None
+    DECODE_SPLIT_PREFETCH: int | None = None
     DECODE_LONG_CONTEXT: int | None = None
     PREFILL_BLOCK_M = 64
     PREFILL_BLOCK_N = 64
@@ -119,6 +126,10 @@ class TritonAttentionBackend(AttentionBackend):
             "split_warps",
             "split_stages",
             "long_context",
+            "lanes",
+            "prefetch",
+            "split_lanes",
+            "split_prefetch",
         ),
     }
     SPLIT_RULE = ("waves", "max_splits", "tokens_per_split")
@@ -266,12 +277,15 @@ class TritonAttentionBackend(AttentionBackend):
     def _decode_launch(
         self, q: torch.Tensor, splits: int, max_seq_len: int
     ) -> dict[str, int | bool]:
+        long = splits > 1 and self._long_context(max_seq_len)
+        lanes, prefetch = self._streams()[1 if long else 0]
         if not q.is_cuda:
-            return {"BLOCK_N": 16}
+            return {"BLOCK_N": 16, "LANES": lanes}
         one, split = self._launches()
-        block_n, warps, stages = split if splits > 1 and self._long_context(max_seq_len) else one
+        block_n, warps, stages = split if long else one
         return {
-            "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, **launch_options(q),
+            "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "LANES": lanes,
+            "PREFETCH": prefetch, **launch_options(q),
         }  # fmt: skip
 
     def _launches(self) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
@@ -279,6 +293,12 @@ class TritonAttentionBackend(AttentionBackend):
         one = self.DECODE_BLOCK_N, self.DECODE_WARPS, self.DECODE_STAGES
         split = (self.DECODE_SPLIT_BLOCK_N, self.DECODE_SPLIT_WARPS, self.DECODE_SPLIT_STAGES)
         return one, (split[0] or one[0], split[1] or one[1], split[2] or one[2])
+
+    def _streams(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(LANES, PREFETCH) of the decode kernel: one range, and long split ones."""
+        one = self.DECODE_LANES, self.DECODE_PREFETCH
+        lanes, prefetch = self.DECODE_SPLIT_LANES, self.DECODE_SPLIT_PREFETCH
+        return one, (lanes or one[0], one[1] if prefetch is None else prefetch)
 
     def _long_context(self, max_seq_len: int) -> bool:
         """Whether a split context of ``max_seq_len`` tokens takes the split launch."""
@@ -297,7 +317,8 @@ class TritonAttentionBackend(AttentionBackend):
         splits = num_decode_splits(
             num_reqs, self.num_kv_heads, max_model_len, self._sms(device), **self._split_rule
         )
-        if splits == 1 or long is None or long >= max_model_len or one == split:
+        same = one == split and self._streams()[0] == self._streams()[1]
+        if splits == 1 or long is None or long >= max_model_len or same:
             return (max_model_len,)
         return (long, max_model_len)
 

@@ -77,6 +77,27 @@ def _widen_values(v, dtype, GPU: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_rows(base, rows, ok, ROW_BYTES: tl.constexpr):
+    """Ask L2 for the ``ROW_BYTES`` bytes at ``base + rows`` (where ``ok``), a 128-byte line
+    at a time, and go on: a prefetch holds no register or shared memory while its bytes
+    arrive, so a loop can ask for tiles it reaches later."""
+    LINES: tl.constexpr = (ROW_BYTES + 127) // 128
+    step: tl.constexpr = 128 * 8 // base.dtype.element_ty.primitive_bitwidth
+    lines = tl.arange(0, LINES) * step
+    ptrs = base + rows[:, None] + lines[None, :]
+    tl.inline_asm_elementwise(
+        """{
+        .reg .pred p;
+        setp.ne.b32 p, $2, 0;
+        @p prefetch.global.L2 [$1];
+        mov.u32 $0, 0;
+        }""",
+        "=r,l,r", [ptrs, (ok[:, None] & (lines >= 0)[None, :]).to(tl.int32)], dtype=tl.int32,
+        is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
 def _attend_tile(
     q, K, V, table, offs_n, n_ok, visible, offs_d, d_ok, kv_head,
     stride_kb, stride_ks, stride_kh, qk_scale, m_i, l_i, acc,
@@ -194,6 +215,66 @@ def _prefill(
     )
 
 
+@triton.jit
+def _prefetch_tile(
+    K, V, table, offs_n, hi, kv_head, stride_kb, stride_ks, stride_kh,
+    KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """Ask L2 for the keys and values of token positions ``offs_n`` (those below ``hi``)."""
+    ok = offs_n < hi
+    block = tl.load(table + offs_n // KV_BLOCK, mask=ok, other=0).to(tl.int64)
+    kv = block * stride_kb + (offs_n % KV_BLOCK) * stride_ks + kv_head * stride_kh
+    row_bytes: tl.constexpr = HEAD_DIM * K.dtype.element_ty.primitive_bitwidth // 8
+    _prefetch_rows(K, kv, ok, row_bytes)
+    _prefetch_rows(V, kv, ok, row_bytes)
+
+
+@triton.jit
+def _attend_lanes(
+    q, K, V, table, lo, hi, offs_d, d_ok, kv_head,
+    stride_kb, stride_ks, stride_kh, qk_scale,
+    KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, LANES: tl.constexpr,
+    PRECISION: tl.constexpr, PREFETCH: tl.constexpr, GPU: tl.constexpr,
+):  # fmt: skip
+    """The context [lo, hi) in LANES interleaved streams of BLOCK_N keys: each stream keeps its
+    own running max, sum and accumulator (one batched product a tile, a lane per warp when
+    LANES equals the warps), so a tile's softmax needs no exchange between warps; the streams
+    are merged once at the end. Returns (max, sum, accumulator) as one stream's."""
+    STEP: tl.constexpr = LANES * BLOCK_N
+    offs_w = tl.arange(0, LANES)
+    qb = tl.broadcast_to(q[None, :, :], (LANES, GROUP_PAD, BLOCK_D))
+    m_i = tl.full([LANES, GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([LANES, GROUP_PAD], tl.float32)
+    acc = tl.zeros([LANES, GROUP_PAD, BLOCK_D], tl.float32)
+    for start in range(lo, hi, STEP):
+        offs_n = start + offs_w[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        n_ok = offs_n < hi
+        if PREFETCH > 0 and GPU:
+            ahead = tl.reshape(offs_n, [STEP]) + PREFETCH * STEP
+            _prefetch_tile(K, V, table, ahead, hi, kv_head, stride_kb, stride_ks, stride_kh,
+                           KV_BLOCK, HEAD_DIM)  # fmt: skip
+        block = tl.load(table + offs_n // KV_BLOCK, mask=n_ok, other=0).to(tl.int64)
+        kv = block * stride_kb + (offs_n % KV_BLOCK) * stride_ks + kv_head * stride_kh
+        ptrs = kv[:, :, None] + offs_d[None, None, :]
+        mask = n_ok[:, :, None] & d_ok[None, None, :]
+        k = tl.load(K + ptrs, mask=mask, other=0.0).to(q.dtype)
+        v = _widen_values(tl.load(V + ptrs, mask=mask, other=0.0), q.dtype, GPU)
+        s = tl.dot(qb, tl.permute(k, (0, 2, 1)), input_precision=PRECISION) * qk_scale
+        s = tl.where(n_ok[:, None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 2))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, :, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 2)
+        acc = acc * alpha[:, :, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    m = tl.max(m_i, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.where(m_i == float("-inf"), 0.0, tl.exp2(m_i - m_safe[None, :]))
+    return m, tl.sum(l_i * w, 0), tl.sum(acc * w[:, :, None], 0)
+
+
 @triton.jit(do_not_specialize=DECODE_PER_STEP)
 def _decode(
     Q, K, V, Out, part_acc, part_ml,
@@ -205,6 +286,7 @@ def _decode(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, ORDERED: tl.constexpr = False,
     USE_PDL: tl.constexpr = False, DOT_F16: tl.constexpr = False, GPU: tl.constexpr = False,
+    LANES: tl.constexpr = 1, PREFETCH: tl.constexpr = 0,
 ):  # fmt: skip
     await_inputs(USE_PDL)
     # ``local``: the request's offset from first_req, which also indexes the partials
@@ -220,7 +302,7 @@ def _decode(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + req)
     row = tl.load(query_start_loc + req).to(tl.int64)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), LANES * BLOCK_N) * LANES * BLOCK_N
     lo = split * per_split
     hi = tl.minimum(seq_len, lo + per_split)
 
@@ -235,17 +317,27 @@ def _decode(
         other=0.0,
     )
     q = _compute_dtype(q, DOT_F16)
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
     table = block_tables + req.to(tl.int64) * stride_bt
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < hi
-        m_i, l_i, acc = _attend_tile(
-            q, K, V, table, offs_n, n_ok, n_ok[None, :], offs_d, d_ok, kv_head,
-            stride_kb, stride_ks, stride_kh, qk_scale, m_i, l_i, acc, KV_BLOCK, PRECISION,
-            GPU=GPU,
+    if LANES == 1:
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < hi
+            if PREFETCH > 0 and GPU:  # the keys and values PREFETCH tiles on, into L2
+                _prefetch_tile(K, V, table, offs_n + PREFETCH * BLOCK_N, hi, kv_head,
+                               stride_kb, stride_ks, stride_kh, KV_BLOCK, HEAD_DIM)  # fmt: skip
+            m_i, l_i, acc = _attend_tile(
+                q, K, V, table, offs_n, n_ok, n_ok[None, :], offs_d, d_ok, kv_head,
+                stride_kb, stride_ks, stride_kh, qk_scale, m_i, l_i, acc, KV_BLOCK, PRECISION,
+                GPU=GPU,
+            )  # fmt: skip
+    else:
+        m_i, l_i, acc = _attend_lanes(
+            q, K, V, table, lo, hi, offs_d, d_ok, kv_head, stride_kb, stride_ks, stride_kh,
+            qk_scale, KV_BLOCK, HEAD_DIM, GROUP_PAD, BLOCK_D, BLOCK_N, LANES, PRECISION,
+            PREFETCH, GPU,
         )  # fmt: skip
     out_mask = g_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
