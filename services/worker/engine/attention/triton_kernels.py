@@ -98,6 +98,16 @@ def _prefetch_rows(base, rows, ok, ROW_BYTES: tl.constexpr):
 
 
 @triton.jit
+def _kv_offsets(
+    table, offs_n, ok, kv_head, stride_kb, stride_ks, stride_kh, KV_BLOCK: tl.constexpr
+):  # fmt: skip
+    """The cache offsets of token positions ``offs_n`` (those ``ok``; block 0 for the rest)
+    of one kv head, through the request's block table."""
+    block = tl.load(table + offs_n // KV_BLOCK, mask=ok, other=0).to(tl.int64)
+    return block * stride_kb + (offs_n % KV_BLOCK) * stride_ks + kv_head * stride_kh
+
+
+@triton.jit
 def _attend_tile(
     q, K, V, table, offs_n, n_ok, visible, offs_d, d_ok, kv_head,
     stride_kb, stride_ks, stride_kh, qk_scale, m_i, l_i, acc,
@@ -112,10 +122,10 @@ def _attend_tile(
     query): no token mask, no score mask, and no guard for a row that saw nothing. ``EVEN_D``:
     the head dimension fills ``offs_d``, so the loads need no column mask either."""
     if MASKED:
-        block = tl.load(table + offs_n // KV_BLOCK, mask=n_ok, other=0).to(tl.int64)
+        kv = _kv_offsets(table, offs_n, n_ok, kv_head, stride_kb, stride_ks, stride_kh, KV_BLOCK)
     else:
         block = tl.load(table + offs_n // KV_BLOCK).to(tl.int64)
-    kv = block * stride_kb + (offs_n % KV_BLOCK) * stride_ks + kv_head * stride_kh
+        kv = block * stride_kb + (offs_n % KV_BLOCK) * stride_ks + kv_head * stride_kh
     if MASKED:
         mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(K + kv[:, None] + offs_d[None, :], mask=mask, other=0.0)
@@ -222,8 +232,7 @@ def _prefetch_tile(
 ):  # fmt: skip
     """Ask L2 for the keys and values of token positions ``offs_n`` (those below ``hi``)."""
     ok = offs_n < hi
-    block = tl.load(table + offs_n // KV_BLOCK, mask=ok, other=0).to(tl.int64)
-    kv = block * stride_kb + (offs_n % KV_BLOCK) * stride_ks + kv_head * stride_kh
+    kv = _kv_offsets(table, offs_n, ok, kv_head, stride_kb, stride_ks, stride_kh, KV_BLOCK)
     row_bytes: tl.constexpr = HEAD_DIM * K.dtype.element_ty.primitive_bitwidth // 8
     _prefetch_rows(K, kv, ok, row_bytes)
     _prefetch_rows(V, kv, ok, row_bytes)
@@ -254,8 +263,7 @@ def _attend_lanes(
             ahead = tl.reshape(offs_n, [STEP]) + PREFETCH * STEP
             _prefetch_tile(K, V, table, ahead, hi, kv_head, stride_kb, stride_ks, stride_kh,
                            KV_BLOCK, HEAD_DIM)  # fmt: skip
-        block = tl.load(table + offs_n // KV_BLOCK, mask=n_ok, other=0).to(tl.int64)
-        kv = block * stride_kb + (offs_n % KV_BLOCK) * stride_ks + kv_head * stride_kh
+        kv = _kv_offsets(table, offs_n, n_ok, kv_head, stride_kb, stride_ks, stride_kh, KV_BLOCK)
         ptrs = kv[:, :, None] + offs_d[None, None, :]
         mask = n_ok[:, :, None] & d_ok[None, None, :]
         k = tl.load(K + ptrs, mask=mask, other=0.0).to(q.dtype)
