@@ -180,6 +180,8 @@ def tune(args: argparse.Namespace, dev: torch.device) -> None:
     gpu = torch.cuda.get_device_name(dev)
     kept = tuned_configs.read(gemv_configs.CONFIG_DIR, gpu)
     doc: dict[str, Any] = {kind: dict(kept.get(kind, {})) for kind in gemv_configs.KINDS}
+    if gemv_configs.GEMM in kept:  # fp8_mm.py --tune's section, kept as it is
+        doc[gemv_configs.GEMM] = kept[gemv_configs.GEMM]
     measured: dict[str, Any] = {"gpu": gpu, "us": {}}
     from services.worker.engine.models.quantization import Codes
 

@@ -76,7 +76,21 @@ def _decode(fp8: bool) -> Preset:
     )  # fmt: skip
 
 
+def _gemm(block_n: int, block_m: int, warps: int, stages: int) -> Preset:
+    """Our FP8 GEMM (decode batches; the product transposed) at one tile, 128 of K a step."""
+    return Preset(
+        fp8_linear._fp8_gemm_kernel,
+        {"X": "*fp8e4nv", "XS": "*fp32", "W": "*fp8e4nv", "WS": "*fp32", "B": "*bf16",
+         "Y": "*bf16", "PARTS": "*fp32", "TICKETS": "*i32"},
+        {"HAS_BIAS": False, "BLOCK_N": block_n, "BLOCK_M": block_m, "BLOCK_K": 128,
+         "PRECISE": False},
+        warps=warps, stages=stages,
+    )  # fmt: skip
+
+
 PRESETS = {
+    "fp8_gemm_64x64": _gemm(64, 64, warps=4, stages=4),
+    "fp8_gemm_128x128": _gemm(128, 128, warps=8, stages=3),
     "fp8_gemv_codes": _gemv(codes=True),
     "fp8_gemv": _gemv(codes=False),
     "decode_bf16": _decode(fp8=False),

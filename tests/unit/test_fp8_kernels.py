@@ -58,6 +58,35 @@ def test_fp8_mm_float32_is_the_product_of_its_quantized_rows() -> None:
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "launch"),
+    [
+        (5, 96, 256, {"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 64, "SPLITS": 1}),
+        (37, 200, 320, {"BLOCK_N": 64, "BLOCK_M": 32, "BLOCK_K": 64, "SPLITS": 3}),
+        (16, 128, 512, {"BLOCK_N": 128, "BLOCK_M": 16, "BLOCK_K": 128, "SPLITS": 2}),
+        (40, 64, 384, {"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 32, "SPLITS": 4}),
+    ],
+    ids=["one-slice", "three-slices-ragged", "two-slices", "three-row-tiles-four-slices"],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fp8_gemm_is_the_product_of_the_codes(
+    rows: int, n: int, k: int, launch: dict[str, int], dtype: torch.dtype
+) -> None:
+    """The transposed tiles, the split of K and the last slice's in-order sum: the product of
+    the codes and scales to within one step of the output's dtype (the interpreter's bf16 cast
+    rounds toward zero), with the bias; every ticket counter back at zero."""
+    x, w, ws, b = _case(rows, n, k)
+    q, s = fp8_linear.quantize_rows(x.to(dtype))
+    got = fp8_linear.fp8_gemm(Codes(q, s, dtype), w, ws, b.to(dtype), launch)
+    want = F.linear((q.double() * s.double()), dequantize(w, ws, None).double(),
+                    b.to(dtype).double())  # fmt: skip
+    step = 2.0 ** -(7 if dtype == torch.bfloat16 else 10)  # a step at the value, relative
+    assert got.dtype == dtype and got.shape == (rows, n)
+    assert ((got.double() - want).abs() <= want.abs() * step + 1e-3).all()
+    if launch["SPLITS"] > 1:
+        assert not fp8_linear._TICKETS[torch.device("cpu")].any()
+
+
 def test_the_layers_take_the_kernels_on_a_gpu_only() -> None:
     """On CPU (and for block checkpoints) a layer stays on the plain path: no FP8 tensor cores."""
     x, w, *_ = _case(2, 32, 64)

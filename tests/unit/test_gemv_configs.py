@@ -52,6 +52,43 @@ def test_a_malformed_configuration_is_refused(doc: dict[str, Any], message: str)
         gemv_configs.parse(doc)
 
 
+GEMM = {"block_n": 64, "block_m": 32, "block_k": 128, "splits": 2, "warps": 4, "stages": 4}
+
+
+def test_gemm_launches_hold_up_to_their_row_count() -> None:
+    doc = {"fp8_gemm": {"4096x14336": {"32": GEMM, "256": {**GEMM, "block_m": 128}}}}
+    gemv_configs.parse(doc)  # beside the GEMVs' kinds in one file
+    by_rows = gemv_configs.parse_gemm(doc)[(4096, 14336)]
+    picks = {m: gemv_configs.pick_rows(by_rows, m) for m in (2, 32, 33, 256, 257)}
+    assert picks[2] == picks[32] == GEMM
+    assert picks[33] is not None and picks[33]["block_m"] == 128 and picks[256] == picks[33]
+    assert picks[257] is None  # more rows than any measured: cuBLASLt
+    assert gemv_configs.gemm_keywords(GEMM) == {
+        "BLOCK_N": 64, "BLOCK_M": 32, "BLOCK_K": 128, "SPLITS": 2, "num_warps": 4,
+        "num_stages": 4,
+    }  # fmt: skip
+    assert gemv_configs.gemm_launch(torch.zeros(2, 14336), 2, 4096, 14336) is None  # CPU
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"4096x4096": {"0": GEMM}}, "a row count is a positive integer"),
+        ({"4096x4096": {"sixteen": GEMM}}, "a row count is a positive integer"),
+        ({"4096x4096": {"16": {**GEMM, "splits": 0}}}, "a launch is positive"),
+        ({"4096x4096": {"16": {**GEMM, "splits": True}}}, "a launch is positive"),
+        ({"4096x4096": {"16": {k: v for k, v in GEMM.items() if k != "splits"}}}, "positive"),
+        ({"4096x4096": {"16": {**GEMM, "block_n": 32}}}, "tiles below the tensor cores'"),
+        ({"4096x4096": {"16": {**GEMM, "block_m": 8}}}, "tiles below the tensor cores'"),
+        ({"4096": {"16": GEMM}}, "a shape is 'NxK'"),
+    ],
+)
+def test_a_malformed_gemm_launch_is_refused(section: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        gemv_configs.parse_gemm({"fp8_gemm": section})
+
+
 def test_every_kept_configuration_is_valid() -> None:
     for path in sorted(gemv_configs.CONFIG_DIR.glob("*.json")):
         gemv_configs.parse(json.loads(path.read_text()))
+        gemv_configs.parse_gemm(json.loads(path.read_text()))

@@ -10,7 +10,11 @@ layer's input, dynamically per token or with the checkpoint's static scale.
 - More rows (prefill, batched decode; ``fp8_mm``): the rows quantized by one Triton kernel
   (``quantize_rows``: a scale per row), then the FP8 tensor cores through ``torch._scaled_mm``
   with row-wise scales (bf16/fp16 out; float32 models take the product unscaled in float32
-  and scale it after, since row-wise scaling writes 16-bit outputs only).
+  and scale it after, since row-wise scaling writes 16-bit outputs only). For the row counts
+  of a decode batch, where the GPU's table (``gemv_configs.gemm_launch``) holds a launch that
+  measured faster, our own tensor-core kernel instead (``fp8_gemm``): the product computed
+  transposed, so the few rows sit on the tensor cores' narrow side, and K split over programs
+  where the weight's rows alone make too few tiles to fill the GPU.
 - Either takes its input already quantized (``quantization.Codes``), when the kernel before
   it wrote the codes with its output row in registers (``store_codes``, called by
   ``fused_ops``' RMSNorm and SiLU·mul): the GEMV then only widens codes and the rows skip
@@ -199,6 +203,129 @@ _fp8_gemv_tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "HAS_BIAS", "
 )
 
 
+@triton.jit
+def _fp8_gemm_kernel(
+    X, XS, W, WS, B, Y, PARTS, TICKETS, M, N, K, SPLITS, k_per_split, stride_xm, stride_wn,
+    stride_ym,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISE: tl.constexpr,
+):  # fmt: skip
+    """Y = (X · xs) (W · ws)ᵀ for a few rows, on the FP8 tensor cores, computed transposed: a
+    program's tile is BLOCK_N weight rows × BLOCK_M activation rows, so the weight's rows fill
+    the tensor cores' 64-row side and a decode batch of 16-256 rows their narrow side (where
+    cuBLASLt's tiles of 128 activation rows leave most of the machine idle: an 8B model's o and
+    down projections at 256 rows are 64 tiles of 128 × 128 on 132 SMs). X: [M, K] e4m3 codes,
+    XS their scale per row; W: [N, K] e4m3, WS a scale per weight row.
+
+    With SPLITS > 1 each program sums one of SPLITS slices of K (``k_per_split`` columns) into
+    float32 PARTS [SPLITS, M, N]; the last of a tile's programs to finish (a ticket counter per
+    tile, TICKETS, left at 0 again) adds the slices in their order, so the sum does not depend
+    on which program finished first.
+
+    The tensor cores' partial sums are promoted to float32 once a BLOCK_K tile with PRECISE,
+    else never (Triton's default on Hopper): cuBLASLt's two accumulation modes."""
+    pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok, m_ok = rn < N, rm < M
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    w_ptrs = W + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]
+    x_ptrs = X + rm[None, :].to(tl.int64) * stride_xm + (k_lo + rk)[:, None]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_ok = (k0 + rk) < k_hi
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+        if PRECISE:
+            acc = tl.dot(w, x, acc, max_num_imprecise_acc=BLOCK_K)
+        else:
+            acc = tl.dot(w, x, acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    tile = rm[None, :].to(tl.int64) * N + rn[:, None]  # (m, n) of [M, N], a tile's elements
+    ok = n_ok[:, None] & m_ok[None, :]
+    if SPLITS == 1:
+        _gemm_store(acc, rn, rm, n_ok, m_ok, XS, WS, B, Y, stride_ym, HAS_BIAS)
+    else:
+        tl.store(PARTS + split * M * N + tile, acc, mask=ok)
+        # every thread's slice stored, then one ticket: release, and acquire for the last
+        tl.debug_barrier()
+        counter = TICKETS + pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
+            tl.debug_barrier()
+            acc = tl.load(PARTS + tile, mask=ok, other=0.0, cache_modifier=".cg")
+            for s in range(1, SPLITS):
+                acc += tl.load(PARTS + s * M * N + tile, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(counter, 0)
+            _gemm_store(acc, rn, rm, n_ok, m_ok, XS, WS, B, Y, stride_ym, HAS_BIAS)
+
+
+@triton.jit
+def _gemm_store(acc, rn, rm, n_ok, m_ok, XS, WS, B, Y, stride_ym, HAS_BIAS: tl.constexpr):
+    """A [BLOCK_N, BLOCK_M] tile of float32 sums scaled (weight row, activation row), biased,
+    stored to Y [M, N]."""
+    y = acc * tl.load(WS + rn, mask=n_ok, other=0.0)[:, None]
+    y = y * tl.load(XS + rm, mask=m_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        y += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    out = Y + rm[None, :].to(tl.int64) * stride_ym + rn[:, None]
+    tl.store(out, y.to(Y.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown ticket buffers, which captured graphs may hold
+
+
+def _tickets(device: torch.device, count: int) -> torch.Tensor:
+    """The split-K ticket counters of a device (zeros, and left zero by every launch). Made
+    (or grown) outside graph captures: the engine runs each step shape eagerly before it
+    captures it. An outgrown buffer is never freed, since a graph captured over it replays it."""
+    buf = _TICKETS.get(device)
+    if buf is None or buf.numel() < count:
+        if device.type == "cuda":
+            assert not torch.cuda.is_current_stream_capturing(), "fp8_gemm: tickets in a capture"
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = _TICKETS[device] = torch.zeros(max(count, 1 << 16), dtype=torch.int32, device=device)
+    return buf
+
+
+def fp8_gemm(
+    x: Codes,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: dict[str, int],
+    fast_accumulation: bool = True,
+) -> torch.Tensor:
+    """``fp8_mm``'s product by ``_fp8_gemm_kernel`` at one launch: ``config`` holds BLOCK_N,
+    BLOCK_M, BLOCK_K, SPLITS, num_warps, num_stages (``gemv_configs.gemm_launch``). 16-bit
+    outputs only (``fp8_mm`` takes float32 models to cuBLASLt)."""
+    xq, xs = x.codes, x.scales
+    m, k = xq.shape
+    n = weight.shape[0]
+    assert xq.stride(1) == 1 and weight.stride(1) == 1, "rows contiguous"
+    y = torch.empty((m, n), dtype=x.dtype, device=xq.device)
+    config = dict(config)
+    splits = config.pop("SPLITS")
+    block_k = config["BLOCK_K"]
+    k_per_split = triton.cdiv(triton.cdiv(k, block_k), splits) * block_k
+    grid = (triton.cdiv(n, config["BLOCK_N"]), triton.cdiv(m, config["BLOCK_M"]), splits)
+    if splits > 1:
+        parts = torch.empty((splits, m, n), dtype=torch.float32, device=xq.device)
+        tickets = _tickets(xq.device, grid[0] * grid[1])
+    else:
+        parts = tickets = y  # unread
+    _fp8_gemm_kernel[grid](
+        xq, xs, weight, weight_scale, bias if bias is not None else y, y, parts, tickets,
+        m, n, k, splits, k_per_split, xq.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, PRECISE=not fast_accumulation, **config,
+    )  # fmt: skip
+    return y
+
+
 def _static(input_scale: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     """The static activation scale as a float32 scalar tensor (a placeholder when dynamic)."""
     if input_scale is None:
@@ -275,6 +402,11 @@ def fp8_mm(
         xq, xs, dtype = x.codes, x.scales, x.dtype
     else:
         (xq, xs), dtype = quantize_rows(x, input_scale), x.dtype
+    if dtype in (torch.bfloat16, torch.float16):
+        config = gemv_configs.gemm_launch(xq, xq.shape[0], *weight.shape)
+        if config is not None:  # measured faster than cuBLASLt for this shape and row count
+            return fp8_gemm(Codes(xq, xs, dtype), weight, weight_scale, bias, config,
+                            fast_accumulation)  # fmt: skip
     ws = weight_scale.reshape(1, -1)
     if dtype in (torch.bfloat16, torch.float16):
         y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=ws, out_dtype=dtype,
@@ -297,5 +429,6 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 __all__ = [
-    "FP8_MAX", "MIN_SCALE", "fp8_gemv", "fp8_mm", "quantize_rows", "store_codes", "supported",
+    "FP8_MAX", "MIN_SCALE", "fp8_gemm", "fp8_gemv", "fp8_mm", "quantize_rows", "store_codes",
+    "supported",
 ]  # fmt: skip
