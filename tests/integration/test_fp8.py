@@ -140,14 +140,21 @@ def test_fast_accumulation_is_an_fp8_models_setting(
 
 
 def test_fp8_with_tensor_parallelism(fp8_models: dict[tuple[str, str], Path]) -> None:
-    """Block scales split with their weights: TP=2 reads each rank's rows and block columns."""
+    """Block scales split with their weights: TP=2 reads each rank's rows and block columns.
+
+    Two ranks add their partial sums in another order than one process: the activations the
+    next layer rounds to e4m3 part in their last bits, and now and then a rounding flips,
+    which moves a logprob by ~1e-3. So the median difference from the reference is held to
+    5e-3, not one process's 1e-3 (seen on two CPUs: 2.2e-3 and 4.5e-4, where one process gives
+    1e-6); every token is still the reference's argmax or a near-tie, nine in ten exact."""
     path = fp8_models[("fp8-block", "llama")]
     llm = LLM(model=str(path), tensor_parallel_size=2, show_progress=False)
     try:
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     finally:
         llm.shutdown()
-    assert _check_against_reference(path, outs) >= 0.9 * len(PROMPTS) * GREEDY.max_tokens
+    exact = _check_against_reference(path, outs, median_atol=5e-3)
+    assert exact >= 0.9 * len(PROMPTS) * GREEDY.max_tokens
 
 
 def _copy_checkpoint(src: Path, dst: Path) -> Path:
