@@ -53,6 +53,12 @@ def errors(y: torch.Tensor, exact: torch.Tensor) -> dict[str, float]:
     }
 
 
+def exact_product(codes: Codes, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """The product of the codes and weights, each times its scales, in float64."""
+    x = codes.codes.double() * codes.scales.double()
+    return x @ (wq.double() * ws.double().reshape(-1, 1)).t()
+
+
 def case(n: int, k: int, m: int, dev: torch.device) -> dict[str, Any]:
     """One projection (N, K) at ``m`` rows: times and errors."""
     gen = torch.Generator(device=dev).manual_seed(n * 7 + k + m)
@@ -61,7 +67,7 @@ def case(n: int, k: int, m: int, dev: torch.device) -> dict[str, Any]:
     wq, ws = quantization.quantize_rows(w)  # a scale per output channel
     xq, xs = quantize_rows(x)
     codes = Codes(xq, xs, torch.bfloat16)
-    exact = (xq.double() * xs.double()) @ (wq.double() * ws.double().reshape(-1, 1)).t()
+    exact = exact_product(codes, wq, ws)
     flops = 2 * m * n * k
     row: dict[str, Any] = {"N": n, "K": k, "M": m}
     runs = {
@@ -131,8 +137,10 @@ def tune(args: argparse.Namespace, dev: torch.device) -> None:
 
             base = time_calls(cublas, weights, x, args.reps)
             times: dict[str, float] = {}
+            entries: dict[str, dict[str, int]] = {}
             for entry in gemm_launches(m):
                 launch = gemv_configs.gemm_keywords(entry)
+                label = "-".join(map(str, entry.values()))
 
                 def ours(
                     x: torch.Tensor, w: Any, launch: dict = launch, codes: Codes = codes
@@ -140,17 +148,14 @@ def tune(args: argparse.Namespace, dev: torch.device) -> None:
                     return fp8_linear.fp8_gemm(codes, w[0], w[1], None, dict(launch))
 
                 try:
-                    times["-".join(map(str, entry.values()))] = time_calls(
-                        ours, weights, x, args.reps
-                    )
+                    times[label] = time_calls(ours, weights, x, args.reps)
+                    entries[label] = entry
                 except Exception as e:  # a launch this GPU cannot run (shared memory, registers)
                     print(f"  {name} M={m} {entry}: {type(e).__name__}: {str(e)[:120]}", flush=True)
             best = min(times, key=times.__getitem__)
-            entry = dict(zip(gemv_configs.GEMM_KEYS, map(int, best.split("-")), strict=True))
+            entry = entries[best]
             wq, ws = weights[0]
-            exact = (codes.codes.double() * codes.scales.double()) @ (
-                wq.double() * ws.double().reshape(-1, 1)
-            ).t()
+            exact = exact_product(codes, wq, ws)
             y = fp8_linear.fp8_gemm(codes, wq, ws, None, gemv_configs.gemm_keywords(entry))
             ref = cublas(x, weights[0])
             row = {"projection": name, "N": n, "K": k, "M": m,
