@@ -82,6 +82,9 @@ def main() -> None:
     p.add_argument("--fp8", action="store_true", help="instead: the FP8 GEMV against the bf16")
     p.add_argument("--tune", metavar="DIR", help="instead: measure both GEMVs' launches")
     p.add_argument("--shapes", nargs="+", default=None, help="--tune: default --shape")
+    p.add_argument(
+        "--kinds", nargs="+", help="--tune: these kernels only (the others' kept launches stay)"
+    )
     p.add_argument("--output")
     args = p.parse_args()
     dev = torch.device("cuda")
@@ -169,7 +172,8 @@ def fp8(args: argparse.Namespace, dev: torch.device, bandwidth: float) -> None:
 
 def tune(args: argparse.Namespace, dev: torch.device) -> None:
     """Per kind (bf16 ``gemv``, ``fp8_gemv``, ``fp8_gemv_codes``: its activation quantized by
-    the kernel before) and projection: every configuration of the
+    the kernel before, ``fp8_gemv_codes_fast``: and its products summed in float16, as with
+    fast accumulation) and projection: every configuration of the
     kernel's autotune list, timed in a CUDA graph of back-to-back calls over weights from HBM;
     the fastest kept (the whole table under ``measured``)."""
     from services.worker.engine import tuned_configs
@@ -182,16 +186,19 @@ def tune(args: argparse.Namespace, dev: torch.device) -> None:
     doc: dict[str, Any] = {kind: dict(kept.get(kind, {})) for kind in gemv_configs.KINDS}
     if gemv_configs.GEMM in kept:  # fp8_mm.py --tune's section, kept as it is
         doc[gemv_configs.GEMM] = kept[gemv_configs.GEMM]
-    measured: dict[str, Any] = {"gpu": gpu, "us": {}}
+    measured: dict[str, Any] = {"gpu": gpu, "us": dict(kept.get("measured", {}).get("us", {}))}
     from services.worker.engine.models.quantization import Codes
 
     kernels = {"gemv": gemv_module._CONFIGS, "fp8_gemv": fp8_linear._CONFIGS,
-               "fp8_gemv_codes": fp8_linear._CONFIGS}  # fmt: skip
+               "fp8_gemv_codes": fp8_linear._CONFIGS,
+               "fp8_gemv_codes_fast": fp8_linear._CONFIGS}  # fmt: skip
     shapes = {nk for s in (args.shapes or [args.shape]) for nk in projections(SHAPES[s]).values()}
     for n, k in sorted(shapes):
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
         codes = Codes(*fp8_linear.quantize_rows(x), x.dtype)  # as RMSNorm / SiLU·mul hand over
         for kind, configs in kernels.items():
+            if args.kinds and kind not in args.kinds:
+                continue
             nbytes = n * k * (2 if kind == "gemv" else 1)
             copies = max(2, -(-(512 << 20) // nbytes))  # ≥ 512 MiB in all: nothing stays in L2
             if kind != "gemv":
@@ -216,8 +223,9 @@ def tune(args: argparse.Namespace, dev: torch.device) -> None:
                 ) -> Any:
                     if kind == "fp8_gemv":
                         return fp8_linear.fp8_gemv(x, *w, config=launch)
-                    if kind == "fp8_gemv_codes":
-                        return fp8_linear.fp8_gemv(codes, *w, config=launch)
+                    if kind.startswith("fp8_gemv_codes"):
+                        fast = kind.endswith("_fast")
+                        return fp8_linear.fp8_gemv(codes, *w, config=launch, fast_accumulation=fast)
                     return gemv_module.gemv(x, w, config=launch)
 
                 times["-".join(map(str, entry.values()))] = (

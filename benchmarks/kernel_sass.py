@@ -48,14 +48,15 @@ class Preset:
     stages: int
 
 
-def _gemv(codes: bool) -> Preset:
-    """The FP8 GEMV at the 8B shape's kept launch for o, gate_up and down (8 rows × 2,048)."""
+def _gemv(codes: bool, fast: bool = False) -> Preset:
+    """The FP8 GEMV at the 8B shape's kept launch for o, gate_up and down (8 rows × 2,048);
+    ``fast``: its float16 products (fast accumulation, over codes)."""
     return Preset(
         fp8_linear._fp8_gemv_kernel,
         {"X": "*fp8e4nv" if codes else "*bf16", "W": "*i32", "WS": "*fp32", "B": "*bf16",
          "Y": "*bf16", "xs_in": "*fp32"},
         {"STATIC": False, "HAS_BIAS": False, "BLOCK_N": 8, "BLOCK_K": 2048, "AMAX_BLOCK": 4096,
-         "GPU": True, "CODES": codes, "USE_PDL": True},
+         "GPU": True, "CODES": codes, "USE_PDL": True, "FAST": fast},
         warps=4, stages=3,
     )  # fmt: skip
 
@@ -92,6 +93,7 @@ PRESETS = {
     "fp8_gemm_64x64": _gemm(64, 64, warps=4, stages=4),
     "fp8_gemm_128x128": _gemm(128, 128, warps=8, stages=3),
     "fp8_gemv_codes": _gemv(codes=True),
+    "fp8_gemv_codes_fast": _gemv(codes=True, fast=True),
     "fp8_gemv": _gemv(codes=False),
     "decode_bf16": _decode(fp8=False),
     "decode_fp8": _decode(fp8=True),

@@ -133,6 +133,55 @@ def _widen4(words, GPU: tl.constexpr):
     return _code(words, 0), _code(words, 8), _code(words, 16), _code(words, 24)
 
 
+# FAST: an activation code widened to float16 counts in units of 1/256, so that a word's four
+# products and their sums stay below float16's largest value (448 · 448/256 · 4 = 3,136) and
+# are exact until they are added (two codes' product has at most 8 significant bits); the
+# float32 sum is scaled back once at the end
+X_UNIT: tl.constexpr = tl.constexpr(256.0)
+
+
+@triton.jit
+def _halves(words):
+    """int32 words of four activation codes as two words of float16 pairs (codes 0, 1 and
+    2, 3), each code / X_UNIT (exact: a power of two)."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b16 lo, hi;
+        .reg .b32 unit;
+        mov.b32 {lo, hi}, $2;
+        mov.b32 unit, 0x1C001C00;
+        cvt.rn.f16x2.e4m3x2 $0, lo;
+        cvt.rn.f16x2.e4m3x2 $1, hi;
+        mul.rn.f16x2 $0, $0, unit;
+        mul.rn.f16x2 $1, $1, unit;
+        }""",
+        "=r,=r,r", [words], dtype=(tl.int32, tl.int32), is_pure=True, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def _dot_word(w, x01, x23):
+    """A weight word's four codes times their activations (``_halves``), in float32: the
+    products of codes 0, 2 and of 1, 3 summed in float16 pairs by a multiply and a fused
+    multiply-add, the pair added in float16, then widened: seven instructions for four
+    weights, where widening each weight to float32 took four for one."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b16 lo, hi, s0, s1, h;
+        .reg .b32 a, b, p;
+        mov.b32 {lo, hi}, $1;
+        cvt.rn.f16x2.e4m3x2 a, lo;
+        cvt.rn.f16x2.e4m3x2 b, hi;
+        mul.rn.f16x2 p, a, $2;
+        fma.rn.f16x2 p, b, $3, p;
+        mov.b32 {s0, s1}, p;
+        add.rn.f16 h, s0, s1;
+        cvt.f32.f16 $0, h;
+        }""",
+        "=r,r,r,r", [w, x01, x23], dtype=tl.float32, is_pure=True, pack=1,
+    )  # fmt: skip
+
+
 @triton.jit
 def _x_codes(X, first, ok, xs, r, GPU: tl.constexpr, CODES: tl.constexpr):
     """The activation's elements ``first`` (every fourth column) quantized, as float32 (with
@@ -148,12 +197,17 @@ def _fp8_gemv_kernel(
     X, W, WS, B, Y, xs_in, N, K, stride_wn,
     STATIC: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, AMAX_BLOCK: tl.constexpr, GPU: tl.constexpr, CODES: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, FAST: tl.constexpr = False,
 ):  # fmt: skip
     """W: the e4m3 weight as int32 words of four codes ([N, K / 4], ``stride_wn`` in words);
     BLOCK_K counts weights (BLOCK_K / 4 words a tile). Column 4j + b of the product is word j's
     code b: each tile is four products of a widened code plane with the matching activation
-    columns. With CODES, X is the activation's e4m3 codes and ``xs_in`` its scale."""
+    columns. With CODES, X is the activation's e4m3 codes and ``xs_in`` its scale.
+
+    FAST (with CODES, on a GPU: fast accumulation, as ``fp8_mm``'s): a word's four products
+    in float16 (``_dot_word``), added to the float32 sums a word at a time. (Without codes it
+    measured slower for the o projection, the 8B shape's only such layer: each program
+    quantizes the row's columns again, docs/results/h200-2026-12-02j/.)"""
     WORDS: tl.constexpr = BLOCK_K // 4
     k4 = K // 4
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -173,16 +227,27 @@ def _fp8_gemv_kernel(
         xs = _row_scale(X, K, xs_in, STATIC, AMAX_BLOCK)
         r = tl.math.div_rn(1.0, xs)
     acc = tl.zeros([BLOCK_N, WORDS], tl.float32)
-    for k0 in range(0, k4, WORDS):
-        j = k0 + tl.arange(0, WORDS)
-        ok = j < k4
-        w0, w1, w2, w3 = _widen4(w, GPU)
-        acc += w0 * _x_codes(X, 4 * j, ok, xs, r, GPU, CODES)[None, :]
-        acc += w1 * _x_codes(X, 4 * j + 1, ok, xs, r, GPU, CODES)[None, :]
-        acc += w2 * _x_codes(X, 4 * j + 2, ok, xs, r, GPU, CODES)[None, :]
-        acc += w3 * _x_codes(X, 4 * j + 3, ok, xs, r, GPU, CODES)[None, :]
-        j += WORDS
-        w = tl.load(w_rows + j[None, :], mask=row_ok[:, None] & (j < k4)[None, :], other=0)
+    if FAST:
+        XW = X.to(tl.pointer_type(tl.int32), bitcast=True)  # the codes four to a word
+        for k0 in range(0, k4, WORDS):
+            j = k0 + tl.arange(0, WORDS)
+            x01, x23 = _halves(tl.load(XW + j, mask=j < k4, other=0))
+            acc += _dot_word(w, tl.broadcast_to(x01[None, :], (BLOCK_N, WORDS)),
+                             tl.broadcast_to(x23[None, :], (BLOCK_N, WORDS)))  # fmt: skip
+            j += WORDS
+            w = tl.load(w_rows + j[None, :], mask=row_ok[:, None] & (j < k4)[None, :], other=0)
+        xs = xs * X_UNIT
+    else:
+        for k0 in range(0, k4, WORDS):
+            j = k0 + tl.arange(0, WORDS)
+            ok = j < k4
+            w0, w1, w2, w3 = _widen4(w, GPU)
+            acc += w0 * _x_codes(X, 4 * j, ok, xs, r, GPU, CODES)[None, :]
+            acc += w1 * _x_codes(X, 4 * j + 1, ok, xs, r, GPU, CODES)[None, :]
+            acc += w2 * _x_codes(X, 4 * j + 2, ok, xs, r, GPU, CODES)[None, :]
+            acc += w3 * _x_codes(X, 4 * j + 3, ok, xs, r, GPU, CODES)[None, :]
+            j += WORDS
+            w = tl.load(w_rows + j[None, :], mask=row_ok[:, None] & (j < k4)[None, :], other=0)
     y = tl.sum(acc, axis=1) * xs * tl.load(WS + rows, mask=row_ok, other=0.0)
     if HAS_BIAS:
         y += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -190,7 +255,8 @@ def _fp8_gemv_kernel(
 
 
 # one byte per weight: wider K chunks than the bf16 GEMV's for the same bytes per load (the
-# fastest of each 8B projection in the sweep of docs/results/h200-2026-12-02b/, and neighbours)
+# fastest of each 8B projection in the sweep of docs/results/h200-2026-12-02b/, and neighbours;
+# with FAST too: whole 4,096-wide rows a tile lost to these, docs/results/h200-2026-12-02j/)
 _CONFIGS = [
     triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
     for n, k, w, s in [
@@ -198,9 +264,9 @@ _CONFIGS = [
         (16, 2048, 4, 3), (32, 512, 4, 3),
     ]
 ]  # fmt: skip
-_fp8_gemv_tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "HAS_BIAS", "STATIC", "CODES"])(
-    _fp8_gemv_kernel
-)
+_fp8_gemv_tuned = triton.autotune(
+    configs=_CONFIGS, key=["N", "K", "HAS_BIAS", "STATIC", "CODES", "FAST"]
+)(_fp8_gemv_kernel)
 
 
 @triton.jit
@@ -340,9 +406,12 @@ def fp8_gemv(
     bias: torch.Tensor | None = None,
     input_scale: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
+    fast_accumulation: bool = False,
 ) -> torch.Tensor:
     """x: [1, K], or its codes; weight: [N, K] e4m3 (rows contiguous); weight_scale: [N, 1]
-    float32; returns [1, N] in x's dtype. ``config``: as ``gemv.gemv``'s."""
+    float32; returns [1, N] in x's dtype. ``config``: as ``gemv.gemv``'s. With
+    ``fast_accumulation`` and codes, on a GPU, each word's four products are summed in
+    float16 before the float32 sum (fewer instructions a weight; ``fp8_mm``'s option)."""
     codes = isinstance(x, Codes)
     xin = x.codes if isinstance(x, Codes) else x.contiguous()
     assert xin.shape[0] == 1 and weight.stride(1) == 1, "one token, row-major weight"
@@ -356,8 +425,10 @@ def fp8_gemv(
     flags: dict[str, int] = {"STATIC": input_scale is not None, "HAS_BIAS": bias is not None}
     flags["AMAX_BLOCK"] = min(8192, triton.next_power_of_2(k)) if xin.is_cuda else 128
     flags["GPU"], flags["CODES"] = y.is_cuda, codes
+    flags["FAST"] = fast_accumulation and codes and y.is_cuda
     if y.is_cuda:  # (y: one token on x's device, what the launch options ask)
         kind = "fp8_gemv_codes" if codes else "fp8_gemv"
+        kind += "_fast" if flags["FAST"] else ""
         config = config or gemv_configs.launch(kind, y, n, k)
         if config is not None:
             grid = (triton.cdiv(n, config["BLOCK_N"]),)

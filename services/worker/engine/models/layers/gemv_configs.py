@@ -13,7 +13,7 @@ H200 it chose FP8 GEMV configurations 9 % slower per layer than a sweep over wei
 HBM inside a graph (docs/results/h200-2026-12-02/NOTES.md). The tuner measures the latter way.
 
     {"gemv": {"6144x4096": {"block_n": 8, "block_k": 512, "warps": 4, "stages": 3}, ...},
-     "fp8_gemv": {...}, "fp8_gemv_codes": {...},
+     "fp8_gemv": {...}, "fp8_gemv_codes": {...}, "fp8_gemv_codes_fast": {...},
      "fp8_gemm": {"4096x14336": {"64": {"block_n": 64, "block_m": 64, "block_k": 128,
                                         "splits": 2, "warps": 4, "stages": 4}, ...}, ...},
      "measured": {...}}
@@ -28,7 +28,8 @@ import torch
 from services.worker.engine import tuned_configs
 
 CONFIG_DIR = Path(__file__).parent / "configs"
-KINDS = ("gemv", "fp8_gemv", "fp8_gemv_codes")  # the last: its activation quantized before
+# fp8_gemv_codes: its activation quantized before; _fast: its products summed in float16
+KINDS = ("gemv", "fp8_gemv", "fp8_gemv_codes", "fp8_gemv_codes_fast")
 KEYS = ("block_n", "block_k", "warps", "stages")
 GEMM = "fp8_gemm"
 GEMM_KEYS = ("block_n", "block_m", "block_k", "splits", "warps", "stages")

@@ -176,9 +176,10 @@ class _LinearBase(nn.Module):
 
         assert self.weight_scale is not None and self.quant is not None
         args = (x, self.weight, self.weight_scale, bias, self.input_scale)
+        fast = self.quant.fast_accumulation
         if (x.rows if isinstance(x, Codes) else x.shape[0]) == 1:
-            return fp8_linear.fp8_gemv(*args)
-        return fp8_linear.fp8_mm(*args, fast_accumulation=self.quant.fast_accumulation)
+            return fp8_linear.fp8_gemv(*args, fast_accumulation=fast)
+        return fp8_linear.fp8_mm(*args, fast_accumulation=fast)
 
     def _linear(self, x: torch.Tensor | Codes, bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(x, Codes):
