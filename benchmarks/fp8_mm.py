@@ -145,7 +145,9 @@ def tune(args: argparse.Namespace, dev: torch.device) -> None:
                 def ours(
                     x: torch.Tensor, w: Any, launch: dict = launch, codes: Codes = codes
                 ) -> Any:
-                    return fp8_linear.fp8_gemm(codes, w[0], w[1], None, dict(launch))
+                    return fp8_linear.fp8_gemm(
+                        codes, w[0], w[1], None, dict(launch), fast_accumulation=True
+                    )
 
                 try:
                     times[label] = time_calls(ours, weights, x, args.reps)
@@ -156,7 +158,8 @@ def tune(args: argparse.Namespace, dev: torch.device) -> None:
             entry = entries[best]
             wq, ws = weights[0]
             exact = exact_product(codes, wq, ws)
-            y = fp8_linear.fp8_gemm(codes, wq, ws, None, gemv_configs.gemm_keywords(entry))
+            launch = gemv_configs.gemm_keywords(entry)
+            y = fp8_linear.fp8_gemm(codes, wq, ws, None, launch, fast_accumulation=True)
             ref = cublas(x, weights[0])
             row = {"projection": name, "N": n, "K": k, "M": m,
                    "cublas_us": round(base * 1e6, 2), "best": entry,

@@ -364,11 +364,12 @@ def fp8_gemm(
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None,
     config: dict[str, int],
-    fast_accumulation: bool = True,
+    fast_accumulation: bool = False,
 ) -> torch.Tensor:
     """``fp8_mm``'s product by ``_fp8_gemm_kernel`` at one launch: ``config`` holds BLOCK_N,
     BLOCK_M, BLOCK_K, SPLITS, num_warps, num_stages (``gemv_configs.gemm_launch``). 16-bit
-    outputs only (``fp8_mm`` takes float32 models to cuBLASLt)."""
+    outputs only (``fp8_mm`` takes float32 models to cuBLASLt). ``fast_accumulation``: as
+    ``fp8_mm``'s and ``fp8_gemv``'s, off unless asked."""
     xq, xs = x.codes, x.scales
     m, k = xq.shape
     n = weight.shape[0]
