@@ -54,6 +54,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # piecewise CUDA graphs (the default replays them up to the step's budget, --prefill-len)
     "no_piecewise": {"piecewise_cuda_graph_tokens": 0},
     "fp8_no_piecewise": {"quantization": "fp8", "piecewise_cuda_graph_tokens": 0},
+    # the default (or FP8), but the step's keys and values stored by the attention backend's
+    # own launch after the rotary kernel, not by the rotary kernel (models/llama.py)
+    "kv_write": {},
+    "fp8_kv_write": {"quantization": "fp8"},
 }
 
 
@@ -61,13 +65,18 @@ VARIANTS: dict[str, dict[str, Any]] = {
 def _variant_patches(variant: str) -> Iterator[None]:
     """``cublas_gemv``: the linear layers' Triton GEMV swapped for F.linear; ``no_pdl``: the
     Triton kernels launched without PDL (engine/dependent_launch.py); ``fp8_no_codes``: no
-    layer takes its input as codes (models/layers/linear.py). Each holds while the engine is
-    built (its CUDA graphs capture whichever is in place) and used."""
+    layer takes its input as codes (models/layers/linear.py); ``[fp8_]kv_write``: the
+    attention backend stores the step's K/V, not the rotary kernel (models/llama.py). Each
+    holds while the engine is built (its CUDA graphs capture whichever is in place) and
+    used."""
     from services.worker.engine import dependent_launch
     from services.worker.engine.models.layers import gemv, linear
+    from services.worker.engine.models.llama import LlamaAttention
 
     original = gemv.gemv, dependent_launch.supported
     takes_codes = linear._LinearBase.takes_codes
+    if variant.endswith("kv_write"):
+        LlamaAttention.ROTARY_STORES_KV = False
     if variant == "fp8_no_codes":
         linear._LinearBase.takes_codes = lambda self, like: False  # type: ignore[method-assign]
     if variant == "cublas_gemv":
@@ -79,6 +88,7 @@ def _variant_patches(variant: str) -> Iterator[None]:
     finally:
         gemv.gemv, dependent_launch.supported = original
         linear._LinearBase.takes_codes = takes_codes  # type: ignore[method-assign]
+        LlamaAttention.ROTARY_STORES_KV = True
 
 
 def _timed(llm: LLM, ids: list[int], max_tokens: int) -> float:

@@ -203,10 +203,10 @@ def test_capture_ends_a_piece_at_every_attention_call(
     calls: list[int] = []
     forward = backend.forward
 
-    def attend(self, q, k, v, kv, meta, out=None):  # type: ignore[no-untyped-def]
+    def attend(self, q, k, v, kv, meta, out=None, store_kv=True):  # type: ignore[no-untyped-def]
         calls.append(q.shape[0])
         log.append(f"attention {[a.attn for a in layers].index(self)}")
-        return forward(self, q, k, v, kv, meta, out)
+        return forward(self, q, k, v, kv, meta, out, store_kv)
 
     monkeypatch.setattr(backend, "forward", attend)
     runner.start_piecewise_graphs((16, 32))

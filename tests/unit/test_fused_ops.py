@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from services.worker.engine.attention.backend import LayerKVCache
 from services.worker.engine.model_config import RopeConfig
 from services.worker.engine.models.layers.activation import SiluAndMul
 from services.worker.engine.models.layers.fused_ops import ROTARY_HEAD_TOKENS
@@ -105,6 +106,91 @@ def test_qk_norm_fused_into_rotary(dtype: torch.dtype, tokens: int) -> None:
         assert torch.equal(q, q2) and torch.equal(k, k2)
     torch.testing.assert_close(q, q2, atol=TOL[dtype], rtol=TOL[dtype])
     torch.testing.assert_close(k, k2, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def _strided_cache(blocks: int, block_size: int, heads: int, d: int, dtype: torch.dtype,
+                   scales: tuple[float, float] = (1.0, 1.0)) -> LayerKVCache:  # fmt: skip
+    """Keys and values as strided views of one tensor, a block's keys beside its values (as
+    the engine's layout keeps a block together), filled with a marker."""
+    whole = torch.full((blocks, 2, block_size, heads, d), 0.5, device=DEVICE).to(dtype)
+    return LayerKVCache(whole[:, 0], whole[:, 1], *scales)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["model-dtype", "fp8"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "tokens,qk_norm", [(5, False), (ROTARY_HEAD_TOKENS + 6, True)], ids=["few-rope", "many-qk-norm"]
+)
+def test_rotary_stores_keys_and_values(
+    dtype: torch.dtype, tokens: int, qk_norm: bool, kv_dtype: torch.dtype | None
+) -> None:
+    """The fused rotary with a cache to store into: q rotated in place; the cache holds what
+    the fused rotary and then the attention backend's own write put there (bit for bit: same
+    rounding, FP8 included), within rounding of the PyTorch layers; k is left as it was; no
+    slot but the step's is touched (the slots are scattered, one past a block's start)."""
+    from services.worker.engine.attention.triton_backend import TritonAttentionBackend
+
+    heads_q, heads_k, d, block_size, blocks = 4, 2, 32, 8, 40
+    ref, fused = pair(RotaryEmbedding, d, 256, RopeConfig(1e4))
+    norms = None
+    if qk_norm:
+        norms = []
+        for _ in range(2):
+            nref, nfused = pair(RMSNorm, d, 1e-6)
+            nref.weight.data = torch.rand(d, device=DEVICE) + 0.5
+            nfused.weight.data = nref.weight.data.clone()
+            norms.append((nref.to(dtype), nfused.to(dtype)))
+    qkv = torch.randn(tokens, (heads_q + 2 * heads_k) * d, device=DEVICE, dtype=dtype) * 3
+    positions = torch.randint(0, 256, (tokens,), device=DEVICE)
+    slots = (torch.randperm(blocks * block_size - 1, device=DEVICE)[:tokens] + 1).long()
+
+    def split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = t.split([heads_q * d, heads_k * d, heads_k * d], dim=-1)
+        return q.view(tokens, heads_q, d), k.view(tokens, heads_k, d), v.view(tokens, heads_k, d)
+
+    scales = (0.75, 1.5) if kv_dtype is not None else (1.0, 1.0)
+    cache_dtype = kv_dtype or dtype
+    got = _strided_cache(blocks, block_size, heads_k, d, cache_dtype, scales)
+    q, k, v = split(qkv.clone())
+    k_before = k.clone()
+    fused_norms = (norms[0][1], norms[1][1]) if norms else None
+    q = fused.forward_and_store(positions, q, k, v, got, slots, fused_norms)
+    assert torch.equal(k, k_before)  # left as it was: the cache holds the rotated keys
+
+    # the two launches it replaces: the fused rotary in place, then the backend's write
+    want = _strided_cache(blocks, block_size, heads_k, d, cache_dtype, scales)
+    q2, k2, v2 = split(qkv.clone())
+    q2, k2 = fused(positions, q2, k2, fused_norms)
+    TritonAttentionBackend(heads_q, heads_k, d, d**-0.5)._write_kv(k2, v2, want, slots)
+    assert torch.equal(q, q2)
+    assert torch.equal(got.key.float(), want.key.float())
+    assert torch.equal(got.value.float(), want.value.float())
+
+    # and the PyTorch layers: rotary, then attention/backend.write_kv
+    plain = _strided_cache(blocks, block_size, heads_k, d, cache_dtype, scales)
+    q3, k3, v3 = split(qkv.clone())
+    q3 = ref.forward_and_store(positions, q3, k3, v3, plain,
+                               slots, (norms[0][0], norms[1][0]) if norms else None)  # fmt: skip
+    torch.testing.assert_close(q, q3, atol=TOL[dtype], rtol=TOL[dtype])
+    untouched = torch.ones(blocks * block_size, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    for cache, plain_view in ((got.key, plain.key), (got.value, plain.value)):
+        flat, plain_flat = cache.flatten(0, 1).float(), plain_view.flatten(0, 1).float()
+        assert bool((flat[untouched] == 0.5).all())
+        # an FP8 cache: within one e4m3 step (1/8 relative) of the reference's rounding
+        tol = 0.13 if kv_dtype is not None else TOL[dtype] * 4
+        torch.testing.assert_close(flat[slots], plain_flat[slots], atol=tol, rtol=tol)
+
+
+def test_rotary_store_refuses_values_of_another_shape() -> None:
+    _, fused = pair(RotaryEmbedding, 32, 256, RopeConfig(1e4))
+    q, k = torch.randn(3, 4, 32, device=DEVICE), torch.randn(3, 2, 32, device=DEVICE)
+    cache = _strided_cache(4, 8, 2, 32, torch.float32)
+    slots = torch.arange(3, device=DEVICE)
+    with pytest.raises(ValueError, match="k's shape"):
+        fused.forward_and_store(torch.arange(3, device=DEVICE), q, k, k[:, :1], cache, slots)
+    with pytest.raises(ValueError, match="a slot per token"):
+        fused.forward_and_store(torch.arange(3, device=DEVICE), q, k, k, cache, slots[:2])
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])

@@ -82,9 +82,11 @@ class LayerKVCache:
 class AttentionBackend(ABC):
     """One instance per attention layer. Called once per layer per step, inside the forward pass.
 
-    ``forward`` must (1) write this step's k/v into ``kv_cache`` at ``metadata.slot_mapping`` and
-    (2) return causal attention of ``q`` over each request's whole context (cached + new), in
-    ``out`` when given (the static buffer of a piecewise CUDA graph: worker/piecewise_graphs.py).
+    ``forward`` must (1) write this step's k/v into ``kv_cache`` at ``metadata.slot_mapping``
+    (unless ``store_kv`` is False: a kernel before it stored them, the fused rotary of
+    ``models/layers/rotary.py``, and k and v are then not read) and (2) return causal attention
+    of ``q`` over each request's whole context (cached + new), in ``out`` when given (the static
+    buffer of a piecewise CUDA graph: worker/piecewise_graphs.py).
     Rows of ``q`` past ``metadata.query_start_loc[-1]`` are padding: their keys and values go
     to the slots ``slot_mapping`` names for them, and their output is left as it is. It must not
     allocate per-step state that outlives the call and must not synchronise with the host except
@@ -110,6 +112,7 @@ class AttentionBackend(ABC):
         kv_cache: LayerKVCache,
         metadata: AttentionMetadata,
         out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], written and returned
+        store_kv: bool = True,  # False: k and v are in the cache already
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 

@@ -28,8 +28,10 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: LayerKVCache,
         metadata: AttentionMetadata,
         out: torch.Tensor | None = None,
+        store_kv: bool = True,
     ) -> torch.Tensor:
-        write_kv(k, v, kv_cache, metadata.slot_mapping[: metadata.num_tokens])
+        if store_kv:
+            write_kv(k, v, kv_cache, metadata.slot_mapping[: metadata.num_tokens])
         out = torch.empty_like(q) if out is None else out
         qsl = metadata.query_start_loc_cpu
         decode = [i for i in range(len(metadata.seq_lens_cpu)) if qsl[i + 1] - qsl[i] == 1]

@@ -156,8 +156,10 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: LayerKVCache,
         metadata: AttentionMetadata,
         out: torch.Tensor | None = None,
+        store_kv: bool = True,
     ) -> torch.Tensor:
-        self._write_kv(k, v, kv_cache, metadata.slot_mapping)
+        if store_kv:
+            self._write_kv(k, v, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(q) if out is None else out
         if metadata.max_query_len == 1:
             self._decode(q, kv_cache, metadata, out)

@@ -399,9 +399,8 @@ def _write_kv(
     KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """Store one token's key and value of one kv head into its cache slot (one launch for all).
-    An FP8 cache takes k / k_scale and v / v_scale, saturated at e4m3's largest finite value
-    and rounded to nearest even, as ``attention/backend.write_kv`` does."""
+    """Store one token's key and value of one kv head into its cache slot (one launch for all;
+    ``cache_values``: an FP8 cache's rounding)."""
     await_inputs(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -411,8 +410,16 @@ def _write_kv(
     dst = (slot // KV_BLOCK) * stride_kb + (slot % KV_BLOCK) * stride_ks + h * stride_kh + offs
     k = tl.load(K_new + t * stride_nt + h * stride_nh + offs, mask=ok)
     v = tl.load(V_new + t * stride_vt + h * stride_vh + offs, mask=ok)
-    if K.dtype.element_ty == tl.float8e4nv:
-        k = tl.minimum(tl.maximum(tl.math.div_rn(k.to(tl.float32), k_scale), -448.0), 448.0)
-        v = tl.minimum(tl.maximum(tl.math.div_rn(v.to(tl.float32), v_scale), -448.0), 448.0)
-    tl.store(K + dst, k.to(K.dtype.element_ty), mask=ok)
-    tl.store(V + dst, v.to(V.dtype.element_ty), mask=ok)
+    tl.store(K + dst, cache_values(k, k_scale, K.dtype.element_ty), mask=ok)
+    tl.store(V + dst, cache_values(v, v_scale, V.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def cache_values(x, scale, dtype):
+    """Keys or values as a cache of ``dtype`` holds them. An FP8 cache takes x / scale,
+    saturated at e4m3's largest finite value and rounded to nearest even, as
+    ``attention/backend.write_kv`` does. (Also the fused rotary's, which stores a step's keys
+    and values itself: ``models/layers/fused_ops._rotary``.)"""
+    if dtype == tl.float8e4nv:
+        x = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), scale), -448.0), 448.0)
+    return x.to(dtype)

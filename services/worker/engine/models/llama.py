@@ -36,6 +36,10 @@ AttentionSplit = Callable[
 
 
 class LlamaAttention(nn.Module):
+    # with fused kernels, the rotary kernel stores the step's keys and values in the KV cache
+    # (False: the attention backend's own write, a launch of its own; benchmarks compare them)
+    ROTARY_STORES_KV: ClassVar[bool] = True
+
     def __init__(
         self,
         arch: ArchConfig,
@@ -55,6 +59,9 @@ class LlamaAttention(nn.Module):
         self.head_dim = d
         self.o_proj = RowParallelLinear(arch.num_heads * d, arch.hidden_size, False, fused, quant)
         self.rotary = RotaryEmbedding(d, max_positions, arch.rope, fused)
+        # the fused rotary stores the step's keys (rotated) and values in the KV cache itself,
+        # and the backend skips its write: one launch and one pass over the keys fewer a layer
+        self.stores_kv = fused and self.ROTARY_STORES_KV
         self.q_norm = RMSNorm(d, arch.rms_norm_eps, fused) if arch.qk_norm else None
         self.k_norm = RMSNorm(d, arch.rms_norm_eps, fused) if arch.qk_norm else None
         self.attn = backend(self.num_heads, self.num_kv_heads, d, scale=d**-0.5)
@@ -94,12 +101,17 @@ class LlamaAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         norms = (self.q_norm, self.k_norm) if self.q_norm and self.k_norm else None
-        q, k = self.rotary(positions, q, k, norms)
         assert self.kv_cache is not None, "KV cache not bound"
+        if self.stores_kv:
+            q = self.rotary.forward_and_store(
+                positions, q, k, v, self.kv_cache, meta.slot_mapping, norms
+            )
+        else:
+            q, k = self.rotary(positions, q, k, norms)
         if self.split is not None:
             out = self.split(self, q, k, v, meta)
         else:
-            out = self.attn.forward(q, k, v, self.kv_cache, meta)
+            out = self.attn.forward(q, k, v, self.kv_cache, meta, store_kv=not self.stores_kv)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

@@ -25,6 +25,9 @@ Capture (``capture``), per size N, largest first, every piece in one memory pool
   attention (as vLLM's piecewise graphs keep weak references to their pieces' outputs).
 - Nothing runs during a capture, so no attention runs then: the output buffer's contents are
   whatever the replayed attention writes later.
+- With fused kernels the rotary kernel stores the layer's keys and values in the KV cache
+  (``LlamaAttention.stores_kv``), so that store is captured in the piece before the attention,
+  at the static slot mapping's slots; the attention then writes none (``store_kv=False``).
 
 Replay (``run``), a step of n ≤ N tokens in the smallest size N: its ids, positions and KV slots
 go to the static buffers, rows [n, N) padded (token 0 at position 0, its K/V written to the
@@ -210,7 +213,9 @@ class PiecewiseGraphRunner:
         """The layer's attention into the static output (its return value is not read: the
         captured piece after it reads the buffer)."""
         assert layer.kv_cache is not None, "KV cache not bound"
-        layer.attn.forward(q, k, v, layer.kv_cache, meta, out=self.out[:size])
+        layer.attn.forward(
+            q, k, v, layer.kv_cache, meta, out=self.out[:size], store_kv=not layer.stores_kv
+        )
 
     @contextlib.contextmanager
     def _splitting(self, split: AttentionSplit) -> Iterator[None]:

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.engine.attention.backend import LayerKVCache, write_kv
+from services.worker.engine.attention.triton_kernels import cache_values
 from services.worker.engine.dependent_launch import await_inputs, launch_options
 from services.worker.engine.models.layers.fp8_linear import store_codes
 from services.worker.engine.models.quantization import FP8, Codes
@@ -157,9 +159,10 @@ ROTARY_HEAD_TOKENS = 64
 @triton.jit
 def _rotary(
     Q, K, positions, COS, SIN, QW, KW, eps, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
+    V, KC, VC, slots, k_scale, v_scale, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEADS: tl.constexpr,
     HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    STORE: tl.constexpr = False, KV_BLOCK: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """In place, HEADS heads of one token per program, as a [HEADS, half] tile: programs
     (t, 0 .. q groups - 1) take q's heads, the rest k's. Many tokens: a whole q or k per
@@ -168,6 +171,11 @@ def _rotary(
 
     [x = w · norm(x)   per head (Qwen3's q/k norm), rounded as ``_rms_norm`` rounds]
     out[:half] = x1·cos − x2·sin,  out[half:] = x2·cos + x1·sin   (rotate-half style)
+
+    With ``STORE`` the k programs store their rotated keys, and the same heads' values from V,
+    into the KV cache (KC, VC: [blocks, KV_BLOCK, kv heads, D] views) at the token's slot, as
+    the attention backend's ``_write_kv`` would (``cache_values``: an FP8 cache's rounding),
+    and leave K as it was: one launch and one pass over the keys where there were two.
     """
     await_inputs(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -208,8 +216,21 @@ def _rotary(
     b1 = (x2f * sin).to(dtype).to(tl.float32)
     a2 = (x2f * cos).to(dtype).to(tl.float32)
     b2 = (x1f * sin).to(dtype).to(tl.float32)
-    tl.store(base + offs[None, :], (a1 - b1).to(dtype), mask=ok)
-    tl.store(base + HALF + offs[None, :], (a2 + b2).to(dtype), mask=ok)
+    y1, y2 = (a1 - b1).to(dtype), (a2 + b2).to(dtype)
+    if STORE and group >= q_groups:
+        slot = tl.load(slots + t)
+        dst = (slot // KV_BLOCK) * stride_cb + (slot % KV_BLOCK) * stride_cs
+        dst = dst + heads[:, None] * stride_ch + offs[None, :]
+        tl.store(KC + dst, cache_values(y1, k_scale, KC.dtype.element_ty), mask=ok)
+        tl.store(KC + dst + HALF, cache_values(y2, k_scale, KC.dtype.element_ty), mask=ok)
+        values = V + t * stride_vt + heads[:, None] * stride_vh + offs[None, :]
+        v1 = tl.load(values, mask=ok, other=0.0)
+        v2 = tl.load(values + HALF, mask=ok, other=0.0)
+        tl.store(VC + dst, cache_values(v1, v_scale, VC.dtype.element_ty), mask=ok)
+        tl.store(VC + dst + HALF, cache_values(v2, v_scale, VC.dtype.element_ty), mask=ok)
+    else:
+        tl.store(base + offs[None, :], y1, mask=ok)
+        tl.store(base + HALF + offs[None, :], y2, mask=ok)
 
 
 def rotary_(
@@ -220,21 +241,48 @@ def rotary_(
     sin: torch.Tensor,
     norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
     eps: float = 0.0,
+    store: tuple[torch.Tensor, LayerKVCache, torch.Tensor] | None = None,
 ) -> None:
     """Rotate q [T, Hq, D] and k [T, Hk, D] in place; cos/sin: [max_positions, D] float32.
-    ``norm_weights`` (q's, k's): RMS-normalise each head first, in the same kernel."""
+    ``norm_weights`` (q's, k's): RMS-normalise each head first, in the same kernel.
+
+    ``store`` (v [T, Hk, D], a layer's cache, its int64 slot per token): the keys, rotated,
+    and the values go into the cache instead, and k is left as it was (``_rotary``)."""
     half = q.shape[-1] // 2
     tokens, num_q, num_k = q.shape[0], q.shape[1], k.shape[1]
+    if store is not None and store[1].is_fp8 and not q.is_cuda:
+        # Triton's interpreter rounds some values to e4m3 toward zero where the GPU rounds to
+        # nearest: on CPU an FP8 cache takes PyTorch's rounding (as the Triton backend's write)
+        v, cache, slots = store
+        k = k.clone()  # (k is left as it was, as on a GPU)
+        rotary_(positions, q, k, cos, sin, norm_weights, eps)
+        write_kv(k, v, cache, slots[:tokens])
+        return
     # a head per program below ROTARY_HEAD_TOKENS tokens (batch-1 decode: 2 programs would do
     # all the work), a whole q or k per program above
     heads = 1 if tokens < ROTARY_HEAD_TOKENS else triton.next_power_of_2(max(num_q, num_k))
     groups = triton.cdiv(num_q, heads) + triton.cdiv(num_k, heads)
     block = triton.next_power_of_2(half)
     qw, kw = norm_weights if norm_weights is not None else (cos, cos)  # unread without a norm
+    if store is None:  # placeholders the kernel never touches
+        v, kc, vc, slots, k_scale, v_scale, block_size = k, k, k, positions, 1.0, 1.0, 1
+    else:
+        v, cache, slots = store
+        if v.shape != k.shape or v.stride(-1) != 1 or slots.shape[0] < tokens:
+            raise ValueError("the values to store need k's shape, a contiguous head dimension "
+                             "and a slot per token")  # fmt: skip
+        if cache.key.stride() != cache.value.stride() or cache.key.stride(-1) != 1:
+            raise ValueError("the KV cache's keys and values need one layout")
+        kc, vc, block_size = cache.key, cache.value, cache.block_size
+        k_scale, v_scale = float(cache.k_scale), float(cache.v_scale)
+    kc_strides = kc.stride() if store is not None else (0, 0, 0, 1)
     _rotary[(tokens, groups)](
         q, k, positions, cos, sin, qw, kw, eps, q.stride(0), q.stride(1), k.stride(0),
-        k.stride(1), cos.stride(0), NUM_Q_HEADS=q.shape[1], NUM_K_HEADS=k.shape[1],
+        k.stride(1), cos.stride(0), v, kc, vc, slots, k_scale, v_scale, v.stride(0),
+        v.stride(1), kc_strides[0], kc_strides[1], kc_strides[2],
+        NUM_Q_HEADS=q.shape[1], NUM_K_HEADS=k.shape[1],
         HEADS=heads, HALF=half, BLOCK=block, HAS_NORM=norm_weights is not None,
-        NORM_BLOCK=triton.next_power_of_2(2 * half), **launch_options(q),
+        NORM_BLOCK=triton.next_power_of_2(2 * half), STORE=store is not None,
+        KV_BLOCK=block_size, **launch_options(q),
         **({"num_warps": 4 if heads * block <= 1024 else 8} if q.is_cuda else {}),
     )  # fmt: skip

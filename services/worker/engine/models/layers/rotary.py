@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from services.worker.engine.attention.backend import LayerKVCache, write_kv
 from services.worker.engine.model_config import RopeConfig
 from services.worker.engine.models.layers.norm import RMSNorm
 
@@ -84,6 +85,33 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def forward_and_store(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerKVCache,
+        slot_mapping: torch.Tensor,
+        norms: tuple[RMSNorm, RMSNorm] | None = None,
+    ) -> torch.Tensor:
+        """Rotate q (returned) and store the keys, rotated, and the values ``v`` [T, Hk, D] into
+        the layer's KV cache at ``slot_mapping`` — what the attention backend's forward does
+        first unless told the keys are stored (``store_kv=False``). Fused, one kernel does both
+        and leaves k as it was; unfused, the keys are rotated, then written
+        (``attention/backend.write_kv``)."""
+        if self.fused:
+            from services.worker.engine.models.layers.fused_ops import rotary_
+
+            weights = (norms[0].weight, norms[1].weight) if norms is not None else None
+            eps = norms[0].eps if norms is not None else 0.0
+            rotary_(positions, q, k, self.cos_cache, self.sin_cache, weights, eps,
+                    store=(v, cache, slot_mapping))  # fmt: skip
+            return q
+        q, k = self.forward(positions, q, k, norms)
+        write_kv(k, v, cache, slot_mapping[: k.shape[0]])
+        return q
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
