@@ -266,6 +266,7 @@ def rotary_(
     qw, kw = norm_weights if norm_weights is not None else (cos, cos)  # unread without a norm
     if store is None:  # placeholders the kernel never touches
         v, kc, vc, slots, k_scale, v_scale, block_size = k, k, k, positions, 1.0, 1.0, 1
+        cache_strides: tuple[int, ...] = (0, 0, 0)
     else:
         v, cache, slots = store
         if v.shape != k.shape or v.stride(-1) != 1 or slots.shape[0] < tokens:
@@ -275,11 +276,11 @@ def rotary_(
             raise ValueError("the KV cache's keys and values need one layout")
         kc, vc, block_size = cache.key, cache.value, cache.block_size
         k_scale, v_scale = float(cache.k_scale), float(cache.v_scale)
-    kc_strides = kc.stride() if store is not None else (0, 0, 0, 1)
+        cache_strides = kc.stride()[:3]  # block, slot, head (the head dim is contiguous)
     _rotary[(tokens, groups)](
         q, k, positions, cos, sin, qw, kw, eps, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), cos.stride(0), v, kc, vc, slots, k_scale, v_scale, v.stride(0),
-        v.stride(1), kc_strides[0], kc_strides[1], kc_strides[2],
+        v.stride(1), *cache_strides,
         NUM_Q_HEADS=q.shape[1], NUM_K_HEADS=k.shape[1],
         HEADS=heads, HALF=half, BLOCK=block, HAS_NORM=norm_weights is not None,
         NORM_BLOCK=triton.next_power_of_2(2 * half), STORE=store is not None,
