@@ -80,15 +80,7 @@ def _same_or_a_near_tie(ours: CompletionOutput, theirs: CompletionOutput) -> Non
         assert top[1] - top[0] < 0.05, f"diverged at token {diverge} on no near-tie: {top}"
 
 
-# Two engines in Triton's interpreter take 280-320 s on a 2-core machine (measured before and
-# after the rotary kernel began storing K/V): past the suite's 300 s guard against hangs, so
-# that variant has a guard of its own
-SLOW = {"triton": pytest.mark.timeout(600)}
-
-
-@pytest.mark.parametrize(
-    "variant", [pytest.param(v, marks=SLOW.get(v, ()), id=v) for v in VARIANTS]
-)
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_split_forward_equals_eager(tiny_model: Path, variant: str) -> None:
     max_tokens = 8 if variant == "triton" else 20  # (the interpreter is slow)
     eager = _engine(tiny_model, variant)

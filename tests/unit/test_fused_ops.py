@@ -55,7 +55,8 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
     "rope", [RopeConfig(10000.0), RopeConfig(5e5, "llama3", 8.0, 1.0, 4.0, 64)]
 )
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-# a head per program (few tokens), then a whole q or k per program, 3 q heads in a tile of 4
+# on a GPU a head per program (few tokens), then a whole q or k per program (in Triton's
+# interpreter always the latter), 3 q heads in a tile of 4
 @pytest.mark.parametrize("tokens", [9, ROTARY_HEAD_TOKENS + 6])
 def test_rotary_in_place(rope: RopeConfig, dtype: torch.dtype, tokens: int) -> None:
     ref, fused = pair(RotaryEmbedding, 32, 256, rope)

@@ -258,9 +258,11 @@ def rotary_(
         rotary_(positions, q, k, cos, sin, norm_weights, eps)
         write_kv(k, v, cache, slots[:tokens])
         return
-    # a head per program below ROTARY_HEAD_TOKENS tokens (batch-1 decode: 2 programs would do
-    # all the work), a whole q or k per program above
-    heads = 1 if tokens < ROTARY_HEAD_TOKENS else triton.next_power_of_2(max(num_q, num_k))
+    # on a GPU, a head per program below ROTARY_HEAD_TOKENS tokens (batch-1 decode: 2 programs
+    # would do all the work), a whole q or k per program above; Triton's interpreter (CPU) runs
+    # programs one after another, each at a fixed cost: there, always the fewest programs
+    spread = q.is_cuda and tokens < ROTARY_HEAD_TOKENS
+    heads = 1 if spread else triton.next_power_of_2(max(num_q, num_k))
     groups = triton.cdiv(num_q, heads) + triton.cdiv(num_k, heads)
     block = triton.next_power_of_2(half)
     qw, kw = norm_weights if norm_weights is not None else (cos, cos)  # unread without a norm
