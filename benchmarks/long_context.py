@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from baton import LLM, SamplingParams
 from benchmarks.attention_sweep import prefill_case, prefill_ms
-from benchmarks.profiling import kernel_rows
+from benchmarks.profiling import device_span_us, kernel_rows
 from benchmarks.roofline import ModelCost, limits
 from benchmarks.shapes import write_shape
 
@@ -112,8 +112,10 @@ def measure(model: str, variant: str, args: argparse.Namespace, decode: bool) ->
             "TFLOPs": round(flops / seconds / 1e12, 1),
             **_isolated_attention(llm, n, bs),
         })  # fmt: skip
-        print(variant, json.dumps(prefill[-1]), flush=True)
-    kernels = _kernel_table(llm, _prompt(max(args.lengths), next(seed))) if args.profile else None
+        if args.profile:
+            prefill[-1].update(_kernel_table(llm, _prompt(n, next(seed))))
+        print(variant, json.dumps({k: v for k, v in prefill[-1].items() if k != "kernels"}),
+              flush=True)  # fmt: skip
     rows = []
     ctx = args.decode_context
     for batch in batches:
@@ -140,20 +142,38 @@ def measure(model: str, variant: str, args: argparse.Namespace, decode: bool) ->
     torch.cuda.empty_cache()
     return {
         "variant": variant, "block_size": bs, "prefill": prefill, "decode": rows,
-        "longest_prefill_kernels": kernels,
     }  # fmt: skip
 
 
-def _kernel_table(llm: LLM, prompt: list[int]) -> list[dict[str, Any]]:
-    """GPU time of one long prefill by kernel, largest first: where the step goes besides
-    attention and the matrix products."""
+def _kind(kernel: str) -> str:
+    """A kernel's share of the step: attention (FlashAttention's or our ``_prefill``), the
+    matrix products (cuBLAS, CUTLASS), or the rest (norms, rotary, SiLU·mul, sampling...)."""
+    name = kernel.lower()
+    if "flash" in name or name.startswith("_prefill"):
+        return "attention"
+    if any(s in name for s in ("nvjet", "gemm", "xmma", "cutlass")):
+        return "matmul"
+    return "other"
+
+
+def _kernel_table(llm: LLM, prompt: list[int]) -> dict[str, Any]:
+    """GPU time of one prefill by kernel, largest first, and summed by kind, beside the GPU's
+    span from its first kernel to its last: where the step goes besides attention and the
+    matrix products."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _generate(llm, [prompt], 1)
-    rows = kernel_rows(prof)[:24]
-    return [{**r, "us_per_step": round(r["us_per_step"], 1),
-             "calls_per_step": round(r["calls_per_step"], 1)} for r in rows]  # fmt: skip
+    rows = kernel_rows(prof)
+    by_kind = dict.fromkeys(("matmul", "attention", "other"), 0.0)
+    for r in rows:
+        by_kind[_kind(r["kernel"])] += r["us_per_step"] / 1e3
+    return {
+        "gpu_span_ms": round(device_span_us(prof) / 1e3, 2),
+        "kernel_ms": {k: round(v, 2) for k, v in by_kind.items()},
+        "kernels": [{**r, "us_per_step": round(r["us_per_step"], 1),
+                     "calls_per_step": round(r["calls_per_step"], 1)} for r in rows[:24]],
+    }  # fmt: skip
 
 
 def main() -> None:
@@ -168,7 +188,9 @@ def main() -> None:
     p.add_argument("--decode-batches", type=int, nargs="*", default=[1, 16])
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--profile", action="store_true", help="kernel table of the longest prefill")
+    p.add_argument(
+        "--profile", action="store_true", help="each prefill once more, profiled: kernels by kind"
+    )
     p.add_argument("--output")
     args = p.parse_args()
     decode_variants = args.variants[:1] if args.decode_variants is None else args.decode_variants
