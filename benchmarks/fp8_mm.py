@@ -22,6 +22,17 @@ time and each kept launch's error against float64 go to ``--output``.
 
     python benchmarks/fp8_mm.py --tune services/worker/engine/models/layers/configs \
         --output fp8_gemm_tune.json
+
+``--block``: instead, block checkpoints' products (128 × 128 weight blocks, activations per
+token and 128 columns: ``fp8_linear.fp8_block_mm``) at each row count of ``--tokens``, timed
+as ``--tune`` times them, beside bf16 (``F.linear``) and the per-channel FP8 path the engine
+takes at that row count (the GEMV over codes for one row, ``fp8_mm`` above): the engine's
+block path (cuBLASLt's block scaling from 16 rows), our kernel at its default launch
+(``block_launch``; both with the group quantization), and up to ``--block-sweep-rows`` rows
+every launch of ``BLOCK_LAUNCHES`` over the same codes, the fastest named; the engine path's
+error against float64.
+
+    python benchmarks/fp8_mm.py --block --tokens 1 16 64 128 256 2048 --output block.json
 """
 
 import argparse
@@ -184,6 +195,118 @@ def tune(args: argparse.Namespace, dev: torch.device) -> None:
         Path(args.output).write_text(json.dumps({"gpu": gpu, "rows": rows}, indent=1))
 
 
+# (BLOCK_N, BLOCK_M, warps, stages) of the block GEMM, each at every split of K in
+# BLOCK_SPLITS (BLOCK_K is the group: 128); those of more rows than the count's power of two
+# (at least 16) are skipped
+BLOCK_LAUNCHES = [(64, 16, 4, 4), (64, 16, 4, 6), (128, 16, 4, 4), (64, 32, 4, 4),
+                  (64, 64, 4, 4), (128, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3),
+                  (128, 128, 4, 4), (64, 128, 4, 4), (128, 256, 8, 3)]  # fmt: skip
+BLOCK_SPLITS = (1, 2, 3, 4, 6, 8)
+
+
+def block(args: argparse.Namespace, dev: torch.device) -> None:
+    from benchmarks.gemv import time_calls
+    from services.worker.engine.models.layers import fp8_linear
+    from services.worker.engine.models.layers.gemv import gemv
+
+    def engine_block(x: torch.Tensor, w: Any) -> torch.Tensor:  # cuBLASLt's from 16 rows
+        # (fast accumulation, the engine's default for FP8 models: the one-row GEMV's float16
+        # word sums; until h200-2026-12-03b's last call this ran its float32 sums)
+        return fp8_linear.fp8_block_mm(x, w[0], w[1], None, 128, w[2], fast_accumulation=True)
+
+    def our_block(x: torch.Tensor, w: Any) -> torch.Tensor:  # our kernel at any row count
+        return fp8_linear.fp8_block_mm(x, w[0], w[1], None, 128)
+
+    gpu = torch.cuda.get_device_name(dev)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    rows: list[dict[str, Any]] = []
+    for name, (n, k) in projections(SHAPES[args.shape]).items():
+        copies = max(2, -(-(512 << 20) // (n * k)))  # ≥ 512 MiB of FP8 weights: not in L2
+        gen = torch.Generator(device=dev).manual_seed(n + k)
+        cols = torch.arange(k, device=dev) // 128
+        blocks, channels, floats = [], [], []
+        for i in range(copies):
+            w = torch.randn(n, k, device=dev, generator=gen) * k**-0.5
+            scale = w.view(n // 128, 128, k // 128, 128).abs().amax(dim=(1, 3)) / 448
+            ws = scale.repeat_interleave(128, 0)
+            codes = (w / ws[:, cols]).clamp(-448, 448).to(quantization.FP8)
+            blocks.append((codes, ws, fp8_linear.block_scales(ws, 128)))
+            channels.append(quantization.quantize_rows(w))
+            if i < max(2, copies // 2):  # bf16's copies: 2 bytes a weight
+                floats.append(w.to(torch.bfloat16))
+            del w
+        for m in args.tokens:
+            x = torch.randn(m, k, device=dev, generator=gen, dtype=torch.bfloat16)
+            codes = fp8_linear.quantize_groups(x, 128)
+            rc = Codes(*quantize_rows(x), torch.bfloat16)
+            # the engine's paths at this row count: the GEMVs for one row
+            dense = gemv if m == 1 else F.linear
+            channel = fp8_linear.fp8_gemv if m == 1 else fp8_mm
+            t: dict[str, float] = {
+                "bf16": time_calls(lambda x, w, f=dense: f(x, w), floats, x, args.reps),
+                "channel": time_calls(
+                    lambda x, w, rc=rc, f=channel: f(rc, w[0], w[1], fast_accumulation=True),
+                    channels, x, args.reps),
+                "block": time_calls(engine_block, blocks, x, args.reps),
+                "block_ours": time_calls(our_block, blocks, x, args.reps),
+            }  # fmt: skip
+            launches: dict[str, float] = {}
+            top = max(16, triton.next_power_of_2(m))
+            for bn, bm, warps, stages in BLOCK_LAUNCHES if m <= args.block_sweep_rows else []:
+                if bm > top or (m > 64 and bm < 64):
+                    continue
+                for splits in BLOCK_SPLITS:
+                    if splits > k // 128:
+                        continue
+                    launch = {"BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": 128, "SPLITS": splits,
+                              "num_warps": warps, "num_stages": stages}  # fmt: skip
+
+                    def run(x: torch.Tensor, w: Any, c: Codes = codes, lc: dict = launch) -> Any:
+                        return fp8_linear.fp8_gemm(c, w[0], w[1], None, dict(lc), group=128)
+
+                    try:
+                        launches["-".join(map(str, launch.values()))] = time_calls(
+                            run, blocks, x, args.reps
+                        )
+                    except Exception as e:  # shared memory, registers
+                        print(f"  {name} M={m} {launch}: {type(e).__name__}", flush=True)
+            best = min(launches, key=launches.__getitem__) if launches else "none"
+            launches.setdefault(best, float("nan"))
+            wq, ws, _ = blocks[0]
+            exact = (codes.codes.double() * codes.scales.double()[:, cols]) @ (
+                wq.double() * ws.double()[:, cols]
+            ).t()
+            y = fp8_linear.fp8_block_mm(x, wq, ws, None, 128, blocks[0][2])
+            default = fp8_linear.block_launch(m, n, k, 128, sms)
+            row = {
+                "projection": name,
+                "N": n,
+                "K": k,
+                "M": m,
+                **{f"{key}_us": round(v * 1e6, 2) for key, v in t.items()},
+                "default": "-".join(map(str, default.values())),
+                "best": best,
+                "best_us": round(launches[best] * 1e6, 2),
+                "block_over_channel": round(t["channel"] / t["block"], 3),
+                "block_over_bf16": round(t["bf16"] / t["block"], 3),
+                "block_error": errors(y, exact),
+                "launches_us": {c: round(v * 1e6, 2) for c, v in sorted(launches.items())},
+            }
+            rows.append(row)  # fmt: skip
+            print(f"{name:8s} M={m:4d} bf16 {row['bf16_us']:8.2f} channel {row['channel_us']:8.2f}"
+                  f" block {row['block_us']:8.2f} ({row['default']}) best {row['best_us']:8.2f}"
+                  f" ({best})", flush=True)  # fmt: skip
+        del blocks, channels, floats
+        torch.cuda.empty_cache()
+    layer = {m: {key: round(sum(r[f"{key}_us"] for r in rows if r["M"] == m), 1)
+                 for key in ("bf16", "channel", "block", "block_ours", "best")}
+             for m in args.tokens}  # fmt: skip
+    print(json.dumps(layer, indent=1))
+    if args.output:
+        Path(args.output).write_text(json.dumps({"gpu": gpu, "layer_us": layer, "rows": rows},
+                                                indent=1))  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -195,8 +318,14 @@ def main() -> None:
     p.add_argument("--tune", metavar="DIR", help="instead: our FP8 GEMM's launches (above)")
     p.add_argument("--margin", type=float, default=0.03, help="--tune: the least gain kept")
     p.add_argument("--reps", type=int, default=20, help="--tune: graph replays, the best kept")
+    p.add_argument("--block", action="store_true", help="instead: block checkpoints (above)")
+    p.add_argument("--block-sweep-rows", type=int, default=64,
+                   help="--block: our kernel's launches swept up to this many rows")  # fmt: skip
     args = p.parse_args()
     dev = torch.device("cuda")
+    if args.block:
+        args.tokens = args.tokens or [1, 16, 64, 128, 256, 2048]
+        return block(args, dev)
     if args.tune:
         # (at 256 rows o and down measured 1.16x and 1.04x alone, but no engine step showed a
         # gain: docs/results/h200-2026-12-02i/NOTES.md §3)

@@ -56,7 +56,7 @@ def _gemv(codes: bool, fast: bool = False) -> Preset:
         {"X": "*fp8e4nv" if codes else "*bf16", "W": "*i32", "WS": "*fp32", "B": "*bf16",
          "Y": "*bf16", "xs_in": "*fp32"},
         {"STATIC": False, "HAS_BIAS": False, "BLOCK_N": 8, "BLOCK_K": 2048, "AMAX_BLOCK": 4096,
-         "GPU": True, "CODES": codes, "USE_PDL": True, "FAST": fast},
+         "GPU": True, "CODES": codes, "USE_PDL": True, "FAST": fast, "GROUP": 0},
         warps=4, stages=3,
     )  # fmt: skip
 
@@ -84,7 +84,7 @@ def _gemm(block_n: int, block_m: int, warps: int, stages: int) -> Preset:
         {"X": "*fp8e4nv", "XS": "*fp32", "W": "*fp8e4nv", "WS": "*fp32", "B": "*bf16",
          "Y": "*bf16", "PARTS": "*fp32", "TICKETS": "*i32"},
         {"HAS_BIAS": False, "BLOCK_N": block_n, "BLOCK_M": block_m, "BLOCK_K": 128,
-         "PRECISE": False},
+         "PRECISE": False, "GROUPED": False},
         warps=warps, stages=stages,
     )  # fmt: skip
 

@@ -58,6 +58,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # own launch after the rotary kernel, not by the rotary kernel (models/llama.py)
     "kv_write": {},
     "fp8_kv_write": {"quantization": "fp8"},
+    # a checkpoint stored in FP8 128 × 128 blocks (benchmarks/shapes.CHECKPOINT_FORMATS): the
+    # block kernels at every row count (fp8_linear.fp8_block_mm)
+    "fp8_block": {"checkpoint": "fp8-block"},
 }
 
 
@@ -102,11 +105,15 @@ def _timed(llm: LLM, ids: list[int], max_tokens: int) -> float:
 
 
 def measure(model: str, variant: str, args: argparse.Namespace) -> dict[str, Any]:
+    engine_args = dict(VARIANTS[variant])
+    checkpoint = engine_args.pop("checkpoint", None)
+    if checkpoint is not None:  # the shape's config as that format stores it, beside the model
+        model = str(write_shape(args.shape, Path(model).parent / checkpoint, checkpoint))
     llm = LLM(
         model=model, load_format="dummy", dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_seqs=4, num_kv_blocks=args.max_model_len // 16 * 2, show_progress=False,
         max_num_batched_tokens=args.prefill_len, enable_prefix_caching=False,  # every token runs
-        **VARIANTS[variant],
+        **engine_args,
     )  # fmt: skip
     info = llm.get_model_info()
     prompt = list(range(1, args.input_len + 1))

@@ -3,6 +3,7 @@ architecture's config.json plus the small locally trained tokenizer (prompts are
 
 import json
 from pathlib import Path
+from typing import Any
 
 from baton.tiny_model import train_tokenizer
 
@@ -27,12 +28,26 @@ SHAPES = {
 }  # fmt: skip
 
 
-def write_shape(name: str, out_dir: str | Path) -> Path:
+# what a checkpoint's config.json says to be read as stored FP8 (``--checkpoint``): the
+# ``fp8`` method's 128 × 128 weight blocks, activations per token and 128 columns (dummy
+# weights: e4m3 codes, every block's scale 1)
+CHECKPOINT_FORMATS: dict[str, dict[str, Any]] = {
+    "fp8-block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                  "weight_block_size": [128, 128]},
+}  # fmt: skip
+
+
+def write_shape(name: str, out_dir: str | Path, checkpoint: str | None = None) -> Path:
+    """The shape's config.json (as a ``checkpoint`` format stores it, when given) and the
+    tokenizer, in ``out_dir``."""
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if not (out / "tokenizer.json").exists():
         train_tokenizer(out)
-    (out / "config.json").write_text(json.dumps(SHAPES[name], indent=2))
+    config = dict(SHAPES[name])
+    if checkpoint is not None:
+        config["quantization_config"] = CHECKPOINT_FORMATS[checkpoint]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     return out

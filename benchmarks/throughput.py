@@ -289,6 +289,11 @@ def main() -> None:
     p.add_argument("--shape", help="a model shape from benchmarks/shapes.py instead of --model")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--quantization", choices=["fp8"], default=None)
+    p.add_argument(
+        "--checkpoint", choices=["fp8-block"], default=None,
+        help="with --shape: the shape's config as an FP8 checkpoint of this format stores it "
+        "(benchmarks/shapes.CHECKPOINT_FORMATS)",
+    )  # fmt: skip
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     p.add_argument(
         "--fp8-fast-accumulation", action=argparse.BooleanOptionalAction,
@@ -311,7 +316,8 @@ def main() -> None:
 
         from benchmarks.shapes import write_shape
 
-        args.model = str(write_shape(args.shape, Path(tempfile.mkdtemp()) / args.shape))
+        tmp = Path(tempfile.mkdtemp()) / args.shape
+        args.model = str(write_shape(args.shape, tmp, args.checkpoint))
         args.load_format = "dummy"
     if not args.model:
         p.error("give --model or --shape")

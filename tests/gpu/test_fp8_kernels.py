@@ -202,6 +202,75 @@ def test_fp8_gemm_split_k_replays_in_a_cuda_graph() -> None:
         assert torch.equal(out, fp8_linear.fp8_gemm(codes, w, ws, None, launch))
 
 
+def _block_layer(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight in 128 × 128 blocks, each with its scale (outlier input channels make the
+    blocks' scales differ), as the layer keeps them: e4m3 [n, k], scales [n, k / 128]."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(n, k, device="cuda", generator=g) * 0.05
+    w[:, :3] *= 20
+    blocks = w.view(n // 128, 128, k // 128, 128).abs().amax(dim=(1, 3)) / 448
+    ws = blocks.repeat_interleave(128, 0)
+    cols = torch.arange(k, device="cuda") // 128
+    return (w / ws[:, cols]).clamp(-448, 448).to(FP8), ws
+
+
+def test_quantize_groups_is_the_reference_rounding() -> None:
+    from services.worker.engine.models.layers.fp8_linear import quantize_groups
+
+    x = torch.randn(37, 4096, device="cuda") * torch.linspace(0.01, 30, 4096, device="cuda")
+    codes = quantize_groups(x, 128)
+    assert codes.codes.dtype == FP8 and codes.scales.shape == (37, 32)
+    cols = torch.arange(4096, device="cuda") // 128
+    want = quantize_activations(x, "token_group", 128, None)
+    assert torch.equal(codes.codes.float() * codes.scales[:, cols], want)  # bit for bit
+
+
+@pytest.mark.parametrize("path", ["block-scales", "row-scales"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 64, 300, 2048])
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 14336), (256, 384)])
+def test_fp8_block_mm_matches_the_plain_path(
+    dtype: torch.dtype, rows: int, n: int, k: int, path: str
+) -> None:
+    """Block checkpoints' kernels against the plain path's arithmetic in float64. Given the
+    per-block scales (as the layers have them): the GEMV for one row (bf16 with fast
+    accumulation), cuBLASLt's block scaling from 16 rows of a 16-bit model (any row count:
+    padded to a multiple of four); given per-row scales only: our kernel (the default launch,
+    K split where the rows are few). Within the FP8 tensor cores' accumulation error
+    (test_fp8_linear_matches_the_plain_path), with the bias; the same bits on a second
+    call."""
+    from services.worker.engine.models.layers import fp8_linear
+
+    w, ws = _block_layer(n, k, n + k + rows)
+    x = (torch.randn(rows, k, device="cuda") * 2).to(dtype)
+    b = (torch.randn(n, device="cuda") * 0.1).to(dtype)
+    cols = torch.arange(k, device="cuda") // 128
+    xq = quantize_activations(x, "token_group", 128, None)
+    want = F.linear(xq.double(), dequantize(w, ws, cols).double(), b.double())
+    blocks = fp8_linear.block_scales(ws, 128) if path == "block-scales" else None
+    assert path == "row-scales" or blocks is not None
+    fast = rows == 1 and dtype == torch.bfloat16
+    calls = []
+    scaled_mm = torch._scaled_mm
+
+    def counted(*a: Any, **kw: Any) -> torch.Tensor:
+        calls.append(a[0].shape[0])
+        return scaled_mm(*a, **kw)
+
+    torch._scaled_mm = counted  # type: ignore[assignment]
+    try:
+        got = fp8_linear.fp8_block_mm(x, w, ws, b, 128, blocks, fast_accumulation=fast)
+        again = fp8_linear.fp8_block_mm(x, w, ws, b, 128, blocks, fast_accumulation=fast)
+    finally:
+        torch._scaled_mm = scaled_mm  # type: ignore[assignment]
+    cublas = blocks is not None and rows >= fp8_linear.CUBLAS_BLOCK_ROWS and dtype != torch.float32
+    cublas = cublas and k // 128 % 4 == 0  # (with 3 groups it returned wrong products)
+    assert bool(calls) == cublas
+    assert got.dtype == dtype and got.shape == (rows, n) and torch.equal(got, again)
+    err = (got.double() - want).abs().max() / want.abs().max()
+    assert err <= (1e-2 if dtype == torch.bfloat16 else 2e-3), float(err)
+
+
 def _cublas(codes: Any, w: torch.Tensor, ws: torch.Tensor, fast: bool) -> torch.Tensor:
     return torch._scaled_mm(codes.codes, w.t(), scale_a=codes.scales, scale_b=ws.reshape(1, -1),
                             out_dtype=torch.bfloat16, use_fast_accum=fast)  # fmt: skip
@@ -338,6 +407,46 @@ def test_the_engine_on_our_fp8_gemm_matches_the_dequantizing_reference(
         llm.shutdown()
     assert calls[0] > 0
     exact = _check_against_reference(path, outs, median_atol=3e-2)
+    assert exact >= 0.85 * len(PROMPTS) * GREEDY.max_tokens
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_the_engine_on_the_block_kernels_matches_the_dequantizing_reference(
+    tmp_path: Path, dtype: str
+) -> None:
+    """A 128 × 128 block checkpoint on the GPU's block kernels (every linear layer: the GEMV
+    for one row, our kernel for a few, and in float16 cuBLASLt's block scaling for the four
+    prompts at once; float16 with CUDA graphs, float32 eager), teacher-forced against the
+    dequantizing reference as on CPU, with the tolerances of the tensor cores'
+    accumulation."""
+    from services.worker.engine.models.layers import fp8_linear
+
+    # 128-wide heads: the k and v rows fill whole blocks, so every layer has its block scales
+    path = make_tiny_model(tmp_path / "m", arch="llama", quantize="fp8-block", hidden_size=512)
+    rows: list[int] = []
+    block_mm = fp8_linear.fp8_block_mm
+
+    def counted(x: torch.Tensor, *a: Any, **kw: Any) -> torch.Tensor:
+        rows.append(x.shape[0])
+        return block_mm(x, *a, **kw)
+
+    fp8_linear.fp8_block_mm = counted  # type: ignore[assignment]
+    try:
+        llm = LLM(model=str(path), dtype=dtype, enforce_eager=dtype == "float32",
+                  show_progress=False)  # fmt: skip
+        model = llm.client.core.executor.worker.runner.model  # type: ignore[attr-defined]
+        layers = [m for m in model.modules() if getattr(m, "quant", None) is not None]
+        assert layers and all(m.block_scales is not None for m in layers)  # for cuBLASLt
+        outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in PROMPTS]
+        outs_batched = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        llm.shutdown()
+    finally:
+        fp8_linear.fp8_block_mm = block_mm  # type: ignore[assignment]
+    # the GEMV (decode of one prompt), our kernel (decode of four), cuBLASLt (the prompts)
+    assert 1 in rows and any(1 < r < 16 for r in rows) and max(rows) >= 16
+    exact = _check_against_reference(path, outs, median_atol=3e-2)
+    assert exact >= 0.85 * len(PROMPTS) * GREEDY.max_tokens
+    exact = _check_against_reference(path, outs_batched, median_atol=3e-2)
     assert exact >= 0.85 * len(PROMPTS) * GREEDY.max_tokens
 
 

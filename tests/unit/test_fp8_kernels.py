@@ -87,8 +87,116 @@ def test_fp8_gemm_is_the_product_of_the_codes(
         assert not fp8_linear._TICKETS[torch.device("cpu")].any()
 
 
+def _block_case(rows: int, n: int, k: int, group: int = 128) -> tuple[torch.Tensor, ...]:
+    """An activation and a weight quantized in ``group`` × ``group`` blocks (the checkpoint's
+    scales, one row per weight row as the layer keeps them), a bias."""
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=g) * torch.linspace(0.01, 30, k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    rb, cb = -(-n // group), -(-k // group)
+    pad = F.pad(w, (0, cb * group - k, 0, rb * group - n)).view(rb, group, cb, group)
+    block_scale = (pad.abs().amax(dim=(1, 3)) / 448).clamp(min=1e-12)  # [rb, cb]
+    ws = block_scale.repeat_interleave(group, 0)[:n]  # [n, cb]
+    cols = torch.arange(k) // group
+    wq = (w / ws[:, cols]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return x, wq, ws, torch.randn(n, generator=g)
+
+
+@pytest.mark.parametrize(("rows", "k"), [(3, 512), (2, 320)], ids=["whole", "ragged"])
+def test_quantize_groups_scales_like_the_reference(rows: int, k: int) -> None:
+    """A scale per token and 128 columns, as ``quantize_activations``' token_group: the scales
+    exactly, the codes as the interpreter's cast rounds them (test above)."""
+    x, *_ = _block_case(rows, 16, k)
+    codes = fp8_linear.quantize_groups(x, 128)
+    groups = -(-k // 128)
+    assert codes.scales.shape == (rows, groups) and codes.dtype == x.dtype
+    want = torch.stack(
+        [x[:, g * 128 : (g + 1) * 128].abs().amax(1) / 448 for g in range(groups)], 1
+    )
+    assert torch.equal(codes.scales, want)
+    ref = (x / want.repeat_interleave(128, 1)[:, :k]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    off = codes.codes.float() != ref.float()
+    assert off.float().mean() < 0.15
+    assert (codes.codes.float()[off].abs() < ref.float()[off].abs()).all()
+
+
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "launch"),
+    [
+        (1, 192, 512, None),
+        (5, 256, 384, {"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 128, "SPLITS": 2}),
+        (20, 128, 320, {"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 128, "SPLITS": 3}),
+    ],
+    ids=["one-row-default-launch", "two-slices", "ragged-k-three-slices"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fp8_block_mm_is_the_product_of_the_block_codes(
+    rows: int, n: int, k: int, launch: dict[str, int] | None, dtype: torch.dtype
+) -> None:
+    """Each K tile scaled by its activation group's and weight block's scales before it is
+    added: the product of the codes dequantized group by group (the plain path's arithmetic),
+    to within a step of the output's dtype, with the bias; a wrong pairing of scales and tiles
+    (say, a block's scale on the next block's columns) is off by far more."""
+    x, w, ws, b = _block_case(rows, n, k)
+    x, b = x.to(dtype), b.to(dtype)
+    codes = fp8_linear.quantize_groups(x, 128)
+    cols = torch.arange(k) // 128
+    got = fp8_linear.fp8_block_mm(x, w, ws, b, 128, config=launch)
+    xd = codes.codes.double() * codes.scales.double()[:, cols]
+    want = F.linear(xd, dequantize(w, ws, cols).double(), b.double())
+    step = 2.0 ** -(7 if dtype == torch.bfloat16 else 20)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    assert ((got.double() - want).abs() <= want.abs() * step + 1e-3).all()
+    assert not fp8_linear._TICKETS.get(torch.device("cpu"), torch.zeros(1)).any()
+    if k > 128:  # the check tells the pairings apart: each group's scale on its neighbour's
+        shifted = codes.codes.double() * codes.scales.double()[:, cols.roll(128)]
+        wrong = F.linear(shifted, dequantize(w, ws, cols.roll(128)).double(), b.double())
+        assert (wrong - want).abs().max() > 10 * (want.abs().max() * step + 1e-3)
+
+
+@pytest.mark.parametrize(("k", "bias"), [(512, True), (320, False)], ids=["whole", "ragged"])
+def test_the_block_gemv_is_the_product_of_the_block_codes(k: int, bias: bool) -> None:
+    """One row of a block layer: the GEMV with each column's activation and weight block
+    scales in its sums (two block rows, so a program's block row matters), as the product of
+    the codes dequantized group by group."""
+    x, w, ws, b = _block_case(1, 256, k)
+    blocks = fp8_linear.block_scales(ws, 128)
+    assert blocks is not None
+    codes = fp8_linear.quantize_groups(x, 128)
+    cols = torch.arange(k) // 128
+    got = fp8_linear.fp8_block_mm(x, w, ws, b if bias else None, 128, blocks)
+    xd = codes.codes.double() * codes.scales.double()[:, cols]
+    want = F.linear(xd, dequantize(w, ws, cols).double(), b.double() if bias else None)
+    assert got.shape == (1, 256) and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_block_launch_fills_the_gpu_with_k_slices() -> None:
+    """64 weight rows a tile, K split until about three programs an SM, at least eight K
+    tiles a slice (the 8B shape's fastest launches at one row on an H200)."""
+    one = fp8_linear.block_launch(1, 4096, 4096, 128, 132)
+    assert (one["BLOCK_N"], one["BLOCK_M"], one["BLOCK_K"]) == (64, 16, 128)
+    assert one["SPLITS"] == 4  # o: 64 tiles × 4 slices of 8 K tiles
+    assert fp8_linear.block_launch(1, 4096, 14336, 128, 132)["SPLITS"] == 7  # down
+    assert fp8_linear.block_launch(1, 28672, 4096, 128, 132)["SPLITS"] == 1  # gate_up: 448 tiles
+    assert fp8_linear.block_launch(1, 4096, 512, 128, 132)["SPLITS"] == 1  # four K tiles
+    assert fp8_linear.block_launch(300, 4096, 4096, 128, 132)["BLOCK_M"] == 128
+
+
+def test_block_scales_are_the_layers_per_row_scales_a_block() -> None:
+    """cuBLASLt's per-block weight scales from a layer's per-row ones: one row a block,
+    transposed; None where 128 rows do not share their scales (a shard off the block grid) or
+    the rows are no whole number of blocks."""
+    blocks = torch.rand(3, 5) + 0.1
+    rows = blocks.repeat_interleave(128, 0)
+    got = fp8_linear.block_scales(rows, 128)
+    assert got is not None and got.shape == (5, 3) and torch.equal(got, blocks.t())
+    shifted = rows.roll(64, 0)
+    assert fp8_linear.block_scales(shifted, 128) is None
+    assert fp8_linear.block_scales(rows[:320], 128) is None
+
+
 def test_the_layers_take_the_kernels_on_a_gpu_only() -> None:
-    """On CPU (and for block checkpoints) a layer stays on the plain path: no FP8 tensor cores."""
+    """On CPU a layer stays on the plain path: no FP8 tensor cores."""
     x, w, *_ = _case(2, 32, 64)
     assert not fp8_linear.supported(x, w)
 

@@ -82,6 +82,10 @@ class ModelRunner:
             load_dummy(self.model, cfg.seed)
         else:
             self.read = load_safetensors(self.model, cfg.model, show_progress)
+        for module in self.model.modules():  # what a layer derives from its loaded weights
+            after_load = getattr(module, "after_load", None)
+            if after_load is not None:
+                after_load()
         self.model.train(False)  # inference mode for every submodule
 
     def _bind_kv_cache(self, num_blocks: int) -> None:

@@ -20,9 +20,15 @@ layer's input, dynamically per token or with the checkpoint's static scale.
   ``fused_ops``' RMSNorm and SiLU·mul): the GEMV then only widens codes and the rows skip
   ``quantize_rows``. A layer says whether it takes them (``_LinearBase.takes_codes``).
 
+- Block checkpoints (128×128 weight blocks, activations per token and 128-column group;
+  ``fp8_block_mm``): the rows quantized per group (``quantize_groups``), then for one row the
+  GEMV with each column's two scales in its sums; from 16 rows (K a multiple of 512)
+  cuBLASLt's block scaling through ``torch._scaled_mm``; else ``fp8_gemm`` with K tiles of one
+  group, each tile's product scaled by its activation and weight block scales before it is
+  added.
+
 The plain-PyTorch path (models/quantization.py) is the reference these are tested against
-(tests/gpu/test_fp8_kernels.py). Block-scaled checkpoints (128×128 weight blocks, activations
-per 128-column group) stay on that path.
+(tests/gpu/test_fp8_kernels.py, and in Triton's interpreter tests/unit/test_fp8_kernels.py).
 """
 
 import torch
@@ -97,6 +103,26 @@ def _quantize_rows_kernel(
         cols = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
         tl.store(Q + row * stride_q + cols, _quantize(x, xs, r, GPU), mask=cols < K)
+
+
+@triton.jit
+def _quantize_groups_kernel(
+    X, Q, S, K, G, stride_x, stride_q, stride_sm, stride_sg,
+    GROUP: tl.constexpr, GROUPS: tl.constexpr, GPU: tl.constexpr, USE_PDL: tl.constexpr = False,
+):  # fmt: skip
+    """A row's GROUPS consecutive groups of GROUP columns each quantized with a scale of its own
+    (max |x| / FP8_MAX, at least MIN_SCALE), as the reference's ``token_group``: a [GROUPS,
+    GROUP] tile a program. S: [M, G] float32 (strides ``stride_sm``, ``stride_sg``)."""
+    await_inputs(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    ok = (groups < G)[:, None] & (cols < K)
+    x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    xs = _scale_of(tl.max(tl.abs(x), 1))
+    r = tl.math.div_rn(1.0, xs)
+    tl.store(S + row * stride_sm + groups * stride_sg, xs, mask=groups < G)
+    tl.store(Q + row * stride_q + cols, _quantize(x, xs[:, None], r[:, None], GPU), mask=ok)
 
 
 @triton.jit
@@ -193,11 +219,22 @@ def _x_codes(X, first, ok, xs, r, GPU: tl.constexpr, CODES: tl.constexpr):
 
 
 @triton.jit
+def _group_scales(xs_in, ws_row, j, k4, GROUP: tl.constexpr, stride_wsg):
+    """Block checkpoints: the product of the activation's and the weight block's scales of the
+    groups that words ``j`` (four columns each) fall in."""
+    g = (4 * j) // GROUP
+    ok = j < k4
+    xs = tl.load(xs_in + g, mask=ok, other=0.0)
+    return xs * tl.load(ws_row + g * stride_wsg, mask=ok, other=0.0)
+
+
+@triton.jit
 def _fp8_gemv_kernel(
     X, W, WS, B, Y, xs_in, N, K, stride_wn,
     STATIC: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, AMAX_BLOCK: tl.constexpr, GPU: tl.constexpr, CODES: tl.constexpr,
-    USE_PDL: tl.constexpr = False, FAST: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, FAST: tl.constexpr = False, GROUP: tl.constexpr = 0,
+    stride_wsg=0, stride_wsn=0,
 ):  # fmt: skip
     """W: the e4m3 weight as int32 words of four codes ([N, K / 4], ``stride_wn`` in words);
     BLOCK_K counts weights (BLOCK_K / 4 words a tile). Column 4j + b of the product is word j's
@@ -207,7 +244,13 @@ def _fp8_gemv_kernel(
     FAST (with CODES, on a GPU: fast accumulation, as ``fp8_mm``'s): a word's four products
     in float16 (``_dot_word``), added to the float32 sums a word at a time. (Without codes it
     measured slower for the o projection, the 8B shape's only such layer: each program
-    quantizes the row's columns again, docs/results/h200-2026-12-02j/.)"""
+    quantizes the row's columns again, docs/results/h200-2026-12-02j/.)
+
+    GROUP (block checkpoints, with CODES): ``xs_in`` holds the codes' scale per GROUP columns
+    and WS the weight's per block, [K / GROUP, N / GROUP] (strides ``stride_wsg``,
+    ``stride_wsn``). A program's BLOCK_N rows lie in one block row (BLOCK_N divides GROUP), so
+    each column's two scales are one factor for all of them, taken into the column's sums as
+    they are added (a word's four columns share a group)."""
     WORDS: tl.constexpr = BLOCK_K // 4
     k4 = K // 4
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -220,7 +263,12 @@ def _fp8_gemv_kernel(
     j = tl.arange(0, WORDS)
     w = tl.load(w_rows + j[None, :], mask=row_ok[:, None] & (j < k4)[None, :], other=0)
     await_inputs(USE_PDL)
-    if CODES:
+    ws_row = WS  # GROUP: the program's row of block scales
+    if GROUP:
+        xs = 1.0  # (the scales come a column at a time)
+        r = xs  # unread
+        ws_row += (tl.program_id(0) * BLOCK_N // GROUP) * stride_wsn
+    elif CODES:
         xs = tl.load(xs_in)
         r = xs  # unread
     else:
@@ -232,8 +280,12 @@ def _fp8_gemv_kernel(
         for k0 in range(0, k4, WORDS):
             j = k0 + tl.arange(0, WORDS)
             x01, x23 = _halves(tl.load(XW + j, mask=j < k4, other=0))
-            acc += _dot_word(w, tl.broadcast_to(x01[None, :], (BLOCK_N, WORDS)),
-                             tl.broadcast_to(x23[None, :], (BLOCK_N, WORDS)))  # fmt: skip
+            dot = _dot_word(w, tl.broadcast_to(x01[None, :], (BLOCK_N, WORDS)),
+                            tl.broadcast_to(x23[None, :], (BLOCK_N, WORDS)))  # fmt: skip
+            if GROUP:
+                acc += dot * _group_scales(xs_in, ws_row, j, k4, GROUP, stride_wsg)[None, :]
+            else:
+                acc += dot
             j += WORDS
             w = tl.load(w_rows + j[None, :], mask=row_ok[:, None] & (j < k4)[None, :], other=0)
         xs = xs * X_UNIT
@@ -242,13 +294,23 @@ def _fp8_gemv_kernel(
             j = k0 + tl.arange(0, WORDS)
             ok = j < k4
             w0, w1, w2, w3 = _widen4(w, GPU)
-            acc += w0 * _x_codes(X, 4 * j, ok, xs, r, GPU, CODES)[None, :]
-            acc += w1 * _x_codes(X, 4 * j + 1, ok, xs, r, GPU, CODES)[None, :]
-            acc += w2 * _x_codes(X, 4 * j + 2, ok, xs, r, GPU, CODES)[None, :]
-            acc += w3 * _x_codes(X, 4 * j + 3, ok, xs, r, GPU, CODES)[None, :]
+            if GROUP:  # the columns' codes times their scales
+                sc = _group_scales(xs_in, ws_row, j, k4, GROUP, stride_wsg)
+                acc += w0 * (_x_codes(X, 4 * j, ok, xs, r, GPU, CODES) * sc)[None, :]
+                acc += w1 * (_x_codes(X, 4 * j + 1, ok, xs, r, GPU, CODES) * sc)[None, :]
+                acc += w2 * (_x_codes(X, 4 * j + 2, ok, xs, r, GPU, CODES) * sc)[None, :]
+                acc += w3 * (_x_codes(X, 4 * j + 3, ok, xs, r, GPU, CODES) * sc)[None, :]
+            else:
+                acc += w0 * _x_codes(X, 4 * j, ok, xs, r, GPU, CODES)[None, :]
+                acc += w1 * _x_codes(X, 4 * j + 1, ok, xs, r, GPU, CODES)[None, :]
+                acc += w2 * _x_codes(X, 4 * j + 2, ok, xs, r, GPU, CODES)[None, :]
+                acc += w3 * _x_codes(X, 4 * j + 3, ok, xs, r, GPU, CODES)[None, :]
             j += WORDS
             w = tl.load(w_rows + j[None, :], mask=row_ok[:, None] & (j < k4)[None, :], other=0)
-    y = tl.sum(acc, axis=1) * xs * tl.load(WS + rows, mask=row_ok, other=0.0)
+    if GROUP:
+        y = tl.sum(acc, axis=1) * xs
+    else:
+        y = tl.sum(acc, axis=1) * xs * tl.load(WS + rows, mask=row_ok, other=0.0)
     if HAS_BIAS:
         y += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
@@ -265,16 +327,16 @@ _CONFIGS = [
     ]
 ]  # fmt: skip
 _fp8_gemv_tuned = triton.autotune(
-    configs=_CONFIGS, key=["N", "K", "HAS_BIAS", "STATIC", "CODES", "FAST"]
+    configs=_CONFIGS, key=["N", "K", "HAS_BIAS", "STATIC", "CODES", "FAST", "GROUP"]
 )(_fp8_gemv_kernel)
 
 
 @triton.jit
 def _fp8_gemm_kernel(
     X, XS, W, WS, B, Y, PARTS, TICKETS, M, N, K, SPLITS, k_per_split, stride_xm, stride_wn,
-    stride_ym,
+    stride_ym, stride_xsm, stride_xsg, stride_wsn, stride_wsg,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr, PRECISE: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISE: tl.constexpr, GROUPED: tl.constexpr = False,
 ):  # fmt: skip
     """Y = (X · xs) (W · ws)ᵀ for a few rows, on the FP8 tensor cores, computed transposed: a
     program's tile is BLOCK_N weight rows × BLOCK_M activation rows, so the weight's rows fill
@@ -289,7 +351,12 @@ def _fp8_gemm_kernel(
     on which program finished first.
 
     The tensor cores' partial sums are promoted to float32 once a BLOCK_K tile with PRECISE,
-    else never (Triton's default on Hopper): cuBLASLt's two accumulation modes."""
+    else never (Triton's default on Hopper): cuBLASLt's two accumulation modes.
+
+    GROUPED (block checkpoints): a scale per BLOCK_K columns on both sides, XS [M, K / BLOCK_K]
+    (the activation's per token and group) and WS [N, K / BLOCK_K] (the weight block's, one row
+    per weight row), each with its two strides; each tile's product is scaled by its two and
+    added to float32 sums, which is a promotion a tile whatever PRECISE says."""
     pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -304,7 +371,12 @@ def _fp8_gemm_kernel(
         k_ok = (k0 + rk) < k_hi
         w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
-        if PRECISE:
+        if GROUPED:
+            g = k0 // BLOCK_K
+            ws = tl.load(WS + rn.to(tl.int64) * stride_wsn + g * stride_wsg, mask=n_ok, other=0.0)
+            xs = tl.load(XS + rm.to(tl.int64) * stride_xsm + g * stride_xsg, mask=m_ok, other=0.0)
+            acc += tl.dot(w, x) * (ws[:, None] * xs[None, :])
+        elif PRECISE:
             acc = tl.dot(w, x, acc, max_num_imprecise_acc=BLOCK_K)
         else:
             acc = tl.dot(w, x, acc)
@@ -313,7 +385,7 @@ def _fp8_gemm_kernel(
     tile = rm[None, :].to(tl.int64) * N + rn[:, None]  # (m, n) of [M, N], a tile's elements
     ok = n_ok[:, None] & m_ok[None, :]
     if SPLITS == 1:
-        _gemm_store(acc, rn, rm, n_ok, m_ok, XS, WS, B, Y, stride_ym, HAS_BIAS)
+        _gemm_store(acc, rn, rm, n_ok, m_ok, XS, WS, B, Y, stride_ym, HAS_BIAS, not GROUPED)
     else:
         tl.store(PARTS + split * M * N + tile, acc, mask=ok)
         # every thread's slice stored, then one ticket: release, and acquire for the last
@@ -325,15 +397,19 @@ def _fp8_gemm_kernel(
             for s in range(1, SPLITS):
                 acc += tl.load(PARTS + s * M * N + tile, mask=ok, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(counter, 0)
-            _gemm_store(acc, rn, rm, n_ok, m_ok, XS, WS, B, Y, stride_ym, HAS_BIAS)
+            _gemm_store(acc, rn, rm, n_ok, m_ok, XS, WS, B, Y, stride_ym, HAS_BIAS, not GROUPED)
 
 
 @triton.jit
-def _gemm_store(acc, rn, rm, n_ok, m_ok, XS, WS, B, Y, stride_ym, HAS_BIAS: tl.constexpr):
-    """A [BLOCK_N, BLOCK_M] tile of float32 sums scaled (weight row, activation row), biased,
-    stored to Y [M, N]."""
-    y = acc * tl.load(WS + rn, mask=n_ok, other=0.0)[:, None]
-    y = y * tl.load(XS + rm, mask=m_ok, other=0.0)[None, :]
+def _gemm_store(
+    acc, rn, rm, n_ok, m_ok, XS, WS, B, Y, stride_ym, HAS_BIAS: tl.constexpr, SCALE: tl.constexpr
+):  # fmt: skip
+    """A [BLOCK_N, BLOCK_M] tile of float32 sums scaled (weight row, activation row) unless
+    scaled already (SCALE false), biased, stored to Y [M, N]."""
+    y = acc
+    if SCALE:
+        y = y * tl.load(WS + rn, mask=n_ok, other=0.0)[:, None]
+        y = y * tl.load(XS + rm, mask=m_ok, other=0.0)[None, :]
     if HAS_BIAS:
         y += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     out = Y + rm[None, :].to(tl.int64) * stride_ym + rn[:, None]
@@ -365,15 +441,21 @@ def fp8_gemm(
     bias: torch.Tensor | None,
     config: dict[str, int],
     fast_accumulation: bool = False,
+    group: int = 0,
 ) -> torch.Tensor:
     """``fp8_mm``'s product by ``_fp8_gemm_kernel`` at one launch: ``config`` holds BLOCK_N,
-    BLOCK_M, BLOCK_K, SPLITS, num_warps, num_stages (``gemv_configs.gemm_launch``). 16-bit
-    outputs only (``fp8_mm`` takes float32 models to cuBLASLt). ``fast_accumulation``: as
-    ``fp8_mm``'s and ``fp8_gemv``'s, off unless asked."""
+    BLOCK_M, BLOCK_K, SPLITS, num_warps, num_stages (``gemv_configs.gemm_launch``). ``fp8_mm``
+    takes float32 models to cuBLASLt. ``fast_accumulation``: as ``fp8_mm``'s and
+    ``fp8_gemv``'s, off unless asked. ``group`` (block checkpoints, ``fp8_block_mm``): the
+    scales are per ``group`` columns, ``x.scales`` [M, K / group] and ``weight_scale``
+    [N, K / group]; BLOCK_K must be ``group``."""
     xq, xs = x.codes, x.scales
     m, k = xq.shape
     n = weight.shape[0]
     assert xq.stride(1) == 1 and weight.stride(1) == 1, "rows contiguous"
+    if group:
+        assert config["BLOCK_K"] == group, "a K tile is one scale group"
+        assert xs.shape == (m, triton.cdiv(k, group)) and weight_scale.shape[0] == n
     y = torch.empty((m, n), dtype=x.dtype, device=xq.device)
     config = dict(config)
     splits = config.pop("SPLITS")
@@ -388,9 +470,103 @@ def fp8_gemm(
     _fp8_gemm_kernel[grid](
         xq, xs, weight, weight_scale, bias if bias is not None else y, y, parts, tickets,
         m, n, k, splits, k_per_split, xq.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, PRECISE=not fast_accumulation, **config,
+        *xs.stride(), *weight_scale.stride(),
+        HAS_BIAS=bias is not None, PRECISE=not fast_accumulation, GROUPED=group > 0, **config,
     )  # fmt: skip
     return y
+
+
+def quantize_groups(x: torch.Tensor, group: int, rows_multiple: int = 1) -> Codes:
+    """x: [M, K] → its codes and a scale per token and ``group`` columns ([M, K / group], the
+    last group partial when ``group`` does not divide K; stored column by column, the layout
+    cuBLASLt's block scaling reads): the reference's ``token_group`` rounding (block
+    checkpoints), one Triton kernel. With ``rows_multiple`` both have rows up to the next
+    multiple of it, those past M unwritten."""
+    x = x.contiguous()
+    m, k = x.shape
+    g = triton.cdiv(k, group)
+    rows = triton.cdiv(m, rows_multiple) * rows_multiple
+    q = torch.empty((rows, k), dtype=FP8, device=x.device)
+    s = torch.empty((g, rows), dtype=torch.float32, device=x.device).t()
+    groups = min(triton.next_power_of_2(g), max(1, 1024 // group))  # ~1,024 columns a program
+    _quantize_groups_kernel[(m, triton.cdiv(g, groups))](
+        x, q, s, k, g, x.stride(0), q.stride(0), *s.stride(), GROUP=group, GROUPS=groups,
+        GPU=x.is_cuda, num_warps=4, **launch_options(x),
+    )  # fmt: skip
+    return Codes(q, s, x.dtype)
+
+
+def block_launch(m: int, n: int, k: int, group: int, sms: int) -> dict[str, int]:
+    """``_fp8_gemm_kernel``'s launch for block checkpoints (K tiles of one scale group) where
+    cuBLASLt's block scaling is not taken: weight rows on the tensor cores' wide side (64 a
+    tile), the activation rows on the narrow one; K split until the tiles and slices make about
+    three programs an SM, with at least eight K tiles a slice. (The fastest launches of
+    ``benchmarks/fp8_mm.py --block`` at 1 and 16 rows on an H200 are such:
+    docs/results/h200-2026-12-03b/.)"""
+    block_m = min(128, max(16, triton.next_power_of_2(m)))
+    tiles = triton.cdiv(n, 64) * triton.cdiv(m, block_m)
+    splits = max(1, min(triton.cdiv(3 * sms, tiles), triton.cdiv(k, group) // 8))
+    return {"BLOCK_N": 64, "BLOCK_M": block_m, "BLOCK_K": group, "SPLITS": splits,
+            "num_warps": 4, "num_stages": 4}  # fmt: skip
+
+
+# cuBLASLt's block scaling (1 × 128 activations, 128 × 128 weights) from this many rows
+# (it refuses one row; measured against our kernel in docs/results/h200-2026-12-03b/)
+CUBLAS_BLOCK_ROWS = 16
+
+
+def fp8_block_mm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: int,
+    block_scales: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+    fast_accumulation: bool = False,
+) -> torch.Tensor:
+    """A block checkpoint's product, any number of rows, in x's dtype: the rows quantized per
+    token and ``group`` columns (``quantize_groups``), then, given ``block_scales`` (the
+    weight's scale a block, [K / group, N / group]: ``block_scales()``),
+
+    - one row: the FP8 GEMV, each column's two scales taken into its sums (``fast_accumulation``
+      as ``fp8_gemv``'s);
+    - CUBLAS_BLOCK_ROWS rows and more of a 16-bit model, K a multiple of four groups:
+      cuBLASLt's block scaling (``torch._scaled_mm``), over rows padded to a multiple of four
+      (it refuses others; the padding rows' outputs are dropped). With K of 2, 3 or 5 groups
+      it ran without complaint on an H200 (torch 2.11, CUDA 13.0) and returned wrong products
+      (docs/results/h200-2026-12-03b/), hence the rule;
+
+    else ``fp8_gemm`` with a scale pair a K tile, over ``weight_scale`` (a block's scale on
+    each of its rows: [N, K / group]), at ``config`` (``block_launch``'s by default)."""
+    m, k = x.shape
+    if block_scales is not None and m == 1:
+        return fp8_gemv(quantize_groups(x, group), weight, block_scales, bias,
+                        fast_accumulation=fast_accumulation, group=group)  # fmt: skip
+    cublas = m >= CUBLAS_BLOCK_ROWS and triton.cdiv(k, group) % 4 == 0 and k % group == 0
+    if block_scales is not None and cublas and x.dtype != torch.float32:
+        codes = quantize_groups(x, group, rows_multiple=4)
+        y = torch._scaled_mm(codes.codes, weight.t(), scale_a=codes.scales, scale_b=block_scales,
+                             out_dtype=x.dtype)[:m]  # fmt: skip
+        return y if bias is None else y + bias
+    if config is None:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+        config = block_launch(m, weight.shape[0], k, group, sms)
+    return fp8_gemm(quantize_groups(x, group), weight, weight_scale, bias, config, group=group)
+
+
+def block_scales(weight_scale: torch.Tensor, group: int) -> torch.Tensor | None:
+    """The per-block weight scales cuBLASLt takes ([K / group, N / group], a transposed view)
+    from a layer's per-row ones ([N, K / group]), or None where the rows do not fall in whole
+    blocks of one scale each (N not a multiple of ``group``, or a shard's rows off the block
+    grid)."""
+    n = weight_scale.shape[0]
+    if n % group:
+        return None
+    blocks = weight_scale[::group].contiguous()
+    if not torch.equal(blocks.repeat_interleave(group, 0), weight_scale):
+        return None
+    return blocks.t()
 
 
 def _static(input_scale: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -408,11 +584,15 @@ def fp8_gemv(
     input_scale: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
     fast_accumulation: bool = False,
+    group: int = 0,
 ) -> torch.Tensor:
     """x: [1, K], or its codes; weight: [N, K] e4m3 (rows contiguous); weight_scale: [N, 1]
     float32; returns [1, N] in x's dtype. ``config``: as ``gemv.gemv``'s. With
     ``fast_accumulation`` and codes, on a GPU, each word's four products are summed in
-    float16 before the float32 sum (fewer instructions a weight; ``fp8_mm``'s option)."""
+    float16 before the float32 sum (fewer instructions a weight; ``fp8_mm``'s option).
+    ``group`` (block checkpoints): x is codes with a scale per ``group`` columns
+    (``quantize_groups``) and ``weight_scale`` the weight's per block, [K / group, N / group]
+    (``block_scales``)."""
     codes = isinstance(x, Codes)
     xin = x.codes if isinstance(x, Codes) else x.contiguous()
     assert xin.shape[0] == 1 and weight.stride(1) == 1, "one token, row-major weight"
@@ -421,9 +601,15 @@ def fp8_gemv(
     words = weight.view(torch.int32)  # the kernel reads four codes a load element
     y = torch.empty((1, n), dtype=x.dtype, device=xin.device)
     scale = x.scales if isinstance(x, Codes) else _static(input_scale, weight_scale)
+    flags: dict[str, int] = {"STATIC": input_scale is not None, "HAS_BIAS": bias is not None}
+    if group:  # (a scale a group: the row's, one after the other)
+        assert isinstance(x, Codes) and x.scales.shape == (1, triton.cdiv(k, group))
+        assert n % group == 0 and weight_scale.shape == (triton.cdiv(k, group), n // group)
+        scale = x.scales.contiguous()
+        flags.update(GROUP=group, stride_wsg=weight_scale.stride(0),
+                     stride_wsn=weight_scale.stride(1))  # fmt: skip
     args = (xin, words, weight_scale, bias if bias is not None else y, y, scale, n, k,
             words.stride(0))  # fmt: skip
-    flags: dict[str, int] = {"STATIC": input_scale is not None, "HAS_BIAS": bias is not None}
     flags["AMAX_BLOCK"] = min(8192, triton.next_power_of_2(k)) if xin.is_cuda else 128
     flags["GPU"], flags["CODES"] = y.is_cuda, codes
     flags["FAST"] = fast_accumulation and codes and y.is_cuda
@@ -432,6 +618,7 @@ def fp8_gemv(
         kind += "_fast" if flags["FAST"] else ""
         config = config or gemv_configs.launch(kind, y, n, k)
         if config is not None:
+            assert group % config["BLOCK_N"] == 0, "a program's rows in one block row"
             grid = (triton.cdiv(n, config["BLOCK_N"]),)
             _fp8_gemv_kernel[grid](*args, **flags, **config, **launch_options(y))
             return y
@@ -501,6 +688,7 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 __all__ = [
-    "FP8_MAX", "MIN_SCALE", "fp8_gemm", "fp8_gemv", "fp8_mm", "quantize_rows", "store_codes",
+    "CUBLAS_BLOCK_ROWS", "FP8_MAX", "MIN_SCALE", "block_launch", "block_scales", "fp8_block_mm",
+    "fp8_gemm", "fp8_gemv", "fp8_mm", "quantize_groups", "quantize_rows", "store_codes",
     "supported",
 ]  # fmt: skip

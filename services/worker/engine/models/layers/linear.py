@@ -59,6 +59,8 @@ class _LinearBase(nn.Module):
         self._takes_codes: bool | None = None  # answered on the first ask (the device is set)
         self.scale_cols: torch.Tensor | None
         self.register_buffer("scale_cols", None, persistent=False)  # block layers set it
+        # block layers on a GPU: the weight's scale a block, as cuBLASLt takes it (after_load)
+        self.block_scales: torch.Tensor | None = None
         if quant is not None:
             cols = 1
             if quant.weights == "block":  # the block columns this rank's input columns fall in
@@ -151,6 +153,17 @@ class _LinearBase(nn.Module):
         first = self.col_start // b
         dst.copy_(rows[:, first : first + self.weight_scale.shape[1]])
 
+    def after_load(self) -> None:
+        """Once the weights are in place: a block layer on a GPU keeps its scales a block too
+        (``fp8_linear.block_scales``), for cuBLASLt's block scaling."""
+        q = self.quant
+        if q is None or q.weights != "block" or not self.fused or not self.weight.is_cuda:
+            return
+        from services.worker.engine.models.layers import fp8_linear
+
+        assert self.weight_scale is not None
+        self.block_scales = fp8_linear.block_scales(self.weight_scale.data, q.block)
+
     def takes_codes(self, like: torch.Tensor) -> bool:
         """Whether this layer's FP8 kernels take an input like ``like`` quantized beforehand
         (``quantization.Codes``): dynamic per-token activations on the GPU kernels, so that the
@@ -187,11 +200,17 @@ class _LinearBase(nn.Module):
         if self.quant is not None:
             assert self.weight_scale is not None
             q = self.quant
-            if self.fused and q.weights != "block":
+            if self.fused:
                 from services.worker.engine.models.layers import fp8_linear
 
                 if fp8_linear.supported(x, self.weight):  # (on a GPU only)
-                    return self._fp8_kernels(x, bias)
+                    if q.weights != "block":
+                        return self._fp8_kernels(x, bias)
+                    if self.col_start % q.block == 0:  # this rank's K tiles are whole blocks
+                        return fp8_linear.fp8_block_mm(
+                            x, self.weight, self.weight_scale, bias, q.block, self.block_scales,
+                            fast_accumulation=q.fast_accumulation,
+                        )  # fmt: skip
             # the plain-PyTorch path (models/quantization.py): everywhere else, and the
             # reference of the kernels
             xq = quantize_activations(x, q.activations, q.block, self.input_scale)
