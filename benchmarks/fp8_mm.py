@@ -24,7 +24,7 @@ time and each kept launch's error against float64 go to ``--output``.
         --output fp8_gemm_tune.json
 
 ``--block``: instead, block checkpoints' products (128 × 128 weight blocks, activations per
-token and 128 columns: ``fp8_linear.fp8_block_mm``) at each row count of ``--tokens``, timed
+token and 128 columns: ``fp8_block.fp8_block_mm``) at each row count of ``--tokens``, timed
 as ``--tune`` times them, beside bf16 (``F.linear``) and the per-channel FP8 path the engine
 takes at that row count (the GEMV over codes for one row, ``fp8_mm`` above): the engine's
 block path (cuBLASLt's block scaling from 16 rows), our kernel at its default launch
@@ -206,16 +206,16 @@ BLOCK_SPLITS = (1, 2, 3, 4, 6, 8)
 
 def block(args: argparse.Namespace, dev: torch.device) -> None:
     from benchmarks.gemv import time_calls
-    from services.worker.engine.models.layers import fp8_linear
+    from services.worker.engine.models.layers import fp8_block, fp8_linear
     from services.worker.engine.models.layers.gemv import gemv
 
     def engine_block(x: torch.Tensor, w: Any) -> torch.Tensor:  # cuBLASLt's from 16 rows
         # (fast accumulation, the engine's default for FP8 models: the one-row GEMV's float16
         # word sums; until h200-2026-12-03b's last call this ran its float32 sums)
-        return fp8_linear.fp8_block_mm(x, w[0], w[1], None, 128, w[2], fast_accumulation=True)
+        return fp8_block.fp8_block_mm(x, w[0], w[1], None, 128, w[2], fast_accumulation=True)
 
     def our_block(x: torch.Tensor, w: Any) -> torch.Tensor:  # our kernel at any row count
-        return fp8_linear.fp8_block_mm(x, w[0], w[1], None, 128)
+        return fp8_block.fp8_block_mm(x, w[0], w[1], None, 128)
 
     gpu = torch.cuda.get_device_name(dev)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -230,14 +230,14 @@ def block(args: argparse.Namespace, dev: torch.device) -> None:
             scale = w.view(n // 128, 128, k // 128, 128).abs().amax(dim=(1, 3)) / 448
             ws = scale.repeat_interleave(128, 0)
             codes = (w / ws[:, cols]).clamp(-448, 448).to(quantization.FP8)
-            blocks.append((codes, ws, fp8_linear.block_scales(ws, 128)))
+            blocks.append((codes, ws, fp8_block.block_scales(ws, 128)))
             channels.append(quantization.quantize_rows(w))
             if i < max(2, copies // 2):  # bf16's copies: 2 bytes a weight
                 floats.append(w.to(torch.bfloat16))
             del w
         for m in args.tokens:
             x = torch.randn(m, k, device=dev, generator=gen, dtype=torch.bfloat16)
-            codes = fp8_linear.quantize_groups(x, 128)
+            codes = fp8_block.quantize_groups(x, 128)
             rc = Codes(*quantize_rows(x), torch.bfloat16)
             # the engine's paths at this row count: the GEMVs for one row
             dense = gemv if m == 1 else F.linear
@@ -276,8 +276,8 @@ def block(args: argparse.Namespace, dev: torch.device) -> None:
             exact = (codes.codes.double() * codes.scales.double()[:, cols]) @ (
                 wq.double() * ws.double()[:, cols]
             ).t()
-            y = fp8_linear.fp8_block_mm(x, wq, ws, None, 128, blocks[0][2])
-            default = fp8_linear.block_launch(m, n, k, 128, sms)
+            y = fp8_block.fp8_block_mm(x, wq, ws, None, 128, blocks[0][2])
+            default = fp8_block.block_launch(m, n, k, 128, sms)
             row = {
                 "projection": name,
                 "N": n,

@@ -59,7 +59,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "kv_write": {},
     "fp8_kv_write": {"quantization": "fp8"},
     # a checkpoint stored in FP8 128 × 128 blocks (benchmarks/shapes.CHECKPOINT_FORMATS): the
-    # block kernels at every row count (fp8_linear.fp8_block_mm)
+    # block kernels at every row count (fp8_block.fp8_block_mm)
     "fp8_block": {"checkpoint": "fp8-block"},
 }
 

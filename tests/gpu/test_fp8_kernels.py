@@ -215,7 +215,7 @@ def _block_layer(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def test_quantize_groups_is_the_reference_rounding() -> None:
-    from services.worker.engine.models.layers.fp8_linear import quantize_groups
+    from services.worker.engine.models.layers.fp8_block import quantize_groups
 
     x = torch.randn(37, 4096, device="cuda") * torch.linspace(0.01, 30, 4096, device="cuda")
     codes = quantize_groups(x, 128)
@@ -239,7 +239,7 @@ def test_fp8_block_mm_matches_the_plain_path(
     K split where the rows are few). Within the FP8 tensor cores' accumulation error
     (test_fp8_linear_matches_the_plain_path), with the bias; the same bits on a second
     call."""
-    from services.worker.engine.models.layers import fp8_linear
+    from services.worker.engine.models.layers import fp8_block
 
     w, ws = _block_layer(n, k, n + k + rows)
     x = (torch.randn(rows, k, device="cuda") * 2).to(dtype)
@@ -247,7 +247,7 @@ def test_fp8_block_mm_matches_the_plain_path(
     cols = torch.arange(k, device="cuda") // 128
     xq = quantize_activations(x, "token_group", 128, None)
     want = F.linear(xq.double(), dequantize(w, ws, cols).double(), b.double())
-    blocks = fp8_linear.block_scales(ws, 128) if path == "block-scales" else None
+    blocks = fp8_block.block_scales(ws, 128) if path == "block-scales" else None
     assert path == "row-scales" or blocks is not None
     fast = rows == 1 and dtype == torch.bfloat16
     calls = []
@@ -259,11 +259,11 @@ def test_fp8_block_mm_matches_the_plain_path(
 
     torch._scaled_mm = counted  # type: ignore[assignment]
     try:
-        got = fp8_linear.fp8_block_mm(x, w, ws, b, 128, blocks, fast_accumulation=fast)
-        again = fp8_linear.fp8_block_mm(x, w, ws, b, 128, blocks, fast_accumulation=fast)
+        got = fp8_block.fp8_block_mm(x, w, ws, b, 128, blocks, fast_accumulation=fast)
+        again = fp8_block.fp8_block_mm(x, w, ws, b, 128, blocks, fast_accumulation=fast)
     finally:
         torch._scaled_mm = scaled_mm  # type: ignore[assignment]
-    cublas = blocks is not None and rows >= fp8_linear.CUBLAS_BLOCK_ROWS and dtype != torch.float32
+    cublas = blocks is not None and rows >= fp8_block.CUBLAS_BLOCK_ROWS and dtype != torch.float32
     cublas = cublas and k // 128 % 4 == 0  # (with 3 groups it returned wrong products)
     assert bool(calls) == cublas
     assert got.dtype == dtype and got.shape == (rows, n) and torch.equal(got, again)
@@ -419,18 +419,18 @@ def test_the_engine_on_the_block_kernels_matches_the_dequantizing_reference(
     prompts at once; float16 with CUDA graphs, float32 eager), teacher-forced against the
     dequantizing reference as on CPU, with the tolerances of the tensor cores'
     accumulation."""
-    from services.worker.engine.models.layers import fp8_linear
+    from services.worker.engine.models.layers import fp8_block
 
     # 128-wide heads: the k and v rows fill whole blocks, so every layer has its block scales
     path = make_tiny_model(tmp_path / "m", arch="llama", quantize="fp8-block", hidden_size=512)
     rows: list[int] = []
-    block_mm = fp8_linear.fp8_block_mm
+    block_mm = fp8_block.fp8_block_mm
 
     def counted(x: torch.Tensor, *a: Any, **kw: Any) -> torch.Tensor:
         rows.append(x.shape[0])
         return block_mm(x, *a, **kw)
 
-    fp8_linear.fp8_block_mm = counted  # type: ignore[assignment]
+    fp8_block.fp8_block_mm = counted  # type: ignore[assignment]
     try:
         llm = LLM(model=str(path), dtype=dtype, enforce_eager=dtype == "float32",
                   show_progress=False)  # fmt: skip
@@ -441,7 +441,7 @@ def test_the_engine_on_the_block_kernels_matches_the_dequantizing_reference(
         outs_batched = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         llm.shutdown()
     finally:
-        fp8_linear.fp8_block_mm = block_mm  # type: ignore[assignment]
+        fp8_block.fp8_block_mm = block_mm  # type: ignore[assignment]
     # the GEMV (decode of one prompt), our kernel (decode of four), cuBLASLt (the prompts)
     assert 1 in rows and any(1 < r < 16 for r in rows) and max(rows) >= 16
     exact = _check_against_reference(path, outs, median_atol=3e-2)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.worker.engine.models.layers import fp8_linear
+from services.worker.engine.models.layers import fp8_block, fp8_linear
 from services.worker.engine.models.quantization import Codes, dequantize
 from services.worker.engine.models.quantization import quantize_rows as quantize_weight_rows
 
@@ -107,7 +107,7 @@ def test_quantize_groups_scales_like_the_reference(rows: int, k: int) -> None:
     """A scale per token and 128 columns, as ``quantize_activations``' token_group: the scales
     exactly, the codes as the interpreter's cast rounds them (test above)."""
     x, *_ = _block_case(rows, 16, k)
-    codes = fp8_linear.quantize_groups(x, 128)
+    codes = fp8_block.quantize_groups(x, 128)
     groups = -(-k // 128)
     assert codes.scales.shape == (rows, groups) and codes.dtype == x.dtype
     want = torch.stack(
@@ -139,9 +139,9 @@ def test_fp8_block_mm_is_the_product_of_the_block_codes(
     (say, a block's scale on the next block's columns) is off by far more."""
     x, w, ws, b = _block_case(rows, n, k)
     x, b = x.to(dtype), b.to(dtype)
-    codes = fp8_linear.quantize_groups(x, 128)
+    codes = fp8_block.quantize_groups(x, 128)
     cols = torch.arange(k) // 128
-    got = fp8_linear.fp8_block_mm(x, w, ws, b, 128, config=launch)
+    got = fp8_block.fp8_block_mm(x, w, ws, b, 128, config=launch)
     xd = codes.codes.double() * codes.scales.double()[:, cols]
     want = F.linear(xd, dequantize(w, ws, cols).double(), b.double())
     step = 2.0 ** -(7 if dtype == torch.bfloat16 else 20)
@@ -160,11 +160,11 @@ def test_the_block_gemv_is_the_product_of_the_block_codes(k: int, bias: bool) ->
     scales in its sums (two block rows, so a program's block row matters), as the product of
     the codes dequantized group by group."""
     x, w, ws, b = _block_case(1, 256, k)
-    blocks = fp8_linear.block_scales(ws, 128)
+    blocks = fp8_block.block_scales(ws, 128)
     assert blocks is not None
-    codes = fp8_linear.quantize_groups(x, 128)
+    codes = fp8_block.quantize_groups(x, 128)
     cols = torch.arange(k) // 128
-    got = fp8_linear.fp8_block_mm(x, w, ws, b if bias else None, 128, blocks)
+    got = fp8_block.fp8_block_mm(x, w, ws, b if bias else None, 128, blocks)
     xd = codes.codes.double() * codes.scales.double()[:, cols]
     want = F.linear(xd, dequantize(w, ws, cols).double(), b.double() if bias else None)
     assert got.shape == (1, 256) and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
@@ -173,13 +173,13 @@ def test_the_block_gemv_is_the_product_of_the_block_codes(k: int, bias: bool) ->
 def test_block_launch_fills_the_gpu_with_k_slices() -> None:
     """64 weight rows a tile, K split until about three programs an SM, at least eight K
     tiles a slice (the 8B shape's fastest launches at one row on an H200)."""
-    one = fp8_linear.block_launch(1, 4096, 4096, 128, 132)
+    one = fp8_block.block_launch(1, 4096, 4096, 128, 132)
     assert (one["BLOCK_N"], one["BLOCK_M"], one["BLOCK_K"]) == (64, 16, 128)
     assert one["SPLITS"] == 4  # o: 64 tiles × 4 slices of 8 K tiles
-    assert fp8_linear.block_launch(1, 4096, 14336, 128, 132)["SPLITS"] == 7  # down
-    assert fp8_linear.block_launch(1, 28672, 4096, 128, 132)["SPLITS"] == 1  # gate_up: 448 tiles
-    assert fp8_linear.block_launch(1, 4096, 512, 128, 132)["SPLITS"] == 1  # four K tiles
-    assert fp8_linear.block_launch(300, 4096, 4096, 128, 132)["BLOCK_M"] == 128
+    assert fp8_block.block_launch(1, 4096, 14336, 128, 132)["SPLITS"] == 7  # down
+    assert fp8_block.block_launch(1, 28672, 4096, 128, 132)["SPLITS"] == 1  # gate_up: 448 tiles
+    assert fp8_block.block_launch(1, 4096, 512, 128, 132)["SPLITS"] == 1  # four K tiles
+    assert fp8_block.block_launch(300, 4096, 4096, 128, 132)["BLOCK_M"] == 128
 
 
 def test_block_scales_are_the_layers_per_row_scales_a_block() -> None:
@@ -188,11 +188,11 @@ def test_block_scales_are_the_layers_per_row_scales_a_block() -> None:
     the rows are no whole number of blocks."""
     blocks = torch.rand(3, 5) + 0.1
     rows = blocks.repeat_interleave(128, 0)
-    got = fp8_linear.block_scales(rows, 128)
+    got = fp8_block.block_scales(rows, 128)
     assert got is not None and got.shape == (5, 3) and torch.equal(got, blocks.t())
     shifted = rows.roll(64, 0)
-    assert fp8_linear.block_scales(shifted, 128) is None
-    assert fp8_linear.block_scales(rows[:320], 128) is None
+    assert fp8_block.block_scales(shifted, 128) is None
+    assert fp8_block.block_scales(rows[:320], 128) is None
 
 
 def test_the_layers_take_the_kernels_on_a_gpu_only() -> None:

@@ -21,11 +21,8 @@ layer's input, dynamically per token or with the checkpoint's static scale.
   ``quantize_rows``. A layer says whether it takes them (``_LinearBase.takes_codes``).
 
 - Block checkpoints (128×128 weight blocks, activations per token and 128-column group;
-  ``fp8_block_mm``): the rows quantized per group (``quantize_groups``), then for one row the
-  GEMV with each column's two scales in its sums; from 16 rows (K a multiple of 512)
-  cuBLASLt's block scaling through ``torch._scaled_mm``; else ``fp8_gemm`` with K tiles of one
-  group, each tile's product scaled by its activation and weight block scales before it is
-  added.
+  ``layers/fp8_block.py``) use both: the GEMV with a scale per block (``group``) and
+  ``fp8_gemm`` with a scale pair a K tile (``GROUPED``).
 
 The plain-PyTorch path (models/quantization.py) is the reference these are tested against
 (tests/gpu/test_fp8_kernels.py, and in Triton's interpreter tests/unit/test_fp8_kernels.py).
@@ -103,26 +100,6 @@ def _quantize_rows_kernel(
         cols = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
         tl.store(Q + row * stride_q + cols, _quantize(x, xs, r, GPU), mask=cols < K)
-
-
-@triton.jit
-def _quantize_groups_kernel(
-    X, Q, S, K, G, stride_x, stride_q, stride_sm, stride_sg,
-    GROUP: tl.constexpr, GROUPS: tl.constexpr, GPU: tl.constexpr, USE_PDL: tl.constexpr = False,
-):  # fmt: skip
-    """A row's GROUPS consecutive groups of GROUP columns each quantized with a scale of its own
-    (max |x| / FP8_MAX, at least MIN_SCALE), as the reference's ``token_group``: a [GROUPS,
-    GROUP] tile a program. S: [M, G] float32 (strides ``stride_sm``, ``stride_sg``)."""
-    await_inputs(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
-    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    ok = (groups < G)[:, None] & (cols < K)
-    x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    xs = _scale_of(tl.max(tl.abs(x), 1))
-    r = tl.math.div_rn(1.0, xs)
-    tl.store(S + row * stride_sm + groups * stride_sg, xs, mask=groups < G)
-    tl.store(Q + row * stride_q + cols, _quantize(x, xs[:, None], r[:, None], GPU), mask=ok)
 
 
 @triton.jit
@@ -446,7 +423,7 @@ def fp8_gemm(
     """``fp8_mm``'s product by ``_fp8_gemm_kernel`` at one launch: ``config`` holds BLOCK_N,
     BLOCK_M, BLOCK_K, SPLITS, num_warps, num_stages (``gemv_configs.gemm_launch``). ``fp8_mm``
     takes float32 models to cuBLASLt. ``fast_accumulation``: as ``fp8_mm``'s and
-    ``fp8_gemv``'s, off unless asked. ``group`` (block checkpoints, ``fp8_block_mm``): the
+    ``fp8_gemv``'s, off unless asked. ``group`` (block checkpoints, ``fp8_block.fp8_block_mm``): the
     scales are per ``group`` columns, ``x.scales`` [M, K / group] and ``weight_scale``
     [N, K / group]; BLOCK_K must be ``group``."""
     xq, xs = x.codes, x.scales
@@ -476,99 +453,6 @@ def fp8_gemm(
     return y
 
 
-def quantize_groups(x: torch.Tensor, group: int, rows_multiple: int = 1) -> Codes:
-    """x: [M, K] → its codes and a scale per token and ``group`` columns ([M, K / group], the
-    last group partial when ``group`` does not divide K; stored column by column, the layout
-    cuBLASLt's block scaling reads): the reference's ``token_group`` rounding (block
-    checkpoints), one Triton kernel. With ``rows_multiple`` both have rows up to the next
-    multiple of it, those past M unwritten."""
-    x = x.contiguous()
-    m, k = x.shape
-    g = triton.cdiv(k, group)
-    rows = triton.cdiv(m, rows_multiple) * rows_multiple
-    q = torch.empty((rows, k), dtype=FP8, device=x.device)
-    s = torch.empty((g, rows), dtype=torch.float32, device=x.device).t()
-    groups = min(triton.next_power_of_2(g), max(1, 1024 // group))  # ~1,024 columns a program
-    _quantize_groups_kernel[(m, triton.cdiv(g, groups))](
-        x, q, s, k, g, x.stride(0), q.stride(0), *s.stride(), GROUP=group, GROUPS=groups,
-        GPU=x.is_cuda, num_warps=4, **launch_options(x),
-    )  # fmt: skip
-    return Codes(q, s, x.dtype)
-
-
-def block_launch(m: int, n: int, k: int, group: int, sms: int) -> dict[str, int]:
-    """``_fp8_gemm_kernel``'s launch for block checkpoints (K tiles of one scale group) where
-    cuBLASLt's block scaling is not taken: weight rows on the tensor cores' wide side (64 a
-    tile), the activation rows on the narrow one; K split until the tiles and slices make about
-    three programs an SM, with at least eight K tiles a slice. (The fastest launches of
-    ``benchmarks/fp8_mm.py --block`` at 1 and 16 rows on an H200 are such:
-    docs/results/h200-2026-12-03b/.)"""
-    block_m = min(128, max(16, triton.next_power_of_2(m)))
-    tiles = triton.cdiv(n, 64) * triton.cdiv(m, block_m)
-    splits = max(1, min(triton.cdiv(3 * sms, tiles), triton.cdiv(k, group) // 8))
-    return {"BLOCK_N": 64, "BLOCK_M": block_m, "BLOCK_K": group, "SPLITS": splits,
-            "num_warps": 4, "num_stages": 4}  # fmt: skip
-
-
-# cuBLASLt's block scaling (1 × 128 activations, 128 × 128 weights) from this many rows
-# (it refuses one row; measured against our kernel in docs/results/h200-2026-12-03b/)
-CUBLAS_BLOCK_ROWS = 16
-
-
-def fp8_block_mm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    group: int,
-    block_scales: torch.Tensor | None = None,
-    config: dict[str, int] | None = None,
-    fast_accumulation: bool = False,
-) -> torch.Tensor:
-    """A block checkpoint's product, any number of rows, in x's dtype: the rows quantized per
-    token and ``group`` columns (``quantize_groups``), then, given ``block_scales`` (the
-    weight's scale a block, [K / group, N / group]: ``block_scales()``),
-
-    - one row: the FP8 GEMV, each column's two scales taken into its sums (``fast_accumulation``
-      as ``fp8_gemv``'s);
-    - CUBLAS_BLOCK_ROWS rows and more of a 16-bit model, K a multiple of four groups:
-      cuBLASLt's block scaling (``torch._scaled_mm``), over rows padded to a multiple of four
-      (it refuses others; the padding rows' outputs are dropped). With K of 2, 3 or 5 groups
-      it ran without complaint on an H200 (torch 2.11, CUDA 13.0) and returned wrong products
-      (docs/results/h200-2026-12-03b/), hence the rule;
-
-    else ``fp8_gemm`` with a scale pair a K tile, over ``weight_scale`` (a block's scale on
-    each of its rows: [N, K / group]), at ``config`` (``block_launch``'s by default)."""
-    m, k = x.shape
-    if block_scales is not None and m == 1:
-        return fp8_gemv(quantize_groups(x, group), weight, block_scales, bias,
-                        fast_accumulation=fast_accumulation, group=group)  # fmt: skip
-    cublas = m >= CUBLAS_BLOCK_ROWS and triton.cdiv(k, group) % 4 == 0 and k % group == 0
-    if block_scales is not None and cublas and x.dtype != torch.float32:
-        codes = quantize_groups(x, group, rows_multiple=4)
-        y = torch._scaled_mm(codes.codes, weight.t(), scale_a=codes.scales, scale_b=block_scales,
-                             out_dtype=x.dtype)[:m]  # fmt: skip
-        return y if bias is None else y + bias
-    if config is None:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-        config = block_launch(m, weight.shape[0], k, group, sms)
-    return fp8_gemm(quantize_groups(x, group), weight, weight_scale, bias, config, group=group)
-
-
-def block_scales(weight_scale: torch.Tensor, group: int) -> torch.Tensor | None:
-    """The per-block weight scales cuBLASLt takes ([K / group, N / group], a transposed view)
-    from a layer's per-row ones ([N, K / group]), or None where the rows do not fall in whole
-    blocks of one scale each (N not a multiple of ``group``, or a shard's rows off the block
-    grid)."""
-    n = weight_scale.shape[0]
-    if n % group:
-        return None
-    blocks = weight_scale[::group].contiguous()
-    if not torch.equal(blocks.repeat_interleave(group, 0), weight_scale):
-        return None
-    return blocks.t()
-
-
 def _static(input_scale: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     """The static activation scale as a float32 scalar tensor (a placeholder when dynamic)."""
     if input_scale is None:
@@ -591,8 +475,8 @@ def fp8_gemv(
     ``fast_accumulation`` and codes, on a GPU, each word's four products are summed in
     float16 before the float32 sum (fewer instructions a weight; ``fp8_mm``'s option).
     ``group`` (block checkpoints): x is codes with a scale per ``group`` columns
-    (``quantize_groups``) and ``weight_scale`` the weight's per block, [K / group, N / group]
-    (``block_scales``)."""
+    (``fp8_block.quantize_groups``) and ``weight_scale`` the weight's per block, [K / group,
+    N / group] (``fp8_block.block_scales``)."""
     codes = isinstance(x, Codes)
     xin = x.codes if isinstance(x, Codes) else x.contiguous()
     assert xin.shape[0] == 1 and weight.stride(1) == 1, "one token, row-major weight"
@@ -688,7 +572,6 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 __all__ = [
-    "CUBLAS_BLOCK_ROWS", "FP8_MAX", "MIN_SCALE", "block_launch", "block_scales", "fp8_block_mm",
-    "fp8_gemm", "fp8_gemv", "fp8_mm", "quantize_groups", "quantize_rows", "store_codes",
+    "FP8_MAX", "MIN_SCALE", "fp8_gemm", "fp8_gemv", "fp8_mm", "quantize_rows", "store_codes",
     "supported",
 ]  # fmt: skip

@@ -155,14 +155,14 @@ class _LinearBase(nn.Module):
 
     def after_load(self) -> None:
         """Once the weights are in place: a block layer on a GPU keeps its scales a block too
-        (``fp8_linear.block_scales``), for cuBLASLt's block scaling."""
+        (``fp8_block.block_scales``), for cuBLASLt's block scaling."""
         q = self.quant
         if q is None or q.weights != "block" or not self.fused or not self.weight.is_cuda:
             return
-        from services.worker.engine.models.layers import fp8_linear
+        from services.worker.engine.models.layers import fp8_block
 
         assert self.weight_scale is not None
-        self.block_scales = fp8_linear.block_scales(self.weight_scale.data, q.block)
+        self.block_scales = fp8_block.block_scales(self.weight_scale.data, q.block)
 
     def takes_codes(self, like: torch.Tensor) -> bool:
         """Whether this layer's FP8 kernels take an input like ``like`` quantized beforehand
@@ -201,13 +201,13 @@ class _LinearBase(nn.Module):
             assert self.weight_scale is not None
             q = self.quant
             if self.fused:
-                from services.worker.engine.models.layers import fp8_linear
+                from services.worker.engine.models.layers import fp8_block, fp8_linear
 
                 if fp8_linear.supported(x, self.weight):  # (on a GPU only)
                     if q.weights != "block":
                         return self._fp8_kernels(x, bias)
                     if self.col_start % q.block == 0:  # this rank's K tiles are whole blocks
-                        return fp8_linear.fp8_block_mm(
+                        return fp8_block.fp8_block_mm(
                             x, self.weight, self.weight_scale, bias, q.block, self.block_scales,
                             fast_accumulation=q.fast_accumulation,
                         )  # fmt: skip

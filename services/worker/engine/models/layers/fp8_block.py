@@ -1,0 +1,150 @@
+"""FP8 block checkpoints on a GPU: weights in 128×128 blocks of e4m3, each with a float32
+scale; activations quantized per token and 128 columns (``models/quantization``'s
+``token_group``), as the ``fp8`` method's checkpoints store them.
+
+``fp8_block_mm`` quantizes the rows (``quantize_groups``: one Triton kernel, the scales stored
+column by column, the layout cuBLASLt reads), then
+
+- one row: ``fp8_linear.fp8_gemv`` with ``group``, each column's activation and weight block
+  scales taken into its sums;
+- 16 rows and more of a 16-bit model, K a multiple of 512: cuBLASLt's block scaling through
+  ``torch._scaled_mm``;
+- anything else: ``fp8_linear.fp8_gemm`` with ``group``, each 128-wide K tile's product scaled
+  by its two scales before it is added (``block_launch`` picks the launch).
+
+A layer keeps its scales one row per weight row ([N, K / 128], for any shard) and, where its
+rows fall in whole blocks, one per block too (``block_scales``, after loading). The
+plain-PyTorch path is the reference (tests/gpu/test_fp8_kernels.py; in Triton's interpreter
+tests/unit/test_fp8_kernels.py).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from services.worker.engine.dependent_launch import await_inputs, launch_options
+from services.worker.engine.models.layers.fp8_linear import (
+    _quantize,
+    _scale_of,
+    fp8_gemm,
+    fp8_gemv,
+)
+from services.worker.engine.models.quantization import FP8, Codes
+
+
+@triton.jit
+def _quantize_groups_kernel(
+    X, Q, S, K, G, stride_x, stride_q, stride_sm, stride_sg,
+    GROUP: tl.constexpr, GROUPS: tl.constexpr, GPU: tl.constexpr, USE_PDL: tl.constexpr = False,
+):  # fmt: skip
+    """A row's GROUPS consecutive groups of GROUP columns each quantized with a scale of its own
+    (max |x| / FP8_MAX, at least MIN_SCALE), as the reference's ``token_group``: a [GROUPS,
+    GROUP] tile a program. S: [M, G] float32 (strides ``stride_sm``, ``stride_sg``)."""
+    await_inputs(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    ok = (groups < G)[:, None] & (cols < K)
+    x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    xs = _scale_of(tl.max(tl.abs(x), 1))
+    r = tl.math.div_rn(1.0, xs)
+    tl.store(S + row * stride_sm + groups * stride_sg, xs, mask=groups < G)
+    tl.store(Q + row * stride_q + cols, _quantize(x, xs[:, None], r[:, None], GPU), mask=ok)
+
+
+def quantize_groups(x: torch.Tensor, group: int, rows_multiple: int = 1) -> Codes:
+    """x: [M, K] → its codes and a scale per token and ``group`` columns ([M, K / group], the
+    last group partial when ``group`` does not divide K; stored column by column, the layout
+    cuBLASLt's block scaling reads): the reference's ``token_group`` rounding (block
+    checkpoints), one Triton kernel. With ``rows_multiple`` both have rows up to the next
+    multiple of it, those past M unwritten."""
+    x = x.contiguous()
+    m, k = x.shape
+    g = triton.cdiv(k, group)
+    rows = triton.cdiv(m, rows_multiple) * rows_multiple
+    q = torch.empty((rows, k), dtype=FP8, device=x.device)
+    s = torch.empty((g, rows), dtype=torch.float32, device=x.device).t()
+    groups = min(triton.next_power_of_2(g), max(1, 1024 // group))  # ~1,024 columns a program
+    _quantize_groups_kernel[(m, triton.cdiv(g, groups))](
+        x, q, s, k, g, x.stride(0), q.stride(0), *s.stride(), GROUP=group, GROUPS=groups,
+        GPU=x.is_cuda, num_warps=4, **launch_options(x),
+    )  # fmt: skip
+    return Codes(q, s, x.dtype)
+
+
+def block_launch(m: int, n: int, k: int, group: int, sms: int) -> dict[str, int]:
+    """``_fp8_gemm_kernel``'s launch for block checkpoints (K tiles of one scale group) where
+    cuBLASLt's block scaling is not taken: weight rows on the tensor cores' wide side (64 a
+    tile), the activation rows on the narrow one; K split until the tiles and slices make about
+    three programs an SM, with at least eight K tiles a slice. (The fastest launches of
+    ``benchmarks/fp8_mm.py --block`` at 1 and 16 rows on an H200 are such:
+    docs/results/h200-2026-12-03b/.)"""
+    block_m = min(128, max(16, triton.next_power_of_2(m)))
+    tiles = triton.cdiv(n, 64) * triton.cdiv(m, block_m)
+    splits = max(1, min(triton.cdiv(3 * sms, tiles), triton.cdiv(k, group) // 8))
+    return {"BLOCK_N": 64, "BLOCK_M": block_m, "BLOCK_K": group, "SPLITS": splits,
+            "num_warps": 4, "num_stages": 4}  # fmt: skip
+
+
+# cuBLASLt's block scaling (1 × 128 activations, 128 × 128 weights) from this many rows
+# (it refuses one row; measured against our kernel in docs/results/h200-2026-12-03b/)
+CUBLAS_BLOCK_ROWS = 16
+
+
+def fp8_block_mm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: int,
+    block_scales: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+    fast_accumulation: bool = False,
+) -> torch.Tensor:
+    """A block checkpoint's product, any number of rows, in x's dtype: the rows quantized per
+    token and ``group`` columns (``quantize_groups``), then, given ``block_scales`` (the
+    weight's scale a block, [K / group, N / group]: ``block_scales()``),
+
+    - one row: the FP8 GEMV, each column's two scales taken into its sums (``fast_accumulation``
+      as ``fp8_gemv``'s);
+    - CUBLAS_BLOCK_ROWS rows and more of a 16-bit model, K a multiple of four groups:
+      cuBLASLt's block scaling (``torch._scaled_mm``), over rows padded to a multiple of four
+      (it refuses others; the padding rows' outputs are dropped). With K of 2, 3 or 5 groups
+      it ran without complaint on an H200 (torch 2.11, CUDA 13.0) and returned wrong products
+      (docs/results/h200-2026-12-03b/), hence the rule;
+
+    else ``fp8_gemm`` with a scale pair a K tile, over ``weight_scale`` (a block's scale on
+    each of its rows: [N, K / group]), at ``config`` (``block_launch``'s by default)."""
+    m, k = x.shape
+    if block_scales is not None and m == 1:
+        return fp8_gemv(quantize_groups(x, group), weight, block_scales, bias,
+                        fast_accumulation=fast_accumulation, group=group)  # fmt: skip
+    cublas = m >= CUBLAS_BLOCK_ROWS and triton.cdiv(k, group) % 4 == 0 and k % group == 0
+    if block_scales is not None and cublas and x.dtype != torch.float32:
+        codes = quantize_groups(x, group, rows_multiple=4)
+        y = torch._scaled_mm(codes.codes, weight.t(), scale_a=codes.scales, scale_b=block_scales,
+                             out_dtype=x.dtype)[:m]  # fmt: skip
+        return y if bias is None else y + bias
+    if config is None:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+        config = block_launch(m, weight.shape[0], k, group, sms)
+    return fp8_gemm(quantize_groups(x, group), weight, weight_scale, bias, config, group=group)
+
+
+def block_scales(weight_scale: torch.Tensor, group: int) -> torch.Tensor | None:
+    """The per-block weight scales cuBLASLt takes ([K / group, N / group], a transposed view)
+    from a layer's per-row ones ([N, K / group]), or None where the rows do not fall in whole
+    blocks of one scale each (N not a multiple of ``group``, or a shard's rows off the block
+    grid)."""
+    n = weight_scale.shape[0]
+    if n % group:
+        return None
+    blocks = weight_scale[::group].contiguous()
+    if not torch.equal(blocks.repeat_interleave(group, 0), weight_scale):
+        return None
+    return blocks.t()
+
+
+__all__ = [
+    "CUBLAS_BLOCK_ROWS", "block_launch", "block_scales", "fp8_block_mm", "quantize_groups",
+]  # fmt: skip
