@@ -114,7 +114,7 @@ def quantize_checkpoint(
     import torch
     from safetensors.torch import save_file
 
-    from services.worker.engine.models.quantization import FP8, FP8_MAX
+    from services.worker.engine.models.quantization import FP8, FP8_MAX, quantize_blocks
 
     if fmt not in FORMATS:
         raise ValueError(f"unknown --quantize {fmt!r}; choose from {', '.join(FORMATS)}")
@@ -159,14 +159,9 @@ def quantize_checkpoint(
             tensors[f"{name}.weight"] = (w / scale).to(FP8)
             tensors[f"{name}.weight_scale"] = scale
         else:
-            rows, cols = w.shape
-            pr, pc = -(-rows // BLOCK), -(-cols // BLOCK)
-            padded = torch.nn.functional.pad(w, (0, pc * BLOCK - cols, 0, pr * BLOCK - rows))
-            blocks = padded.view(pr, BLOCK, pc, BLOCK)
-            scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
-            q = (blocks / scale[:, None, :, None]).view(pr * BLOCK, pc * BLOCK)[:rows, :cols]
-            tensors[f"{name}.weight"] = q.to(FP8)
-            tensors[f"{name}.weight_scale_inv"] = scale
+            tensors[f"{name}.weight"], tensors[f"{name}.weight_scale_inv"] = quantize_blocks(
+                w, BLOCK
+            )
     for layer, (k_amax, v_amax) in kv_amax.items():
         prefix = f"model.layers.{layer}.self_attn"
         tensors[f"{prefix}.k_scale"] = torch.tensor(max(k_amax, 1e-12) / FP8_MAX)

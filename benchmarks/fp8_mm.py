@@ -227,10 +227,9 @@ def block(args: argparse.Namespace, dev: torch.device) -> None:
         blocks, channels, floats = [], [], []
         for i in range(copies):
             w = torch.randn(n, k, device=dev, generator=gen) * k**-0.5
-            scale = w.view(n // 128, 128, k // 128, 128).abs().amax(dim=(1, 3)) / 448
-            ws = scale.repeat_interleave(128, 0)
-            codes = (w / ws[:, cols]).clamp(-448, 448).to(quantization.FP8)
-            blocks.append((codes, ws, fp8_block.block_scales(ws, 128)))
+            wq, scale = quantization.quantize_blocks(w, 128)
+            ws = scale.repeat_interleave(128, 0)  # as the layer keeps it: a row a weight row
+            blocks.append((wq, ws, fp8_block.block_scales(ws, 128)))
             channels.append(quantization.quantize_rows(w))
             if i < max(2, copies // 2):  # bf16's copies: 2 bytes a weight
                 floats.append(w.to(torch.bfloat16))
@@ -270,8 +269,7 @@ def block(args: argparse.Namespace, dev: torch.device) -> None:
                         )
                     except Exception as e:  # shared memory, registers
                         print(f"  {name} M={m} {launch}: {type(e).__name__}", flush=True)
-            best = min(launches, key=launches.__getitem__) if launches else "none"
-            launches.setdefault(best, float("nan"))
+            best = min(launches, key=launches.__getitem__) if launches else None
             wq, ws, _ = blocks[0]
             exact = (codes.codes.double() * codes.scales.double()[:, cols]) @ (
                 wq.double() * ws.double()[:, cols]
@@ -286,7 +284,7 @@ def block(args: argparse.Namespace, dev: torch.device) -> None:
                 **{f"{key}_us": round(v * 1e6, 2) for key, v in t.items()},
                 "default": "-".join(map(str, default.values())),
                 "best": best,
-                "best_us": round(launches[best] * 1e6, 2),
+                "best_us": round(launches[best] * 1e6, 2) if best else None,
                 "block_over_channel": round(t["channel"] / t["block"], 3),
                 "block_over_bf16": round(t["bf16"] / t["block"], 3),
                 "block_error": errors(y, exact),
@@ -294,13 +292,16 @@ def block(args: argparse.Namespace, dev: torch.device) -> None:
             }
             rows.append(row)  # fmt: skip
             print(f"{name:8s} M={m:4d} bf16 {row['bf16_us']:8.2f} channel {row['channel_us']:8.2f}"
-                  f" block {row['block_us']:8.2f} ({row['default']}) best {row['best_us']:8.2f}"
-                  f" ({best})", flush=True)  # fmt: skip
+                  f" block {row['block_us']:8.2f} ours {row['block_ours_us']:8.2f}"
+                  f" ({row['default']}) best {row['best_us']} ({best})", flush=True)  # fmt: skip
         del blocks, channels, floats
         torch.cuda.empty_cache()
-    layer = {m: {key: round(sum(r[f"{key}_us"] for r in rows if r["M"] == m), 1)
-                 for key in ("bf16", "channel", "block", "block_ours", "best")}
-             for m in args.tokens}  # fmt: skip
+    layer: dict[int, dict[str, float]] = {}
+    for m in args.tokens:
+        sel = [r for r in rows if r["M"] == m]
+        keys = ["bf16", "channel", "block", "block_ours"]
+        keys += ["best"] if all(r["best_us"] is not None for r in sel) else []  # (swept)
+        layer[m] = {key: round(sum(r[f"{key}_us"] for r in sel), 1) for key in keys}
     print(json.dumps(layer, indent=1))
     if args.output:
         Path(args.output).write_text(json.dumps({"gpu": gpu, "layer_us": layer, "rows": rows},

@@ -17,6 +17,7 @@ from services.worker.engine.models.quantization import (
     FP8,
     dequantize,
     quantize_activations,
+    quantize_blocks,
 )
 from services.worker.engine.models.quantization import quantize_rows as quantize_weight_rows
 from tests.integration.test_fp8 import GREEDY, PROMPTS, _check_against_reference
@@ -208,10 +209,8 @@ def _block_layer(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]
     g = torch.Generator(device="cuda").manual_seed(seed)
     w = torch.randn(n, k, device="cuda", generator=g) * 0.05
     w[:, :3] *= 20
-    blocks = w.view(n // 128, 128, k // 128, 128).abs().amax(dim=(1, 3)) / 448
-    ws = blocks.repeat_interleave(128, 0)
-    cols = torch.arange(k, device="cuda") // 128
-    return (w / ws[:, cols]).clamp(-448, 448).to(FP8), ws
+    wq, blocks = quantize_blocks(w, 128)
+    return wq, blocks.repeat_interleave(128, 0)
 
 
 def test_quantize_groups_is_the_reference_rounding() -> None:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.engine.models.layers import fp8_block, fp8_linear
-from services.worker.engine.models.quantization import Codes, dequantize
+from services.worker.engine.models.quantization import Codes, dequantize, quantize_blocks
 from services.worker.engine.models.quantization import quantize_rows as quantize_weight_rows
 
 
@@ -92,13 +92,8 @@ def _block_case(rows: int, n: int, k: int, group: int = 128) -> tuple[torch.Tens
     scales, one row per weight row as the layer keeps them), a bias."""
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=g) * torch.linspace(0.01, 30, k)
-    w = torch.randn(n, k, generator=g) * 0.05
-    rb, cb = -(-n // group), -(-k // group)
-    pad = F.pad(w, (0, cb * group - k, 0, rb * group - n)).view(rb, group, cb, group)
-    block_scale = (pad.abs().amax(dim=(1, 3)) / 448).clamp(min=1e-12)  # [rb, cb]
-    ws = block_scale.repeat_interleave(group, 0)[:n]  # [n, cb]
-    cols = torch.arange(k) // group
-    wq = (w / ws[:, cols]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    wq, block_scale = quantize_blocks(torch.randn(n, k, generator=g) * 0.05, group)
+    ws = block_scale.repeat_interleave(group, 0)[:n]  # [n, k / group]
     return x, wq, ws, torch.randn(n, generator=g)
 
 

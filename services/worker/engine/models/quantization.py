@@ -69,6 +69,18 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return to_e4m3(w, scale), scale
 
 
+def quantize_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 quantization in ``block`` × ``block`` blocks (the last ones partial), as block
+    checkpoints store a weight: (w_fp8, a scale per block [rows / block, cols / block])."""
+    rows, cols = w.shape
+    pr, pc = -(-rows // block), -(-cols // block)
+    padded = torch.nn.functional.pad(w.float(), (0, pc * block - cols, 0, pr * block - rows))
+    blocks = padded.view(pr, block, pc, block)
+    scale = divide(blocks.abs().amax(dim=(1, 3)), FP8_MAX).clamp(min=1e-12)
+    q = to_e4m3(blocks, scale[:, None, :, None]).view(pr * block, pc * block)
+    return q[:rows, :cols].contiguous(), scale
+
+
 def quantize_activations(
     x: torch.Tensor, scheme: str, block: int, static_scale: torch.Tensor | None
 ) -> torch.Tensor:

@@ -119,8 +119,8 @@ def fp8_block_mm(
     if block_scales is not None and m == 1:
         return fp8_gemv(quantize_groups(x, group), weight, block_scales, bias,
                         fast_accumulation=fast_accumulation, group=group)  # fmt: skip
-    cublas = m >= CUBLAS_BLOCK_ROWS and triton.cdiv(k, group) % 4 == 0 and k % group == 0
-    if block_scales is not None and cublas and x.dtype != torch.float32:
+    cublas = m >= CUBLAS_BLOCK_ROWS and k % (4 * group) == 0 and x.dtype != torch.float32
+    if block_scales is not None and cublas:
         codes = quantize_groups(x, group, rows_multiple=4)
         y = torch._scaled_mm(codes.codes, weight.t(), scale_a=codes.scales, scale_b=block_scales,
                              out_dtype=x.dtype)[:m]  # fmt: skip
