@@ -27,10 +27,10 @@ time and each kept launch's error against float64 go to ``--output``.
 token and 128 columns: ``fp8_block.fp8_block_mm``) at each row count of ``--tokens``, timed
 as ``--tune`` times them, beside bf16 (``F.linear``) and the per-channel FP8 path the engine
 takes at that row count (the GEMV over codes for one row, ``fp8_mm`` above): the engine's
-block path (cuBLASLt's block scaling from 16 rows), our kernel at its default launch
-(``block_launch``; both with the group quantization), and up to ``--block-sweep-rows`` rows
-every launch of ``BLOCK_LAUNCHES`` over the same codes, the fastest named; the engine path's
-error against float64.
+block path over the rows' codes (cuBLASLt's block scaling from 16 rows), our kernel at its
+default launch (``block_launch``, with the group quantization), and up to
+``--block-sweep-rows`` rows every launch of ``BLOCK_LAUNCHES`` over the same codes, the
+fastest named; the engine path's error against float64.
 
     python benchmarks/fp8_mm.py --block --tokens 1 16 64 128 256 2048 --output block.json
 """
@@ -209,10 +209,12 @@ def block(args: argparse.Namespace, dev: torch.device) -> None:
     from services.worker.engine.models.layers import fp8_block, fp8_linear
     from services.worker.engine.models.layers.gemv import gemv
 
-    def engine_block(x: torch.Tensor, w: Any) -> torch.Tensor:  # cuBLASLt's from 16 rows
-        # (fast accumulation, the engine's default for FP8 models: the one-row GEMV's float16
-        # word sums; until h200-2026-12-03b's last call this ran its float32 sums)
-        return fp8_block.fp8_block_mm(x, w[0], w[1], None, 128, w[2], fast_accumulation=True)
+    def engine_block(codes: Codes, w: Any) -> torch.Tensor:  # cuBLASLt's from 16 rows
+        # over codes, as RMSNorm and SiLU·mul hand them over (since h200-2026-12-03c; before,
+        # this timed the rows' quantization too). Fast accumulation, the engine's default for
+        # FP8 models: the one-row GEMV's float16 word sums (until h200-2026-12-03b's last
+        # call this ran its float32 sums)
+        return fp8_block.fp8_block_mm(codes, w[0], w[1], None, 128, w[2], fast_accumulation=True)
 
     def our_block(x: torch.Tensor, w: Any) -> torch.Tensor:  # our kernel at any row count
         return fp8_block.fp8_block_mm(x, w[0], w[1], None, 128)
@@ -246,7 +248,8 @@ def block(args: argparse.Namespace, dev: torch.device) -> None:
                 "channel": time_calls(
                     lambda x, w, rc=rc, f=channel: f(rc, w[0], w[1], fast_accumulation=True),
                     channels, x, args.reps),
-                "block": time_calls(engine_block, blocks, x, args.reps),
+                "block": time_calls(lambda x, w, c=codes: engine_block(c, w), blocks, x,
+                                    args.reps),
                 "block_ours": time_calls(our_block, blocks, x, args.reps),
             }  # fmt: skip
             launches: dict[str, float] = {}

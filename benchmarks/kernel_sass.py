@@ -1,7 +1,8 @@
 """What the engine's Triton kernels compile to on Hopper, read on any machine (no GPU needed):
 each kernel compiled for sm_90 by Triton's bundled ``ptxas`` with the specializations a launch
 on the H200 gets, then its registers, shared memory and spills (``cuobjdump -res-usage``) and
-the instruction mix of its main loop (the longest backward branch of ``nvdisasm``'s listing).
+the instruction mix of its main loop (the longest backward branch of ``nvdisasm``'s listing)
+and the widths of its global stores.
 
 For reading a kernel change before spending device time on it: barriers, shared-memory trips,
 spills, register pressure. Not for speed: a GEMV with 28 % fewer instructions in its loop ran
@@ -30,7 +31,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from services.worker.engine.attention import triton_kernels
-from services.worker.engine.models.layers import fp8_linear
+from services.worker.engine.models.layers import fp8_block, fp8_linear, fused_ops
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
 _TOOLS = Path(triton.__path__[0]) / "backends" / "nvidia" / "bin"
@@ -89,6 +90,32 @@ def _gemm(block_n: int, block_m: int, warps: int, stages: int) -> Preset:
     )  # fmt: skip
 
 
+def _codes(kernel: str, group: int) -> Preset:
+    """The kernels that write a block layer's input as codes (a scale per token and ``group``
+    columns) at the 8B shape: RMSNorm with the residual (a 4,096-wide row a program),
+    SiLU·mul and the layer's own pass (1,024 columns a program); ``group`` 0 per token."""
+    if kernel == "rms_norm":
+        return Preset(
+            fused_ops._rms_norm,
+            {"X": "*bf16", "R": "*bf16", "W": "*bf16", "Y": "*bf16", "Q": "*fp8e4nv",
+             "S": "*fp32", "eps": "fp32"},
+            {"BLOCK": 4096, "HAS_RESIDUAL": True, "QUANT": True, "GPU": True, "GROUP": group,
+             "USE_PDL": True},
+            warps=4, stages=1,
+        )  # fmt: skip
+    if kernel == "silu_mul":
+        return Preset(
+            fused_ops._silu_mul, {"X": "*bf16", "Y": "*fp8e4nv", "S": "*fp32"},
+            {"BLOCK": 1024, "QUANT": True, "GPU": True, "GROUP": group, "USE_PDL": True},
+            warps=4, stages=1,
+        )  # fmt: skip
+    return Preset(
+        fp8_block._quantize_groups_kernel, {"X": "*bf16", "Q": "*fp8e4nv", "S": "*fp32"},
+        {"GROUP": group, "GROUPS": 1024 // group, "GPU": True, "USE_PDL": True},
+        warps=4, stages=1,
+    )  # fmt: skip
+
+
 PRESETS = {
     "fp8_gemm_64x64": _gemm(64, 64, warps=4, stages=4),
     "fp8_gemm_128x128": _gemm(128, 128, warps=8, stages=3),
@@ -97,6 +124,10 @@ PRESETS = {
     "fp8_gemv": _gemv(codes=False),
     "decode_bf16": _decode(fp8=False),
     "decode_fp8": _decode(fp8=True),
+    "rms_norm_codes": _codes("rms_norm", 0),
+    "rms_norm_group_codes": _codes("rms_norm", 128),
+    "silu_mul_group_codes": _codes("silu_mul", 128),
+    "quantize_groups": _codes("quantize_groups", 128),
 }
 
 
@@ -159,14 +190,22 @@ def loop_mix(sass: str) -> collections.Counter[str]:
     return mix
 
 
+def global_stores(sass: str) -> collections.Counter[str]:
+    """The kernel's global store instructions by width (``STG.E.U8``: a byte a thread;
+    ``STG.E.128``: 16 bytes), anywhere in the listing."""
+    return collections.Counter(re.findall(r"\b(STG\.[A-Z0-9_.]+)", sass))
+
+
 def report(name: str) -> dict[str, Any]:
     p = PRESETS[name]
     compiled = compile_sm90(p)
-    mix = loop_mix(_tool("nvdisasm", compiled.asm["cubin"], "-c"))
+    sass = _tool("nvdisasm", compiled.asm["cubin"], "-c")
+    mix = loop_mix(sass)
     return {
         "kernel": p.kernel.__name__, "warps": p.warps, "stages": p.stages,
         **resources(compiled.asm["cubin"]), "shared_dynamic": compiled.metadata.shared,
         "loop_instructions": sum(mix.values()), "loop_mix": dict(mix.most_common()),
+        "global_stores": dict(global_stores(sass)),
     }  # fmt: skip
 
 

@@ -61,13 +61,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # a checkpoint stored in FP8 128 × 128 blocks (benchmarks/shapes.CHECKPOINT_FORMATS): the
     # block kernels at every row count (fp8_block.fp8_block_mm)
     "fp8_block": {"checkpoint": "fp8-block"},
+    "fp8_block_no_codes": {"checkpoint": "fp8-block"},
 }
 
 
 @contextlib.contextmanager
 def _variant_patches(variant: str) -> Iterator[None]:
     """``cublas_gemv``: the linear layers' Triton GEMV swapped for F.linear; ``no_pdl``: the
-    Triton kernels launched without PDL (engine/dependent_launch.py); ``fp8_no_codes``: no
+    Triton kernels launched without PDL (engine/dependent_launch.py); ``fp8[_block]_no_codes``: no
     layer takes its input as codes (models/layers/linear.py); ``[fp8_]kv_write``: the
     attention backend stores the step's K/V, not the rotary kernel (models/llama.py). Each
     holds while the engine is built (its CUDA graphs capture whichever is in place) and
@@ -80,8 +81,8 @@ def _variant_patches(variant: str) -> Iterator[None]:
     takes_codes = linear._LinearBase.takes_codes
     if variant.endswith("kv_write"):
         LlamaAttention.ROTARY_STORES_KV = False
-    if variant == "fp8_no_codes":
-        linear._LinearBase.takes_codes = lambda self, like: False  # type: ignore[method-assign]
+    if variant.endswith("no_codes"):
+        linear._LinearBase.takes_codes = lambda self, like: 0  # type: ignore[method-assign]
     if variant == "cublas_gemv":
         gemv.gemv = lambda x, w, b=None: torch.nn.functional.linear(x, w, b)  # type: ignore[assignment]
     if variant == "no_pdl":

@@ -20,7 +20,13 @@ from services.worker.engine.models.quantization import (
     quantize_blocks,
 )
 from services.worker.engine.models.quantization import quantize_rows as quantize_weight_rows
-from tests.integration.test_fp8 import GREEDY, PROMPTS, _check_against_reference
+from tests.integration.test_fp8 import (
+    GREEDY,
+    LOGPROB_ATOL,
+    PROMPTS,
+    TIE,
+    _check_against_reference,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -295,12 +301,21 @@ def test_fp8_mm_takes_our_gemm_where_the_table_says(monkeypatch: pytest.MonkeyPa
 GEMV_LAUNCH = {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 3}
 
 
+@pytest.mark.parametrize("group", [0, 128], ids=["per-token", "groups"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("rows", [1, 300])
-def test_the_fused_kernels_hand_over_the_layers_own_codes(dtype: torch.dtype, rows: int) -> None:
-    """RMSNorm (with the residual add) and SiLU·mul writing codes: quantize_rows' codes of
-    their plain output (bit for bit in bf16); the GEMV / fp8_mm given a row's codes: exactly
-    their output given the row."""
+def test_the_fused_kernels_hand_over_the_layers_own_codes(
+    dtype: torch.dtype, rows: int, group: int
+) -> None:
+    """RMSNorm (with the residual add) and SiLU·mul writing codes, per token or a scale per
+    token and 128 columns (block checkpoints): the codes the layer's own pass writes of their
+    plain output (quantize_rows, quantize_groups; bit for bit in bf16); the GEMV / fp8_mm, or
+    a block layer's kernels, given a row's codes: exactly their output given the row."""
+    from services.worker.engine.models.layers.fp8_block import (
+        block_scales,
+        fp8_block_mm,
+        quantize_groups,
+    )
     from services.worker.engine.models.layers.fp8_linear import fp8_gemv, fp8_mm, quantize_rows
     from services.worker.engine.models.layers.fused_ops import add_rms_norm, silu_and_mul
     from services.worker.engine.models.quantization import Codes
@@ -310,12 +325,14 @@ def test_the_fused_kernels_hand_over_the_layers_own_codes(dtype: torch.dtype, ro
     w = (torch.rand(4096, device="cuda") + 0.5).to(dtype)
     h = (torch.randn(rows, 2 * 14336, device="cuda") * 3).to(dtype)
     normed, r1 = add_rms_norm(x, res.clone(), w, 1e-6)
-    normed_codes, r2 = add_rms_norm(x, res.clone(), w, 1e-6, quantize=True)
+    normed_codes, r2 = add_rms_norm(x, res.clone(), w, 1e-6, group or 4096)
     assert torch.equal(r1, r2)
-    pairs = ((normed, normed_codes), (silu_and_mul(h), silu_and_mul(h, quantize=True)))
+    pairs = ((normed, normed_codes), (silu_and_mul(h), silu_and_mul(h, group or 14336)))
     for plain, codes in pairs:
         assert isinstance(codes, Codes) and isinstance(plain, torch.Tensor)
-        q, s = quantize_rows(plain)
+        own = quantize_groups(plain, group) if group else Codes(*quantize_rows(plain), dtype)
+        q, s = own.codes, own.scales
+        assert codes.scales.shape == s.shape and codes.scales.stride() == s.stride()
         differ = codes.codes.view(torch.uint8) != q.view(torch.uint8)
         # the kernels with codes and without compile apart, and their float32 rows may part
         # in the last bit (on an H200: 56 of 300 rows' scales, all codes equal;
@@ -327,6 +344,12 @@ def test_the_fused_kernels_hand_over_the_layers_own_codes(dtype: torch.dtype, ro
         assert torch.allclose(codes.scales, s, rtol=step, atol=0)
         assert differ.float().mean() < (1e-5 if dtype == torch.bfloat16 else 1e-3)
         assert (codes.codes.float() - q.float()).abs().le(q.float().abs() / 8 + 2**-9).all()
+        if group:
+            wq, ws = _block_layer(1024, plain.shape[1], rows)
+            blocks = block_scales(ws, 128)
+            got = fp8_block_mm(Codes(q, s, dtype), wq, ws, None, 128, blocks)
+            assert torch.equal(got, fp8_block_mm(plain, wq, ws, None, 128, blocks))
+            continue
         wq, ws = _layer(1024, plain.shape[1], rows)
         # (the GEMV at one launch: its kept launches with and without codes differ, and so
         # would the order of its sums)
@@ -419,14 +442,17 @@ def test_the_engine_on_the_block_kernels_matches_the_dequantizing_reference(
     dequantizing reference as on CPU, with the tolerances of the tensor cores'
     accumulation."""
     from services.worker.engine.models.layers import fp8_block
+    from services.worker.engine.models.quantization import Codes
 
     # 128-wide heads: the k and v rows fill whole blocks, so every layer has its block scales
     path = make_tiny_model(tmp_path / "m", arch="llama", quantize="fp8-block", hidden_size=512)
     rows: list[int] = []
+    handed: list[bool] = []  # the input came as codes from the fused kernel before
     block_mm = fp8_block.fp8_block_mm
 
-    def counted(x: torch.Tensor, *a: Any, **kw: Any) -> torch.Tensor:
-        rows.append(x.shape[0])
+    def counted(x: Any, *a: Any, **kw: Any) -> torch.Tensor:
+        handed.append(isinstance(x, Codes))
+        rows.append(x.rows if isinstance(x, Codes) else x.shape[0])
         return block_mm(x, *a, **kw)
 
     fp8_block.fp8_block_mm = counted  # type: ignore[assignment]
@@ -443,9 +469,17 @@ def test_the_engine_on_the_block_kernels_matches_the_dequantizing_reference(
         fp8_block.fp8_block_mm = block_mm  # type: ignore[assignment]
     # the GEMV (decode of one prompt), our kernel (decode of four), cuBLASLt (the prompts)
     assert 1 in rows and any(1 < r < 16 for r in rows) and max(rows) >= 16
-    exact = _check_against_reference(path, outs, median_atol=3e-2)
+    # qkv, gate_up and down take codes from RMSNorm and SiLU·mul; o quantizes its own input
+    assert 0.7 < sum(handed) / len(handed) < 0.8
+    # In float16 (512 wide) the engine rounds each activation to float16 before its e4m3
+    # codes, the reference (float32) does not: a code on a rounding edge flips, which moves a
+    # logprob by up to LOGPROB_ATOL, so a near-tie may part by as much (on an H200 a token
+    # 0.07 nats under the reference's best, docs/results/h200-2026-12-03c/). Exact argmaxes
+    # stay the measure.
+    tie = LOGPROB_ATOL if dtype == "float16" else TIE
+    exact = _check_against_reference(path, outs, median_atol=3e-2, tie=tie)
     assert exact >= 0.85 * len(PROMPTS) * GREEDY.max_tokens
-    exact = _check_against_reference(path, outs_batched, median_atol=3e-2)
+    exact = _check_against_reference(path, outs_batched, median_atol=3e-2, tie=tie)
     assert exact >= 0.85 * len(PROMPTS) * GREEDY.max_tokens
 
 

@@ -196,39 +196,80 @@ def test_the_layers_take_the_kernels_on_a_gpu_only() -> None:
     assert not fp8_linear.supported(x, w)
 
 
+def _own_codes(plain: torch.Tensor, group: int) -> Codes:
+    """The codes the FP8 layer's own quantization pass writes for ``plain``: per token (group
+    the row's width) or a scale per token and ``group`` columns (block checkpoints)."""
+    if group == plain.shape[1]:
+        return Codes(*fp8_linear.quantize_rows(plain), plain.dtype)
+    return fp8_block.quantize_groups(plain, group)
+
+
+def _assert_same_codes(got: Codes, want: Codes) -> None:
+    assert got.dtype == want.dtype and got.codes.shape == want.codes.shape
+    assert torch.equal(got.codes.view(torch.uint8), want.codes.view(torch.uint8))
+    assert got.scales.shape == want.scales.shape and torch.equal(got.scales, want.scales)
+    assert got.scales.stride() == want.scales.stride()  # (groups: as cuBLASLt reads them)
+
+
+@pytest.mark.parametrize("group", [640, 128], ids=["per-token", "groups"])
 @pytest.mark.parametrize("residual", [False, True], ids=["norm", "add-norm"])
-def test_rms_norm_writes_the_codes_quantize_rows_would(residual: bool) -> None:
+def test_rms_norm_writes_the_codes_the_layer_would(residual: bool, group: int) -> None:
     """RMSNorm handing an FP8 layer its input quantized: the codes and scales of its own output,
-    bit for bit (the same rounding as the layer's quantize_rows), the residual as without."""
+    bit for bit (the same rounding as the layer's quantize_rows, or quantize_groups for a
+    block checkpoint: 5 groups of 128 in a 1,024-wide program), the residual as without."""
     from services.worker.engine.models.layers.fused_ops import add_rms_norm, rms_norm
 
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(4, 320, generator=g) * torch.linspace(0.01, 30, 320)
-    r = torch.randn(4, 320, generator=g)
-    w = torch.rand(320, generator=g) + 0.5
+    x = torch.randn(4, 640, generator=g) * torch.linspace(0.01, 30, 640)
+    r = torch.randn(4, 640, generator=g)
+    w = torch.rand(640, generator=g) + 0.5
     if residual:
         plain, r_plain = add_rms_norm(x, r.clone(), w, 1e-6)
-        codes, r_codes = add_rms_norm(x, r.clone(), w, 1e-6, quantize=True)
+        codes, r_codes = add_rms_norm(x, r.clone(), w, 1e-6, group)
         assert torch.equal(r_codes, r_plain)
     else:
-        plain, codes = rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6, quantize=True)
+        plain, codes = rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6, group)
     assert isinstance(codes, Codes) and isinstance(plain, torch.Tensor)
-    q, s = fp8_linear.quantize_rows(plain)
-    assert codes.dtype == x.dtype and codes.rows == 4
-    assert torch.equal(codes.codes.view(torch.uint8), q.view(torch.uint8))
-    assert torch.equal(codes.scales, s)
+    assert codes.rows == 4
+    _assert_same_codes(codes, _own_codes(plain, group))
 
 
-def test_silu_mul_writes_the_codes_quantize_rows_would() -> None:
+@pytest.mark.parametrize(("n", "group"), [(1100, 1100), (1280, 128)], ids=["per-token", "groups"])
+def test_silu_mul_writes_the_codes_the_layer_would(n: int, group: int) -> None:
+    """Per token one program a row; in groups 1,024 columns a program (here two, the second
+    with two groups of its eight)."""
     from services.worker.engine.models.layers.fused_ops import silu_and_mul
 
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(3, 2 * 1100, generator=g) * 4  # wider than one 1024-column program
-    plain, codes = silu_and_mul(x), silu_and_mul(x, quantize=True)
+    x = torch.randn(3, 2 * n, generator=g) * 4  # wider than one 1024-column program
+    plain, codes = silu_and_mul(x), silu_and_mul(x, group)
     assert isinstance(codes, Codes) and isinstance(plain, torch.Tensor)
-    q, s = fp8_linear.quantize_rows(plain)
-    assert torch.equal(codes.codes.view(torch.uint8), q.view(torch.uint8))
-    assert torch.equal(codes.scales, s)
+    _assert_same_codes(codes, _own_codes(plain, group))
+
+
+def test_the_fused_kernels_refuse_codes_they_cannot_write() -> None:
+    """A group that does not divide the row, or a flag where a width belongs, is refused."""
+    from services.worker.engine.models.layers.fused_ops import rms_norm, silu_and_mul
+
+    x = torch.randn(2, 320)
+    for group in (128, True):
+        with pytest.raises(AssertionError, match="groups"):
+            rms_norm(x, torch.ones(320), 1e-6, group)
+        with pytest.raises(AssertionError, match="groups"):
+            silu_and_mul(torch.randn(2, 640), group)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_the_block_kernels_take_group_codes_as_their_own_quantization(rows: int) -> None:
+    """Given a block layer's input as codes in groups (what the fused kernels hand over), the
+    block GEMV (one row) and our block GEMM compute exactly what they compute from x."""
+    x, w, ws, b = _block_case(rows, 256, 512)
+    blocks = fp8_block.block_scales(ws, 128)
+    codes = fp8_block.quantize_groups(x, 128)
+    got = fp8_block.fp8_block_mm(codes, w, ws, b, 128, blocks)
+    assert got.dtype == x.dtype and torch.equal(
+        got, fp8_block.fp8_block_mm(x, w, ws, b, 128, blocks)
+    )
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
@@ -250,3 +291,27 @@ def test_only_fused_dynamic_layers_on_a_gpu_take_codes() -> None:
     x = torch.randn(1, 64)
     assert not RowParallelLinear(64, 32, fused=True, quant=fp8).takes_codes(x)  # CPU
     assert not RowParallelLinear(64, 32, fused=True).takes_codes(x)  # not FP8
+
+
+def test_a_layer_says_which_codes_it_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernels run (here: made to say so on CPU), a per-token layer takes codes of
+    its whole input row, a block layer codes a scale per 128 columns, when its columns fall in
+    whole blocks; a static or float layer takes the row (0)."""
+    from services.worker.engine.models.layers import linear
+    from services.worker.engine.models.quant_config import QuantConfig, parse_quantization
+
+    monkeypatch.setattr(fp8_linear, "supported", lambda x, w: True)
+    x = torch.randn(1, 64)
+    block = QuantConfig("block", "token_group")
+    assert (
+        linear.RowParallelLinear(
+            384, 32, fused=True, quant=parse_quantization({}, "fp8")
+        ).takes_codes(x)
+        == 384
+    )
+    assert linear.RowParallelLinear(384, 32, fused=True, quant=block).takes_codes(x) == 128
+    assert linear.RowParallelLinear(320, 32, fused=True, quant=block).takes_codes(x) == 0
+    assert linear.RowParallelLinear(384, 32, fused=False, quant=block).takes_codes(x) == 0
+    static = QuantConfig("tensor", "static")
+    assert linear.RowParallelLinear(384, 32, fused=True, quant=static).takes_codes(x) == 0
+    assert linear.RowParallelLinear(384, 32, fused=True).takes_codes(x) == 0

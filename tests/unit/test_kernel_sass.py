@@ -61,3 +61,17 @@ def test_a_preset_naming_no_argument_of_its_kernel_is_refused() -> None:
     )
     with pytest.raises(ValueError, match="NOT_AN_ARG"):
         kernel_sass.compile_sm90(bad)
+
+
+def test_the_fused_kernels_store_group_codes_in_words(tmp_path: Path) -> None:
+    """RMSNorm and SiLU·mul writing a block layer's codes store them as wide as the layer's
+    own pass does, never a byte a thread: a first form reshaped its pointers, lost their
+    contiguity and stored bytes, 32 a thread in RMSNorm (on an H200 the 8B block
+    checkpoint's 2k prefill went from 32.17 to 39.55 ms, docs/results/h200-2026-12-03c/)."""
+    got = _reports(tmp_path, "rms_norm_codes", "rms_norm_group_codes", "silu_mul_group_codes",
+                   "quantize_groups")  # fmt: skip
+    widths = {name: set(r["global_stores"]) for name, r in got.items()}
+    for name, stores in widths.items():
+        assert "STG.E.U8" not in stores, (name, stores)
+    assert "STG.E.128" in widths["rms_norm_group_codes"]  # as per token: 16 bytes a store
+    assert widths["silu_mul_group_codes"] == widths["quantize_groups"]

@@ -33,18 +33,25 @@ FP8_MAX = 448.0  # the largest finite e4m3fn value
 
 @dataclass(frozen=True, slots=True)
 class Codes:
-    """An activation already quantized per token, as a fused kernel before an FP8 layer hands
-    it over (``layers/fused_ops``: RMSNorm, SiLU·mul), so that the layer's kernels skip their
-    own quantization: the same codes and scales ``quantize_activations(x, "token", ...)``
-    rounds ``x`` to."""
+    """An activation already quantized, per token or per token and ``group`` columns, as a
+    fused kernel before an FP8 layer hands it over (``layers/fused_ops``: RMSNorm, SiLU·mul)
+    or a layer's own quantization pass writes it: the same codes and scales
+    ``quantize_activations(x, "token" or "token_group", ...)`` rounds ``x`` to."""
 
     codes: torch.Tensor  # float8_e4m3fn [rows, K]
-    scales: torch.Tensor  # float32 [rows, 1]: x ≈ codes · scales
+    # float32 [rows, K / group]: x ≈ codes · scales (per token: [rows, 1]; in groups stored
+    # column by column, strides (1, rows), the layout cuBLASLt's block scaling reads)
+    scales: torch.Tensor
     dtype: torch.dtype  # the activation's dtype, which the layer's output takes
 
     @property
     def rows(self) -> int:
         return self.codes.shape[0]
+
+    @property
+    def group(self) -> int:
+        """The columns a scale covers: K for codes per token."""
+        return self.codes.shape[1] // self.scales.shape[1]
 
 
 def divide(x: torch.Tensor, by: float | torch.Tensor) -> torch.Tensor:

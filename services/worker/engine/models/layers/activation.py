@@ -12,12 +12,13 @@ class SiluAndMul(nn.Module):
         super().__init__()
         self.fused = fused
 
-    def forward(self, x: torch.Tensor, quantize: bool = False) -> torch.Tensor | Codes:
-        """``quantize``: write the codes the FP8 layer after this one takes (as RMSNorm's)."""
+    def forward(self, x: torch.Tensor, group: int = 0) -> torch.Tensor | Codes:
+        """``group``: write the codes the FP8 layer after this one takes, a scale every
+        ``group`` columns (as RMSNorm's)."""
         if self.fused:
             from services.worker.engine.models.layers.fused_ops import silu_and_mul
 
-            return silu_and_mul(x, quantize)
-        assert not quantize, "codes come from the fused kernel"
+            return silu_and_mul(x, group)
+        assert not group, "codes come from the fused kernel"
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

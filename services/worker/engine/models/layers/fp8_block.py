@@ -33,23 +33,48 @@ from services.worker.engine.models.quantization import FP8, Codes
 
 
 @triton.jit
+def store_group_codes(x, ok, Q, S, stride_sg, g0, G, GROUPS: tl.constexpr, GROUP: tl.constexpr,
+                      GPU: tl.constexpr):  # fmt: skip
+    """A row's ``x`` (float32 [GROUPS, GROUP], masked lanes 0) quantized a group at a time, as
+    the reference's ``token_group``: each group's scale max |x| / FP8_MAX (at least MIN_SCALE)
+    to S (groups ``g0``, ``g0`` + 1, ... ``stride_sg`` apart, those from G on not stored), the
+    codes to the pointers Q ([GROUPS, GROUP])."""
+    xs = _scale_of(tl.max(tl.abs(x), 1))
+    r = tl.math.div_rn(1.0, xs)
+    groups = g0 + tl.arange(0, GROUPS)
+    tl.store(S + groups * stride_sg, xs, mask=groups < G)
+    tl.store(Q, _quantize(x, xs[:, None], r[:, None], GPU), mask=ok)
+
+
+@triton.jit
 def _quantize_groups_kernel(
     X, Q, S, K, G, stride_x, stride_q, stride_sm, stride_sg,
     GROUP: tl.constexpr, GROUPS: tl.constexpr, GPU: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """A row's GROUPS consecutive groups of GROUP columns each quantized with a scale of its own
-    (max |x| / FP8_MAX, at least MIN_SCALE), as the reference's ``token_group``: a [GROUPS,
-    GROUP] tile a program. S: [M, G] float32 (strides ``stride_sm``, ``stride_sg``)."""
+    (``store_group_codes``): a [GROUPS, GROUP] tile a program. S: [M, G] float32 (strides
+    ``stride_sm``, ``stride_sg``)."""
     await_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
-    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    g0 = tl.program_id(1) * GROUPS
+    groups = g0 + tl.arange(0, GROUPS)
     cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     ok = (groups < G)[:, None] & (cols < K)
     x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    xs = _scale_of(tl.max(tl.abs(x), 1))
-    r = tl.math.div_rn(1.0, xs)
-    tl.store(S + row * stride_sm + groups * stride_sg, xs, mask=groups < G)
-    tl.store(Q + row * stride_q + cols, _quantize(x, xs[:, None], r[:, None], GPU), mask=ok)
+    store_group_codes(x, ok, Q + row * stride_q + cols, S + row * stride_sm, stride_sg, g0, G,
+                      GROUPS, GROUP, GPU)  # fmt: skip
+
+
+def group_codes_out(
+    rows: int, k: int, group: int, like: torch.Tensor, rows_multiple: int = 1
+) -> Codes:
+    """Room for ``rows`` rows of ``k`` codes and their scales a ``group`` columns (stored column
+    by column), of an activation like ``like``; with ``rows_multiple`` both have rows up to
+    the next multiple of it."""
+    rows = triton.cdiv(rows, rows_multiple) * rows_multiple
+    q = torch.empty((rows, k), dtype=FP8, device=like.device)
+    s = torch.empty((triton.cdiv(k, group), rows), dtype=torch.float32, device=like.device).t()
+    return Codes(q, s, like.dtype)
 
 
 def quantize_groups(x: torch.Tensor, group: int, rows_multiple: int = 1) -> Codes:
@@ -60,16 +85,14 @@ def quantize_groups(x: torch.Tensor, group: int, rows_multiple: int = 1) -> Code
     multiple of it, those past M unwritten."""
     x = x.contiguous()
     m, k = x.shape
-    g = triton.cdiv(k, group)
-    rows = triton.cdiv(m, rows_multiple) * rows_multiple
-    q = torch.empty((rows, k), dtype=FP8, device=x.device)
-    s = torch.empty((g, rows), dtype=torch.float32, device=x.device).t()
+    out = group_codes_out(m, k, group, x, rows_multiple)
+    g = out.scales.shape[1]
     groups = min(triton.next_power_of_2(g), max(1, 1024 // group))  # ~1,024 columns a program
     _quantize_groups_kernel[(m, triton.cdiv(g, groups))](
-        x, q, s, k, g, x.stride(0), q.stride(0), *s.stride(), GROUP=group, GROUPS=groups,
-        GPU=x.is_cuda, num_warps=4, **launch_options(x),
+        x, out.codes, out.scales, k, g, x.stride(0), out.codes.stride(0), *out.scales.stride(),
+        GROUP=group, GROUPS=groups, GPU=x.is_cuda, num_warps=4, **launch_options(x),
     )  # fmt: skip
-    return Codes(q, s, x.dtype)
+    return out
 
 
 def block_launch(m: int, n: int, k: int, group: int, sms: int) -> dict[str, int]:
@@ -92,7 +115,7 @@ CUBLAS_BLOCK_ROWS = 16
 
 
 def fp8_block_mm(
-    x: torch.Tensor,
+    x: torch.Tensor | Codes,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None,
@@ -102,8 +125,9 @@ def fp8_block_mm(
     fast_accumulation: bool = False,
 ) -> torch.Tensor:
     """A block checkpoint's product, any number of rows, in x's dtype: the rows quantized per
-    token and ``group`` columns (``quantize_groups``), then, given ``block_scales`` (the
-    weight's scale a block, [K / group, N / group]: ``block_scales()``),
+    token and ``group`` columns (``quantize_groups``; or ``x`` is those codes already, from the
+    fused kernel before the layer), then, given ``block_scales`` (the weight's scale a block,
+    [K / group, N / group]: ``block_scales()``),
 
     - one row: the FP8 GEMV, each column's two scales taken into its sums (``fast_accumulation``
       as ``fp8_gemv``'s);
@@ -115,20 +139,40 @@ def fp8_block_mm(
 
     else ``fp8_gemm`` with a scale pair a K tile, over ``weight_scale`` (a block's scale on
     each of its rows: [N, K / group]), at ``config`` (``block_launch``'s by default)."""
-    m, k = x.shape
-    if block_scales is not None and m == 1:
-        return fp8_gemv(quantize_groups(x, group), weight, block_scales, bias,
-                        fast_accumulation=fast_accumulation, group=group)  # fmt: skip
+    if isinstance(x, Codes):
+        assert x.scales.shape[1] == triton.cdiv(x.codes.shape[1], group), "codes in groups"
+        codes = x
+    m, k = codes.codes.shape if isinstance(x, Codes) else x.shape
     cublas = m >= CUBLAS_BLOCK_ROWS and k % (4 * group) == 0 and x.dtype != torch.float32
     if block_scales is not None and cublas:
-        codes = quantize_groups(x, group, rows_multiple=4)
+        if not isinstance(x, Codes):
+            codes = quantize_groups(x, group, rows_multiple=4)
+        elif m % 4:
+            codes = _rows_of_four(x, group)
         y = torch._scaled_mm(codes.codes, weight.t(), scale_a=codes.scales, scale_b=block_scales,
                              out_dtype=x.dtype)[:m]  # fmt: skip
         return y if bias is None else y + bias
+    if not isinstance(x, Codes):
+        codes = quantize_groups(x, group)
+    if block_scales is not None and m == 1:
+        return fp8_gemv(codes, weight, block_scales, bias, fast_accumulation=fast_accumulation,
+                        group=group)  # fmt: skip
     if config is None:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+        sms = 4
+        if weight.is_cuda:
+            sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
         config = block_launch(m, weight.shape[0], k, group, sms)
-    return fp8_gemm(quantize_groups(x, group), weight, weight_scale, bias, config, group=group)
+    return fp8_gemm(codes, weight, weight_scale, bias, config, group=group)
+
+
+def _rows_of_four(codes: Codes, group: int) -> Codes:
+    """``codes`` with rows up to a multiple of four (cuBLASLt's block scaling takes no others),
+    the padding rows unwritten: a copy."""
+    m, k = codes.codes.shape
+    out = group_codes_out(m, k, group, codes.codes, rows_multiple=4)
+    out.codes[:m].copy_(codes.codes)
+    out.scales[:m].copy_(codes.scales)
+    return Codes(out.codes, out.scales, codes.dtype)
 
 
 def block_scales(weight_scale: torch.Tensor, group: int) -> torch.Tensor | None:
@@ -146,5 +190,6 @@ def block_scales(weight_scale: torch.Tensor, group: int) -> torch.Tensor | None:
 
 
 __all__ = [
-    "CUBLAS_BLOCK_ROWS", "block_launch", "block_scales", "fp8_block_mm", "quantize_groups",
+    "CUBLAS_BLOCK_ROWS", "block_launch", "block_scales", "fp8_block_mm", "group_codes_out",
+    "quantize_groups", "store_group_codes",
 ]  # fmt: skip

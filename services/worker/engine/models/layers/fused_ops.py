@@ -6,9 +6,11 @@ rounds where the PyTorch/Hugging Face version rounds (casts to the model dtype a
 points), so outputs agree to within a unit in the last place.
 
 RMSNorm and SiLU·mul hold a whole output row in registers, so when the FP8 layer after them
-takes its input quantized per token (``quantize=True``), they write that row's e4m3 codes and
-scale instead of the row (``fp8_linear.store_codes``: the rounding of the layer's own
-quantization, bit for bit), and the layer skips its quantization pass.
+takes its input quantized (``group``: per token, the row's width; a block checkpoint's, per
+token and 128 columns), they write that row's e4m3 codes and scales instead of the row
+(``fp8_linear.store_codes``, ``fp8_block.store_group_codes``: the rounding of the layer's own
+quantization, bit for bit), and the layer skips its quantization pass. (SiLU·mul needs the
+whole row in one program only for codes per token.)
 """
 
 import torch
@@ -18,27 +20,54 @@ import triton.language as tl
 from services.worker.engine.attention.backend import LayerKVCache, write_kv
 from services.worker.engine.attention.triton_kernels import cache_values
 from services.worker.engine.dependent_launch import await_inputs, launch_options
+from services.worker.engine.models.layers.fp8_block import group_codes_out, store_group_codes
 from services.worker.engine.models.layers.fp8_linear import store_codes
 from services.worker.engine.models.quantization import FP8, Codes
 
 
-def _codes_out(rows: int, n: int, like: torch.Tensor) -> Codes:
-    """Room for ``rows`` rows of ``n`` codes and their scales, of an activation like ``like``."""
-    return Codes(
-        torch.empty((rows, n), dtype=FP8, device=like.device),
-        torch.empty((rows, 1), dtype=torch.float32, device=like.device),
-        like.dtype,
+@triton.jit
+def _store_quantized(y, ok, Q, c0, S, stride_sg, N, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+                     GPU: tl.constexpr):  # fmt: skip
+    """A row's BLOCK values ``y`` (float32, masked lanes 0; its columns ``c0`` on, ``ok``) as
+    the codes the FP8 layer after takes, to the row's codes at Q: GROUP 0 per token (``y``
+    the whole row, its scale to S), else a scale every GROUP columns (to S, ``stride_sg``
+    apart). The groups' pointers are built as a [groups, GROUP] tile, not reshaped, so that
+    the compiler sees each group's bytes contiguous and stores them in wide words."""
+    if GROUP:
+        rows: tl.constexpr = BLOCK // GROUP
+        cols = c0 + tl.arange(0, rows)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        store_group_codes(
+            tl.reshape(y, (rows, GROUP)), cols < N, Q + cols, S, stride_sg, c0 // GROUP,
+            tl.cdiv(N, GROUP), rows, GROUP, GPU,
+        )  # fmt: skip
+    else:
+        store_codes(y, ok, Q + c0 + tl.arange(0, BLOCK), S, GPU)
+
+
+def _codes_out(rows: int, n: int, group: int, like: torch.Tensor) -> Codes:
+    """Room for ``rows`` rows of ``n`` codes and their scales a ``group`` columns (per token:
+    ``n``), of an activation like ``like``."""
+    if group == n:
+        return Codes(
+            torch.empty((rows, n), dtype=FP8, device=like.device),
+            torch.empty((rows, 1), dtype=torch.float32, device=like.device),
+            like.dtype,
+        )
+    assert n % group == 0 and group & (group - 1) == 0 and group > 1, (
+        f"codes in whole groups of a power of two columns: {n} columns, groups of {group}"
     )
+    return group_codes_out(rows, n, group, like)
 
 
 @triton.jit
 def _rms_norm(
-    X, R, W, Y, Q, S, stride_xt, stride_xh, stride_rt, stride_yt, stride_yh, N, eps,
+    X, R, W, Y, Q, S, stride_xt, stride_xh, stride_rt, stride_yt, stride_yh, stride_sg, N, eps,
     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, GPU: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    GROUP: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One row (token, head) per program: [r = x + r (stored)]; y = w * norm(r or x), stored,
-    or with QUANT its codes to Q and scale to S (rows ``stride_yt`` apart; one head)."""
+    or with QUANT its codes to Q and scales to S (rows ``stride_yt`` apart; one head;
+    ``_store_quantized``)."""
     await_inputs(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -55,24 +84,25 @@ def _rms_norm(
     w = tl.load(W + offs, mask=ok, other=0.0).to(tl.float32)
     y = (w * normed).to(Y.dtype.element_ty)
     if QUANT:
-        store_codes(y.to(tl.float32), ok, Q + t * stride_yt + offs, S + t, GPU)
+        _store_quantized(y.to(tl.float32), ok, Q + t * stride_yt, 0, S + t, stride_sg, N, BLOCK,
+                         GROUP, GPU)  # fmt: skip
     else:
         tl.store(Y + t * stride_yt + h * stride_yh + offs, y, mask=ok)
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool = False
+    x: torch.Tensor, weight: torch.Tensor, eps: float, group: int = 0
 ) -> torch.Tensor | Codes:
     """x: [T, N] or [T, H, N] (any strides, last dim contiguous); returns a new tensor, or
-    with ``quantize`` (x: [T, N]) its codes."""
-    if quantize:
+    with ``group`` (x: [T, N]) its codes, a scale every ``group`` columns (N: per token)."""
+    if group:
         assert x.dim() == 2, "codes of whole rows"
-        return _add_rms_norm(x, None, weight, eps, quantize)
+        return _add_rms_norm(x, None, weight, eps, group)
     x3 = x if x.dim() == 3 else x.unsqueeze(1)
     y = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
     n = x3.shape[-1]
     _rms_norm[(x3.shape[0], x3.shape[1])](
-        x3, x3, weight, y, y, y, x3.stride(0), x3.stride(1), 0, y.stride(0), y.stride(1), n,
+        x3, x3, weight, y, y, y, x3.stride(0), x3.stride(1), 0, y.stride(0), y.stride(1), 0, n,
         eps, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=False, QUANT=False, GPU=x.is_cuda,
         **launch_options(x),
     )  # fmt: skip
@@ -80,44 +110,45 @@ def rms_norm(
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-    quantize: bool = False,
-) -> tuple[torch.Tensor | Codes, torch.Tensor]:  # fmt: skip
-    """``residual += x`` in place; returns (norm of it, or its codes, it). x, residual: [T, N]."""
-    return _add_rms_norm(x, residual, weight, eps, quantize), residual
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, group: int = 0
+) -> tuple[torch.Tensor | Codes, torch.Tensor]:
+    """``residual += x`` in place; returns (norm of it, or its codes a scale every ``group``
+    columns, it). x, residual: [T, N]."""
+    return _add_rms_norm(x, residual, weight, eps, group), residual
 
 
 def _add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-    quantize: bool,
-) -> torch.Tensor | Codes:  # fmt: skip
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, group: int
+) -> torch.Tensor | Codes:
     """The norm of [T, N] rows (after ``residual += x`` when a residual is given), or its
     codes. The kernel writes one of Y (the row) or Q and S (codes, scales); the other
     pointers are placeholders of the right type that it never touches."""
     rows, n = x.shape
     r = residual if residual is not None else x
-    codes = _codes_out(rows, n, x) if quantize else None
+    codes = _codes_out(rows, n, group, x) if group else None
     if codes is not None:
         y, q, s = x, codes.codes, codes.scales  # (Y's dtype is the rows', x's)
+        stride_sg = s.stride(1)
     else:
         y = torch.empty_like(x)
-        q, s = y, y
+        q, s, stride_sg = y, y, 0
     out_stride = q.stride(0) if codes is not None else y.stride(0)  # (both contiguous: n)
+    block = triton.next_power_of_2(n)
     _rms_norm[(rows, 1)](
-        x, r, weight, y, q, s, x.stride(0), 0, r.stride(0), out_stride, 0, n, eps,
-        BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None, QUANT=quantize,
-        GPU=x.is_cuda, **launch_options(x),
+        x, r, weight, y, q, s, x.stride(0), 0, r.stride(0), out_stride, 0, stride_sg, n, eps,
+        BLOCK=block, HAS_RESIDUAL=residual is not None, QUANT=bool(group), GPU=x.is_cuda,
+        GROUP=group if group and group < n else 0, **launch_options(x),
     )  # fmt: skip
     return codes if codes is not None else y
 
 
 @triton.jit
 def _silu_mul(
-    X, Y, S, stride_x, stride_y, N, BLOCK: tl.constexpr, QUANT: tl.constexpr, GPU: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    X, Y, S, stride_x, stride_y, stride_sg, N, BLOCK: tl.constexpr, QUANT: tl.constexpr,
+    GPU: tl.constexpr, GROUP: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """BLOCK columns of one token per program; with QUANT a whole row, whose codes go to Y
-    (e4m3) and scale to S."""
+    """BLOCK columns of one token per program; with QUANT their codes go to Y (e4m3) and scales
+    to S (``_store_quantized``: per token, a whole row a program)."""
     await_inputs(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -127,27 +158,40 @@ def _silu_mul(
     act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)
     y = (act * up.to(tl.float32)).to(up.dtype)
     if QUANT:
-        store_codes(y.to(tl.float32), ok, Y + t * stride_y + offs, S + t, GPU)
+        c0 = tl.program_id(1) * BLOCK  # (0 per token: one program a row)
+        _store_quantized(y.to(tl.float32), ok, Y + t * stride_y, c0, S + t, stride_sg, N, BLOCK,
+                         GROUP, GPU)  # fmt: skip
     else:
         tl.store(Y + t * stride_y + offs, y.to(Y.dtype.element_ty), mask=ok)
 
 
-def silu_and_mul(x: torch.Tensor, quantize: bool = False) -> torch.Tensor | Codes:
-    """x: [T, 2N] = [gate ‖ up] → silu(gate) · up: [T, N], or with ``quantize`` its codes."""
+def silu_and_mul(x: torch.Tensor, group: int = 0) -> torch.Tensor | Codes:
+    """x: [T, 2N] = [gate ‖ up] → silu(gate) · up: [T, N], or with ``group`` its codes, a scale
+    every ``group`` columns (N: per token)."""
     rows, n = x.shape[0], x.shape[-1] // 2
-    if quantize:  # one program a row: its scale needs the whole row
-        codes = _codes_out(rows, n, x)
+    if group == n:  # one program a row: its scale needs the whole row
+        codes = _codes_out(rows, n, group, x)
         block = triton.next_power_of_2(n)
         _silu_mul[(rows, 1)](
-            x, codes.codes, codes.scales, x.stride(0), codes.codes.stride(0), n, BLOCK=block,
+            x, codes.codes, codes.scales, x.stride(0), codes.codes.stride(0), 0, n, BLOCK=block,
             QUANT=True, GPU=x.is_cuda, **launch_options(x),
             **({"num_warps": 16 if block > 8192 else 8} if x.is_cuda else {}),
         )  # fmt: skip
         return codes
-    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(n))
+    if group:  # a program's columns in whole groups
+        codes = _codes_out(rows, n, group, x)
+        block = max(block, group)
+        assert block % group == 0, f"groups of {group} columns"
+        _silu_mul[(rows, triton.cdiv(n, block))](
+            x, codes.codes, codes.scales, x.stride(0), codes.codes.stride(0),
+            codes.scales.stride(1), n, BLOCK=block, QUANT=True, GPU=x.is_cuda, GROUP=group,
+            **launch_options(x),
+        )  # fmt: skip
+        return codes
+    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     _silu_mul[(rows, triton.cdiv(n, block))](
-        x, y, y, x.stride(0), y.stride(0), n, BLOCK=block, QUANT=False, GPU=x.is_cuda,
+        x, y, y, x.stride(0), y.stride(0), 0, n, BLOCK=block, QUANT=False, GPU=x.is_cuda,
         **launch_options(x),
     )  # fmt: skip
     return y

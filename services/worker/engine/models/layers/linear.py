@@ -56,7 +56,7 @@ class _LinearBase(nn.Module):
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
         self.weight_scale: nn.Parameter | None = None
         self.input_scale: nn.Parameter | None = None
-        self._takes_codes: bool | None = None  # answered on the first ask (the device is set)
+        self._takes_codes: int | None = None  # answered on the first ask (the device is set)
         self.scale_cols: torch.Tensor | None
         self.register_buffer("scale_cols", None, persistent=False)  # block layers set it
         # block layers on a GPU: the weight's scale a block, as cuBLASLt takes it (after_load)
@@ -164,19 +164,25 @@ class _LinearBase(nn.Module):
         assert self.weight_scale is not None
         self.block_scales = fp8_block.block_scales(self.weight_scale.data, q.block)
 
-    def takes_codes(self, like: torch.Tensor) -> bool:
+    def takes_codes(self, like: torch.Tensor) -> int:
         """Whether this layer's FP8 kernels take an input like ``like`` quantized beforehand
-        (``quantization.Codes``): dynamic per-token activations on the GPU kernels, so that the
-        fused kernel before it (RMSNorm, SiLU·mul) writes the codes instead of the row. Asked
-        by the module that calls both; the answer is fixed once the weights sit on a device."""
+        (``quantization.Codes``), and in groups of how many columns: dynamic activations on
+        the GPU kernels, so that the fused kernel before it (RMSNorm, SiLU·mul) writes the
+        codes instead of the row. The input's width for per-token codes, the block's side
+        for block checkpoints (per token and 128 columns), 0 for the row itself. Asked by
+        the module that calls both; the answer is fixed once the weights sit on a device."""
         if self._takes_codes is None:
-            q = self.quant
-            if q is None or not self.fused or q.activations != "token":
-                self._takes_codes = False
-            else:
+            q, k, group = self.quant, self.weight.shape[1], 0
+            if q is not None and self.fused:
                 from services.worker.engine.models.layers import fp8_linear
 
-                self._takes_codes = fp8_linear.supported(like, self.weight)
+                if q.activations == "token":
+                    group = k
+                elif q.weights == "block" and self.col_start % q.block == 0 == k % q.block:
+                    group = q.block  # (this rank's columns in whole blocks)
+                if not fp8_linear.supported(like, self.weight):
+                    group = 0
+            self._takes_codes = group
         return self._takes_codes
 
     def forward(self, x: torch.Tensor | Codes) -> torch.Tensor:
@@ -194,23 +200,34 @@ class _LinearBase(nn.Module):
             return fp8_linear.fp8_gemv(*args, fast_accumulation=fast)
         return fp8_linear.fp8_mm(*args, fast_accumulation=fast)
 
+    def _block_kernels(self, x: torch.Tensor | Codes, bias: torch.Tensor | None) -> torch.Tensor:
+        """A block checkpoint's GPU kernels (``fp8_block.fp8_block_mm``); ``x``: the activation,
+        or its codes a group of columns at a time from the kernel before."""
+        from services.worker.engine.models.layers import fp8_block
+
+        assert self.weight_scale is not None and self.quant is not None
+        return fp8_block.fp8_block_mm(
+            x, self.weight, self.weight_scale, bias, self.quant.block, self.block_scales,
+            fast_accumulation=self.quant.fast_accumulation,
+        )  # fmt: skip
+
     def _linear(self, x: torch.Tensor | Codes, bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(x, Codes):
+            assert self.quant is not None
+            if self.quant.weights == "block":
+                return self._block_kernels(x, bias)
             return self._fp8_kernels(x, bias)
         if self.quant is not None:
             assert self.weight_scale is not None
             q = self.quant
             if self.fused:
-                from services.worker.engine.models.layers import fp8_block, fp8_linear
+                from services.worker.engine.models.layers import fp8_linear
 
                 if fp8_linear.supported(x, self.weight):  # (on a GPU only)
                     if q.weights != "block":
                         return self._fp8_kernels(x, bias)
                     if self.col_start % q.block == 0:  # this rank's K tiles are whole blocks
-                        return fp8_block.fp8_block_mm(
-                            x, self.weight, self.weight_scale, bias, q.block, self.block_scales,
-                            fast_accumulation=q.fast_accumulation,
-                        )  # fmt: skip
+                        return self._block_kernels(x, bias)
             # the plain-PyTorch path (models/quantization.py): everywhere else, and the
             # reference of the kernels
             xq = quantize_activations(x, q.activations, q.block, self.input_scale)

@@ -19,25 +19,26 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
 
-    def forward(self, x: torch.Tensor, quantize: bool = False) -> torch.Tensor | Codes:
-        """``quantize``: the FP8 layer after this one takes its input as codes
-        (``_LinearBase.takes_codes``, which only a fused layer on a GPU says): write those."""
+    def forward(self, x: torch.Tensor, group: int = 0) -> torch.Tensor | Codes:
+        """``group``: the FP8 layer after this one takes its input as codes, a scale every
+        ``group`` columns (``_LinearBase.takes_codes``, which only a fused layer on a GPU
+        says): write those."""
         if self.fused:
             from services.worker.engine.models.layers.fused_ops import rms_norm
 
-            return rms_norm(x, self.weight, self.eps, quantize)
-        assert not quantize, "codes come from the fused kernel"
+            return rms_norm(x, self.weight, self.eps, group)
+        assert not group, "codes come from the fused kernel"
         return self._norm(x)
 
     def forward_residual(
-        self, x: torch.Tensor, residual: torch.Tensor, quantize: bool = False
+        self, x: torch.Tensor, residual: torch.Tensor, group: int = 0
     ) -> tuple[torch.Tensor | Codes, torch.Tensor]:
         """``residual + x`` becomes the new residual; returns (norm of it, or its codes, it).
         The fused kernel updates ``residual`` in place."""
         if self.fused:
             from services.worker.engine.models.layers.fused_ops import add_rms_norm
 
-            return add_rms_norm(x, residual, self.weight, self.eps, quantize)
-        assert not quantize, "codes come from the fused kernel"
+            return add_rms_norm(x, residual, self.weight, self.eps, group)
+        assert not group, "codes come from the fused kernel"
         residual = residual + x
         return self._norm(residual), residual
