@@ -48,11 +48,6 @@ class Codes:
     def rows(self) -> int:
         return self.codes.shape[0]
 
-    @property
-    def group(self) -> int:
-        """The columns a scale covers: K for codes per token."""
-        return self.codes.shape[1] // self.scales.shape[1]
-
 
 def divide(x: torch.Tensor, by: float | torch.Tensor) -> torch.Tensor:
     """``x / by`` in float32, correctly rounded on every device, as the kernels divide
