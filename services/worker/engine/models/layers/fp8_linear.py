@@ -198,11 +198,15 @@ def _x_codes(X, first, ok, xs, r, GPU: tl.constexpr, CODES: tl.constexpr):
 @triton.jit
 def _group_scales(xs_in, ws_row, j, k4, GROUP: tl.constexpr, stride_wsg):
     """Block checkpoints: the product of the activation's and the weight block's scales of the
-    groups that words ``j`` (four columns each) fall in."""
-    g = (4 * j) // GROUP
-    ok = j < k4
-    xs = tl.load(xs_in + g, mask=ok, other=0.0)
-    return xs * tl.load(ws_row + g * stride_wsg, mask=ok, other=0.0)
+    groups that words ``j`` (four columns each) fall in; 1 without GROUP (the row's scales
+    are applied once, after the sums)."""
+    scales = 1.0
+    if GROUP:
+        g = (4 * j) // GROUP
+        ok = j < k4
+        xs = tl.load(xs_in + g, mask=ok, other=0.0)
+        scales = xs * tl.load(ws_row + g * stride_wsg, mask=ok, other=0.0)
+    return scales
 
 
 @triton.jit
@@ -259,10 +263,7 @@ def _fp8_gemv_kernel(
             x01, x23 = _halves(tl.load(XW + j, mask=j < k4, other=0))
             dot = _dot_word(w, tl.broadcast_to(x01[None, :], (BLOCK_N, WORDS)),
                             tl.broadcast_to(x23[None, :], (BLOCK_N, WORDS)))  # fmt: skip
-            if GROUP:
-                acc += dot * _group_scales(xs_in, ws_row, j, k4, GROUP, stride_wsg)[None, :]
-            else:
-                acc += dot
+            acc += dot * _group_scales(xs_in, ws_row, j, k4, GROUP, stride_wsg)[None, :]
             j += WORDS
             w = tl.load(w_rows + j[None, :], mask=row_ok[:, None] & (j < k4)[None, :], other=0)
         xs = xs * X_UNIT
@@ -271,17 +272,11 @@ def _fp8_gemv_kernel(
             j = k0 + tl.arange(0, WORDS)
             ok = j < k4
             w0, w1, w2, w3 = _widen4(w, GPU)
-            if GROUP:  # the columns' codes times their scales
-                sc = _group_scales(xs_in, ws_row, j, k4, GROUP, stride_wsg)
-                acc += w0 * (_x_codes(X, 4 * j, ok, xs, r, GPU, CODES) * sc)[None, :]
-                acc += w1 * (_x_codes(X, 4 * j + 1, ok, xs, r, GPU, CODES) * sc)[None, :]
-                acc += w2 * (_x_codes(X, 4 * j + 2, ok, xs, r, GPU, CODES) * sc)[None, :]
-                acc += w3 * (_x_codes(X, 4 * j + 3, ok, xs, r, GPU, CODES) * sc)[None, :]
-            else:
-                acc += w0 * _x_codes(X, 4 * j, ok, xs, r, GPU, CODES)[None, :]
-                acc += w1 * _x_codes(X, 4 * j + 1, ok, xs, r, GPU, CODES)[None, :]
-                acc += w2 * _x_codes(X, 4 * j + 2, ok, xs, r, GPU, CODES)[None, :]
-                acc += w3 * _x_codes(X, 4 * j + 3, ok, xs, r, GPU, CODES)[None, :]
+            sc = _group_scales(xs_in, ws_row, j, k4, GROUP, stride_wsg)  # the columns' scales
+            acc += w0 * (_x_codes(X, 4 * j, ok, xs, r, GPU, CODES) * sc)[None, :]
+            acc += w1 * (_x_codes(X, 4 * j + 1, ok, xs, r, GPU, CODES) * sc)[None, :]
+            acc += w2 * (_x_codes(X, 4 * j + 2, ok, xs, r, GPU, CODES) * sc)[None, :]
+            acc += w3 * (_x_codes(X, 4 * j + 3, ok, xs, r, GPU, CODES) * sc)[None, :]
             j += WORDS
             w = tl.load(w_rows + j[None, :], mask=row_ok[:, None] & (j < k4)[None, :], other=0)
     if GROUP:
