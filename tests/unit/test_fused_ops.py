@@ -56,8 +56,9 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
 )
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 # on a GPU a head per program (few tokens), then a whole q or k per program (in Triton's
-# interpreter always the latter), 3 q heads in a tile of 4
-@pytest.mark.parametrize("tokens", [9, ROTARY_HEAD_TOKENS + 6])
+# interpreter always the latter), 3 q heads in a tile of 4; in the interpreter one token a
+# program (1: as a GPU runs each), up to ROTARY_INTERPRETER_TOKENS, the last program part empty
+@pytest.mark.parametrize("tokens", [1, 9, ROTARY_HEAD_TOKENS + 6])
 def test_rotary_in_place(rope: RopeConfig, dtype: torch.dtype, tokens: int) -> None:
     ref, fused = pair(RotaryEmbedding, 32, 256, rope)
     qkv = torch.randn(tokens, (3 + 2 + 2) * 32, device=DEVICE, dtype=dtype)

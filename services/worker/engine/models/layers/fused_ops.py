@@ -198,20 +198,35 @@ def silu_and_mul(x: torch.Tensor, group: int = 0) -> torch.Tensor | Codes:
 
 
 ROTARY_HEAD_TOKENS = 64
+ROTARY_INTERPRETER_TOKENS = 32
 
 
 @triton.jit
+def _per_row(x, TOKENS: tl.constexpr):
+    """A program's per-token term as a column of its [TOKENS · HEADS, half] tile: as it is
+    (a scalar) with one token a program."""
+    if TOKENS == 1:
+        return x
+    else:
+        return x[:, None]
+
+
+@triton.jit(do_not_specialize=["tokens"])  # (a GPU's launch reads no count: one compile)
 def _rotary(
     Q, K, positions, COS, SIN, QW, KW, eps, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
     V, KC, VC, slots, k_scale, v_scale, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
+    tokens,
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEADS: tl.constexpr,
     HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
     STORE: tl.constexpr = False, KV_BLOCK: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
+    TOKENS: tl.constexpr = 1,
 ):  # fmt: skip
-    """In place, HEADS heads of one token per program, as a [HEADS, half] tile: programs
-    (t, 0 .. q groups - 1) take q's heads, the rest k's. Many tokens: a whole q or k per
-    program (a program per (token, head) made a prefill's grid millions of programs of 64
+    """In place, HEADS heads of TOKENS tokens per program, as a [TOKENS · HEADS, half] tile:
+    programs (t, 0 .. q groups - 1) take q's heads, the rest k's. Many tokens: a whole q or k
+    per program (a program per (token, head) made a prefill's grid millions of programs of 64
     elements each); a few tokens: a head per program, so that many programs share the work.
+    On a GPU one token a program; Triton's interpreter (CPU) runs programs one after another
+    at a fixed cost each, so there a program takes up to ROTARY_INTERPRETER_TOKENS tokens.
 
     [x = w · norm(x)   per head (Qwen3's q/k norm), rounded as ``_rms_norm`` rounds]
     out[:half] = x1·cos − x2·sin,  out[half:] = x2·cos + x1·sin   (rotate-half style)
@@ -222,21 +237,31 @@ def _rotary(
     and leave K as it was: one launch and one pass over the keys where there were two.
     """
     await_inputs(USE_PDL)
-    t = tl.program_id(0).to(tl.int64)
+    if TOKENS == 1:
+        t = tl.program_id(0).to(tl.int64)
+        head = tl.arange(0, HEADS)
+    else:  # row r: token r // HEADS of the program's, head r % HEADS of its group
+        rows = tl.arange(0, TOKENS * HEADS)
+        t = tl.program_id(0).to(tl.int64) * TOKENS + rows // HEADS
+        live = t < tokens
+        t = tl.minimum(t, tokens - 1)  # rows past the last token read it, and store nothing
+        head = rows % HEADS
     pos = tl.load(positions + t).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     group = tl.program_id(1)
     q_groups = tl.cdiv(NUM_Q_HEADS, HEADS)
     if group < q_groups:
-        heads = group * HEADS + tl.arange(0, HEADS)
-        base = Q + t * stride_qt + heads[:, None] * stride_qh
+        heads = group * HEADS + head
+        base = Q + _per_row(t * stride_qt, TOKENS) + heads[:, None] * stride_qh
         h_ok = heads < NUM_Q_HEADS
         W = QW
     else:
-        heads = (group - q_groups) * HEADS + tl.arange(0, HEADS)
-        base = K + t * stride_kt + heads[:, None] * stride_kh
+        heads = (group - q_groups) * HEADS + head
+        base = K + _per_row(t * stride_kt, TOKENS) + heads[:, None] * stride_kh
         h_ok = heads < NUM_K_HEADS
         W = KW
+    if TOKENS > 1:
+        h_ok = h_ok & live
     ok = h_ok[:, None] & (offs < HALF)[None, :]
     x1 = tl.load(base + offs[None, :], mask=ok, other=0.0)
     x2 = tl.load(base + HALF + offs[None, :], mask=ok, other=0.0)
@@ -253,9 +278,14 @@ def _rotary(
         x1f = (w1 * (x1f * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         x2f = (w2 * (x2f * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     c_ok = offs < HALF
-    cos = tl.load(COS + pos * stride_c + offs, mask=c_ok, other=0.0).to(dtype).to(tl.float32)
-    sin = tl.load(SIN + pos * stride_c + offs, mask=c_ok, other=0.0).to(dtype).to(tl.float32)
-    cos, sin = cos[None, :], sin[None, :]
+    if TOKENS == 1:
+        cos = tl.load(COS + pos * stride_c + offs, mask=c_ok, other=0.0).to(dtype).to(tl.float32)
+        sin = tl.load(SIN + pos * stride_c + offs, mask=c_ok, other=0.0).to(dtype).to(tl.float32)
+        cos, sin = cos[None, :], sin[None, :]
+    else:  # each row its token's position
+        at = (pos * stride_c)[:, None] + offs[None, :]
+        cos = tl.load(COS + at, mask=c_ok[None, :], other=0.0).to(dtype).to(tl.float32)
+        sin = tl.load(SIN + at, mask=c_ok[None, :], other=0.0).to(dtype).to(tl.float32)
     a1 = (x1f * cos).to(dtype).to(tl.float32)
     b1 = (x2f * sin).to(dtype).to(tl.float32)
     a2 = (x2f * cos).to(dtype).to(tl.float32)
@@ -264,10 +294,10 @@ def _rotary(
     if STORE and group >= q_groups:
         slot = tl.load(slots + t)
         dst = (slot // KV_BLOCK) * stride_cb + (slot % KV_BLOCK) * stride_cs
-        dst = dst + heads[:, None] * stride_ch + offs[None, :]
+        dst = _per_row(dst, TOKENS) + heads[:, None] * stride_ch + offs[None, :]
         tl.store(KC + dst, cache_values(y1, k_scale, KC.dtype.element_ty), mask=ok)
         tl.store(KC + dst + HALF, cache_values(y2, k_scale, KC.dtype.element_ty), mask=ok)
-        values = V + t * stride_vt + heads[:, None] * stride_vh + offs[None, :]
+        values = V + _per_row(t * stride_vt, TOKENS) + heads[:, None] * stride_vh + offs[None, :]
         v1 = tl.load(values, mask=ok, other=0.0)
         v2 = tl.load(values + HALF, mask=ok, other=0.0)
         tl.store(VC + dst, cache_values(v1, v_scale, VC.dtype.element_ty), mask=ok)
@@ -308,6 +338,7 @@ def rotary_(
     spread = q.is_cuda and tokens < ROTARY_HEAD_TOKENS
     heads = 1 if spread else triton.next_power_of_2(max(num_q, num_k))
     groups = triton.cdiv(num_q, heads) + triton.cdiv(num_k, heads)
+    per_program = 1 if q.is_cuda else min(triton.next_power_of_2(tokens), ROTARY_INTERPRETER_TOKENS)
     block = triton.next_power_of_2(half)
     qw, kw = norm_weights if norm_weights is not None else (cos, cos)  # unread without a norm
     if store is None:  # placeholders the kernel never touches
@@ -323,13 +354,13 @@ def rotary_(
         kc, vc, block_size = cache.key, cache.value, cache.block_size
         k_scale, v_scale = float(cache.k_scale), float(cache.v_scale)
         cache_strides = kc.stride()[:3]  # block, slot, head (the head dim is contiguous)
-    _rotary[(tokens, groups)](
+    _rotary[(triton.cdiv(tokens, per_program), groups)](
         q, k, positions, cos, sin, qw, kw, eps, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), cos.stride(0), v, kc, vc, slots, k_scale, v_scale, v.stride(0),
-        v.stride(1), *cache_strides,
+        v.stride(1), *cache_strides, tokens,
         NUM_Q_HEADS=q.shape[1], NUM_K_HEADS=k.shape[1],
         HEADS=heads, HALF=half, BLOCK=block, HAS_NORM=norm_weights is not None,
         NORM_BLOCK=triton.next_power_of_2(2 * half), STORE=store is not None,
-        KV_BLOCK=block_size, **launch_options(q),
+        KV_BLOCK=block_size, TOKENS=per_program, **launch_options(q),
         **({"num_warps": 4 if heads * block <= 1024 else 8} if q.is_cuda else {}),
     )  # fmt: skip
