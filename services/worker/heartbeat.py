@@ -10,19 +10,26 @@ and a reconnect with backoff when the stream breaks. On every (re)connection the
 asked to re-announce its prefix index (all-cleared, then every cached block), and the
 registration carries it, so a restarted scheduler has the exact picture as soon as a worker is
 back; a re-announce command is answered at once too (the engine core sends the events with its
-answer, busy or idle). A worker keeps one
-``Heartbeat`` per scheduler replica; ``main`` fans the engine's KV events out to all of them.
+answer). A worker keeps one ``Heartbeat`` per scheduler replica; ``main`` fans the engine's KV
+events out to all of them.
+
+A heartbeat never waits on the engine's step: the load it reports is the engine's last pushed
+stats (``load`` returns at once), and a re-announcement waits at most ``RESYNC_WAIT_S`` (the
+engine answers between steps only; a late answer's blocks follow on a later heartbeat). Any
+failure ends the stream and starts a new one: a worker busy in one long step, or hit by an
+unexpected error, stays registered.
 """
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
 
 import grpc
 
 from services.worker import convert
-from services.worker.engine.async_llm import AsyncLLM
 from shared.kv_events import KVEventBatch
 from shared.protos.baton.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from shared.rpc import auth, channel
@@ -30,6 +37,12 @@ from shared.rpc import auth, channel
 logger = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 1.0  # a restarted scheduler hears from every worker within about a second
+RESYNC_WAIT_S = 1.0  # how long a (re)registration waits for the engine's blocks
+
+
+class KVResync(Protocol):
+    async def resync_kv_events(self) -> None:
+        """Have the engine re-announce its prefix index through the KV-event listener."""
 
 
 class Heartbeat:
@@ -37,21 +50,23 @@ class Heartbeat:
         self,
         address: str,
         registration: scheduler_pb2.WorkerRegistration,
-        engine: AsyncLLM,
-        load: Callable[[], Awaitable[scheduler_pb2.WorkerLoad]],
+        engine: KVResync,
+        load: Callable[[], scheduler_pb2.WorkerLoad],
         interval_s: float,
         on_kv_peers: Callable[[str, frozenset[str]], None] = lambda replica, peers: None,
     ):
         self.address = address
         self.registration = registration
         self.engine = engine
-        self.load = load
+        self.load = load  # the worker's load now; must return at once (never await the engine)
         self.interval_s = interval_s
         self.on_kv_peers = on_kv_peers  # (this replica's address, the peers it registered)
         self._events: list[common_pb2.KVEventBatch] = []
         self._wake = asyncio.Event()
         self._stopped = False
+        self._failure: BaseException | None = None  # why our side ended the last stream
         self.connected = asyncio.Event()  # set once the scheduler has our registration
+        self.disconnected_at: float | None = time.monotonic()  # None while connected
 
     def on_kv_events(self, batch: KVEventBatch) -> None:
         self._events.append(convert.kv_event_batch(batch))
@@ -61,25 +76,24 @@ class Heartbeat:
         self._wake.set()
 
     async def run(self) -> None:
+        """Until ``stop``: stream, and on any failure log it and stream again (backoff)."""
         backoff = 0.1
         while not self._stopped:
             try:
-                async with channel(self.address) as ch:
-                    stub = scheduler_pb2_grpc.GlobalSchedulerStub(ch)
-                    async for command in stub.Heartbeat(self._messages(), metadata=auth()):
-                        if command.HasField("kv_peers"):
-                            self.on_kv_peers(self.address,
-                                             frozenset(command.kv_peers.side_channels))  # fmt: skip
-                        if command.resync_kv_events:
-                            logger.info("scheduler asks for the KV blocks: %s", command.reason)
-                            await self.engine.resync_kv_events()
-                            self._wake.set()  # the blocks leave now, not a heartbeat later
-                    logger.info("the scheduler at %s ended the heartbeat stream", self.address)
+                await self._stream()
                 backoff = 0.1
             except grpc.aio.AioRpcError as e:
                 if self.connected.is_set():
                     logger.warning("heartbeat to %s broke: %s", self.address, e.code().name)
-                self.connected.clear()
+            except asyncio.CancelledError:
+                if _cancelling():  # we are being stopped
+                    raise
+                # grpc cancels the call when the stream's messages fail (the reason is kept)
+                logger.error("heartbeat to %s failed: %r; reconnecting", self.address,
+                             self._failure)  # fmt: skip
+            except Exception:
+                logger.exception("heartbeat to %s failed; reconnecting", self.address)
+            self._on_disconnect()
             if not self._stopped:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
@@ -89,18 +103,57 @@ class Heartbeat:
         self._stopped = True
         self._wake.set()
 
+    async def _stream(self) -> None:
+        self._failure = None
+        async with channel(self.address) as ch:
+            stub = scheduler_pb2_grpc.GlobalSchedulerStub(ch)
+            async for command in stub.Heartbeat(self._messages(), metadata=auth()):
+                if command.HasField("kv_peers"):
+                    self.on_kv_peers(self.address, frozenset(command.kv_peers.side_channels))
+                if command.resync_kv_events:
+                    logger.info("scheduler asks for the KV blocks: %s", command.reason)
+                    await self._resync()
+                    self._wake.set()  # the blocks leave now, not a heartbeat later
+        if self._failure is not None:
+            logger.error("heartbeat to %s failed: %r; reconnecting", self.address, self._failure)
+        elif not self._stopped:
+            logger.info("the scheduler at %s ended the heartbeat stream", self.address)
+
+    def _on_disconnect(self) -> None:
+        self.connected.clear()
+        if self.disconnected_at is None:
+            self.disconnected_at = time.monotonic()
+
+    async def _resync(self) -> None:
+        """Ask the engine to re-announce its blocks; bounded (see the module's docstring)."""
+        try:
+            await asyncio.wait_for(self.engine.resync_kv_events(), RESYNC_WAIT_S)
+        except TimeoutError:
+            logger.info("the engine is in a step: its KV blocks follow when the step ends")
+
     async def _messages(self) -> AsyncIterator[scheduler_pb2.WorkerHeartbeat]:
-        self._events.clear()  # superseded by the re-announcement below
-        await self.engine.resync_kv_events()  # (its events are in self._events when it returns)
-        events, self._events = self._events, []
-        yield scheduler_pb2.WorkerHeartbeat(
-            registration=self.registration, load=await self.load(), kv_events=events
-        )
-        self.connected.set()
-        logger.info("registered with the global scheduler at %s", self.address)
-        while not self._stopped:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.interval_s)
-            self._wake.clear()
+        """The stream's messages. Never raises (grpc would cancel the call without a word):
+        a failure is kept in ``_failure`` and ends the stream, and ``run`` starts another."""
+        try:
+            self._events.clear()  # superseded by the re-announcement below
+            await self._resync()  # (its events are in self._events when it returns in time)
             events, self._events = self._events, []
-            yield scheduler_pb2.WorkerHeartbeat(load=await self.load(), kv_events=events)
+            yield scheduler_pb2.WorkerHeartbeat(
+                registration=self.registration, load=self.load(), kv_events=events
+            )
+            self.connected.set()
+            self.disconnected_at = None
+            logger.info("registered with the global scheduler at %s", self.address)
+            while not self._stopped:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.interval_s)
+                self._wake.clear()
+                events, self._events = self._events, []
+                yield scheduler_pb2.WorkerHeartbeat(load=self.load(), kv_events=events)
+        except Exception as e:
+            self._failure = e
+
+
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0

@@ -9,6 +9,7 @@ scheduler. Lifecycle (shared/lifecycle.py):
 import asyncio
 import json
 import logging
+import time
 from pathlib import Path
 
 from services.worker import convert, metrics
@@ -32,9 +33,14 @@ from shared.protos.baton.v1 import scheduler_pb2, worker_pb2_grpc
 logger = logging.getLogger(__name__)
 
 ENGINE_POLL_S = 0.5
+REGISTRATION_POLL_S = 0.5
+REGISTRATION_WARN_S = 10.0  # while unregistered, a warning this often
 
 
-async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> None:
+async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> int:
+    """Serve until stopped; the process's exit code (non-zero: stopped by a failure, for the
+    supervisor to restart it)."""
+    exit_code: list[int] = [0]  # set by the watchers that stop the worker on a failure
     stop = stop or StopSignal()
     stop.install()
     owner = TaskOwner("worker")
@@ -70,8 +76,9 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> Non
         rate = ThroughputMeter()
         counters = metrics.EngineCounters()
 
-        async def load() -> scheduler_pb2.WorkerLoad:
-            stats = await engine.get_stats()
+        def load() -> scheduler_pb2.WorkerLoad:
+            """The load now, from the engine's last pushed stats: never waits on its step."""
+            stats = engine.latest_stats
             metrics.RUNNING.set(stats.num_running)
             metrics.WAITING.set(stats.num_waiting)
             metrics.KV_USAGE.set(stats.kv_usage)
@@ -118,7 +125,10 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> Non
 
             servicer.ask_for_kv_peers = ask_for_kv_peers
             await _wait_registered(heartbeats)
-        owner.spawn(_watch_engine(engine, stop), "engine-watch")
+            if settings.unregistered_exit_s:
+                owner.spawn(_watch_registration(heartbeats, stop, settings.unregistered_exit_s,
+                                                exit_code), "registration-watch")  # fmt: skip
+        owner.spawn(_watch_engine(engine, stop, exit_code), "engine-watch")
         serving.set()
         freeze_startup_heap()
         logger.info("worker %s (%s) serving %s on %s", settings.worker_id, settings.role,
@@ -150,6 +160,7 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> Non
         await owner.cancel_all()
         engine.shutdown()
         logger.info("worker stopped")
+    return exit_code[0]
 
 
 class ThroughputMeter:
@@ -180,13 +191,41 @@ async def _wait_registered(heartbeats: list[Heartbeat]) -> None:
         logger.warning("not registered with every scheduler yet; still trying")
 
 
-async def _watch_engine(engine: AsyncLLM, stop: StopSignal) -> None:
+async def _watch_engine(engine: AsyncLLM, stop: StopSignal, exit_code: list[int]) -> None:
     """A dead engine core ends the worker (its supervisor restarts it)."""
     while not engine.dead and not engine.client.core_dead():
         await asyncio.sleep(ENGINE_POLL_S)
     logger.error("the engine core died; stopping the worker")
+    exit_code[0] = 1
     stop.trigger()
     stop.trigger()  # no drain: nothing can finish
+
+
+async def _watch_registration(
+    heartbeats: list[Heartbeat], stop: StopSignal, bound_s: float, exit_code: list[int]
+) -> None:
+    """A worker no scheduler replica knows serves nobody: say so while it lasts, and past
+    ``bound_s`` stop (draining what it still serves) with a failure code, so that the
+    supervisor (``baton serve``, Kubernetes) starts it again, instead of living on unseen."""
+    warned = 0.0
+    while True:
+        await asyncio.sleep(REGISTRATION_POLL_S)
+        since = [h.disconnected_at for h in heartbeats]
+        if any(t is None for t in since):
+            warned = 0.0
+            continue
+        alone = time.monotonic() - max(t for t in since if t is not None)
+        if alone >= bound_s:
+            logger.error("registered with no global scheduler for %.0f s (%s): stopping the "
+                         "worker for its supervisor to restart it", alone,
+                         ", ".join(h.address for h in heartbeats))  # fmt: skip
+            exit_code[0] = 1
+            stop.trigger()
+            return
+        if alone - warned >= REGISTRATION_WARN_S:
+            warned = alone
+            logger.warning("registered with no global scheduler for %.0f s; stopping at %.0f s",
+                           alone, bound_s)  # fmt: skip
 
 
 def _write_ready(path: str, address: str, metrics_port: int | None) -> None:

@@ -24,6 +24,9 @@ class WorkerSettings:
     metrics_port: int | None = None  # Prometheus /metrics; None: off
     heartbeat_interval_s: float = 0.5
     drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may finish
+    # registered with no scheduler replica for this long: stop, for the supervisor to restart
+    # the worker (0: never); long enough to ride out a scheduler restart
+    unregistered_exit_s: float = 300.0
     ready_file: str | None = None  # written with the bound address once serving (for launchers)
     cpus: tuple[int, ...] = ()  # pin the front's threads here once serving; not the engine core
 
@@ -34,6 +37,8 @@ class WorkerSettings:
             object.__setattr__(self, "worker_id", f"{socket.gethostname()}-{os.getpid()}")
         if self.heartbeat_interval_s <= 0 or self.drain_timeout_s < 0:
             raise ValueError("heartbeat_interval_s must be > 0 and drain_timeout_s >= 0")
+        if self.unregistered_exit_s < 0:
+            raise ValueError("unregistered_exit_s must be >= 0 (0: never)")
 
     def replace(self, **changes: object) -> "WorkerSettings":
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -41,6 +41,9 @@ class AsyncLLM:
         # Called with every KV-event batch, in the core's order (the worker service forwards
         # them to the global scheduler). Must not block: it runs on the output task.
         self.kv_event_listener: Callable[[KVEventBatch], None] | None = None
+        # The core's stats as last seen (pushed with its steps, or a get_stats answer): what a
+        # load report reads, never waiting on a step (see latest_stats).
+        self._stats = self.client.core.ready_stats
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "AsyncLLM":
@@ -84,9 +87,21 @@ class AsyncLLM:
             queue.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
 
     async def get_stats(self) -> EngineStats:
+        """Exact, but answered between steps only: waits for a step in progress to end."""
         self._ensure_output_task()
         stats: EngineStats = await self.client.call_utility_async("get_stats")
+        self._stats = stats
         return stats
+
+    @property
+    def latest_stats(self) -> EngineStats:
+        """The stats as the core last pushed them, at once: at most ``STATS_PUSH_S`` old
+        while steps run, exact while it is idle, and as the last step left them while it is
+        in one long step."""
+        self._ensure_output_task()
+        if self._stats is None:
+            raise EngineDeadError("the engine core sent no stats")  # (it sends them when ready)
+        return self._stats
 
     async def get_model_info(self) -> ModelInfo:
         self._ensure_output_task()
@@ -133,6 +148,8 @@ class AsyncLLM:
         try:
             while True:
                 outs = await self.client.get_output_async()
+                if outs.stats is not None:
+                    self._stats = outs.stats
                 if outs.kv_events is not None and self.kv_event_listener is not None:
                     self.kv_event_listener(outs.kv_events)
                 result = self.output_processor.process_outputs(outs.outputs)

@@ -32,6 +32,7 @@ from services.worker.engine.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreUtility,
+    EngineStats,
     ErrorCode,
     UtilityResult,
 )
@@ -131,18 +132,22 @@ class EngineCore:
         reports goes the way a step's transfers go; outputs leave with the next step."""
         self._ended += self.scheduler.update_from_transfers(self.executor.poll_transfers())
 
+    def stats(self) -> EngineStats:
+        """The scheduler's counts with the model time and the KV transfers' counters."""
+        extra: dict[str, object] = {"model_seconds": self._model_seconds}
+        extra.update(self.executor.transfer_info().stats)
+        transfer = self.scheduler.transfer
+        if transfer is not None:
+            extra["kv_leases_released"] = transfer.num_released
+            extra["kv_leases_expired"] = transfer.num_expired
+            extra["kv_stale_handles"] = transfer.num_stale
+            extra["kv_leases_held"] = len(transfer.leases)
+        return msgspec.structs.replace(self.scheduler.stats(), **extra)
+
     def call_utility(self, call: EngineCoreUtility) -> UtilityResult:
+        result: object
         if call.method == "get_stats":
-            stats = self.scheduler.stats()
-            extra: dict[str, object] = {"model_seconds": self._model_seconds}
-            extra.update(self.executor.transfer_info().stats)
-            transfer = self.scheduler.transfer
-            if transfer is not None:
-                extra["kv_leases_released"] = transfer.num_released
-                extra["kv_leases_expired"] = transfer.num_expired
-                extra["kv_stale_handles"] = transfer.num_stale
-                extra["kv_leases_held"] = len(transfer.leases)
-            result: object = msgspec.structs.replace(stats, **extra)
+            result = self.stats()
         elif call.method == "get_model_info":
             result = self.executor.model_info()
             if self.config.kv_transfer.enabled:

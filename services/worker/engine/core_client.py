@@ -33,6 +33,7 @@ from services.worker.engine.messages import (
     EngineCoreRequest,
     EngineCoreShutdown,
     EngineCoreUtility,
+    EngineStats,
     UtilityResult,
 )
 from shared.tmpdirs import make_private_dir
@@ -129,6 +130,7 @@ class _CoreProcess:
         self.proc.stdin.close()
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self.ready_stats: EngineStats | None = None  # the core's stats when it came up
         self._wait_ready(startup_timeout_s)
 
     def _wait_ready(self, timeout_s: float) -> None:
@@ -136,7 +138,9 @@ class _CoreProcess:
         while time.monotonic() < deadline:
             self.check_alive()
             polled = self.output.poll(int(POLL_S * 1000))
-            if polled and self.decoder.decode(self.output.recv()).ready is not None:
+            ready = self.decoder.decode(self.output.recv()).ready if polled else None
+            if ready is not None:
+                self.ready_stats = ready
                 return
         self.close()
         raise TimeoutError(f"the engine core did not start within {timeout_s:.0f} s")

@@ -130,6 +130,10 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
     utility_results: list[UtilityResult] = msgspec.field(default_factory=list)
     kv_events: KVEventBatch | None = None
     ready: EngineStats | None = None  # sent once by EngineCoreProc when it can take requests
+    # The core's counts as a step left them, pushed by EngineCoreProc (every STATS_PUSH_S while
+    # busy, and when it turns idle): a frontend reports its load from these without asking a
+    # core that answers calls only between steps (a long prefill step can take minutes).
+    stats: EngineStats | None = None
 
 
 # Named calls a client may make on the core, with what each returns (decoded with this type).
