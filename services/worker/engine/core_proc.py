@@ -56,28 +56,34 @@ class EngineCoreProc:
         self.decoder = msgspec.msgpack.Decoder(EngineCoreInput)
         self.core = EngineCore(config, show_progress=False)
         self._idle_progress = self.core.needs_idle_progress()
-        self._stats_pushed_at, self._pushed_busy = time.monotonic(), False
-        self._send(EngineCoreOutputs(ready=self.core.stats()))
+        self._stats_pushed_at, self._stats_pushed = time.monotonic(), self.core.stats()
+        self._send(EngineCoreOutputs(ready=self._stats_pushed))
 
     def run(self) -> None:
         while self._handle_inputs(self._wait_ms()):
+            outs = EngineCoreOutputs()
             if self.core.has_work() or self.core.needs_polling():
                 outs = self.core.step()
-                outs.stats = self._stats_due()
-                if outs.outputs or outs.kv_events or outs.stats is not None:
-                    self._send(outs)
             elif self._idle_progress:
                 self.core.progress_transfers()
+            outs.stats = self._stats_due()
+            if outs.outputs or outs.kv_events or outs.stats is not None:
+                self._send(outs)
         self.close()
 
     def _stats_due(self) -> EngineStats | None:
-        """The stats to push with this step's outputs: at most every ``STATS_PUSH_S`` while
-        busy, and once more when the core turns idle (so an idle frontend's copy is exact)."""
-        busy, now = self.core.has_work(), time.monotonic()
-        if now - self._stats_pushed_at < STATS_PUSH_S and (busy or not self._pushed_busy):
+        """The stats to push now, when they changed since the last push: at most every
+        ``STATS_PUSH_S`` while steps run (or KV transfers are polled), at once otherwise (so a
+        frontend's copy is exact within that bound of the last change, busy or idle)."""
+        now = time.monotonic()
+        busy = self.core.has_work() or self.core.needs_polling()
+        if busy and now - self._stats_pushed_at < STATS_PUSH_S:
             return None
-        self._stats_pushed_at, self._pushed_busy = now, busy
-        return self.core.stats()
+        stats = self.core.stats()
+        if stats == self._stats_pushed:
+            return None
+        self._stats_pushed_at, self._stats_pushed = now, stats
+        return stats
 
     def _wait_ms(self) -> int:
         """How long to wait for input: not at all with work, briefly while KV transfers need
