@@ -1,6 +1,8 @@
 """One choice's progress across worker calls: the token deltas of its GenerateResponses become
-``ChoiceDelta``s — detokenized incrementally, cut at a stop string, logprobs converted — and an
-engine's error becomes the client's (``errors.from_engine``).
+``ChoiceDelta``s — detokenized incrementally, cut at a stop string, each token's logprobs paired
+with the text it added and handed out with that text (none for a token that adds nothing at
+the end: an end-of-turn token, tokens past a stop string) — and an engine's error becomes the
+client's (``errors.from_engine``).
 
     GenerateResponse (token ids) ─▶ ChoiceState.apply ─▶ ChoiceDelta (text, ids, logprobs, finish)
     PrefillResponse (first token) ─▶ ChoiceState.apply_first ─┘
@@ -18,6 +20,9 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the top-N, most likely first
+    text: str = ""  # what the token added to the choice's text (detokenizer.TokenText)
+    offset: int = 0  # where that text starts in the choice's text
+    cut: str = ""  # the end of its text that a stop string cut off
 
 
 @dataclass
@@ -39,6 +44,9 @@ class ChoiceState:
     num_logprobs: int | None
     generated: list[int] = field(default_factory=list)
     cached: int | None = None
+    # logprobs of tokens whose text is not handed out yet: they leave with it (a stop string's
+    # hold-back, a character not complete yet), or not at all (no text at the very end)
+    unreleased: list[TokenLogprob] = field(default_factory=list)
 
     def apply_first(self, handoff: worker_pb2.PrefillResponse) -> ChoiceDelta:
         """The prefill leg's first token, as if the decode stream had sent it."""
@@ -62,14 +70,26 @@ class ChoiceState:
             if self.cached is None:
                 self.cached = delta.num_cached_tokens = resp.num_cached_tokens
             self.generated += d.token_ids
-            delta.logprobs = [_logprob(lp, self.num_logprobs) for lp in d.logprobs]
+            self.unreleased += [_logprob(lp, self.num_logprobs) for lp in d.logprobs]
             hit = self.detok.update(d.token_ids)
             delta.finish_reason = "stop" if hit is not None else (d.finish_reason or None)
             delta.text = self.detok.new_text(delta.finish_reason is not None)
+            delta.logprobs = self._released(delta.finish_reason is not None)
             deltas.append(delta)
             if delta.finish_reason is not None:
                 break
         return deltas
+
+    def _released(self, finished: bool) -> list[TokenLogprob]:
+        """The logprobs of the tokens whose text ``new_text`` just handed out, each with that
+        text: the same tokens, split the same way, streamed or not."""
+        tokens = self.detok.new_tokens(finished)
+        n = min(len(tokens), len(self.unreleased))  # none when no logprobs were asked for
+        released = self.unreleased[:n]
+        for lp, t in zip(released, tokens, strict=False):
+            lp.text, lp.offset, lp.cut = t.text, t.offset, t.cut
+        self.unreleased = [] if finished else self.unreleased[n:]
+        return released
 
 
 def _logprob(lp: common_pb2.TokenLogprobs, n: int | None) -> TokenLogprob:

@@ -37,6 +37,7 @@ from shared.protos.baton.v1 import (
     worker_pb2,
 )
 from shared.rpc import auth, metadata
+from shared.sample_seed import continued_seed
 from shared.text.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
@@ -280,4 +281,6 @@ def _remaining(params: common_pb2.SamplingParams, done: int) -> common_pb2.Sampl
     if rest.HasField("max_tokens"):
         rest.max_tokens = max(rest.max_tokens - done, 1)
     rest.min_tokens = max(rest.min_tokens - done, 0)
+    if rest.HasField("seed"):  # its token count starts again at 0 there: keep its draws
+        rest.seed = continued_seed(rest.seed, done)
     return rest

@@ -1,13 +1,22 @@
 """OpenAI response bodies and stream chunks, built as plain dicts from the orchestrator's
 ``ChoiceDelta``s. ``Choice`` accumulates one choice for non-streaming responses; the chunk
-builders shape one delta for SSE."""
+builders shape one delta for SSE.
 
+Logprobs describe exactly the text they come with: each token's string is the text it added
+(``choice.ChoiceState``: a character split across tokens is carried by the token that
+completes it, the ones before it show ""), so the strings join to the text and the
+completions' ``text_offset`` point into it; chat entries also carry the UTF-8 bytes each
+token added (OpenAI's ``bytes``), which join to the content's."""
+
+import codecs
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.choice import ChoiceDelta, TokenLogprob
 from shared.text.tokenizer import TextTokenizer
+
+_UTF8_DECODER = codecs.getincrementaldecoder("utf-8")
 
 
 @dataclass
@@ -46,7 +55,6 @@ class Formatter:
     def __init__(self, response_id: str, model: str, chat: bool, tokenizer: TextTokenizer):
         self.id, self.model, self.chat, self.tok = response_id, model, chat, tokenizer
         self.created = int(time.time())
-        self._offsets: dict[int, int] = {}  # completions: text offset per choice
 
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -59,7 +67,7 @@ class Formatter:
 
     def chunk(self, index: int, d: ChoiceDelta, first: bool, want_logprobs: bool) -> dict:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
-        logprobs = self._logprobs(index, d.logprobs, d.text) if want_logprobs else None
+        logprobs = self._logprobs(d.logprobs) if want_logprobs else None
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if d.text or first:
@@ -77,7 +85,7 @@ class Formatter:
         return body
 
     def _final_choice(self, c: Choice) -> dict[str, Any]:
-        logprobs = self._logprobs(c.index, c.logprobs, c.text) if c.logprobs else None
+        logprobs = self._logprobs(c.logprobs) if c.logprobs else None
         if self.chat:
             message = {"role": "assistant", "content": c.text}
             return {"index": c.index, "message": message, "logprobs": logprobs,
@@ -85,39 +93,109 @@ class Formatter:
         return {"index": c.index, "text": c.text, "logprobs": logprobs,
                 "finish_reason": c.finish_reason}  # fmt: skip
 
-    def _logprobs(self, index: int, lps: list[TokenLogprob], text: str) -> dict | None:
+    def _logprobs(self, lps: list[TokenLogprob]) -> dict | None:
+        """Logprobs of the tokens that make up a piece of text: ``"".join`` of their token
+        strings is that text (``choice.ChoiceState`` pairs each token with what it added)."""
         if not lps:
             return None
+        rendered = _render(self.tok, lps)
         if self.chat:
-            return {"content": [self._chat_entry(lp) for lp in lps]}
-        offset = self._offsets.get(index, 0)
-        tokens = [self.tok.token_text(lp.token_id) for lp in lps]
-        offsets = []
-        for t in tokens:
-            offsets.append(offset)
-            offset += len(t)
-        self._offsets[index] = offset
+            return {"content": [_chat_entry(lp, r) for lp, r in zip(lps, rendered, strict=True)]}
         return {
-            "tokens": tokens,
+            "tokens": [lp.text for lp in lps],
             "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [self._top_by_text(lp) for lp in lps],
-            "text_offset": offsets,
+            "top_logprobs": [_top_by_text(r.top) for r in rendered],
+            "text_offset": [lp.offset for lp in lps],
         }
 
-    def _top_by_text(self, lp: TokenLogprob) -> dict[str, float]:
-        """The legacy format keys alternatives by text. Distinct tokens can share one (two
-        partial UTF-8 sequences both print as '�'): the most probable (``lp.top`` comes most
-        likely first) keeps the key, so the sampled greedy token still has the largest value."""
-        top: dict[str, float] = {}
+
+@dataclass
+class _Alternative:
+    token: str  # the text it would have added in the sampled token's place
+    raw: bytes  # its own UTF-8 bytes
+    logprob: float
+
+
+@dataclass
+class _Rendered:
+    own: bytes  # the bytes the sampled token added to the text
+    top: list[_Alternative]  # most likely first
+
+
+def _render(tok: TextTokenizer, lps: list[TokenLogprob]) -> list[_Rendered]:
+    """Each token's bytes and its alternatives' strings. An alternative is shown as the text it
+    would have added in the sampled token's place: after the first bytes of a character it
+    would complete it; one that would leave a character unfinished is shown by its bytes,
+    OpenAI's ``bytes:\\xe6\\x97``. A character's bytes never cross from one chunk of logprobs to
+    the next (the detokenizer hands a character's tokens out together), so ``pending`` starts
+    empty each time."""
+    out = []
+    pending = b""  # bytes of a character that the tokens so far began and did not finish
+    for lp in lps:
+        own = _own_bytes(tok.token_bytes(lp.token_id), lp, pending)
+        top = []
         for token_id, value in lp.top:
-            top.setdefault(self.tok.token_text(token_id), value)
-        return top
+            if token_id == lp.token_id:
+                top.append(_Alternative(lp.text, own, value))
+            else:
+                raw = tok.token_bytes(token_id)
+                top.append(_Alternative(_as_text(pending + raw, raw), raw, value))
+        out.append(_Rendered(own, top))
+        pending = pending + own if not lp.text else b""
+    return out
 
-    def _chat_entry(self, lp: TokenLogprob) -> dict[str, Any]:
-        def one(token_id: int, value: float) -> dict[str, Any]:
-            text = self.tok.token_text(token_id)
-            return {"token": text, "logprob": value, "bytes": list(self.tok.token_bytes(token_id))}
 
-        entry = one(lp.token_id, lp.logprob)
-        entry["top_logprobs"] = [one(t, v) for t, v in lp.top]
-        return entry
+def _own_bytes(raw: bytes, lp: TokenLogprob, pending: bytes) -> bytes:
+    """The UTF-8 bytes a sampled token added to the text, so that the entries' bytes joined
+    are the text's: its own bytes (``raw``), though its text may hold a whole character whose
+    first bytes came from the tokens before it (``pending``); none for a token the text skips
+    (a special token); without what a stop string cut off."""
+    if not lp.text:  # bytes that a later token's text holds (a character it completes), or
+        return b"" if _is_utf8(pending + raw) else raw  # a token the text skips
+    whole = (lp.text + lp.cut).encode()
+    if whole.endswith(raw):
+        return raw[: max(0, len(raw) - len(lp.cut.encode()))]
+    return lp.text.encode()  # a decoder that changes text (a SentencePiece leading space)
+
+
+def _as_text(data: bytes, raw: bytes) -> str:
+    """``data`` as text, or ``raw`` as OpenAI's ``bytes:\\xNN`` when it ends in the first bytes
+    of a character (which add nothing to the text until a later token completes it)."""
+    text = _text_if_complete(data)
+    if text is None:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return text
+
+
+def _text_if_complete(data: bytes) -> str | None:
+    """``data`` decoded (invalid bytes as U+FFFD), or None when it ends in the first bytes of
+    a character."""
+    decoder = _UTF8_DECODER(errors="replace")
+    text = decoder.decode(data)
+    return None if decoder.getstate()[0] else text
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _top_by_text(top: list[_Alternative]) -> dict[str, float]:
+    """The legacy format keys alternatives by text. Distinct tokens can share one: the most
+    probable (``top`` comes most likely first) keeps the key, so the sampled greedy token
+    still has the largest value."""
+    out: dict[str, float] = {}
+    for alt in top:
+        out.setdefault(alt.token, alt.logprob)
+    return out
+
+
+def _chat_entry(lp: TokenLogprob, r: _Rendered) -> dict[str, Any]:
+    entry: dict[str, Any] = {"token": lp.text, "logprob": lp.logprob, "bytes": list(r.own)}
+    entry["top_logprobs"] = [
+        {"token": alt.token, "logprob": alt.logprob, "bytes": list(alt.raw)} for alt in r.top
+    ]
+    return entry

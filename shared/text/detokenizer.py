@@ -1,14 +1,35 @@
 """Incremental detokenization (``tokenizers``' DecodeStream) and stop strings.
 
 Text is emitted as soon as it is valid UTF-8. While a request streams, the last
-``len(longest stop string) - 1`` characters are held back, since they may be the start of a
-stop string that the next token completes; they are released when the request finishes.
+``len(longest stop string) - 1`` characters are held back (back to the start of the token they
+are in), since they may be the start of a stop string that the next token completes; they are
+released when the request finishes.
+
+It also says what each token added to the text (``new_tokens``), so that logprobs agree with
+the text they describe: the tokens handed out with a piece of text are exactly those whose
+text makes it up. A character split across tokens belongs to the token that completes it (the
+ones before it add ""), and text is handed out at token boundaries only:
+
+    tokens      ' w'   b'\\xc3'   b'\\xb6'   'r'   <|im_end|>
+    adds        ' w'   ''        'ö'       'r'   ''            (special tokens skipped)
+    offset      0      2         2         3     4  ── at the end, adding nothing: dropped
 """
 
+import bisect
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
+
+
+@dataclass(frozen=True)
+class TokenText:
+    """What one generated token added to the text."""
+
+    offset: int  # where its text starts in ``IncrementalDetokenizer.text``
+    text: str  # "" for the first bytes of a character a later token completes, or a skipped token
+    cut: str = ""  # the end of its text that a stop string cut off (then ``text`` ends there)
 
 
 class IncrementalDetokenizer:
@@ -31,17 +52,19 @@ class IncrementalDetokenizer:
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""
         self._sent = 0  # characters of ``text`` already handed out
+        self._ends: list[int] = []  # per token fed: len(text) after it, before any stop cut
+        self._tokens_sent = 0  # tokens that ``new_tokens`` handed out (or dropped)
+        self._cut_off = ""  # the text a stop string cut off the end
 
     def update(self, token_ids: list[int]) -> str | None:
-        """Add tokens; return the stop string they completed, if any (text is then cut)."""
+        """Add tokens; return the stop string they completed, if any (text is then cut, and
+        the tokens after the one that completed it are not read)."""
         for token in token_ids:
             piece = self._stream.step(self._tokenizer, token)
-            if not piece:
-                continue
-            start = max(0, len(self.text) - self.holdback)
-            self.text += piece
-            hit = self._find_stop(start)
-            if hit is not None:
+            start = max(0, len(self.text) - self.holdback)  # where a stop string may begin
+            self.text += piece or ""
+            self._ends.append(len(self.text))
+            if piece and (hit := self._find_stop(start)) is not None:
                 return hit
         return None
 
@@ -54,14 +77,45 @@ class IncrementalDetokenizer:
         if best is None:
             return None
         at, stop = best
-        self.text = self.text[: at + len(stop)] if self.include_stop else self.text[:at]
+        end = at + len(stop) if self.include_stop else at
+        self.text, self._cut_off = self.text[:end], self.text[end:]
         return stop
 
     def new_text(self, finished: bool) -> str:
-        """Text not handed out yet (minus the hold-back while unfinished); marks it handed out."""
-        end = len(self.text) if finished else max(self._sent, len(self.text) - self.holdback)
+        """Text not handed out yet (minus the hold-back while unfinished, rounded down to the
+        end of a token); marks it handed out."""
+        if finished:
+            end = len(self.text)
+        else:
+            limit = len(self.text) - self.holdback
+            end = max(self._sent, self._token_end_at_or_before(limit))
         delta, self._sent = self.text[self._sent : end], end
         return delta
+
+    def _token_end_at_or_before(self, limit: int) -> int:
+        if self._ends and self._ends[-1] <= limit:
+            return self._ends[-1]  # no hold-back, or none needed: everything
+        i = bisect.bisect_right(self._ends, limit)
+        return self._ends[i - 1] if i else 0
+
+    def new_tokens(self, finished: bool) -> list[TokenText]:
+        """The tokens whose text the text handed out so far holds, that were not returned
+        before, in order; call it after ``new_text``. A token that adds nothing waits for the
+        next one that adds something (the rest of its character). Once finished, the tokens
+        that add nothing at the very end (an end-of-text token, the bytes of an unfinished
+        character, tokens past a stop string) are dropped: no text of theirs, no entry."""
+        out = []
+        i = self._tokens_sent
+        while i < len(self._ends):
+            start = self._ends[i - 1] if i else 0
+            end = min(self._ends[i], len(self.text))
+            if start >= self._sent or end > self._sent:
+                break
+            cut = self._cut_off[: self._ends[i] - end]  # "" unless a stop string cut it
+            out.append(TokenText(start, self.text[start:end], cut))
+            i += 1
+        self._tokens_sent = len(self._ends) if finished else i
+        return out
 
     @property
     def released_text(self) -> str:

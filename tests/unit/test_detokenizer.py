@@ -54,3 +54,54 @@ def test_include_stop_string(tokenizer: TextTokenizer) -> None:
     detok = IncrementalDetokenizer(tokenizer.tokenizer, [], stop=["beta"], include_stop=True)
     assert detok.update(tokenizer.encode("alpha beta gamma")) == "beta"
     assert detok.new_text(finished=True) == "alpha beta"
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_each_token_says_what_it_added(tokenizer: TextTokenizer, text: str) -> None:
+    """The texts of the tokens handed out with each piece are that piece; a character split
+    across tokens belongs to the token that completes it; the end token adds nothing and,
+    being at the very end, is dropped."""
+    ids = [*tokenizer.encode(text), 2]  # 2: <|im_end|>, skipped
+    detok = IncrementalDetokenizer(tokenizer.tokenizer, tokenizer.encode("Prompt:"))
+    tokens = []
+    for i, token in enumerate(ids):
+        detok.update([token])
+        done = i == len(ids) - 1
+        piece = detok.new_text(done)
+        new = detok.new_tokens(done)
+        assert "".join(t.text for t in new) == piece
+        tokens += new
+    assert len(tokens) == len(ids) - 1
+    assert "".join(t.text for t in tokens) == text
+    assert all(text[t.offset : t.offset + len(t.text)] == t.text for t in tokens)
+    raw = [tokenizer.token_bytes(i) for i in ids[:-1]]
+    for t, b in zip(tokens, raw, strict=True):
+        assert t.text == "" or t.text.encode().endswith(b)  # its bytes end its text
+
+
+def test_hold_back_ends_at_a_token_boundary(tokenizer: TextTokenizer) -> None:
+    """With a stop string, text is held back by whole tokens, so each piece handed out is
+    exactly the text of the tokens handed out with it."""
+    text = "alpha beta gamma délta epsilon"
+    detok = IncrementalDetokenizer(tokenizer.tokenizer, [], stop=["never appears"])
+    streamed = ""
+    for token in tokenizer.encode(text):
+        detok.update([token])
+        piece = detok.new_text(finished=False)
+        assert "".join(t.text for t in detok.new_tokens(finished=False)) == piece
+        streamed += piece
+    assert len(streamed) <= len(text) - len("never appears") + 1  # the hold-back
+    last = detok.new_text(finished=True)
+    assert "".join(t.text for t in detok.new_tokens(finished=True)) == last
+    assert streamed + last == text
+
+
+def test_a_token_split_by_a_stop_string_keeps_its_part(tokenizer: TextTokenizer) -> None:
+    ids = tokenizer.encode("alpha beta gamma")
+    detok = IncrementalDetokenizer(tokenizer.tokenizer, [], stop=["a g"])
+    assert detok.update(ids) == "a g"
+    assert detok.new_text(finished=True) == "alpha bet"
+    tokens = detok.new_tokens(finished=True)
+    assert "".join(t.text for t in tokens) == "alpha bet"
+    last = tokens[-1]
+    assert last.text + last.cut == tokenizer.decode([ids[len(tokens) - 1]])  # its whole text

@@ -9,6 +9,7 @@ import dataclasses
 import glob
 import json
 import os
+import secrets
 import sys
 import uuid
 from dataclasses import dataclass
@@ -30,7 +31,10 @@ class ModelConfig:
     served_model_name: str
     dtype: str  # one of DTYPES, resolved
     load_format: str  # safetensors | dummy, resolved
-    seed: int
+    seed: int  # dummy weights and torch's generator: EngineArgs.seed, or 0
+    # the random state that requests without their own seed draw from: EngineArgs.seed, or 63
+    # random bits drawn once per engine (EngineArgs.seed says why)
+    sampling_seed: int
     max_model_len: int  # prompt + output tokens per request
     arch: ArchConfig
     fused_ops: bool  # Triton kernels for norm / rotary / SiLU·mul (models/layers/fused_ops.py)
@@ -109,7 +113,11 @@ class EngineArgs:
     served_model_name: str | None = None
     dtype: str = "auto"
     load_format: str = "auto"
-    seed: int = 0
+    # None: requests without a seed of their own draw from a random state of this engine's own
+    # (os.urandom), so two workers, or two runs, never repeat each other's samples; dummy
+    # weights are those of seed 0. A seed makes a run reproducible, vLLM's LLM(seed=...):
+    # unseeded requests then draw the same in every engine given it.
+    seed: int | None = None
     max_model_len: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -199,7 +207,8 @@ class EngineArgs:
                 served_model_name=self.served_model_name or Path(self.model).name,
                 dtype=_resolve_dtype(self.dtype, arch, device),
                 load_format=_resolve_load_format(self.load_format),
-                seed=self.seed,
+                seed=self.seed if self.seed is not None else 0,
+                sampling_seed=self.seed if self.seed is not None else secrets.randbits(63),
                 max_model_len=max_model_len,
                 arch=arch,
                 fused_ops=device == "cuda" if self.fused_ops is None else self.fused_ops,

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shared.sample_seed import GOLDEN
+
 _M32 = 0xFFFFFFFF
 _C1, _C2 = 0x7FEB352D, 0x846CA68B  # lowbias32 (C. Wellons): a bijective 32-bit mixer
 _SERIES_BELOW = 2.0**-10  # -log(1 - v) by its series below this: v is exact, 1 - v is not
@@ -33,9 +35,11 @@ GREEDY_SLICE = 1024
 
 
 def row_keys(seeds: np.ndarray, counters: np.ndarray) -> np.ndarray:
-    """32-bit keys (int64) from 64-bit seeds and per-request token counters (splitmix64)."""
+    """32-bit keys (int64) from 64-bit seeds and per-request token counters (splitmix64: the
+    key of ``seed + counter·GOLDEN``, which lets a resumed request continue its sequence,
+    ``shared/sample_seed.py``)."""
     with np.errstate(over="ignore"):
-        z = seeds.astype(np.uint64) + counters.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        z = seeds.astype(np.uint64) + counters.astype(np.uint64) * np.uint64(GOLDEN)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         z = z ^ (z >> np.uint64(31))

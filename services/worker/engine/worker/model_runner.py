@@ -67,7 +67,8 @@ class ModelRunner:
         self.pad_block = 0  # the spare block past the real cache that padding rows write to
         self.pieces: PiecewiseGraphRunner | None = None  # the steps decode graphs do not take
         self.last_step: StepHandle | None = None  # the latest sampling step not yet taken
-        self._rng = np.random.default_rng(config.model.seed)
+        # the seeds of unseeded rows: per engine unless the user gave one (ModelConfig)
+        self._rng = np.random.default_rng(config.model.sampling_seed)
         self.read = ReadCounter()  # what loading read from the checkpoint (this rank's slices)
 
     def load_model(self, show_progress: bool = True) -> None:
