@@ -3,12 +3,19 @@ routes raise ``APIError``; the app's handlers turn it (and validation errors) in
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens",
                "code": null}}
+
+A check inside a pydantic validator (schemas.py) that refuses a field raises ``refuse(param,
+message)``: a ``PydanticCustomError`` of its own type carrying the field's path, which
+``from_validation`` turns into the 400 naming it (a model-level validator has no location of
+its own, and a plain ValueError would read "Value error, ...").
 """
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from pydantic_core import PydanticCustomError
 
 from shared.protos.baton.v1 import worker_pb2
 
@@ -34,6 +41,30 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
+
+
+REFUSED = "baton_refused"  # the pydantic error type of ``refuse``
+
+
+def refuse(param: str, message: str) -> PydanticCustomError:
+    """Raise it in a validator: a 400 whose ``param`` is ``param`` (a dotted path such as
+    ``messages.0.content.1``) and whose message is ``message``, as written."""
+    # (pydantic fills "{key}" in the message from the context: the key is one no message says)
+    return PydanticCustomError(REFUSED, message, {"refused_param": param})
+
+
+def from_validation(errors: Sequence[Mapping[str, Any]]) -> APIError:
+    """The first of pydantic's errors (with their context) as OpenAI's 400."""
+    if not errors:
+        return bad_request("invalid request")
+    first = errors[0]
+    ctx = first.get("ctx") or {}
+    if first.get("type") == REFUSED:
+        return bad_request(str(first["msg"]), str(ctx["refused_param"]))
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    message = str(ctx["error"]) if first.get("type") == "value_error" else str(first["msg"])
+    where = ".".join(loc)
+    return bad_request(f"{where}: {message}" if where else message, loc[0] if loc else None)
 
 
 def model_not_found(model: str, served: list[str]) -> APIError:

@@ -24,7 +24,7 @@ from services.gateway.responses import Choice, Formatter, Usage
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.settings import InputLimits
 from shared.protos.baton.v1 import common_pb2
-from shared.text.tokenizer import ChatTemplateError
+from shared.text.tokenizer import ChatTemplateError, TextTokenizer
 
 Body = CompletionRequest | ChatCompletionRequest
 logger = logging.getLogger(__name__)
@@ -61,19 +61,30 @@ class Handler:
         if limits is None:
             raise errors.no_worker(f"no live worker serves model {body.model!r}")
         chat = isinstance(body, ChatCompletionRequest)
+        keep = _truncation(body.truncate_prompt_tokens, limits.max_model_len)
         if isinstance(body, ChatCompletionRequest):
             messages = [m.as_template_input() for m in body.messages]
             try:
-                prompts = [tok.apply_chat_template(messages, body.add_generation_prompt)]
+                text = tok.render_chat_template(messages, body.add_generation_prompt,
+                    body.continue_final_message, body.chat_template_kwargs)  # fmt: skip
             except ChatTemplateError as e:
                 raise errors.bad_request(str(e), "messages") from None
+            prompts = [_encode(tok, text, body.add_special_tokens, keep)]
             limit, num_logprobs, echo = body.output_limit, body.num_logprobs, False
         else:
-            prompts = [p if isinstance(p, list) else tok.encode(p) for p in body.prompts()]
+            prompts = [
+                _encode(tok, p, body.add_special_tokens, keep) if isinstance(p, str)
+                else p[-keep:] if keep is not None else p
+                for p in body.prompts()
+            ]  # fmt: skip
             limit, num_logprobs, echo = body.max_tokens, body.logprobs, body.echo
         deadline = time.monotonic() + self.timeout_s
         params = _params(body, limit, num_logprobs)
-        _check_vocabulary(prompts, body.stop_token_ids or [], limits.vocab_size)
+        _check_vocabulary(
+            prompts,
+            {"stop_token_ids": body.stop_token_ids, "allowed_token_ids": body.allowed_token_ids},
+            limits.vocab_size,
+        )
         jobs = []
         for i, ids in enumerate(prompts):
             _check_length(ids, limit, limits.max_model_len)
@@ -147,7 +158,8 @@ def _params(body: Body, limit: int | None, num_logprobs: int | None) -> common_p
         n=1, top_k=max(body.top_k or 0, 0), min_p=body.min_p,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         min_tokens=body.min_tokens, stop_token_ids=body.stop_token_ids or [],
-        ignore_eos=body.ignore_eos,
+        ignore_eos=body.ignore_eos, allowed_token_ids=body.allowed_token_ids or [],
+        bad_words=body.bad_words or [],
     )  # fmt: skip
     for name in ("temperature", "top_p", "repetition_penalty", "seed"):
         value = getattr(body, name)
@@ -164,11 +176,43 @@ def _params(body: Body, limit: int | None, num_logprobs: int | None) -> common_p
     return p
 
 
-def _check_vocabulary(prompts: list[list[int]], stop_ids: list[int], vocab: int) -> None:
+def _truncation(keep: int | None, max_model_len: int) -> int | None:
+    """vLLM's ``truncate_prompt_tokens``, checked against the context as vLLM does."""
+    if keep is not None and keep > max_model_len:
+        raise errors.bad_request(
+            f"truncate_prompt_tokens ({keep}) is greater than the model's maximum context length "
+            f"({max_model_len})", "truncate_prompt_tokens",
+        )  # fmt: skip
+    return keep
+
+
+def _encode(tok: TextTokenizer, text: str, add_special_tokens: bool, keep: int | None) -> list[int]:
+    """``text``'s token ids; with ``keep``, only its last ``keep``, as vLLM truncates (Hugging
+    Face's left truncation): the tokenizer's own leading tokens (a BOS) stay, the text's first
+    tokens go.
+
+        ids:   [BOS] t0 t1 … t(n-k+1) … t(n-1)      keep = k
+        kept:  [BOS]         t(n-k+1) … t(n-1)      (k tokens in all)
+    """
+    ids = tok.encode(text, add_special_tokens)
+    if keep is None or len(ids) <= keep:
+        return ids
+    if add_special_tokens:
+        plain = tok.encode(text, False)
+        lead = len(ids) - len(plain)
+        if 0 < lead < keep and ids[lead:] == plain:
+            return ids[:lead] + plain[len(plain) - (keep - lead) :]
+    return ids[-keep:]
+
+
+def _check_vocabulary(
+    prompts: list[list[int]], fields: dict[str, list[int] | None], vocab: int
+) -> None:
     """Token ids the model has (``vocab``: 0 when its workers do not say)."""
     if not vocab:
         return
-    for param, ids in [*(("prompt", p) for p in prompts), ("stop_token_ids", stop_ids)]:
+    named = [(param, ids or []) for param, ids in fields.items()]
+    for param, ids in [*(("prompt", p) for p in prompts), *named]:
         if ids and max(ids) >= vocab:  # (max runs in C: a long prompt costs microseconds)
             bad = next(t for t in ids if t >= vocab)
             raise errors.bad_request(

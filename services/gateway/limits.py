@@ -4,7 +4,8 @@ is sent to a worker; each refusal is a 400 naming the field.
 
 What they bound: a request's work that the body-size limit alone would let grow large — every
 prompt is prefilled (``max_prompts`` × ``n`` requests reach the workers), every stop string is
-scanned on every token, every message is rendered by the chat template.
+scanned on every token, every message is rendered by the chat template, every bad word is
+matched on every token and the allowed token ids become a mask at every step.
 """
 
 from services.gateway import errors
@@ -23,6 +24,12 @@ def check_limits(limits: InputLimits, body: CompletionRequest | ChatCompletionRe
     _at_most("stop", "characters in a stop string", longest, limits.max_stop_chars)
     ids = len(body.stop_token_ids or ())
     _at_most("stop_token_ids", "stop token ids", ids, limits.max_stop_token_ids)
+    words = body.bad_words or []
+    _at_most("bad_words", "bad words", len(words), limits.max_bad_words)
+    longest = max((len(w) for w in words), default=0)
+    _at_most("bad_words", "characters in a bad word", longest, limits.max_bad_word_chars)
+    allowed = len(body.allowed_token_ids or ())
+    _at_most("allowed_token_ids", "allowed token ids", allowed, limits.max_allowed_token_ids)
 
 
 def _at_most(param: str, what: str, count: int, limit: int) -> None:

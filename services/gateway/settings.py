@@ -13,6 +13,9 @@ class InputLimits:
     max_stop_chars: int = 256  # characters in one stop string
     max_stop_token_ids: int = 64
     max_messages: int = 2048  # messages in one chat request
+    max_bad_words: int = 64  # bad_words (each is matched on every generated token)
+    max_bad_word_chars: int = 256  # characters in one bad word
+    max_allowed_token_ids: int = 4096  # allowed_token_ids (a mask built every step)
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

@@ -34,6 +34,10 @@ def sampling_params(p: common_pb2.SamplingParams) -> SamplingParams:
     for name in ("temperature", "top_p", "repetition_penalty"):
         if p.HasField(name):
             kwargs[name] = getattr(p, name)
+    if p.allowed_token_ids:  # (empty on the wire: no restriction; the gateway refuses [])
+        kwargs["allowed_token_ids"] = list(p.allowed_token_ids)
+    if p.bad_words:  # tokenized on admission (engine/processor.py), bounded by SamplingParams
+        kwargs["bad_words"] = list(p.bad_words)
     return SamplingParams(**kwargs)  # type: ignore[arg-type]
 
 

@@ -12,6 +12,7 @@ tests check both give the same token ids on every test checkpoint.
 
 import json
 import re
+from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -91,21 +92,48 @@ class TextTokenizer:
         return str(decoder.get("type", ""))
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
+        """The token ids of ``render_chat_template``'s text (``add_special_tokens``: also the
+        tokenizer's own, a BOS the template may already have written)."""
+        text = self.render_chat_template(
+            messages, add_generation_prompt, continue_final_message, template_kwargs
+        )
+        return self.encode(text, add_special_tokens=add_special_tokens)
+
+    def render_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The prompt as ``transformers`` renders it: ``template_kwargs`` are extra template
+        variables (they do not replace the messages or the generation-prompt flag);
+        ``continue_final_message`` ends the text with the last message's content, so that the
+        model continues it (no end-of-turn after it)."""
         if not messages:
             raise ChatTemplateError("messages must not be empty")
         if self.chat_template is None:
             raise ChatTemplateError("this model's tokenizer has no chat template")
+        variables: dict[str, Any] = {k: v for k, v in self.special_tokens.items() if v is not None}
+        variables.update(template_kwargs or {})
+        variables.update(messages=messages, add_generation_prompt=add_generation_prompt)
         try:
-            text = self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                **{k: v for k, v in self.special_tokens.items() if v is not None},
-            )
+            text = self._template.render(**variables)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template: {e}") from e
-        return self.encode(text, add_special_tokens=False)
+        except (TypeError, ValueError, LookupError, ArithmeticError) as e:
+            # the template meets a value of the request it cannot use (a template kwarg of
+            # another type than it expects): the request's fault, not the server's
+            raise ChatTemplateError(f"chat template: {type(e).__name__}: {e}") from e
+        return _cut_after_final(text, messages[-1]) if continue_final_message else text
 
     @cached_property
     def _template(self) -> jinja2.Template:
@@ -116,6 +144,23 @@ class TextTokenizer:
         env.globals["raise_exception"] = _raise
         assert self.chat_template is not None
         return env.from_string(self.chat_template)
+
+
+def _cut_after_final(text: str, final: dict[str, Any]) -> str:
+    """``text`` up to the end of the final message's content, as ``transformers`` cuts it
+    (the content's last occurrence; its trailing whitespace only where the template kept it)."""
+    content = str(final.get("content") or "")
+    if not content.strip():
+        raise ChatTemplateError("continue_final_message: the final message has no content")
+    if content.strip() not in text:
+        raise ChatTemplateError(
+            "continue_final_message: the chat template does not write the final message's "
+            "content as it is"
+        )
+    at = text.rindex(content.strip())
+    if text[at : at + len(content.lstrip())] == content:
+        return text[: at + len(content.lstrip())]
+    return text[: at + len(content.strip())]
 
 
 def _token_text(value: object) -> str | None:

@@ -107,6 +107,28 @@ def test_seeded_n_equals_offline(pd_cluster: Cluster, offline: LLM, tiny_model: 
     assert got == [o.text for o in ref.outputs]
 
 
+def test_token_constraints_hold_across_the_hand_off(
+    pd_cluster: Cluster, offline: LLM, tiny_model: Path
+) -> None:
+    """allowed_token_ids and bad_words: the prefill worker samples the first token under them
+    (each request here changes it), the decode worker the rest: as the offline engine does."""
+    before = disaggregated_routes(pd_cluster)
+    prompt = long_prompt(tiny_model, 120, "pd-constrained")
+    free = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    ids = list(free.token_ids)
+    allowed = [t for t in range(100, 110) if t != ids[0]]  # the first token cannot be the same
+    word = offline.tokenizer.decode(ids[:1]).strip()  # the first token's word, banned
+    assert word, "the tiny model's first token here is a word"
+    with openai.OpenAI(base_url=pd_cluster.url, api_key="x", max_retries=0, timeout=60) as c:
+        for extra in ({"allowed_token_ids": allowed}, {"bad_words": [word]}):
+            params = SamplingParams(temperature=0, max_tokens=12, **extra)  # type: ignore[arg-type]
+            ref = offline.generate([prompt], params)[0].outputs[0]
+            out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                       extra_body=extra)  # fmt: skip
+            assert out.choices[0].text == ref.text != free.text, extra
+    assert disaggregated_routes(pd_cluster) >= before + 1
+
+
 def test_short_prompts_prefill_locally(pd_cluster: Cluster, offline: LLM) -> None:
     c = openai.OpenAI(base_url=pd_cluster.url, api_key="x", max_retries=0, timeout=60)
     before = disaggregated_routes(pd_cluster)

@@ -27,18 +27,25 @@ BAD_BODIES = [
     ("completions", {**OK_PROMPT, "logprobs": 99}, 400, "logprobs"),
     ("completions", {**OK_PROMPT, "presence_penalty": 3}, 400, "presence_penalty"),
     ("completions", {**OK_PROMPT, "seed": "x"}, 400, "seed"),
-    ("completions", {**OK_PROMPT, "stop": [""]}, 400, None),
+    ("completions", {**OK_PROMPT, "stop": [""]}, 400, "stop"),
     ("completions", {**OK_PROMPT, "stop": 5}, 400, "stop"),
-    ("completions", {**OK_PROMPT, "prompt": []}, 400, None),
+    ("completions", {**OK_PROMPT, "prompt": []}, 400, "prompt"),
     ("completions", {**OK_PROMPT, "prompt": ""}, 400, "prompt"),
     ("completions", {**OK_PROMPT, "prompt": [1, -2]}, 400, "prompt"),
-    ("completions", {**OK_PROMPT, "prompt": [10**9]}, 400, None),
+    ("completions", {**OK_PROMPT, "prompt": [10**9]}, 400, "prompt"),
     ("completions", {**OK_PROMPT, "prompt": "word " * 2000}, 400, "prompt"),
     ("completions", {**OK_PROMPT, "max_tokens": 5000}, 400, "max_tokens"),
-    ("completions", {**OK_PROMPT, "logit_bias": {"1": 5}}, 400, None),
-    ("completions", {**OK_PROMPT, "echo": True, "logprobs": 1}, 400, None),
+    ("completions", {**OK_PROMPT, "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ("completions", {**OK_PROMPT, "echo": True, "logprobs": 1}, 400, "echo"),
+    ("completions", {**OK_PROMPT, "suffix": "x"}, 400, "suffix"),
+    ("completions", {**OK_PROMPT, "best_of": 2}, 400, "best_of"),
     ("completions", {**OK_PROMPT, "min_tokens": 5}, 400, "min_tokens"),
-    ("completions", {**OK_PROMPT, "stream_options": {"include_usage": True}}, 400, None),
+    (
+        "completions",
+        {**OK_PROMPT, "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),
     ("completions", {"prompt": "no model"}, 400, "model"),
     ("completions", {**OK_PROMPT, "model": "gpt-4"}, 404, "model"),
     ("chat/completions", {**OK_CHAT, "messages": []}, 400, "messages"),
@@ -50,9 +57,14 @@ BAD_BODIES = [
         "messages",
     ),
     ("chat/completions", {**OK_CHAT, "messages": [{"content": "x"}]}, 400, "messages"),
-    ("chat/completions", {**OK_CHAT, "top_logprobs": 2}, 400, None),
-    ("chat/completions", {**OK_CHAT, "tools": [{"type": "function"}]}, 400, None),
-    ("chat/completions", {**OK_CHAT, "response_format": {"type": "json_object"}}, 400, None),
+    ("chat/completions", {**OK_CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("chat/completions", {**OK_CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    (
+        "chat/completions",
+        {**OK_CHAT, "response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+    ),
     ("chat/completions", {**OK_CHAT, "max_completion_tokens": -1}, 400, "max_completion_tokens"),
     ("chat/completions", {**OK_CHAT, "model": "unknown"}, 404, "model"),
     # numbers past what the wire to the workers carries (uint32, int32, int64), and the model
@@ -66,6 +78,92 @@ BAD_BODIES = [
     ("completions", {**OK_PROMPT, "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
     ("completions", {**OK_PROMPT, "n": 17}, 400, "n"),
     ("chat/completions", {**OK_CHAT, "max_tokens": 2**32}, 400, "max_tokens"),
+    # fields that change the output and cannot be honoured: refused, never ignored
+    (
+        "chat/completions",
+        {**OK_CHAT, "functions": [{"name": "f", "parameters": {}}]},
+        400,
+        "functions",
+    ),
+    ("chat/completions", {**OK_CHAT, "function_call": {"name": "f"}}, 400, "function_call"),
+    ("chat/completions", {**OK_CHAT, "use_beam_search": True}, 400, "use_beam_search"),
+    ("completions", {**OK_PROMPT, "use_beam_search": True}, 400, "use_beam_search"),
+    ("chat/completions", {**OK_CHAT, "modalities": ["text", "audio"]}, 400, "modalities"),
+    ("chat/completions", {**OK_CHAT, "audio": {"voice": "alloy", "format": "wav"}}, 400, "audio"),
+    ("completions", {**OK_PROMPT, "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    (
+        "completions",
+        {**OK_PROMPT, "structured_outputs": {"regex": "a+"}},
+        400,
+        "structured_outputs",
+    ),
+    ("chat/completions", {**OK_CHAT, "guided_json": {"type": "object"}}, 400, "guided_json"),
+    ("chat/completions", {**OK_CHAT, "reasoning_effort": "low"}, 400, "reasoning_effort"),
+    (
+        "chat/completions",
+        {
+            **OK_CHAT,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+                    ],
+                }
+            ],
+        },
+        400,
+        "messages.0.content.0",
+    ),
+    (
+        "chat/completions",
+        {
+            **OK_CHAT,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "hi"},
+                        {"type": "input_audio", "input_audio": {}},
+                    ],
+                }
+            ],
+        },
+        400,
+        "messages.0.content.1",
+    ),
+    # the bounds of the honoured vLLM fields
+    ("completions", {**OK_PROMPT, "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    ("completions", {**OK_PROMPT, "allowed_token_ids": [10**6]}, 400, "allowed_token_ids"),
+    (
+        "completions",
+        {**OK_PROMPT, "allowed_token_ids": list(range(4097))},
+        400,
+        "allowed_token_ids",
+    ),
+    ("completions", {**OK_PROMPT, "bad_words": [" "]}, 400, "bad_words"),
+    ("completions", {**OK_PROMPT, "bad_words": ["a"] * 65}, 400, "bad_words"),
+    ("completions", {**OK_PROMPT, "bad_words": ["x" * 257]}, 400, "bad_words"),
+    ("completions", {**OK_PROMPT, "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
+    ("completions", {**OK_PROMPT, "truncate_prompt_tokens": 1025}, 400, "truncate_prompt_tokens"),
+    (
+        "chat/completions",
+        {**OK_CHAT, "continue_final_message": True},
+        400,
+        "continue_final_message",
+    ),
+    (
+        "chat/completions",
+        {**OK_CHAT, "continue_final_message": True, "add_generation_prompt": False},
+        400,
+        "continue_final_message",
+    ),
+    (
+        "chat/completions",
+        {**OK_CHAT, "chat_template_kwargs": {"messages": []}},
+        400,
+        "chat_template_kwargs.messages",
+    ),
     # counts past the gateway's input limits (settings.InputLimits)
     ("completions", {**OK_PROMPT, "prompt": [[5, 6]] * 65}, 400, "prompt"),
     ("completions", {**OK_PROMPT, "prompt": ["hi"] * 65}, 400, "prompt"),
@@ -95,8 +193,8 @@ def test_bad_body_gets_openai_error(
     assert resp.status_code == status, resp.text
     error = resp.json()["error"]
     assert error["message"] and error["type"] == "invalid_request_error"
-    if param is not None:
-        assert error["param"] == param, error
+    assert not error["message"].startswith(("Value error", "Assertion")), error
+    assert error["param"] == param, error
 
 
 def test_malformed_json_and_wrong_content(http: httpx.Client) -> None:
@@ -149,6 +247,8 @@ def test_limits_at_their_bound_are_served(http: httpx.Client) -> None:
     resp = http.post("/completions", json=body)
     assert resp.status_code == 200, resp.text
     assert len(resp.json()["choices"]) == 64
+    words = {"bad_words": ["w" * 256] * 64, "allowed_token_ids": [5, 6] * 2048}
+    assert http.post("/completions", json={**OK_PROMPT, **words}).status_code == 200
 
 
 def test_openapi_describes_every_request_body(http: httpx.Client) -> None:

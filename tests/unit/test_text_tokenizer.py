@@ -118,3 +118,54 @@ def test_token_bytes_of_a_sentencepiece_tokenizer(tmp_path: Path) -> None:
     tok = TextTokenizer(tmp_path)
     ids = tok.encode("hi ✓", add_special_tokens=False)
     assert [tok.token_bytes(i) for i in ids] == [b" hi", b" ", b"\xe2", b"\x9c", b"\x93"]
+
+
+CONTINUED = [
+    [{"role": "user", "content": "Name a module."}, {"role": "assistant", "content": "The json"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, trailing  "}],
+]
+
+
+@pytest.mark.parametrize("messages", CONTINUED)
+def test_continue_final_message_matches_transformers(
+    tiny_models: dict[str, Path], messages: list[dict[str, str]]
+) -> None:
+    """The prompt ends with the assistant's text, no end of turn after it: the model goes on."""
+    for name, path in tiny_models.items():
+        theirs = AutoTokenizer.from_pretrained(path).apply_chat_template(
+            messages, add_generation_prompt=False, continue_final_message=True, tokenize=False
+        )
+        ours = TextTokenizer(path).render_chat_template(messages, False, True)
+        assert ours == theirs, name
+        assert ours.rstrip().endswith(messages[-1]["content"].rstrip())
+
+
+def test_template_kwargs_reach_the_template(tiny_model: Path) -> None:
+    tok = TextTokenizer(tiny_model)
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}"
+        "{{ add_generation_prompt }}"
+    )
+    messages = [{"role": "user", "content": "x"}]
+    assert tok.render_chat_template(messages, True) == "xTrue"
+    off = {"enable_thinking": False}
+    assert tok.render_chat_template(messages, True, template_kwargs=off) == "x<no-think>True"
+    # they never replace the template's own inputs
+    clash = {"messages": [], "add_generation_prompt": False}
+    assert tok.render_chat_template(messages, True, template_kwargs=clash) == "xTrue"
+    ids = tok.apply_chat_template(messages, True, template_kwargs=off)
+    assert tok.decode(ids) == "x<no-think>True"
+    # a value the template cannot use is the request's error, not the server's
+    typed = TextTokenizer(tiny_model)
+    typed.chat_template = "{{ messages[0]['content'] }}{{ depth + 1 }}"
+    assert typed.render_chat_template(messages, True, template_kwargs={"depth": 1}) == "x2"
+    with pytest.raises(ChatTemplateError, match="TypeError"):
+        typed.render_chat_template(messages, True, template_kwargs={"depth": "deep"})
+
+
+def test_continue_final_message_needs_its_content_in_the_text(tiny_model: Path) -> None:
+    tok = TextTokenizer(tiny_model)
+    tok.chat_template = "{% for m in messages %}[{{ m['role'] }}]{% endfor %}"  # drops content
+    with pytest.raises(ChatTemplateError, match="continue_final_message"):
+        tok.render_chat_template([{"role": "assistant", "content": "abc"}], False, True)

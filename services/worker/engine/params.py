@@ -10,6 +10,11 @@ import msgspec
 
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily
 MAX_LOGPROBS = 20
+# The engine's own bounds on the token constraints (every front end: the gateway's input limits
+# are lower by default): each bad word is matched on every step of its request.
+MAX_BAD_WORDS = 1024
+MAX_BAD_WORD_CHARS = 4096
+MAX_ALLOWED_TOKEN_IDS = 1 << 20
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -34,6 +39,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled one always)
+    allowed_token_ids: list[int] | None = None  # only these may be sampled; None: any token
+    # vLLM's: never generate these words (sample/constraints.py); the input processor tokenizes
+    # them into bad_words_token_ids, which is what the sampler reads
+    bad_words: list[str] = msgspec.field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = msgspec.field(default_factory=list)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (the worker service; the gateway decodes)
@@ -69,7 +79,33 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         for tok in self.stop_token_ids:
             _check_int("stop_token_ids[]", tok, lo=0)
+        self._check_token_constraints()
         self.output_kind = RequestOutputKind(self.output_kind)
+
+    def _check_token_constraints(self) -> None:
+        if self.allowed_token_ids is not None:
+            if not 0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS:
+                raise ValueError(
+                    f"allowed_token_ids must hold 1 to {MAX_ALLOWED_TOKEN_IDS} token ids, "
+                    f"got {len(self.allowed_token_ids)}"
+                )  # (an empty list would mask every token)
+            for tok in self.allowed_token_ids:
+                _check_int("allowed_token_ids[]", tok, lo=0)
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words: at most {MAX_BAD_WORDS}, got {len(self.bad_words)}")
+        for word in self.bad_words:
+            if not isinstance(word, str) or not word.strip() or len(word) > MAX_BAD_WORD_CHARS:
+                raise ValueError(
+                    f"bad_words must be strings of 1 to {MAX_BAD_WORD_CHARS} characters, "
+                    "not only whitespace"
+                )
+        if len(self.bad_words_token_ids) > 2 * MAX_BAD_WORDS:
+            raise ValueError(f"bad_words_token_ids: at most {2 * MAX_BAD_WORDS} sequences")
+        for seq in self.bad_words_token_ids:
+            if not isinstance(seq, list) or not seq:
+                raise ValueError("bad_words_token_ids must be non-empty lists of token ids")
+            for tok in seq:
+                _check_int("bad_words_token_ids[][]", tok, lo=0)
 
     @property
     def greedy(self) -> bool:

@@ -8,6 +8,7 @@ from services.worker.engine.config import ModelConfig
 from services.worker.engine.kv_transfer.params import KVTransferParams
 from services.worker.engine.messages import EngineCoreRequest
 from services.worker.engine.params import SamplingParams
+from services.worker.engine.sample.constraints import check_vocabulary, tokenize_bad_words
 from services.worker.engine.tokenizer import Tokenizer
 
 # What ``generate`` accepts as one prompt: text, or {"prompt_token_ids": [...]} (vLLM's form),
@@ -50,8 +51,20 @@ class InputProcessor:
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        params = self._token_constraints(params)
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         kv_transfer = prompt.get("kv_transfer") if isinstance(prompt, dict) else None
         if kv_transfer is not None and not isinstance(kv_transfer, KVTransferParams):
             raise ValueError("kv_transfer must be a KVTransferParams")
         return text, EngineCoreRequest(request_id, ids, params, time.time(), salt, kv_transfer)
+
+    def _token_constraints(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with its bad words tokenized (vLLM does this on admission too), after
+        checking every token id it masks the logits with against the vocabulary."""
+        if params.bad_words:
+            words = tokenize_bad_words(
+                params.bad_words, lambda t: self.tokenizer.encode(t, add_special_tokens=False)
+            )
+            params = params.clone(bad_words_token_ids=words)
+        check_vocabulary(params, self.config.arch.vocab_size)
+        return params

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.worker.engine.sample.masks import AllowedTokens, BadWordBans
+
 
 @dataclass
 class Penalties:
@@ -28,3 +30,5 @@ class SamplingMetadata:
     penalties: Penalties | None
     banned: torch.Tensor | None  # int64, row * vocab + token: masked this step (min_tokens)
     max_num_logprobs: int | None  # largest top-N requested among the rows; None: no logprobs
+    allowed: AllowedTokens | None = None  # rows limited to their allowed_token_ids
+    bad_words: BadWordBans | None = None  # bad words' last tokens masked this step

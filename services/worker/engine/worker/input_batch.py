@@ -10,7 +10,9 @@ import numpy as np
 import torch
 
 from services.worker.engine.params import SamplingParams
+from services.worker.engine.sample.constraints import row_bad_word_bans
 from services.worker.engine.sample.gumbel import row_keys
+from services.worker.engine.sample.masks import AllowedTokens, BadWordBans
 from services.worker.engine.sample.metadata import Penalties, SamplingMetadata
 
 
@@ -107,6 +109,8 @@ def build_sampling_metadata(
         penalties=_penalties(states, vocab_size, device, in_flight),
         banned=_banned(states, vocab_size, device),
         max_num_logprobs=max(logprobs) if logprobs else None,
+        allowed=_allowed(states, vocab_size, device),
+        bad_words=_bad_words(states, vocab_size, device, in_flight),
     )
 
 
@@ -166,3 +170,49 @@ def _banned(
                 stops += list(s.eos_token_ids)
             flat += [row * vocab_size + t for t in stops]
     return to_device(flat, torch.int64, device) if flat else None
+
+
+def _allowed(
+    states: list[CachedRequestState], vocab_size: int, device: torch.device
+) -> AllowedTokens | None:
+    """The rows with allowed_token_ids, and those tokens as flat indices (row × vocab + token)."""
+    rows = [r for r, s in enumerate(states) if s.params.allowed_token_ids is not None]
+    if not rows:
+        return None
+    flat = np.concatenate([
+        np.asarray(states[r].params.allowed_token_ids, dtype=np.int64) + r * vocab_size
+        for r in rows
+    ])  # fmt: skip
+    return AllowedTokens(to_device(rows, torch.int64, device), to_device(flat, torch.int64, device))
+
+
+def _bad_words(
+    states: list[CachedRequestState],
+    vocab_size: int,
+    device: torch.device,
+    in_flight: InFlightTokens | None,
+) -> BadWordBans | None:
+    """Each row's bad-word bans (sample/constraints.row_bad_word_bans) as flat indices; those
+    that hang on the token the step in flight samples are compared with it on the device."""
+    now: list[int] = []
+    pending: list[tuple[int, int, int]] = []  # (row, token to mask, if this token is in flight)
+    for row, s in enumerate(states):
+        words = s.params.bad_words_token_ids
+        if not words:
+            continue
+        assert s.num_pending <= 1  # as for the penalties: at most one step in flight
+        bans = row_bad_word_bans(words, s.token_ids[s.num_prompt_tokens :], s.num_pending > 0)
+        now += [row * vocab_size + t for t in bans.now]
+        pending += [(row, t, expected) for t, expected in bans.if_pending]
+    if not now and not pending:
+        return None
+    now_flat = to_device(now, torch.int64, device) if now else None
+    if not pending:
+        return BadWordBans(now_flat, None, None, None)
+    assert in_flight is not None
+    return BadWordBans(
+        now=now_flat,
+        pending_flat=to_device([r * vocab_size + t for r, t, _ in pending], torch.int64, device),
+        expected=to_device([e for _, _, e in pending], torch.int64, device),
+        pending_tokens=in_flight.tokens_of([states[r].req_id for r, _, _ in pending]),
+    )
