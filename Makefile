@@ -2,6 +2,8 @@
 PY      := .venv/bin/python
 PIP     := .venv/bin/pip
 TINY    := tiny-model
+# the OpenAI API's port of `make run` (another one: `make run PORT=8001`)
+PORT    := 8000
 
 .PHONY: install run demo protos test test-gpu test-images lint format bench bench-serving bench-prefix bench-soak clean
 
@@ -25,8 +27,8 @@ install:  ## redis-server (apt) + .venv with Baton and its pinned dependencies
 $(TINY)/config.json:
 	$(PY) -m baton.cli make-tiny-model $(TINY) --arch qwen3
 
-run: $(TINY)/config.json  ## the system on this machine: scheduler + prefill + decode + gateway, :8000
-	$(PY) -m baton.cli serve --model $(TINY) --port 8000 --prefill-workers 1 --decode-workers 1
+run: $(TINY)/config.json  ## the system on this machine: scheduler + prefill + decode + gateway, :$(PORT)
+	$(PY) -m baton.cli serve --model $(TINY) --port $(PORT) --prefill-workers 1 --decode-workers 1
 
 demo: $(TINY)/config.json  ## offline: generate text with the engine in this process
 	$(PY) -m baton.cli generate --model $(TINY) --max-tokens 24

@@ -8,7 +8,22 @@ and ``baton gateway`` never imports the engine.
 import argparse
 import sys
 
-from baton.service_cli import add_service_commands
+from baton.service_cli import HelpFormatter, add_service_commands
+
+# ``baton --help``: what a user needs first (the module docstring above is for its readers)
+DESCRIPTION = """\
+Baton serves language models behind an OpenAI-compatible API (/v1/completions,
+/v1/chat/completions, /v1/models), with disaggregated prefill and decode workers.
+
+start here:
+  baton make-tiny-model tiny-model
+      a small model with random weights to try Baton on (its text is noise)
+  baton serve --model tiny-model
+      the whole system on this machine, serving http://127.0.0.1:8000/v1 once
+      it prints 'Baton is serving tiny-model at ...'
+  baton COMMAND --help
+      a command's flags, each with its default
+"""
 
 
 def _make_tiny_model(args: argparse.Namespace) -> None:
@@ -61,26 +76,37 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="baton", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("make-tiny-model", help="write a small random HF checkpoint (no download)")
-    p.add_argument("dir")
-    p.add_argument(
-        "--arch", default="llama", choices=["llama", "llama3", "mistral", "qwen2", "qwen3"]
+    parser = argparse.ArgumentParser(
+        prog="baton", description=DESCRIPTION, formatter_class=HelpFormatter
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--shards", type=int, default=1)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help="one of these (baton COMMAND --help says more)")  # fmt: skip
+
+    p = sub.add_parser(
+        "make-tiny-model", help="write a small Hugging Face checkpoint with random weights "
+        "(no download; its text is noise)", formatter_class=HelpFormatter,
+        description="Write a small Hugging Face checkpoint with random weights and a real "
+        "tokenizer: for trying Baton out and for tests (no download). Its weights are random, "
+        "so the text it generates is noise.",
+    )  # fmt: skip
+    p.add_argument("dir", help="the directory to write (its name is the served model name)")
+    p.add_argument(
+        "--arch", default="llama", choices=["llama", "llama3", "mistral", "qwen2", "qwen3"],
+        help="the architecture (and tokenizer) of the model",
+    )  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="the random weights' seed")
+    p.add_argument("--shards", type=int, default=1, help="safetensors files to split it into")
     p.add_argument("--tie", action="store_true", help="tie input and output embeddings")
-    p.add_argument("--hidden-size", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--max-position-embeddings", type=int, default=1024)
+    p.add_argument("--hidden-size", type=int, default=64, help="the hidden size")
+    p.add_argument("--layers", type=int, default=2, help="decoder layers")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA)")
+    p.add_argument("--max-position-embeddings", type=int, default=1024,
+                   help="its context length, in tokens")  # fmt: skip
     p.add_argument(
         "--quantize", choices=["fp8-tensor", "fp8-channel", "fp8-block"], default=None,
         help="write an FP8 checkpoint: compressed-tensors with per-tensor (static activations) "
-        "or per-channel scales, or the fp8 method's 128x128 blocks",
+        "or per-channel scales, or the fp8 method's 128x128 blocks (default: float weights)",
     )  # fmt: skip
     p.add_argument(
         "--kv-cache-scales", action="store_true",
@@ -89,14 +115,26 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.set_defaults(func=_make_tiny_model)
 
-    p = sub.add_parser("generate", help="offline generation with a checkpoint")
-    p.add_argument("--model", required=True)
-    p.add_argument("--prompt", action="append", help="repeatable; a few samples if omitted")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    p = sub.add_parser(
+        "generate", help="generate text with the engine in this process (no server)",
+        formatter_class=HelpFormatter, description="Generate text for a few prompts and one "
+        "chat with the engine in this process, and print it (no server, no gRPC).",
+    )  # fmt: skip
+    p.add_argument("--model", required=True,
+                   help="the model's checkpoint directory (Hugging Face format)")  # fmt: skip
+    p.add_argument("--prompt", action="append",
+                   help="a prompt; repeatable (default: three sample prompts)")  # fmt: skip
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature (0: greedy)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=None,
+                   help="the sampling seed (default: none, different text each run)")  # fmt: skip
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the longest prompt plus completion, in tokens (default: the model's "
+                   "context length)")  # fmt: skip
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                   help="safetensors (auto): the checkpoint's weights; dummy: random "
+                   "ones")  # fmt: skip
     p.set_defaults(func=_generate)
 
     add_service_commands(sub)

@@ -115,6 +115,8 @@ class ClusterSpec:
     host: str = "127.0.0.1"  # the gateway's
     port: int = 8000
     api_keys: tuple[str, ...] = ()
+    # the gateway reads its keys from this file itself: they stay off every command line
+    api_key_file: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
     request_timeout: float = 600.0
     generate_stream: bool = True  # False: one unary Generate per request
@@ -238,8 +240,8 @@ class Cluster:
                 "--port", str(a.port), "--served-model-name", self.model_name,
                 "--max-body-bytes", str(a.max_body_bytes),
                 "--request-timeout", str(a.request_timeout)]  # fmt: skip
-        for key in a.api_keys:
-            argv += ["--api-key", key]
+        keys = self._api_key_file()
+        argv += ["--api-key-file", keys] if keys else []
         argv += [] if a.generate_stream else ["--no-generate-stream"]
         argv += a.gateway_argv
         self.spawn("gateway", argv + cpus["gateway"], ready=False)
@@ -283,6 +285,21 @@ class Cluster:
                     p.wait(timeout=5)
         shutil.rmtree(self.tmp, ignore_errors=True)
         print("baton serve: stopped", flush=True)
+
+    def _api_key_file(self) -> str | None:
+        """The gateway's keys as a file (never on its command line, where ``ps`` shows them):
+        ``--api-key-file`` as given, or, with ``--api-key`` values, a private file of those and
+        the given file's keys."""
+        a = self.spec
+        if not a.api_keys:
+            return str(Path(a.api_key_file).resolve()) if a.api_key_file else None
+        lines = list(a.api_keys)
+        if a.api_key_file:
+            lines += Path(a.api_key_file).read_text().splitlines()
+        path = self.tmp / "api-keys"  # (the private dir is the owner's only; so is the file)
+        path.write_text("\n".join(lines) + "\n")
+        path.chmod(0o600)
+        return str(path)
 
     def _security_env(self) -> dict[str, str]:
         """The secret every child shares (in the environment, never on a command line): the

@@ -5,6 +5,7 @@ hands them to the service's ``serve``; nothing else reads the command line."""
 import argparse
 import dataclasses
 import os
+import sys
 import typing
 from pathlib import Path
 from typing import Any
@@ -33,9 +34,49 @@ from shared.internal_auth import TLS_DIR_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Securit
 GRPC_EXPERIMENTS = "-event_engine_client,-event_engine_listener"
 os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)
 
+
+class HelpFormatter(argparse.HelpFormatter):
+    """``--help`` of every ``baton`` command: each flag's default after its text, where it has
+    one. A flag whose default means "not given" (None, off, empty) says in its text what
+    happens then instead, since "(default: None)" tells a user nothing. A description's
+    paragraphs are wrapped one by one; one with indented lines (examples) is kept as it is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if isinstance(action, argparse.BooleanOptionalAction) and isinstance(action.default, bool):
+            # --x/--no-x: on or off, not True or False (Python 3.11 adds its own "(default: …)")
+            text = text.replace(" (default: %(default)s)", "")
+            return f"{text} (default: {'on' if action.default else 'off'})"
+        if "%(default)" in text or not shows_default(action):
+            return text
+        return text + " (default: %(default)s)"
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        paragraphs = []
+        for para in text.split("\n\n"):
+            lines = para.splitlines()
+            if any(line.startswith(" ") for line in lines):  # an example: as it is written
+                paragraphs.append("\n".join(indent + line for line in lines))
+            else:
+                paragraphs.append(super()._fill_text(para, width, indent))
+        return "\n\n".join(paragraphs)
+
+
+def shows_default(action: argparse.Action) -> bool:
+    """Whether ``--help`` names ``action``'s default: that of a flag taking a value, or of a
+    ``--x/--no-x`` pair, that is a value and not "not given" (a plain switch is off unless
+    given)."""
+    default = action.default
+    if not action.option_strings or default is None or default is False:
+        return False
+    if default is argparse.SUPPRESS or (isinstance(default, str | tuple | list) and not default):
+        return False
+    return action.nargs != 0 or isinstance(action, argparse.BooleanOptionalAction)
+
+
 # EngineArgs fields that are flags of ``baton worker`` and ``baton serve`` (``--field-name``).
-# Type, default and choices come from EngineArgs itself; a bool that defaults to True becomes
-# ``--no-<name>`` (without its ``enable_``), one that defaults to None ``--<name>/--no-<name>``.
+# Type, default and choices come from EngineArgs itself, the help text from ENGINE_HELP; a bool
+# that defaults to True or None becomes ``--<name>/--no-<name>`` (without its ``enable_``).
 ENGINE_FLAGS = (
     "served_model_name", "dtype", "load_format", "seed", "max_model_len", "block_size",
     "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization", "max_num_seqs",
@@ -45,13 +86,45 @@ ENGINE_FLAGS = (
     "fp8_fast_accumulation", "piecewise_cuda_graph_tokens",
 )  # fmt: skip
 ENGINE_HELP = {
-    "enforce_eager": "no CUDA graphs",
+    "served_model_name": "the model's name in the API: the model field of requests, "
+    "/v1/models (default: the checkpoint directory's name)",
+    "dtype": "the weights' and activations' type: auto (the checkpoint's bfloat16 or float16 "
+    "on a GPU, float32 on CPU), float32, float16 (or half) or bfloat16",
+    "load_format": "how weights are read: safetensors (the checkpoint's files; auto means "
+    "this) or dummy (random weights of the checkpoint's shapes, for tests and benchmarks)",
+    "seed": "the engine's random seed: given, requests without a seed of their own sample the "
+    "same in every run (and in every worker given it); by default each worker draws from a "
+    "random state of its own. A request's own seed samples the same everywhere either way",
+    "max_model_len": "the longest prompt plus completion, in tokens (default: the model's "
+    "context length)",
+    "block_size": "tokens per KV cache block, the prefix cache's unit (128 prefills long "
+    "prompts faster, at coarser prefix hits)",
+    "num_kv_blocks": "the KV cache's size in blocks of --block-size tokens (default: sized "
+    "from --kv-cache-memory-bytes, else from free GPU memory, else 1 GiB on CPU)",
+    "kv_cache_memory_bytes": "the KV cache's size in bytes (default: free GPU memory times "
+    "--gpu-memory-utilization, less weights and activations; 1 GiB on CPU)",
+    "gpu_memory_utilization": "the fraction of the GPU's memory the engine may use in all "
+    "(weights, activations, KV cache) when it sizes its KV cache",
+    "max_num_seqs": "the most sequences (requests) one engine step runs together",
+    "max_num_batched_tokens": "the most tokens one engine step computes, prefill chunks and "
+    "decodes together (default: 8192, or --max-num-seqs if larger)",
+    "attention_backend": "auto (FlashAttention-4 on a Hopper GPU where it is installed, else "
+    "Triton; torch on CPU), triton, flash_attn or torch (the plain-PyTorch reference)",
+    "device": "where the engine runs: auto (cuda when a GPU is visible, else cpu)",
+    "enable_prefix_caching": "reuse the KV cache of a prompt's prefix that an earlier request "
+    "computed",
+    "enforce_eager": "run every step eagerly, without CUDA graphs (slower decode on a GPU; "
+    "no effect on CPU)",
     "async_scheduling": "schedule the next step while the device runs this one (default: on "
-    "for CUDA)",
-    "kv_lease_seconds": "prefill side: how long a prompt's KV waits to be pulled",
-    "kv_recompute_on_failure": "decode side: a failed KV pull fails its request with a 502 "
-    "instead of recomputing the prompt locally (the default)",
-    "kv_cache_dtype": "fp8: the KV cache in e4m3, one byte an element, with a scale per layer",
+    "with CUDA, off on CPU)",
+    "kv_lease_seconds": "prefill side: seconds a prompt's KV cache waits for its decode worker "
+    "to pull it before it is freed",
+    "kv_recompute_on_failure": "decode side, when pulling a prompt's KV cache from its "
+    "prefill worker fails (that worker died): recompute the prompt on this worker, so the "
+    "client never sees the failure; --no-kv-recompute-on-failure fails the request with a "
+    "502 (kv_transfer_failed) instead",
+    "kv_cache_dtype": "auto: the KV cache in the model's dtype; fp8: in e4m3, one byte an "
+    "element, with a scale per layer",
     "fp8_fast_accumulation": "FP8 models: batched products accumulate in the tensor cores' own "
     "precision instead of float32 (default: on; faster, less exact over long rows)",
     "piecewise_cuda_graph_tokens": "steps of up to N tokens that the decode graphs do not "
@@ -61,14 +134,16 @@ ENGINE_HELP = {
     "checkpoint is read as it is, without this flag)",
     "tensor_parallel_size": "split the model over N ranks (GPUs), one process each "
     "(baton serve gives each worker N GPUs)",
-    "distributed_executor_backend": "how the ranks run: uni (in the engine core, tp=1), mp (a "
-    "process per rank, the default at tp>1) or ray (a Ray actor per rank; RAY_ADDRESS names "
-    "the cluster)",
+    "distributed_executor_backend": "how the ranks run: uni (in the engine core, one rank), mp "
+    "(a process per rank) or ray (a Ray actor per rank; RAY_ADDRESS names the cluster) "
+    "(default: uni at one rank, else mp)",
 }
 _FIELDS = {f.name: f for f in dataclasses.fields(EngineArgs)}
 
 
 def _flag(name: str) -> str:
+    """The flag that sets ``name`` off its default: ``--no-<name>`` for a bool on by default
+    (``--<name>`` sets it on, as it is)."""
     field = _FIELDS[name]
     if field.type is bool and field.default is True:
         return "--no-" + name.removeprefix("enable_").replace("_", "-")
@@ -79,8 +154,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     for name in ENGINE_FLAGS:
         field, flag = _FIELDS[name], _flag(name)
         kw: dict[str, Any] = {"dest": name, "default": field.default, "help": ENGINE_HELP.get(name)}
-        if field.type is bool:
-            kw["action"] = "store_false" if field.default else "store_true"
+        if field.type is bool and field.default is True:  # --x/--no-x: the help says it is on
+            flag = "--" + name.removeprefix("enable_").replace("_", "-")
+            kw["action"] = argparse.BooleanOptionalAction
+        elif field.type is bool:
+            kw["action"] = "store_true"
         elif typing.get_args(field.type) == (bool, type(None)):
             kw["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(field.type) is typing.Literal:
@@ -159,8 +237,9 @@ def run_worker(args: argparse.Namespace) -> None:
         scheduler_addresses=tuple(a for a in (args.scheduler or '').split(',') if a),
         worker_id=args.worker_id or "", metrics_port=args.metrics_port,
         drain_timeout_s=args.drain_timeout, ready_file=args.ready_file, cpus=args.cpus,
+        unregistered_exit_s=args.unregistered_exit_seconds,
     )  # fmt: skip
-    uvloop.run(serve(settings))
+    sys.exit(uvloop.run(serve(settings)))
 
 
 def run_scheduler(args: argparse.Namespace) -> None:
@@ -191,17 +270,17 @@ def _pool_deployment(spec: str) -> tuple[str, str]:
     return pool, name
 
 
-def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+def _api_keys(args: argparse.Namespace, command: str = "gateway") -> tuple[str, ...]:
     """--api-key values, then the keys in --api-key-file (one per line; a Kubernetes Secret)."""
     keys = list(args.api_key or ())
     if args.api_key_file:
         try:
             lines = Path(args.api_key_file).read_text().splitlines()
         except OSError as e:
-            raise SystemExit(f"baton gateway: --api-key-file: {e}") from None
+            raise SystemExit(f"baton {command}: --api-key-file: {e}") from None
         keys += [k.strip() for k in lines if k.strip() and not k.startswith("#")]
         if not keys:
-            raise SystemExit(f"baton gateway: {args.api_key_file} holds no key")
+            raise SystemExit(f"baton {command}: {args.api_key_file} holds no key")
     return tuple(keys)
 
 
@@ -263,7 +342,7 @@ def _add_cpus_flag(p: argparse.ArgumentParser) -> None:
         type=_cpu_list,
         default=(),
         help="pin this service's threads to these CPUs once it serves (e.g. 3 or 2,5-7); "
-        "a worker's engine core keeps every CPU",
+        "a worker's engine core keeps every CPU (default: no pinning)",
     )
 
 
@@ -277,15 +356,18 @@ def add_pin_cpus_flag(p: argparse.ArgumentParser) -> None:
         metavar="CPUS",
         help="give the scheduler, each worker's front and the gateway a CPU of its own: the "
         "highest-numbered ones, leaving one or more to the engine cores; or CPUS dealt out in "
-        "order (e.g. 8-15). Lower added latency on an idle many-core machine",
+        "order (e.g. 8-15). Lower added latency on an idle many-core machine (default: no "
+        "pinning)",
     )
 
 
 def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     """``baton serve``'s flags as the launcher's frozen spec."""
+    _api_keys(args, "serve")  # a missing or empty --api-key-file fails before anything starts
     return ClusterSpec(
         model=args.model, served_model_name=args.served_model_name, host=args.host,
         port=args.port, api_keys=tuple(args.api_key or ()), max_body_bytes=args.max_body_bytes,
+        api_key_file=args.api_key_file,
         request_timeout=args.request_timeout, generate_stream=not args.no_generate_stream,
         workers=args.workers, prefill_workers=args.prefill_workers,
         decode_workers=args.decode_workers, worker_metrics=args.worker_metrics,
@@ -307,68 +389,125 @@ def run_serve(args: argparse.Namespace) -> None:
     Cluster(cluster_spec(args)).run()
 
 
+MODEL_HELP = "the model's checkpoint directory (Hugging Face format, safetensors)"
+METRICS_PORT_HELP = "serve Prometheus /metrics on this port (0: any free port; default: none)"
+READY_FILE_HELP = ("write the address and ports it serves on to this JSON file once it serves, "
+                   "for a launcher to wait on")  # fmt: skip
+REDIS_URL_HELP = ("redis://HOST:PORT/DB: keep the prefix directory in Redis, shared by "
+                  "scheduler replicas (default: in the scheduler's memory)")  # fmt: skip
+ROUTING_POLICY_HELP = ("a YAML or JSON routing policy: filters, weighted scorers, the P/D "
+                       "decider (docs/routing.md; default: the built-in policy)")  # fmt: skip
+LIMIT_HELP = {
+    "max_prompts": "the most prompts in one completions request (a batch)",
+    "max_stop": "the most stop strings in one request",
+    "max_stop_chars": "the most characters in one stop string",
+    "max_stop_token_ids": "the most stop_token_ids in one request",
+    "max_messages": "the most messages in one chat request",
+    "max_bad_words": "the most bad_words in one request",
+    "max_bad_word_chars": "the most characters in one bad word",
+    "max_allowed_token_ids": "the most allowed_token_ids in one request",
+}
+
+
+def _command(
+    sub: argparse._SubParsersAction, name: str, summary: str, details: str = ""
+) -> argparse.ArgumentParser:
+    """A sub-command whose ``--help`` shows each flag's default (``HelpFormatter``)."""
+    description = summary[0].upper() + summary[1:] + "." + (f"\n\n{details}" if details else "")
+    return sub.add_parser(name, help=summary, description=description,
+                          formatter_class=HelpFormatter)  # fmt: skip
+
+
 def add_service_commands(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("worker", help="serve one engine over gRPC (registers with the scheduler)")
-    p.add_argument("--model", required=True)
-    p.add_argument("--role", default="both", choices=["prefill", "decode", "both"])
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--advertise-host", default=None)
+    p = _command(sub, "worker", "serve one engine over gRPC (registers with the scheduler)")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
+    p.add_argument("--role", default="both", choices=["prefill", "decode", "both"],
+                   help="prefill: only prefills, its KV caches pulled by decode workers; "
+                   "decode: decodes, pulling long prompts' KV caches; both: "
+                   "everything")  # fmt: skip
+    p.add_argument("--host", default="127.0.0.1", help="the address its gRPC server listens on")
+    p.add_argument("--port", type=int, default=0, help="its gRPC port (0: any free port)")
+    p.add_argument("--advertise-host", default=None,
+                   help="the address the scheduler and peers reach it at, where its KV side "
+                   "channel and UCX listen too (default: --host; required when --host is "
+                   "every interface)")  # fmt: skip
     p.add_argument(
         "--scheduler",
         default=None,
         help="host:port of the global scheduler (comma-separated: one per replica)",
     )
-    p.add_argument("--worker-id", default=None)
-    p.add_argument("--metrics-port", type=int, default=None)
-    p.add_argument("--drain-timeout", type=float, default=30.0)
-    p.add_argument("--ready-file", default=None)
+    p.add_argument("--worker-id", default=None,
+                   help="its name in the scheduler's registry (default: HOSTNAME-PID)")  # fmt: skip
+    p.add_argument("--metrics-port", type=int, default=None, help=METRICS_PORT_HELP)
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds its running requests may take to finish")  # fmt: skip
     p.add_argument(
-        "--kv-transfer", action="store_true", help="NIXL KV transfer (on for prefill/decode)"
-    )
+        "--unregistered-exit-seconds", type=float, default=300.0,
+        help="stop (exit code 1, for the supervisor to restart the worker) after this many "
+        "seconds registered with no global scheduler replica; 0: never",
+    )  # fmt: skip
+    p.add_argument("--ready-file", default=None, help=READY_FILE_HELP)
+    p.add_argument("--kv-transfer", action="store_true",
+                   help="send and receive KV caches over NIXL (on with --role prefill or "
+                   "decode)")  # fmt: skip
     _add_cpus_flag(p)
     _add_security_flags(p)
     add_engine_flags(p)
     p.set_defaults(func=run_worker)
 
-    p = sub.add_parser("global-scheduler", help="worker registry, prefix directory, routing")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--heartbeat-timeout", type=float, default=1.5)
-    p.add_argument("--metrics-port", type=int, default=None)
-    p.add_argument("--routing-policy", default=None, help="YAML/JSON file (see routing.py)")
-    p.add_argument("--redis-url", default=None, help="share the prefix directory in Redis")
-    p.add_argument("--ready-file", default=None)
+    p = _command(sub, "global-scheduler", "the worker registry, the prefix directory and "
+                 "routing: which worker serves each request")  # fmt: skip
+    p.add_argument("--host", default="127.0.0.1", help="the address its gRPC server listens on")
+    p.add_argument("--port", type=int, default=50051, help="its gRPC port (0: any free port)")
+    p.add_argument("--heartbeat-timeout", type=float, default=1.5,
+                   help="seconds without a heartbeat after which a worker is dropped")  # fmt: skip
+    p.add_argument("--metrics-port", type=int, default=None, help=METRICS_PORT_HELP)
+    p.add_argument("--routing-policy", default=None, help=ROUTING_POLICY_HELP)
+    p.add_argument("--redis-url", default=None, help=REDIS_URL_HELP)
+    p.add_argument("--ready-file", default=None, help=READY_FILE_HELP)
     p.add_argument("--discovery", default="none", choices=["none", "kubernetes"],
                    help="watch the worker pods through the Kubernetes API")  # fmt: skip
     p.add_argument("--namespace", default="", help="the pods' namespace (default: this pod's)")
-    p.add_argument("--pod-selector", default="", help="the worker pods' labels: k=v,k2=v2")
+    p.add_argument("--pod-selector", default="",
+                   help="the worker pods' labels, k=v,k2=v2 (required with --discovery "
+                   "kubernetes)")  # fmt: skip
     p.add_argument("--kubernetes-api", default=None, help=argparse.SUPPRESS)  # tests
     p.add_argument("--unregistered-after", type=float, default=120.0,
-                   help="report a pod Ready this long that never registered")  # fmt: skip
+                   help="with --discovery kubernetes: report a pod that has been Ready this "
+                   "many seconds without registering")  # fmt: skip
     p.add_argument("--planner-config", default=None,
-                   help="YAML/JSON file: turn the planner on (see planner.py)")  # fmt: skip
+                   help="a YAML or JSON planner config: turns the planner on, which publishes "
+                   "each pool's desired replicas (docs/deploy.md, \"The planner\"; default: "
+                   "off)")  # fmt: skip
     p.add_argument("--scale-deployment", action="append", metavar="POOL=DEPLOYMENT",
-                   help="the planner sets this Deployment's replicas (repeatable)")  # fmt: skip
+                   help="the planner sets this Deployment's replicas; POOL is prefill, decode "
+                   "or both (repeatable; default: it only publishes them)")  # fmt: skip
     _add_cpus_flag(p)
     _add_security_flags(p)
     p.set_defaults(func=run_scheduler)
 
-    p = sub.add_parser("gateway", help="the OpenAI-compatible HTTP API")
+    p = _command(sub, "gateway", "the OpenAI-compatible HTTP API")
     _gateway_flags(p)
     p.add_argument("--scheduler", required=True, help="host:port of the global scheduler")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--api-key-file", default=None,
-                   help="API keys, one per line (added to --api-key)")  # fmt: skip
+    p.add_argument("--served-model-name", default=None, help=ENGINE_HELP["served_model_name"])
     _add_cpus_flag(p)
     _add_security_flags(p)
     p.set_defaults(func=run_gateway)
 
-    p = sub.add_parser("serve", help="scheduler + workers + gateway on this machine")
+    p = _command(sub, "serve", "the whole system on this machine: the global scheduler, the "
+                 "workers and the OpenAI gateway, restarting a service that dies",
+                 "It prints 'Baton is serving NAME at http://HOST:PORT/v1' once the API "
+                 "answers (GET /ready is 200 from then on); Ctrl-C stops it.\n\nexample:\n"
+                 "  baton serve --model path/to/checkpoint --port 8000")  # fmt: skip
     _gateway_flags(p)
-    p.add_argument("--workers", type=int, default=None, help="colocated workers (role both)")
-    p.add_argument("--prefill-workers", type=int, default=0)
-    p.add_argument("--decode-workers", type=int, default=0)
+    p.add_argument("--workers", type=int, default=None,
+                   help="colocated workers, each prefilling and decoding (default: 1, or 0 "
+                   "with --prefill-workers or --decode-workers)")  # fmt: skip
+    p.add_argument("--prefill-workers", type=int, default=0,
+                   help="workers that only prefill long prompts, their KV caches pulled by "
+                   "the decode workers over NIXL")  # fmt: skip
+    p.add_argument("--decode-workers", type=int, default=0,
+                   help="workers that decode (and prefill short prompts)")  # fmt: skip
     p.add_argument(
         "--prefill-tensor-parallel-size",
         type=int,
@@ -383,12 +522,16 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="the decode pool's TP size (default: --tensor-parallel-size)",
     )
-    p.add_argument("--worker-metrics", action="store_true", help="give each worker /metrics")
+    p.add_argument("--worker-metrics", action="store_true",
+                   help="give each worker a Prometheus /metrics port")  # fmt: skip
     p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="a worker's SIGTERM: how long its requests may finish")  # fmt: skip
-    p.add_argument("--log-dir", default=None, help="write each service's log to DIR/<name>.log")
-    p.add_argument("--redis-url", default=None, help="prefix directory in Redis (default: memory)")
-    p.add_argument("--routing-policy", default=None, help="YAML/JSON file (see routing.py)")
+                   help="on stop, seconds a worker's running requests may take to "
+                   "finish")  # fmt: skip
+    p.add_argument("--log-dir", default=None, metavar="DIR",
+                   help="write each service's log to DIR/<name>.log (default: this "
+                   "terminal)")  # fmt: skip
+    p.add_argument("--redis-url", default=None, help=REDIS_URL_HELP)
+    p.add_argument("--routing-policy", default=None, help=ROUTING_POLICY_HELP)
     p.add_argument(
         "--gpus",
         default=None,
@@ -412,16 +555,27 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _gateway_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", action="append", help="repeatable; none: no authentication")
-    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
-    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--model", required=True, help=MODEL_HELP)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address the OpenAI API listens on (0.0.0.0: every "
+                   "interface)")  # fmt: skip
+    p.add_argument("--port", type=int, default=8000, help="the OpenAI API's port")
+    p.add_argument("--api-key", action="append", metavar="KEY",
+                   help="a key clients must send (Authorization: Bearer KEY) on /v1/*; "
+                   "repeatable; it shows in the process list, --api-key-file does not "
+                   "(default: no authentication)")  # fmt: skip
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="API keys, one a line ('#' starts a comment), added to --api-key: "
+                   "a Kubernetes Secret, say")  # fmt: skip
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                   help="the largest request body, in bytes (413 above it)")  # fmt: skip
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may take in all before it fails with a 504")  # fmt: skip
     defaults = InputLimits()
     for name in LIMIT_FIELDS:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name),
-                       help="an input limit per request (400 above it)")  # fmt: skip
+                       help=LIMIT_HELP.get(name, "an input limit per request") + "; a request "
+                       "above it gets a 400")  # fmt: skip
     p.add_argument(
         "--no-generate-stream",
         action="store_true",

@@ -1,8 +1,8 @@
 """The gateway's HTTP face (FastAPI): routes translate HTTP ⇄ ``Handler`` and nothing more.
 
     POST /v1/completions, /v1/chat/completions   OpenAI, streamed (SSE) or not
-    GET  /v1/models, /metrics, /openapi.json (every request body described by the same
-         pydantic models the routes validate with)
+    GET  /v1/models, /v1/models/{id} (OpenAI's Model objects), /metrics, /openapi.json
+         (every request body described by the same pydantic models the routes validate with)
     GET  /health  liveness: the process serves (always 200 while it does)
     GET  /ready   readiness: the scheduler answers and a worker of a served model is
                   registered (200), else 503 JSON with Retry-After (a load balancer stops
@@ -97,15 +97,16 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         catalog: ModelCatalog = state["catalog"]
-        data = []
-        for m in sorted(tokenizers):
-            entry: dict[str, Any] = {"id": m, "object": "model", "created": 0, "owned_by": "baton"}
-            known = catalog.known(m)
-            if known is not None:  # what its live workers serve (vLLM reports max_model_len)
-                entry.update(max_model_len=known.max_model_len, quantization=known.quantization
-                             or None, kv_cache_dtype=known.kv_cache_dtype or None)  # fmt: skip
-            data.append(entry)
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [catalog.card(m) for m in catalog.served]}
+
+    # ``path``: a model id may hold slashes (``org/name``), as Hugging Face names do
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        catalog: ModelCatalog = state["catalog"]
+        card = catalog.card(model_id)
+        if card is None:
+            raise errors.model_not_found(model_id, catalog.served)
+        return card
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -164,7 +165,8 @@ async def _parse(request: Request, schema: type[B]) -> B:
     try:
         return schema.model_validate_json(await request.body())
     except ValidationError as e:
-        raise RequestValidationError(e.errors(include_url=False, include_context=False)) from None
+        # the context carries a refusal's field (errors.refuse) and a ValueError's own message
+        raise RequestValidationError(e.errors(include_url=False)) from None
 
 
 async def _serve(handler: Handler, body: Body, request: Request, include_usage: bool) -> Response:
@@ -234,11 +236,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        where = ".".join(loc)
-        message = f"{where}: {first['msg']}" if where else str(first["msg"])
-        return _error(errors.bad_request(message, loc[0] if loc else None))
+        return _error(errors.from_validation(e.errors()))
 
     @app.exception_handler(ClientDisconnect)
     async def gone(request: Request, e: ClientDisconnect) -> Response:

@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -64,6 +65,19 @@ class ModelCatalog:
     @property
     def served(self) -> list[str]:
         return sorted(self.tokenizers)
+
+    def card(self, model: str) -> dict[str, Any] | None:
+        """OpenAI's Model object for a served model (``GET /v1/models`` lists them, ``GET
+        /v1/models/{id}`` returns one), with what its live workers serve as vLLM reports it;
+        None when this gateway does not serve ``model``."""
+        if model not in self.tokenizers:
+            return None
+        card: dict[str, Any] = {"id": model, "object": "model", "created": 0, "owned_by": "baton"}
+        known = self._limits.get(model)
+        if known is not None:
+            card.update(max_model_len=known.max_model_len, quantization=known.quantization
+                        or None, kv_cache_dtype=known.kv_cache_dtype or None)  # fmt: skip
+        return card
 
     def known(self, model: str) -> ModelLimits | None:
         """The model's entry from the last worker list, without refreshing it."""

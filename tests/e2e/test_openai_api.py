@@ -1,13 +1,19 @@
 """The OpenAI API of a running cluster (gateway + scheduler + 2 workers as processes), driven
 with the official ``openai`` client; greedy output must equal the engine's offline output."""
 
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
 
 from baton import LLM, SamplingParams
-from baton.launcher import Cluster
+from baton.launcher import Cluster, free_port
+from baton.tiny_model import CHAT_TEMPLATE
+from services.worker.engine.sample.constraints import tokenize_bad_words
+from shared.text.tokenizer import TextTokenizer
+from tests.e2e.conftest import service_group
 
 PROMPTS = ["The quick brown fox", "Return a new list containing", "This module provides"]
 MODEL = "qwen3"  # tiny_model's directory name is its served name
@@ -21,6 +27,20 @@ def client(cluster: Cluster) -> Iterator[openai.OpenAI]:
 
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_models_retrieve_one_and_404_for_an_unknown_id(client: openai.OpenAI) -> None:
+    """``GET /v1/models/{id}``: the SDK's ``models.retrieve``; an unknown id, slashes and all
+    (``org/name``), is OpenAI's 404 ``model_not_found``."""
+    model = client.models.retrieve(MODEL)
+    assert (model.id, model.object, model.owned_by) == (MODEL, "model", "baton")
+    assert model.model_extra is not None and model.model_extra["max_model_len"] == 1024
+    for unknown in ("no-such-model", "org/no-such-model"):
+        with pytest.raises(openai.NotFoundError) as caught:
+            client.models.retrieve(unknown)
+        error = caught.value.response.json()["error"]
+        assert (error["code"], error["type"]) == ("model_not_found", "invalid_request_error")
+        assert unknown in error["message"]
 
 
 def test_greedy_completions_equal_offline_engine(client: openai.OpenAI, offline: LLM) -> None:
@@ -156,3 +176,176 @@ def test_batch_of_prompts_in_one_completion_request(client: openai.OpenAI, offli
     for p, ref in enumerate(expected):
         for i in range(2):
             assert by_index[p * 2 + i] == ref.outputs[i].text
+
+
+# ---- vLLM's fields that change the output: honoured (issue 45) ----------------------------
+GREEDY: dict = {"model": MODEL, "temperature": 0}
+
+
+def _contains(seq: list[int], sub: list[int]) -> bool:
+    return any(seq[i : i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
+
+
+def _tokens(offline: LLM) -> TextTokenizer:
+    return TextTokenizer(offline.config.model.tokenizer)
+
+
+def test_allowed_token_ids_are_the_only_ones_generated(client: openai.OpenAI, offline: LLM) -> None:
+    free = offline.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12))[0]
+    allowed = sorted(set(free.outputs[0].token_ids[4:10]) - {free.outputs[0].token_ids[0]})
+    params = SamplingParams(temperature=0, max_tokens=12, allowed_token_ids=allowed)
+    ref = offline.generate([PROMPTS[0]], params)[0].outputs[0]
+    assert set(ref.token_ids) <= set(allowed)
+    got = client.completions.create(
+        **GREEDY, prompt=PROMPTS[0], max_tokens=12, extra_body={"allowed_token_ids": allowed}
+    )
+    assert got.choices[0].text == ref.text != free.outputs[0].text
+    chat = client.chat.completions.create(
+        **GREEDY, messages=[{"role": "user", "content": "hi"}], max_tokens=6, logprobs=True,
+        extra_body={"allowed_token_ids": allowed},
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    encode = _tokens(offline).encode
+    assert content and all(encode(e.token, False)[0] in allowed for e in content)
+
+
+def test_bad_words_are_never_generated(client: openai.OpenAI, offline: LLM) -> None:
+    """A word of the free greedy output, banned: none of its token sequences (with and without
+    a leading space, as vLLM tokenizes them) appears, and the text equals the offline engine's."""
+    encode = _tokens(offline).encode
+    free = offline.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=24))[0]
+    ids = list(free.outputs[0].token_ids)
+
+    def sequences(word: str) -> list[list[int]]:
+        return tokenize_bad_words([word], lambda t: encode(t, False))
+
+    words = [offline.tokenizer.decode(ids[k : k + 1]).strip() for k in range(1, len(ids))]
+    word = next(w for w in words if w and any(_contains(ids, s) for s in sequences(w)))
+    params = SamplingParams(temperature=0, max_tokens=24, bad_words=[word])
+    ref = offline.generate([PROMPTS[2]], params)[0].outputs[0]
+    assert not any(_contains(list(ref.token_ids), s) for s in sequences(word))
+    extra = {"bad_words": [word]}
+    got = client.completions.create(**GREEDY, prompt=PROMPTS[2], max_tokens=24, extra_body=extra)
+    assert got.choices[0].text == ref.text != free.outputs[0].text
+    streamed = client.completions.create(
+        **GREEDY, prompt=PROMPTS[2], max_tokens=24, extra_body=extra, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == ref.text
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client: openai.OpenAI, offline: LLM) -> None:
+    tokens = _tokens(offline)
+    ids = tokens.encode(PROMPTS[1])
+    keep3 = {"truncate_prompt_tokens": 3}
+    cut = client.completions.create(**GREEDY, prompt=PROMPTS[1], max_tokens=10, extra_body=keep3)
+    last = client.completions.create(**GREEDY, prompt=ids[-3:], max_tokens=10)
+    whole = client.completions.create(**GREEDY, prompt=PROMPTS[1], max_tokens=10)
+    assert cut.choices[0].text == last.choices[0].text != whole.choices[0].text
+    assert cut.usage is not None and cut.usage.prompt_tokens == 3
+    ids_cut = client.completions.create(**GREEDY, prompt=ids, max_tokens=10, extra_body=keep3)
+    assert ids_cut.choices[0].text == last.choices[0].text
+    # chat: the rendered prompt's last tokens
+    messages = [{"role": "user", "content": "What does the json module do?"}]
+    rendered = tokens.apply_chat_template(messages)
+    chat = client.chat.completions.create(
+        **GREEDY, messages=messages, max_tokens=10, extra_body={"truncate_prompt_tokens": 5}
+    )
+    plain = client.completions.create(**GREEDY, prompt=rendered[-5:], max_tokens=10)
+    assert chat.choices[0].message.content == plain.choices[0].text
+    assert chat.usage is not None and chat.usage.prompt_tokens == 5
+
+
+def test_continue_final_message_continues_the_assistant_text(
+    client: openai.OpenAI, offline: LLM
+) -> None:
+    messages = [
+        {"role": "user", "content": "What does the json module do?"},
+        {"role": "assistant", "content": "The json module"},
+    ]
+    # the tiny model's template, by hand: no end of turn after the assistant's text
+    prompt = (
+        "<|im_start|>user\nWhat does the json module do?<|im_end|>\n"
+        "<|im_start|>assistant\nThe json module"
+    )
+    go_on = {"continue_final_message": True, "add_generation_prompt": False}
+    got = client.chat.completions.create(
+        **GREEDY, messages=messages, max_tokens=12, extra_body=go_on
+    )
+    ids = _tokens(offline).encode(prompt, False)
+    ref = client.completions.create(**GREEDY, prompt=ids, max_tokens=12)
+    assert got.choices[0].message.content == ref.choices[0].text
+    assert got.usage is not None and got.usage.prompt_tokens == len(ids)
+    closed = client.chat.completions.create(
+        **GREEDY, messages=messages, max_tokens=12, extra_body={"add_generation_prompt": False}
+    )
+    assert closed.usage is not None and closed.usage.prompt_tokens > len(ids)
+
+
+THINKING_TEMPLATE = (  # the tiny model's template, and a variable the request may set
+    CHAT_TEMPLATE + "{% if add_generation_prompt and enable_thinking is defined and "
+    "enable_thinking %}<think>\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def thinking_gateway(
+    cluster: Cluster, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[openai.OpenAI]:
+    """A second gateway on the same workers whose tokenizer's chat template reads
+    ``enable_thinking`` (served under the same name: the checkpoint's directory name)."""
+    copy = tmp_path_factory.mktemp("thinking") / tiny_model.name
+    shutil.copytree(tiny_model, copy)
+    (copy / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    group, port = service_group(copy), free_port()
+    scheduler = cluster.ready["scheduler"]["address"]
+    try:
+        argv = ["gateway", "--model", str(copy), "--port", str(port), "--scheduler", scheduler]
+        group.spawn("gateway", argv, ready=False)
+        group.wait_http("gateway", f"http://127.0.0.1:{port}/ready", 60)
+        url = f"http://127.0.0.1:{port}/v1"
+        with openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60) as c:
+            yield c
+    finally:
+        group.stop()
+
+
+def test_chat_template_kwargs_reach_the_template(
+    thinking_gateway: openai.OpenAI, client: openai.OpenAI, offline: LLM
+) -> None:
+    messages = [{"role": "user", "content": "What does the json module do?"}]
+    prompt = "<|im_start|>user\nWhat does the json module do?<|im_end|>\n<|im_start|>assistant\n"
+    for thinking, text in ((True, prompt + "<think>\n"), (False, prompt)):
+        got = thinking_gateway.chat.completions.create(
+            **GREEDY, messages=messages, max_tokens=10,
+            extra_body={"chat_template_kwargs": {"enable_thinking": thinking}},
+        )  # fmt: skip
+        ids = _tokens(offline).encode(text, False)
+        ref = client.completions.create(**GREEDY, prompt=ids, max_tokens=10)
+        assert got.usage is not None and got.usage.prompt_tokens == len(ids)
+        assert got.choices[0].message.content == ref.choices[0].text
+    with pytest.raises(openai.BadRequestError) as caught:
+        thinking_gateway.chat.completions.create(
+            **GREEDY, messages=messages, max_tokens=2,
+            extra_body={"chat_template_kwargs": {"add_generation_prompt": False}},
+        )  # fmt: skip
+    assert caught.value.param == "chat_template_kwargs.add_generation_prompt"
+
+
+def test_output_changing_fields_are_refused_not_ignored(client: openai.OpenAI) -> None:
+    """Each used to get a 200 with the output as if it were absent."""
+    hi = [{"role": "user", "content": "hi"}]
+    for extra, param in [
+        ({"functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(**GREEDY, messages=hi, max_tokens=2, extra_body=extra)
+        assert caught.value.param == param
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    parts = [{"role": "user", "content": [{"type": "text", "text": "see"}, image]}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**GREEDY, messages=parts, max_tokens=2)
+    assert caught.value.param == "messages.0.content.1"
+    assert "'image_url' are not supported" in caught.value.body["message"]  # type: ignore[index]

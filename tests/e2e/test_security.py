@@ -291,3 +291,32 @@ def test_internal_tls_with_mutual_authentication(tiny_model: Path, tmp_path: Pat
                 .workers
             )
         assert len(workers) == 1
+
+
+def test_serve_api_key_file_protects_the_gateway(tiny_model: Path, tmp_path: Path) -> None:
+    """``baton serve --api-key-file`` (and an ``--api-key`` beside it): without one of those
+    keys ``/v1/*`` is a 401, with one it answers, and no child's command line holds a key (the
+    gateway reads them from a file). The served name holds a slash, as a Hugging Face id does:
+    ``GET /v1/models/{id}`` finds it."""
+    first, second, third = "first-key-7c1d0e9a5b", "second-key-3f8a2b6c4d", "third-key-9e2f4a"
+    keys = tmp_path / "api-keys"
+    keys.write_text(f"# one key a line\n{first}\n\n{second}\n")
+    name = "org/tiny"
+    with running_cluster(tiny_model, 1, "--api-key-file", str(keys), "--api-key", third,
+                         "--served-model-name", name) as cluster:  # fmt: skip
+        url = cluster.url or ""
+        body = {"model": name, "prompt": "keyed", "max_tokens": 4}
+        for headers in ({}, {"authorization": "Bearer not-a-key"}):
+            got = httpx.get(f"{url}/models/{name}", headers=headers, timeout=10)
+            assert got.status_code == 401 and got.json()["error"]["code"] == "invalid_api_key"
+            got = httpx.post(f"{url}/completions", json=body, headers=headers, timeout=60)
+            assert got.status_code == 401
+        for key in (first, second, third):
+            auth = {"authorization": f"Bearer {key}"}
+            got = httpx.get(f"{url}/models/{name}", headers=auth, timeout=10)
+            assert got.status_code == 200 and got.json()["id"] == name, got.text
+            got = httpx.post(f"{url}/completions", json=body, headers=auth, timeout=60)
+            assert got.status_code == 200, got.text
+        assert httpx.get(url.removesuffix("/v1") + "/ready", timeout=10).status_code == 200
+        for proc in _tree(cluster):
+            assert not any(k in " ".join(proc.cmdline()) for k in (first, second, third))
