@@ -82,7 +82,10 @@ class ChoiceState:
 
     def _released(self, finished: bool) -> list[TokenLogprob]:
         """The logprobs of the tokens whose text ``new_text`` just handed out, each with that
-        text: the same tokens, split the same way, streamed or not."""
+        text: the same tokens, split the same way, streamed or not. Without logprobs there
+        is nothing to pair (and no per-token work on the token stream)."""
+        if self.num_logprobs is None:
+            return []
         tokens = self.detok.new_tokens(finished)
         n = min(len(tokens), len(self.unreleased))  # none when no logprobs were asked for
         released = self.unreleased[:n]
