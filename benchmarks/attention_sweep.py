@@ -40,12 +40,12 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.roofline import copy_bandwidth, matmul_peak
-from services.worker.engine import tuned_configs
 from services.worker.engine.attention import triton_backend
 from services.worker.engine.attention.backend import AttentionMetadata
 from services.worker.engine.attention.registry import get_backend
 from services.worker.engine.attention.triton_backend import TritonAttentionBackend
 from services.worker.engine.kv_cache.layout import KVCacheLayout, layer_views
+from services.worker.engine.ops import tuned_configs
 
 
 def main() -> None:
@@ -317,7 +317,7 @@ SPLIT_RULES = list(itertools.product((1, 2, 4), (16, 32, 64), (32, 256, 512)))
 
 def tune(args: argparse.Namespace) -> None:
     """This GPU's launch configuration for ``--head-dim``, written into the directory ``--tune``
-    under the name the backend reads (services/worker/engine/attention/configs/ keeps them):
+    under the name the backend reads (services/worker/engine/ops/configs/attention/ keeps them):
 
     - prefill: every PREFILL_GRID configuration on a prompt of ``--lengths[0]`` tokens; the
       four fastest again on each of ``--lengths``; the one with the least summed time relative

@@ -20,7 +20,7 @@ back-to-back calls over weights read from HBM. Where the fastest launch beats cu
 ``gemv_configs.gemm_launch``), replacing that section and keeping the rest of the file; every
 time and each kept launch's error against float64 go to ``--output``.
 
-    python benchmarks/fp8_mm.py --tune services/worker/engine/models/layers/configs \
+    python benchmarks/fp8_mm.py --tune services/worker/engine/ops/configs/linear/ \
         --output fp8_gemm_tune.json
 
 ``--block``: instead, block checkpoints' products (128 × 128 weight blocks, activations per
@@ -52,8 +52,8 @@ from benchmarks.gemv import projections
 from benchmarks.roofline import fp8_matmul_peak
 from benchmarks.shapes import SHAPES
 from services.worker.engine.models import quantization
-from services.worker.engine.models.layers.fp8_linear import fp8_mm, quantize_rows
 from services.worker.engine.models.quantization import Codes
+from services.worker.engine.ops.fp8_linear import fp8_mm, quantize_rows
 
 
 def errors(y: torch.Tensor, exact: torch.Tensor) -> dict[str, float]:
@@ -121,8 +121,7 @@ def gemm_launches(m: int) -> list[dict[str, int]]:
 
 def tune(args: argparse.Namespace, dev: torch.device) -> None:
     from benchmarks.gemv import time_calls
-    from services.worker.engine import tuned_configs
-    from services.worker.engine.models.layers import fp8_linear, gemv_configs
+    from services.worker.engine.ops import fp8_linear, gemv_configs, tuned_configs
 
     gpu = torch.cuda.get_device_name(dev)
     path = Path(args.tune) / tuned_configs.config_file(gpu)
@@ -206,8 +205,8 @@ BLOCK_SPLITS = (1, 2, 3, 4, 6, 8)
 
 def block(args: argparse.Namespace, dev: torch.device) -> None:
     from benchmarks.gemv import time_calls
-    from services.worker.engine.models.layers import fp8_block, fp8_linear
-    from services.worker.engine.models.layers.gemv import gemv
+    from services.worker.engine.ops import fp8_block, fp8_linear
+    from services.worker.engine.ops.gemv import gemv
 
     def engine_block(codes: Codes, w: Any) -> torch.Tensor:  # cuBLASLt's from 16 rows
         # over codes, as RMSNorm and SiLU·mul hand them over (since h200-2026-12-03c; before,

@@ -1,5 +1,5 @@
 """One-token linear layers (batch-1 decode) on a GPU: cuBLAS, cuBLASLt and the engine's Triton
-GEMV (models/layers/gemv.py) per projection shape, as achieved weight-read bandwidth next to
+GEMV (ops/gemv.py) per projection shape, as achieved weight-read bandwidth next to
 the copy bandwidth measured in the same run.
 
 Each timing replays a CUDA graph of back-to-back calls (as a decode step does, no launch gaps)
@@ -9,12 +9,12 @@ cycling through enough weight copies that none is read from L2 twice.
 
 ``--tune DIR``: each GEMV kernel's configurations timed that way per projection of each
 ``--shapes``, the fastest written into ``DIR/<GPU name>.json``, merged over the kept file of
-this GPU (``services/worker/engine/models/layers/configs/`` keeps them; the kernels read
-that launch instead of their autotuner's: ``layers/gemv_configs.py``).
+this GPU (``services/worker/engine/ops/configs/linear/`` keeps them; the kernels read
+that launch instead of their autotuner's: ``ops/gemv_configs.py``).
 
-    python benchmarks/gemv.py --tune services/worker/engine/models/layers/configs
+    python benchmarks/gemv.py --tune services/worker/engine/ops/configs/linear/
 
-``--fp8``: the FP8 GEMV (models/layers/fp8_linear.py: e4m3 weights with a scale per row, the
+``--fp8``: the FP8 GEMV (ops/fp8_linear.py: e4m3 weights with a scale per row, the
 activation quantized per token inside the kernel) beside the bf16 Triton GEMV, each against
 its own weight bytes over the copy bandwidth.
 """
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.roofline import copy_bandwidth, matmul_peak
 from benchmarks.shapes import SHAPES
-from services.worker.engine.models.layers.gemv import gemv
+from services.worker.engine.ops.gemv import gemv
 
 
 def projections(shape: dict[str, Any]) -> dict[str, tuple[int, int]]:
@@ -135,8 +135,8 @@ def main() -> None:
 def fp8(args: argparse.Namespace, dev: torch.device, bandwidth: float) -> None:
     """Per projection: the FP8 GEMV and the bf16 Triton GEMV, µs and the fraction of each one's
     weight-read bound (N·K bytes, or 2·N·K, over the copy bandwidth)."""
-    from services.worker.engine.models.layers.fp8_linear import fp8_gemv
     from services.worker.engine.models.quantization import quantize_rows
+    from services.worker.engine.ops.fp8_linear import fp8_gemv
 
     layers = SHAPES[args.shape]["num_hidden_layers"]
     result: dict[str, Any] = {"shape": args.shape, "copy_bandwidth_tbs": bandwidth / 1e12,
@@ -176,10 +176,9 @@ def tune(args: argparse.Namespace, dev: torch.device) -> None:
     fast accumulation) and projection: every configuration of the
     kernel's autotune list, timed in a CUDA graph of back-to-back calls over weights from HBM;
     the fastest kept (the whole table under ``measured``)."""
-    from services.worker.engine import tuned_configs
-    from services.worker.engine.models.layers import fp8_linear, gemv_configs
-    from services.worker.engine.models.layers import gemv as gemv_module
     from services.worker.engine.models.quantization import quantize_rows
+    from services.worker.engine.ops import fp8_linear, gemv_configs, tuned_configs
+    from services.worker.engine.ops import gemv as gemv_module
 
     gpu = torch.cuda.get_device_name(dev)
     kept = tuned_configs.read(gemv_configs.CONFIG_DIR, gpu)

@@ -30,8 +30,8 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from services.worker.engine.attention import triton_kernels
-from services.worker.engine.models.layers import fp8_block, fp8_linear, fused_ops
+from services.worker.engine.ops import attention as attention_ops
+from services.worker.engine.ops import fp8_block, fp8_linear, fused_ops
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
 _TOOLS = Path(triton.__path__[0]) / "backends" / "nvidia" / "bin"
@@ -67,7 +67,7 @@ def _decode(fp8: bool) -> Preset:
     tile), Llama-3.1-8B's heads (4 queries a KV head, head dim 128), bf16 queries."""
     kv = "*fp8e4nv" if fp8 else "*bf16"
     return Preset(
-        triton_kernels._decode,
+        attention_ops._decode,
         {"Q": "*bf16", "K": kv, "V": kv, "Out": "*bf16", "part_acc": "*bf16",
          "part_ml": "*bf16", "block_tables": "*i32", "query_start_loc": "*i32",
          "seq_lens": "*i32", "order": "*i32", "qk_scale": "fp32", "v_scale": "fp32"},

@@ -68,14 +68,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
 @contextlib.contextmanager
 def _variant_patches(variant: str) -> Iterator[None]:
     """``cublas_gemv``: the linear layers' Triton GEMV swapped for F.linear; ``no_pdl``: the
-    Triton kernels launched without PDL (engine/dependent_launch.py); ``fp8[_block]_no_codes``: no
+    Triton kernels launched without PDL (ops/dependent_launch.py); ``fp8[_block]_no_codes``: no
     layer takes its input as codes (models/layers/linear.py); ``[fp8_]kv_write``: the
     attention backend stores the step's K/V, not the rotary kernel (models/llama.py). Each
     holds while the engine is built (its CUDA graphs capture whichever is in place) and
     used."""
-    from services.worker.engine import dependent_launch
     from services.worker.engine.models.layers import gemv, linear
     from services.worker.engine.models.llama import LlamaAttention
+    from services.worker.engine.ops import dependent_launch
 
     original = gemv.gemv, dependent_launch.supported
     takes_codes = linear._LinearBase.takes_codes

@@ -1,5 +1,5 @@
 """Random sampling of a decode batch on a GPU: the engine's one-pass Gumbel-max kernel
-(sample/gumbel.py) against the PyTorch exponential race it replaced (upcast, temperature,
+(ops/gumbel.py) against the PyTorch exponential race it replaced (upcast, temperature,
 softmax, an Exp(1) tensor, divide, argmax), on the same logits, in the same run, next to the
 copy bandwidth: the kernel's floor is one read of the logits in the model's dtype.
 
@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.roofline import copy_bandwidth
-from services.worker.engine.sample.gumbel import gumbel_argmax_triton, row_keys
+from services.worker.engine.ops.gumbel import gumbel_argmax_triton, row_keys
 
 
 def exponential_race(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:

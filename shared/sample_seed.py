@@ -1,5 +1,5 @@
 """How a seeded request's draws follow from its seed, torch-free, for the two places that must
-agree on it: the engine's sampler (``sample/gumbel.row_keys``) and the gateway, which resumes a
+agree on it: the engine's sampler (``ops/gumbel.row_keys``) and the gateway, which resumes a
 request on another worker with the tokens so far in its prompt.
 
 Token *k* of a request with seed *s* draws its noise from the key of ``s + k·GOLDEN`` (mod 2⁶⁴,

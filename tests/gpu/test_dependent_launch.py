@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (engine/dependent_launch.py): a kernel that may start before
+"""Programmatic dependent launch (ops/dependent_launch.py): a kernel that may start before
 the one it reads from has finished must still read that kernel's output. A chain of the
 engine's one-token kernels, each reading what the one before wrote, replayed as a CUDA graph
 (as a decode step is) with new inputs each time, gives the same bits as the same chain launched
@@ -10,14 +10,14 @@ from unittest import mock
 import pytest
 import torch
 
-from services.worker.engine import dependent_launch
-from services.worker.engine.models.layers.fused_ops import (
+from services.worker.engine.ops import dependent_launch
+from services.worker.engine.ops.fused_ops import (
     add_rms_norm,
     rms_norm,
     rotary_,
     silu_and_mul,
 )
-from services.worker.engine.models.layers.gemv import gemv
+from services.worker.engine.ops.gemv import gemv
 
 pytestmark = pytest.mark.gpu
 

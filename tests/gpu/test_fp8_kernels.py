@@ -1,4 +1,4 @@
-"""The FP8 kernels (layers/fp8_linear.py) against the plain-PyTorch path they replace on a GPU
+"""The FP8 kernels (ops/fp8_linear.py) against the plain-PyTorch path they replace on a GPU
 (models/quantization.py: the activations rounded through e4m3 the same way, the weights
 dequantized), kernel by kernel and through the engine on the tiny FP8 checkpoints, where the
 dequantizing reference model (baton/tiny_fp8) is the oracle as on CPU. Skipped without CUDA."""
@@ -53,7 +53,7 @@ def _reference(
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 def test_quantize_rows_is_the_reference_rounding(static: bool) -> None:
-    from services.worker.engine.models.layers.fp8_linear import quantize_rows
+    from services.worker.engine.ops.fp8_linear import quantize_rows
 
     x = torch.randn(37, 4096, device="cuda") * torch.linspace(0.01, 30, 4096, device="cuda")
     xs = torch.tensor([0.05], device="cuda") if static else None
@@ -70,7 +70,7 @@ def test_quantize_rows_is_the_reference_rounding(static: bool) -> None:
 def test_fp8_linear_matches_the_plain_path(
     dtype: torch.dtype, rows: int, n: int, k: int, static: bool
 ) -> None:
-    from services.worker.engine.models.layers.fp8_linear import fp8_gemv, fp8_mm
+    from services.worker.engine.ops.fp8_linear import fp8_gemv, fp8_mm
 
     w, ws = _layer(n, k, n + k)
     x = (torch.randn(rows, k, device="cuda") * 2).to(dtype)
@@ -93,7 +93,7 @@ def test_fp8_linear_matches_the_plain_path(
 def test_fast_accumulation_stays_near_the_plain_path(n: int, k: int) -> None:
     """fp8_mm without float32 promotion of its partial sums (``fast_accumulation``), over the
     longest rows of the 8B shape (down: K = 14,336): within 2e-2 of the largest output."""
-    from services.worker.engine.models.layers.fp8_linear import fp8_mm
+    from services.worker.engine.ops.fp8_linear import fp8_mm
 
     w, ws = _layer(n, k, n + k)
     x = (torch.randn(300, k, device="cuda") * 2).to(torch.bfloat16)
@@ -129,8 +129,8 @@ def test_the_fast_gemv_sums_each_word_in_float16(n: int, k: int) -> None:
     output from the exact product on such data at these shapes (emulated on CPU), where the
     float32 GEMV is within 1e-4 (test_fp8_linear_matches_the_plain_path). Given the row, it
     stays float32."""
-    from services.worker.engine.models.layers.fp8_linear import fp8_gemv, quantize_rows
     from services.worker.engine.models.quantization import Codes
+    from services.worker.engine.ops.fp8_linear import fp8_gemv, quantize_rows
 
     w, ws = _layer(n, k, n + k)
     x = torch.randn(1, k, device="cuda") * 2
@@ -163,8 +163,8 @@ def test_fp8_gemm_is_as_exact_as_cublas_and_deterministic(
     cuBLASLt's own error against float64 in either accumulation mode (plus a bf16 step), the
     same bits on a second call whatever order the K slices finished in, the bias added, and
     the split-K ticket counters left at zero."""
-    from services.worker.engine.models.layers import fp8_linear
     from services.worker.engine.models.quantization import Codes
+    from services.worker.engine.ops import fp8_linear
 
     w, ws = _layer(n, k, n + k + rows)
     x = (torch.randn(rows, k, device="cuda") * 2).to(torch.bfloat16)
@@ -187,8 +187,8 @@ def test_fp8_gemm_is_as_exact_as_cublas_and_deterministic(
 def test_fp8_gemm_split_k_replays_in_a_cuda_graph() -> None:
     """The ticket counters are reset by the launch itself: a captured split-K GEMM replays to
     the same bits as it runs eagerly, over new inputs each replay."""
-    from services.worker.engine.models.layers import fp8_linear
     from services.worker.engine.models.quantization import Codes
+    from services.worker.engine.ops import fp8_linear
 
     w, ws = _layer(4096, 14336, 7)
     launch = GEMM_LAUNCHES[1]
@@ -220,7 +220,7 @@ def _block_layer(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def test_quantize_groups_is_the_reference_rounding() -> None:
-    from services.worker.engine.models.layers.fp8_block import quantize_groups
+    from services.worker.engine.ops.fp8_block import quantize_groups
 
     x = torch.randn(37, 4096, device="cuda") * torch.linspace(0.01, 30, 4096, device="cuda")
     codes = quantize_groups(x, 128)
@@ -244,7 +244,7 @@ def test_fp8_block_mm_matches_the_plain_path(
     K split where the rows are few). Within the FP8 tensor cores' accumulation error
     (test_fp8_linear_matches_the_plain_path), with the bias; the same bits on a second
     call."""
-    from services.worker.engine.models.layers import fp8_block
+    from services.worker.engine.ops import fp8_block
 
     w, ws = _block_layer(n, k, n + k + rows)
     x = (torch.randn(rows, k, device="cuda") * 2).to(dtype)
@@ -282,8 +282,8 @@ def _cublas(codes: Any, w: torch.Tensor, ws: torch.Tensor, fast: bool) -> torch.
 
 
 def test_fp8_mm_takes_our_gemm_where_the_table_says(monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.worker.engine.models.layers import fp8_linear, gemv_configs
     from services.worker.engine.models.quantization import Codes
+    from services.worker.engine.ops import fp8_linear, gemv_configs
 
     w, ws = _layer(4096, 4096, 3)
     x = torch.randn(32, 4096, device="cuda").to(torch.bfloat16)
@@ -311,14 +311,14 @@ def test_the_fused_kernels_hand_over_the_layers_own_codes(
     token and 128 columns (block checkpoints): the codes the layer's own pass writes of their
     plain output (quantize_rows, quantize_groups; bit for bit in bf16); the GEMV / fp8_mm, or
     a block layer's kernels, given a row's codes: exactly their output given the row."""
-    from services.worker.engine.models.layers.fp8_block import (
+    from services.worker.engine.models.quantization import Codes
+    from services.worker.engine.ops.fp8_block import (
         block_scales,
         fp8_block_mm,
         quantize_groups,
     )
-    from services.worker.engine.models.layers.fp8_linear import fp8_gemv, fp8_mm, quantize_rows
-    from services.worker.engine.models.layers.fused_ops import add_rms_norm, silu_and_mul
-    from services.worker.engine.models.quantization import Codes
+    from services.worker.engine.ops.fp8_linear import fp8_gemv, fp8_mm, quantize_rows
+    from services.worker.engine.ops.fused_ops import add_rms_norm, silu_and_mul
 
     x = torch.randn(rows, 4096, device="cuda") * torch.linspace(0.01, 30, 4096, device="cuda")
     x, res = x.to(dtype), torch.randn(rows, 4096, device="cuda").to(dtype)
@@ -368,7 +368,7 @@ def test_the_engine_on_the_fp8_kernels_matches_the_dequantizing_reference(
     and both kernels really ran (not the plain path). One prompt at a time, so that decode
     steps have one row (the GEMV) and prefill several (the tensor cores), which with ``fast``
     accumulate without float32 promotion."""
-    from services.worker.engine.models.layers import fp8_linear
+    from services.worker.engine.ops import fp8_linear
 
     path = make_tiny_model(tmp_path / fmt, arch=arch, quantize=fmt, hidden_size=128)
     calls = {"gemv": 0, "mm": 0}
@@ -407,7 +407,7 @@ def test_the_engine_on_our_fp8_gemm_matches_the_dequantizing_reference(
     steps, captured in CUDA graphs, K split in two), in float16 (its outputs are 16-bit):
     teacher-forced against the dequantizing reference as the float32 engine is, with the
     tolerances a 16-bit engine needs."""
-    from services.worker.engine.models.layers import fp8_linear, gemv_configs
+    from services.worker.engine.ops import fp8_linear, gemv_configs
 
     path = make_tiny_model(tmp_path / "m", arch="llama", quantize="fp8-channel", hidden_size=128)
     launch = {"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 64, "SPLITS": 2, "num_warps": 4,
@@ -441,8 +441,8 @@ def test_the_engine_on_the_block_kernels_matches_the_dequantizing_reference(
     prompts at once; float16 with CUDA graphs, float32 eager), teacher-forced against the
     dequantizing reference as on CPU, with the tolerances of the tensor cores'
     accumulation."""
-    from services.worker.engine.models.layers import fp8_block
     from services.worker.engine.models.quantization import Codes
+    from services.worker.engine.ops import fp8_block
 
     # 128-wide heads: the k and v rows fill whole blocks, so every layer has its block scales
     path = make_tiny_model(tmp_path / "m", arch="llama", quantize="fp8-block", hidden_size=512)

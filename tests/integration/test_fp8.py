@@ -205,7 +205,8 @@ def test_codes_from_the_fused_kernels_change_no_token(
     """The engine on the FP8 kernels (Triton's interpreter; the GPU check bypassed) with the
     norms and SiLU·mul handing the linear layers codes, and with every layer quantizing its
     own input: the same tokens and logprobs, as the codes are the layers' own rounding."""
-    from services.worker.engine.models.layers import fp8_linear, linear
+    from services.worker.engine.models.layers import linear
+    from services.worker.engine.ops import fp8_linear
 
     monkeypatch.setattr(fp8_linear, "supported", lambda x, w: True)
     calls = {"codes": 0}

@@ -107,7 +107,7 @@ def small_decode_splits(monkeypatch: pytest.MonkeyPatch) -> None:
     from services.worker.engine.attention import triton_backend
 
     monkeypatch.setattr(triton_backend, "TOKENS_PER_SPLIT", 8)
-    # ... also over a GPU's measured rule (attention/configs/), which names its own minimum
+    # ... also over a GPU's measured rule (ops/configs/attention/), which names its own minimum
     rule = triton_backend.num_decode_splits
     monkeypatch.setattr(triton_backend, "num_decode_splits",
                         lambda *a, **kw: rule(*a, **{**kw, "tokens_per_split": 8}))  # fmt: skip
@@ -265,8 +265,8 @@ def test_an_fp8_cache_is_read_as_its_e4m3_values(
 def test_a_tuned_config_sets_the_launches_and_the_split_rule(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from services.worker.engine import tuned_configs
     from services.worker.engine.attention import triton_backend
+    from services.worker.engine.ops import tuned_configs
 
     doc = {
         "prefill": {"head_dim_128": {"block_m": 128, "block_n": 32, "warps": 8, "stages": 3}},

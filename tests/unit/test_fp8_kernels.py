@@ -1,4 +1,4 @@
-"""The FP8 kernels (layers/fp8_linear.py) in Triton's interpreter on CPU: their indexing,
+"""The FP8 kernels (ops/fp8_linear.py) in Triton's interpreter on CPU: their indexing,
 scales and bias. The interpreter's float32 → e4m3 cast rounds some values toward zero and drops
 a round-up's carry into the next power of two (31.5 becomes 16, where the GPU and PyTorch give
 32), so here the products are checked against the codes the kernels' own quantizer wrote; on
@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.worker.engine.models.layers import fp8_block, fp8_linear
 from services.worker.engine.models.quantization import Codes, dequantize, quantize_blocks
 from services.worker.engine.models.quantization import quantize_rows as quantize_weight_rows
+from services.worker.engine.ops import fp8_block, fp8_linear
 
 
 def _case(rows: int, n: int, k: int) -> tuple[torch.Tensor, ...]:
@@ -217,7 +217,7 @@ def test_rms_norm_writes_the_codes_the_layer_would(residual: bool, group: int) -
     """RMSNorm handing an FP8 layer its input quantized: the codes and scales of its own output,
     bit for bit (the same rounding as the layer's quantize_rows, or quantize_groups for a
     block checkpoint: 5 groups of 128 in a 1,024-wide program), the residual as without."""
-    from services.worker.engine.models.layers.fused_ops import add_rms_norm, rms_norm
+    from services.worker.engine.ops.fused_ops import add_rms_norm, rms_norm
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(4, 640, generator=g) * torch.linspace(0.01, 30, 640)
@@ -238,7 +238,7 @@ def test_rms_norm_writes_the_codes_the_layer_would(residual: bool, group: int) -
 def test_silu_mul_writes_the_codes_the_layer_would(n: int, group: int) -> None:
     """Per token one program a row; in groups 1,024 columns a program (here two, the second
     with two groups of its eight)."""
-    from services.worker.engine.models.layers.fused_ops import silu_and_mul
+    from services.worker.engine.ops.fused_ops import silu_and_mul
 
     g = torch.Generator().manual_seed(4)
     x = torch.randn(3, 2 * n, generator=g) * 4  # wider than one 1024-column program
@@ -249,7 +249,7 @@ def test_silu_mul_writes_the_codes_the_layer_would(n: int, group: int) -> None:
 
 def test_the_fused_kernels_refuse_codes_they_cannot_write() -> None:
     """A group that does not divide the row, or a flag where a width belongs, is refused."""
-    from services.worker.engine.models.layers.fused_ops import rms_norm, silu_and_mul
+    from services.worker.engine.ops.fused_ops import rms_norm, silu_and_mul
 
     x = torch.randn(2, 320)
     for group in (128, True):

@@ -6,9 +6,9 @@ import torch
 from services.worker.engine.attention.backend import LayerKVCache
 from services.worker.engine.model_config import RopeConfig
 from services.worker.engine.models.layers.activation import SiluAndMul
-from services.worker.engine.models.layers.fused_ops import ROTARY_HEAD_TOKENS
 from services.worker.engine.models.layers.norm import RMSNorm
 from services.worker.engine.models.layers.rotary import RotaryEmbedding
+from services.worker.engine.ops.fused_ops import ROTARY_HEAD_TOKENS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -82,7 +82,7 @@ def test_qk_norm_fused_into_rotary(dtype: torch.dtype, tokens: int) -> None:
     layers and as the two fused kernels it replaces (bit for bit in the interpreter; on a GPU
     the two kernels' float32 sums may associate differently, so within a unit in the last
     place)."""
-    from services.worker.engine.models.layers.fused_ops import rms_norm
+    from services.worker.engine.ops.fused_ops import rms_norm
 
     ref, fused = pair(RotaryEmbedding, 32, 256, RopeConfig(1e6))
     norms = []
@@ -203,7 +203,7 @@ def test_gemv_equals_linear(n: int, k: int, dtype: torch.dtype, bias: bool) -> N
     a K shorter than one tile: only the tile read before the loop)."""
     import torch.nn.functional as F
 
-    from services.worker.engine.models.layers.gemv import gemv
+    from services.worker.engine.ops.gemv import gemv
 
     w = torch.randn(n, k, device=DEVICE, dtype=dtype) / k**0.5
     b = torch.randn(n, device=DEVICE, dtype=dtype) if bias else None
@@ -218,8 +218,8 @@ def test_linear_layers_take_the_gemv_for_one_token_on_a_gpu_only() -> None:
     tokens, or CPU tensors) stays on F.linear, so CPU engines are unchanged."""
     from unittest import mock
 
-    from services.worker.engine.models.layers import gemv as gemv_mod
     from services.worker.engine.models.layers.linear import RowParallelLinear
+    from services.worker.engine.ops import gemv as gemv_mod
 
     layer = RowParallelLinear(8, 4, fused=True)
     layer.weight.data.normal_()
@@ -236,6 +236,6 @@ def test_linear_layers_take_the_gemv_for_one_token_on_a_gpu_only() -> None:
 def test_kernels_launch_without_pdl_on_cpu() -> None:
     """Triton's interpreter has no programmatic dependent launch: CPU launches ask for none
     (on a GPU, tests/gpu/test_dependent_launch.py checks the launches that do)."""
-    from services.worker.engine.dependent_launch import launch_options
+    from services.worker.engine.ops.dependent_launch import launch_options
 
     assert launch_options(torch.zeros(1)) == {"USE_PDL": False}

@@ -1,4 +1,4 @@
-"""The measured GEMV launches per GPU (models/layers/gemv_configs.py): what a configuration
+"""The measured GEMV launches per GPU (ops/gemv_configs.py): what a configuration
 file may say, and that every kept one says only that. (The kernels themselves are tested in
 the interpreter by test_fused_ops.py / test_fp8_kernels.py and on the GPU by tests/gpu.)"""
 
@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.worker.engine import tuned_configs
-from services.worker.engine.models.layers import gemv_configs
+from services.worker.engine.ops import gemv_configs, tuned_configs
 
 LAUNCH = {"block_n": 8, "block_k": 512, "warps": 4, "stages": 3}
 

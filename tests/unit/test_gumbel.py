@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.worker.engine.sample.gumbel import (
+from services.worker.engine.ops.gumbel import (
     greedy_argmax_triton,
     gumbel_argmax_reference,
     gumbel_argmax_triton,

@@ -37,7 +37,7 @@ class ModelConfig:
     sampling_seed: int
     max_model_len: int  # prompt + output tokens per request
     arch: ArchConfig
-    fused_ops: bool  # Triton kernels for norm / rotary / SiLU·mul (models/layers/fused_ops.py)
+    fused_ops: bool  # Triton kernels for norm / rotary / SiLU·mul (ops/fused_ops.py)
     quantization: QuantConfig | None = None  # FP8 linear layers (models/quantization.py)
 
 

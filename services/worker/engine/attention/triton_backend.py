@@ -14,31 +14,30 @@ Launch configurations: the class defaults below, or those measured on a GPU mode
 file (read once per process, for the GPU the backend runs on).
 """
 
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 import triton
 
-from services.worker.engine import tuned_configs
 from services.worker.engine.attention.backend import (
     AttentionBackend,
     AttentionMetadata,
     LayerKVCache,
     write_kv,
 )
-from services.worker.engine.attention.triton_kernels import (
+from services.worker.engine.ops import tuned_configs
+from services.worker.engine.ops.attention import (
     LOG2E,
     _combine,
     _decode,
     _prefill,
     _write_kv,
 )
-from services.worker.engine.dependent_launch import launch_options
+from services.worker.engine.ops.dependent_launch import launch_options
 
 MAX_SPLITS = 16
 TOKENS_PER_SPLIT = 512  # below this a split's work is too small to pay for the combine step
-CONFIG_DIR = Path(__file__).parent / "configs"
+CONFIG_DIR = tuned_configs.CONFIG_DIR / "attention"
 
 
 def tuned_config(device_name: str) -> dict[str, Any]:
@@ -86,7 +85,7 @@ class TritonAttentionBackend(AttentionBackend):
     DECODE_SPLIT_WARPS: int | None = None
     DECODE_SPLIT_STAGES: int | None = None
     # a launch's context in LANES interleaved streams of BLOCK_N keys, each with its own
-    # softmax state (triton_kernels._attend_lanes; 1: one stream, the tile split over warps),
+    # softmax state (ops.attention._attend_lanes; 1: one stream, the tile split over warps),
     # and the keys PREFETCH tiles on asked of L2 (0: none); the split launch's own, or None
     DECODE_LANES = 1
     DECODE_PREFETCH = 0
@@ -206,9 +205,9 @@ class TritonAttentionBackend(AttentionBackend):
             "HEAD_DIM": self.head_dim, "BLOCK_D": self.block_d,
             "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
             # bf16 queries over an FP8 cache: the dots in float16, which e4m3 widens to
-            # directly (triton_kernels._compute_dtype)
+            # directly (ops.attention._compute_dtype)
             "DOT_F16": kv.is_fp8 and q.dtype == torch.bfloat16,
-            "GPU": q.is_cuda,  # PTX where the interpreter has none (triton_kernels._widen_values)
+            "GPU": q.is_cuda,  # PTX where the interpreter has none (ops.attention._widen_values)
         }  # fmt: skip
 
     def _prefill(

@@ -34,7 +34,7 @@ FP8_MAX = 448.0  # the largest finite e4m3fn value
 @dataclass(frozen=True, slots=True)
 class Codes:
     """An activation already quantized, per token or per token and ``group`` columns, as a
-    fused kernel before an FP8 layer hands it over (``layers/fused_ops``: RMSNorm, SiLU·mul)
+    fused kernel before an FP8 layer hands it over (``ops/fused_ops``: RMSNorm, SiLU·mul)
     or a layer's own quantization pass writes it: the same codes and scales
     ``quantize_activations(x, "token" or "token_group", ...)`` rounds ``x`` to."""
 

@@ -2,7 +2,7 @@
 bad_words → min_tokens ban → penalties → greedy argmax | (temperature → top-k/top-p → min-p →
 random draw).
 
-Random rows draw by the Gumbel-max race (``gumbel.py``): one pass over the logits in the model's
+Random rows draw by the Gumbel-max race (``ops/gumbel.py``): one pass over the logits in the model's
 dtype on a GPU, with noise hashed from the request's seed and token index, so a seeded request's
 tokens do not depend on which other requests share the batch. Nothing here waits for the device.
 """
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.engine.sample.gumbel import greedy_argmax, gumbel_argmax
+from services.worker.engine.ops.gumbel import greedy_argmax, gumbel_argmax
 from services.worker.engine.sample.masks import apply_allowed, apply_bad_words
 from services.worker.engine.sample.metadata import Penalties, SamplingMetadata
 

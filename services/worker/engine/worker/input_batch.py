@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from services.worker.engine.ops.gumbel import row_keys
 from services.worker.engine.params import SamplingParams
 from services.worker.engine.sample.constraints import row_bad_word_bans
-from services.worker.engine.sample.gumbel import row_keys
 from services.worker.engine.sample.masks import AllowedTokens, BadWordBans
 from services.worker.engine.sample.metadata import Penalties, SamplingMetadata
 

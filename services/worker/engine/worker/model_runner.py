@@ -24,8 +24,8 @@ from services.worker.engine.messages import ModelInfo, SampleLogprobs
 from services.worker.engine.models.loader import load_dummy, load_safetensors
 from services.worker.engine.models.registry import resolve_model_class
 from services.worker.engine.models.weights import ReadCounter
+from services.worker.engine.ops.gumbel import greedy_argmax
 from services.worker.engine.params import SamplingParams
-from services.worker.engine.sample.gumbel import greedy_argmax
 from services.worker.engine.sample.sampler import Sampler, SamplerOutput
 from services.worker.engine.sched.output import (
     CachedRequestData,

@@ -16,7 +16,7 @@ class SiluAndMul(nn.Module):
         """``group``: write the codes the FP8 layer after this one takes, a scale every
         ``group`` columns (as RMSNorm's)."""
         if self.fused:
-            from services.worker.engine.models.layers.fused_ops import silu_and_mul
+            from services.worker.engine.ops.fused_ops import silu_and_mul
 
             return silu_and_mul(x, group)
         assert not group, "codes come from the fused kernel"

@@ -43,7 +43,7 @@ class _LinearBase(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.split_dim = split_dim
-        self.fused = fused  # one token on a GPU: the Triton GEMV (layers/gemv.py), not cuBLAS
+        self.fused = fused  # one token on a GPU: the Triton GEMV (ops/gemv.py), not cuBLAS
         self.quant = quant
         self.in_total = in_total or in_features
         self.col_start = self.tp_rank * in_features if split_dim == 1 else 0
@@ -159,7 +159,7 @@ class _LinearBase(nn.Module):
         q = self.quant
         if q is None or q.weights != "block" or not self.fused or not self.weight.is_cuda:
             return
-        from services.worker.engine.models.layers import fp8_block
+        from services.worker.engine.ops import fp8_block
 
         assert self.weight_scale is not None
         self.block_scales = fp8_block.block_scales(self.weight_scale.data, q.block)
@@ -174,7 +174,7 @@ class _LinearBase(nn.Module):
         if self._takes_codes is None:
             q, k, group = self.quant, self.weight.shape[1], 0
             if q is not None and self.fused:
-                from services.worker.engine.models.layers import fp8_linear
+                from services.worker.engine.ops import fp8_linear
 
                 if q.activations == "token":
                     group = k
@@ -191,7 +191,7 @@ class _LinearBase(nn.Module):
     def _fp8_kernels(self, x: torch.Tensor | Codes, bias: torch.Tensor | None) -> torch.Tensor:
         """The GPU's FP8 kernels: a GEMV for one token, else the tensor cores. ``x``: the
         activation, or its codes from the kernel before (``takes_codes`` said so)."""
-        from services.worker.engine.models.layers import fp8_linear
+        from services.worker.engine.ops import fp8_linear
 
         assert self.weight_scale is not None and self.quant is not None
         args = (x, self.weight, self.weight_scale, bias, self.input_scale)
@@ -203,7 +203,7 @@ class _LinearBase(nn.Module):
     def _block_kernels(self, x: torch.Tensor | Codes, bias: torch.Tensor | None) -> torch.Tensor:
         """A block checkpoint's GPU kernels (``fp8_block.fp8_block_mm``); ``x``: the activation,
         or its codes a group of columns at a time from the kernel before."""
-        from services.worker.engine.models.layers import fp8_block
+        from services.worker.engine.ops import fp8_block
 
         assert self.weight_scale is not None and self.quant is not None
         return fp8_block.fp8_block_mm(
@@ -221,7 +221,7 @@ class _LinearBase(nn.Module):
             assert self.weight_scale is not None
             q = self.quant
             if self.fused:
-                from services.worker.engine.models.layers import fp8_linear
+                from services.worker.engine.ops import fp8_linear
 
                 if fp8_linear.supported(x, self.weight):  # (on a GPU only)
                     if q.weights != "block":
@@ -234,7 +234,7 @@ class _LinearBase(nn.Module):
             w = dequantize(self.weight, self.weight_scale, self.scale_cols).to(x.dtype)
             return F.linear(xq, w, bias)
         if self.fused and x.is_cuda and x.shape[0] == 1:
-            from services.worker.engine.models.layers.gemv import gemv
+            from services.worker.engine.ops.gemv import gemv
 
             return gemv(x, self.weight, bias)
         return F.linear(x, self.weight, bias)

@@ -10,7 +10,7 @@ class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, fused: bool = False):
         super().__init__()
         self.eps = eps
-        self.fused = fused  # one Triton kernel (models/layers/fused_ops.py) instead of seven
+        self.fused = fused  # one Triton kernel (ops/fused_ops.py) instead of seven
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -24,7 +24,7 @@ class RMSNorm(nn.Module):
         ``group`` columns (``_LinearBase.takes_codes``, which only a fused layer on a GPU
         says): write those."""
         if self.fused:
-            from services.worker.engine.models.layers.fused_ops import rms_norm
+            from services.worker.engine.ops.fused_ops import rms_norm
 
             return rms_norm(x, self.weight, self.eps, group)
         assert not group, "codes come from the fused kernel"
@@ -36,7 +36,7 @@ class RMSNorm(nn.Module):
         """``residual + x`` becomes the new residual; returns (norm of it, or its codes, it).
         The fused kernel updates ``residual`` in place."""
         if self.fused:
-            from services.worker.engine.models.layers.fused_ops import add_rms_norm
+            from services.worker.engine.ops.fused_ops import add_rms_norm
 
             return add_rms_norm(x, residual, self.weight, self.eps, group)
         assert not group, "codes come from the fused kernel"

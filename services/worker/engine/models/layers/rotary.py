@@ -74,7 +74,7 @@ class RotaryEmbedding(nn.Module):
         """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]. ``norms`` (Qwen3's per-head q and k
         norms) run first — fused, in the same kernel."""
         if self.fused:
-            from services.worker.engine.models.layers.fused_ops import rotary_
+            from services.worker.engine.ops.fused_ops import rotary_
 
             weights = (norms[0].weight, norms[1].weight) if norms is not None else None
             eps = norms[0].eps if norms is not None else 0.0
@@ -102,7 +102,7 @@ class RotaryEmbedding(nn.Module):
         and leaves k as it was; unfused, the keys are rotated, then written
         (``attention/backend.write_kv``)."""
         if self.fused:
-            from services.worker.engine.models.layers.fused_ops import rotary_
+            from services.worker.engine.ops.fused_ops import rotary_
 
             weights = (norms[0].weight, norms[1].weight) if norms is not None else None
             eps = norms[0].eps if norms is not None else 0.0

@@ -22,14 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
-from services.worker.engine.dependent_launch import await_inputs, launch_options
-from services.worker.engine.models.layers.fp8_linear import (
+from services.worker.engine.models.quantization import FP8, Codes
+from services.worker.engine.ops.dependent_launch import await_inputs, launch_options
+from services.worker.engine.ops.fp8_linear import (
     _quantize,
     _scale_of,
     fp8_gemm,
     fp8_gemv,
 )
-from services.worker.engine.models.quantization import FP8, Codes
 
 
 @triton.jit

@@ -21,7 +21,7 @@ layer's input, dynamically per token or with the checkpoint's static scale.
   ``quantize_rows``. A layer says whether it takes them (``_LinearBase.takes_codes``).
 
 - Block checkpoints (128×128 weight blocks, activations per token and 128-column group;
-  ``layers/fp8_block.py``) use both: the GEMV with a scale per block (``group``) and
+  ``ops/fp8_block.py``) use both: the GEMV with a scale per block (``group``) and
   ``fp8_gemm`` with a scale pair a K tile (``GROUPED``).
 
 The plain-PyTorch path (models/quantization.py) is the reference these are tested against
@@ -32,9 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from services.worker.engine.dependent_launch import await_inputs, launch_options
-from services.worker.engine.models.layers import gemv_configs
 from services.worker.engine.models.quantization import FP8, FP8_MAX, Codes
+from services.worker.engine.ops import gemv_configs
+from services.worker.engine.ops.dependent_launch import await_inputs, launch_options
 
 MIN_SCALE = 1e-12  # as the reference clamps a scale of an all-zero row
 

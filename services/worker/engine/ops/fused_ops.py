@@ -18,11 +18,11 @@ import triton
 import triton.language as tl
 
 from services.worker.engine.attention.backend import LayerKVCache, write_kv
-from services.worker.engine.attention.triton_kernels import cache_values
-from services.worker.engine.dependent_launch import await_inputs, launch_options
-from services.worker.engine.models.layers.fp8_block import group_codes_out, store_group_codes
-from services.worker.engine.models.layers.fp8_linear import store_codes
 from services.worker.engine.models.quantization import FP8, Codes
+from services.worker.engine.ops.attention import cache_values
+from services.worker.engine.ops.dependent_launch import await_inputs, launch_options
+from services.worker.engine.ops.fp8_block import group_codes_out, store_group_codes
+from services.worker.engine.ops.fp8_linear import store_codes
 
 
 @triton.jit

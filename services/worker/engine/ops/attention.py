@@ -28,7 +28,7 @@ read only device values (lengths, tables), so they can be captured in CUDA graph
 import triton
 import triton.language as tl
 
-from services.worker.engine.dependent_launch import await_inputs
+from services.worker.engine.ops.dependent_launch import await_inputs
 
 LOG2E = 1.4426950408889634
 
@@ -419,7 +419,7 @@ def cache_values(x, scale, dtype):
     """Keys or values as a cache of ``dtype`` holds them. An FP8 cache takes x / scale,
     saturated at e4m3's largest finite value and rounded to nearest even, as
     ``attention/backend.write_kv`` does. (Also the fused rotary's, which stores a step's keys
-    and values itself: ``models/layers/fused_ops._rotary``.)"""
+    and values itself: ``ops/fused_ops._rotary``.)"""
     if dtype == tl.float8e4nv:
         x = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), scale), -448.0), 448.0)
     return x.to(dtype)

@@ -1,5 +1,5 @@
 """Launch configurations measured per GPU model, kept as JSON files beside the kernels they
-configure (``attention/configs/``, ``models/layers/configs/``): one file per model, named by
+configure (``ops/configs/attention/``, ``ops/configs/linear/``): one file per model, named by
 ``config_file``, read once per process. The benchmarks that measure them write them
 (``benchmarks/attention_sweep.py --tune``, ``benchmarks/gemv.py --tune``)."""
 
@@ -8,6 +8,10 @@ import json
 import re
 from pathlib import Path
 from typing import Any
+
+# one folder per table: attention/ (ops/attention.py's launches, read by the Triton backend) and
+# linear/ (the GEMVs' and the FP8 GEMM's, ops/gemv_configs.py)
+CONFIG_DIR = Path(__file__).parent / "configs"
 
 
 def config_file(device_name: str) -> str:

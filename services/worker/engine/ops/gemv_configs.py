@@ -1,4 +1,4 @@
-"""Measured launches of the one-token GEMVs (``layers/gemv.py``, ``layers/fp8_linear.py``) per
+"""Measured launches of the one-token GEMVs (``ops/gemv.py``, ``ops/fp8_linear.py``) per
 GPU model and projection shape, kept in ``configs/<GPU name>.json`` beside this file and written
 by ``benchmarks/gemv.py --tune``. A shape without one takes Triton's autotuner instead.
 
@@ -20,14 +20,13 @@ HBM inside a graph (docs/results/h200-2026-12-02/NOTES.md). The tuner measures t
 """
 
 import functools
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from services.worker.engine import tuned_configs
+from services.worker.engine.ops import tuned_configs
 
-CONFIG_DIR = Path(__file__).parent / "configs"
+CONFIG_DIR = tuned_configs.CONFIG_DIR / "linear"
 # fp8_gemv_codes: its activation quantized before; _fast: its products summed in float16
 KINDS = ("gemv", "fp8_gemv", "fp8_gemv_codes", "fp8_gemv_codes_fast")
 KEYS = ("block_n", "block_k", "warps", "stages")

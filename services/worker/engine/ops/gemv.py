@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from services.worker.engine.dependent_launch import await_inputs, launch_options
-from services.worker.engine.models.layers import gemv_configs
+from services.worker.engine.ops import gemv_configs
+from services.worker.engine.ops.dependent_launch import await_inputs, launch_options
 
 
 @triton.jit
@@ -65,7 +65,7 @@ def gemv(
 ) -> torch.Tensor:
     """x: [1, K]; weight: [N, K] (rows contiguous); returns [1, N] in x's dtype. ``config``:
     this launch's BLOCK_N, BLOCK_K, num_warps and num_stages (the tuner's); else this GPU's
-    measured one (layers/gemv_configs.py), else the autotuner's."""
+    measured one (ops/gemv_configs.py), else the autotuner's."""
     assert x.shape[0] == 1 and weight.stride(1) == 1, "one token, row-major weight"
     x = x.contiguous()
     n, k = weight.shape
