@@ -91,7 +91,7 @@ def rounding_kv_cache(path: str | Path) -> Iterator[None]:
     per-layer scales, or 1 without them (the oracle of ``kv_cache_dtype="fp8"``)."""
     import torch
 
-    from services.worker.engine.models.quantization import to_e4m3
+    from services.worker.engine.quantization.fp8_math import to_e4m3
 
     scales = kv_scales(path)
 
@@ -114,7 +114,7 @@ def quantize_checkpoint(
     import torch
     from safetensors.torch import save_file
 
-    from services.worker.engine.models.quantization import FP8, FP8_MAX, quantize_blocks
+    from services.worker.engine.quantization.fp8_math import FP8, FP8_MAX, quantize_blocks
 
     if fmt not in FORMATS:
         raise ValueError(f"unknown --quantize {fmt!r}; choose from {', '.join(FORMATS)}")
@@ -209,11 +209,12 @@ def dequantized_reference(path: str | Path, quantize_activations: bool = True) -
     import transformers
     from safetensors import safe_open
 
-    from services.worker.engine.models import quantization as q
+    from services.worker.engine.quantization import fp8_math as q
+    from services.worker.engine.quantization.config import parse_quantization
 
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
-    quant = q.parse_quantization(config, None)
+    quant = parse_quantization(config, None)
     assert quant is not None, f"{path} is not an FP8 checkpoint"
     config.pop("quantization_config")
     hf_config = transformers.AutoConfig.for_model(**config)

@@ -1,19 +1,18 @@
 """Batch-1 latency: decode ms/step and tokens/s next to the HBM roofline (weight bytes ÷ copy
 bandwidth, both measured in this run), and prefill of a long prompt as achieved TFLOP/s
 against the matmul peak measured in this run. Variants (CUDA graphs off, fused kernels off)
-run in the same process so their ratios are side by side.
+run in the same process so their ratios are side by side; each is a set of engine options
+(``LLM(**kwargs)``) or a checkpoint format, nothing of the product patched.
 
     python benchmarks/latency.py --shape llama-3.1-8b --variants graphs eager unfused
 """
 
 import argparse
-import contextlib
 import gc
 import json
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +32,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "sync": {"async_scheduling": False},  # the default, but the host waits for each step
     "eager": {"enforce_eager": True},
     "unfused": {"fused_ops": False},
-    "cublas_gemv": {},  # the default, but one-token linear layers through cuBLAS (F.linear)
-    "no_pdl": {},  # the default, but Triton kernels launched without programmatic dependence
     "triton": {"attention_backend": "triton"},  # the default with the Triton attention backend
     "flash_attn": {"attention_backend": "flash_attn"},  # ... with FlashAttention-4's prefill
     # the default, its one rank in a process of its own (MultiprocExecutor at TP=1): what the
@@ -45,8 +42,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # own precision (EngineArgs.fp8_fast_accumulation, on for FP8 models by default)
     "fp8": {"quantization": "fp8"},
     "fp8_eager": {"quantization": "fp8", "enforce_eager": True},  # for --profile's kernel table
-    # FP8, but every layer quantizes its own input (no codes from RMSNorm / SiLU·mul)
-    "fp8_no_codes": {"quantization": "fp8"},
     # FP8, the batched products' partial sums promoted to float32 (the default before
     # 2026-12-02)
     "fp8_fp32_accumulation": {"quantization": "fp8", "fp8_fast_accumulation": False},
@@ -54,45 +49,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # piecewise CUDA graphs (the default replays them up to the step's budget, --prefill-len)
     "no_piecewise": {"piecewise_cuda_graph_tokens": 0},
     "fp8_no_piecewise": {"quantization": "fp8", "piecewise_cuda_graph_tokens": 0},
-    # the default (or FP8), but the step's keys and values stored by the attention backend's
-    # own launch after the rotary kernel, not by the rotary kernel (models/llama.py)
-    "kv_write": {},
-    "fp8_kv_write": {"quantization": "fp8"},
     # a checkpoint stored in FP8 128 × 128 blocks (benchmarks/shapes.CHECKPOINT_FORMATS): the
     # block kernels at every row count (fp8_block.fp8_block_mm)
     "fp8_block": {"checkpoint": "fp8-block"},
-    "fp8_block_no_codes": {"checkpoint": "fp8-block"},
 }
-
-
-@contextlib.contextmanager
-def _variant_patches(variant: str) -> Iterator[None]:
-    """``cublas_gemv``: the linear layers' Triton GEMV swapped for F.linear; ``no_pdl``: the
-    Triton kernels launched without PDL (ops/dependent_launch.py); ``fp8[_block]_no_codes``: no
-    layer takes its input as codes (models/layers/linear.py); ``[fp8_]kv_write``: the
-    attention backend stores the step's K/V, not the rotary kernel (models/llama.py). Each
-    holds while the engine is built (its CUDA graphs capture whichever is in place) and
-    used."""
-    from services.worker.engine.models.layers import gemv, linear
-    from services.worker.engine.models.llama import LlamaAttention
-    from services.worker.engine.ops import dependent_launch
-
-    original = gemv.gemv, dependent_launch.supported
-    takes_codes = linear._LinearBase.takes_codes
-    if variant.endswith("kv_write"):
-        LlamaAttention.ROTARY_STORES_KV = False
-    if variant.endswith("no_codes"):
-        linear._LinearBase.takes_codes = lambda self, like: 0  # type: ignore[method-assign]
-    if variant == "cublas_gemv":
-        gemv.gemv = lambda x, w, b=None: torch.nn.functional.linear(x, w, b)  # type: ignore[assignment]
-    if variant == "no_pdl":
-        dependent_launch.supported = lambda device_index: False  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        gemv.gemv, dependent_launch.supported = original
-        linear._LinearBase.takes_codes = takes_codes  # type: ignore[method-assign]
-        LlamaAttention.ROTARY_STORES_KV = True
 
 
 def _timed(llm: LLM, ids: list[int], max_tokens: int) -> float:
@@ -238,8 +198,7 @@ def main() -> None:
     results["variants"] = []
     limits(device, getattr(torch, args.dtype))  # before any engine holds the GPU
     for v in args.variants:
-        with _variant_patches(v):
-            results["variants"].append(measure(model, v, args))
+        results["variants"].append(measure(model, v, args))
     bandwidth, peak = limits(device, getattr(torch, args.dtype))  # the best of before and now
     # the issue's roofline: every weight byte once per step; and the bytes a step does read (an
     # untied input-embedding table only by its token's row: 1.05 GB less on the 8B shape)

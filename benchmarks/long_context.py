@@ -1,6 +1,6 @@
 """Long context, each attention backend in one run: prefill of one prompt of each ``--lengths``
 (the whole prompt in one step, one output token) as milliseconds and TFLOP/s, attention's own
-TFLOP/s on the same prompt outside the model (``attention_sweep.prefill_case``: the same
+TFLOP/s on the same prompt outside the model (``kernels.attention_sweep.prefill_case``: the same
 kernel call on a paged cache of the same shape), and decode at ``--decode-context`` tokens of
 context for each ``--decode-batches`` as ms/step against the bandwidth bound of what a step
 must read: the weights once and every request's KV.
@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from baton import LLM, SamplingParams
-from benchmarks.attention_sweep import prefill_case, prefill_ms
+from benchmarks.kernels.attention_sweep import prefill_case, prefill_ms
 from benchmarks.profiling import device_span_us, kernel_rows
 from benchmarks.roofline import ModelCost, limits
 from benchmarks.shapes import write_shape

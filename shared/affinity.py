@@ -3,9 +3,9 @@
 A service process runs its asyncio loop in one thread and gRPC's poller in another: a message
 arriving wakes the poller, which wakes the loop. On an idle many-core machine each of those
 wakes lands on whatever idle core the kernel picks, and waking an idle core is what a message
-costs there (docs/results/h200-2026-11-30e/NOTES.md, "One core per service"). With every
-thread of a service on one core, the poller hands the message to the loop on the core it is
-already running on.
+costs there (docs/performance.md, "Where the time goes": one core per service, 44–105 µs to
+wake an idle core). With every thread of a service on one core, the poller hands the message
+to the loop on the core it is already running on.
 
 ``--cpus`` on ``baton gateway | global-scheduler | worker`` pins the service once it serves
 (a worker after its engine core process started, which keeps every CPU); ``baton serve

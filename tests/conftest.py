@@ -19,6 +19,9 @@ from baton.tiny_model import make_tiny_model
 if TYPE_CHECKING:
     from tests.redis_server import RedisServer
 
+# the shared helpers' asserts report as a test module's do (before anything imports them)
+pytest.register_assert_rewrite("tests.helpers")
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The internal token every cluster a test starts shares (the launcher passes it on, as it
 # would its own); the e2e helpers' channels carry it.

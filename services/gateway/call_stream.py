@@ -88,6 +88,17 @@ class StreamClient(Generic[Send, Recv]):
         self._stream: CallStream[Send, Recv] | None = None
         self._streaming = streaming  # False: unary (configured, or the server has no stream)
 
+    @property
+    def stream(self) -> CallStream[Send, Recv] | None:
+        """The stream open now (None: none yet, or the last one ended, or calls go unary)."""
+        return self._stream
+
+    @property
+    def streaming(self) -> bool:
+        """Whether calls go over the stream (False: unary, configured so or because the server
+        has no such method)."""
+        return self._streaming
+
     def _start_call(self) -> grpc.aio.StreamStreamCall:
         raise NotImplementedError
 

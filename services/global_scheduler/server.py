@@ -98,7 +98,7 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
     ) -> scheduler_pb2.RouteResponse:
         adopt_request_id(context)
         try:
-            return await self._route(request)
+            return await self.route(request)
         except RouteFailed as e:
             await context.abort(e.code, e.message)
             raise  # unreachable: abort raises
@@ -115,7 +115,7 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
             request_id_var.set(call.trace_id or call.request.request_id)
             reply = scheduler_pb2.RouteReply(call_id=call.call_id)
             try:
-                reply.route.CopyFrom(await self._route(call.request))
+                reply.route.CopyFrom(await self.route(call.request))
             except RouteFailed as e:
                 reply.failure.code, reply.failure.message = e.code.value[0], e.message
             except Exception as e:  # a bug must answer its call, as a unary call would
@@ -143,7 +143,9 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
             for task in list(routing):
                 task.cancel()
 
-    async def _route(self, request: scheduler_pb2.RouteRequest) -> scheduler_pb2.RouteResponse:
+    async def route(self, request: scheduler_pb2.RouteRequest) -> scheduler_pb2.RouteResponse:
+        """Where one request goes (what Route and each RouteStream call answer); RouteFailed
+        when nowhere: no live worker serves its model, or none is left by the filters."""
         hop_trace.mark("scheduler.route_in")
         start = time.perf_counter()
         if request.finished_request_ids:

@@ -126,8 +126,8 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> int
             servicer.ask_for_kv_peers = ask_for_kv_peers
             await _wait_registered(heartbeats)
             if settings.unregistered_exit_s:
-                owner.spawn(_watch_registration(heartbeats, stop, settings.unregistered_exit_s,
-                                                exit_code), "registration-watch")  # fmt: skip
+                owner.spawn(watch_registration(heartbeats, stop, settings.unregistered_exit_s,
+                                               exit_code), "registration-watch")  # fmt: skip
         owner.spawn(_watch_engine(engine, stop, exit_code), "engine-watch")
         serving.set()
         freeze_startup_heap()
@@ -201,7 +201,7 @@ async def _watch_engine(engine: AsyncLLM, stop: StopSignal, exit_code: list[int]
     stop.trigger()  # no drain: nothing can finish
 
 
-async def _watch_registration(
+async def watch_registration(
     heartbeats: list[Heartbeat], stop: StopSignal, bound_s: float, exit_code: list[int]
 ) -> None:
     """A worker no scheduler replica knows serves nobody: say so while it lasts, and past

@@ -30,7 +30,7 @@ from shared.rpc import adopt_request_id
 
 logger = logging.getLogger(__name__)
 
-# how long an unknown prefill peer is waited for, in heartbeat intervals (see _kv_refusal)
+# how long an unknown prefill peer is waited for, in heartbeat intervals (see kv_refusal)
 KV_PEER_WAIT_HEARTBEATS = 4
 ROLES = {
     "prefill": common_pb2.WORKER_ROLE_PREFILL,
@@ -88,10 +88,22 @@ def _forget(
         del running[rid]
 
 
+# one Generate's responses (CallRejected: a refusal's status)
+GenerateFn = Callable[
+    [worker_pb2.GenerateRequest], AsyncGenerator[worker_pb2.GenerateResponse, None]
+]
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, settings: WorkerSettings, engine: AsyncLLM):
+    def __init__(
+        self, settings: WorkerSettings, engine: AsyncLLM, generate: GenerateFn | None = None
+    ):
+        """``generate``: what one Generate answers, for either transport (the unary call, or a
+        request on GenerateStream); by default the engine's. Given, the transports run over it
+        alone: their framing, aborts and deadlines, with no engine."""
         self.settings = settings
         self.engine = engine
+        self._responses: GenerateFn = generate or self._generate
         self.draining = False
         self.in_flight = 0
         self._running: set[str] = set()  # request ids of the calls in flight
@@ -112,7 +124,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         changed, self._kv_peers_changed = self._kv_peers_changed, asyncio.Event()
         changed.set()
 
-    async def _kv_refusal(self, side_channel: str) -> str | None:
+    async def kv_refusal(self, side_channel: str) -> str | None:
         """Why a handle pointing at ``side_channel`` must not be read (None: it may). A
         worker that runs without a scheduler has nobody to ask and reads from any peer.
 
@@ -144,7 +156,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> AsyncIterator[worker_pb2.GenerateResponse]:
         adopt_request_id(context)
         try:
-            async for response in self._generate(request):
+            async for response in self._responses(request):
                 yield response
         except CallRejected as e:
             await context.abort(e.code, e.message)
@@ -189,7 +201,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             finished = False  # its last response said so: that ends it, no CallEnd needed
             try:
                 try:
-                    async with contextlib.aclosing(self._generate(start.start)) as responses:
+                    async with contextlib.aclosing(self._responses(start.start)) as responses:
                         async for response in responses:
                             finished = response.finished
                             event = worker_pb2.GenerateEvent(request_id=rid, response=response)
@@ -260,7 +272,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             remote = convert.remote_kv(request.remote_kv)
             leg = KVTransferParams(
                 remote=remote, first_token_id=request.first_token_id,
-                refused=await self._kv_refusal(remote.side_channel),
+                refused=await self.kv_refusal(remote.side_channel),
             )  # fmt: skip
         async for out in self._run(request, params, leg):
             hop_trace.mark("worker.output")

@@ -6,10 +6,8 @@ value sets refused with a message naming the value, and assertions over the obje
 Golden files: ``BATON_UPDATE_GOLDEN=1 pytest tests/chart`` rewrites them (then read the diff).
 """
 
-import functools
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,38 +16,11 @@ from typing import Any
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "baton"
+from tests.helpers import CHART, ROOT, SETS, TOKEN, helm, objects, rendered
+
 GOLDEN = Path(__file__).parent / "golden"
 NEGATIVE = Path(__file__).parent / "negative"
-SETS = sorted(p.name.removesuffix("-values.yaml") for p in (CHART / "ci").glob("*-values.yaml"))
-TOKEN = "golden-token-0123456789"  # the internal token is random otherwise
 CRDS = {"ServiceMonitor", "PodMonitor", "ScaledObject"}  # not in Kubernetes' own schemas
-
-
-def helm() -> str:
-    found = shutil.which("helm", path=str(Path(sys.executable).parent)) or shutil.which("helm")
-    if found is None:
-        pytest.fail("helm is missing: `make install` puts it in .venv/bin")
-    return found
-
-
-def extra_args(name: str) -> list[str]:
-    return ["--api-versions", "monitoring.coreos.com/v1"] if name == "monitoring" else []
-
-
-@functools.cache
-def rendered(name: str) -> str:
-    cmd = [helm(), "template", "rel", str(CHART), "--namespace", "serving",
-           "-f", str(CHART / "ci" / f"{name}-values.yaml"),
-           "--set", f"internalToken.value={TOKEN}", *extra_args(name)]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return out.stdout
-
-
-def objects(name: str) -> list[dict[str, Any]]:
-    return [d for d in yaml.safe_load_all(rendered(name)) if d]
 
 
 def one(objs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:

@@ -127,6 +127,18 @@ def scheduler_metric(cluster: Cluster, name: str, service: str = "scheduler") ->
     raise AssertionError(f"{name} not exported")
 
 
+def disaggregated_routes(cluster: Cluster) -> float:
+    """The requests the scheduler has routed to a prefill and a decode worker."""
+    text = "baton_scheduler_route_decisions_total"
+    total = 0.0
+    for factor in ("prefix", "load"):
+        with contextlib.suppress(AssertionError):  # not exported until it first counts
+            total += scheduler_metric(
+                cluster, f'{text}{{factor="{factor}",outcome="disaggregated"}}'
+            )
+    return total
+
+
 def start_replicas(
     group: Cluster, model: Path, redis_url: str, *scheduler_flags: str
 ) -> tuple[list[str], list[str]]:

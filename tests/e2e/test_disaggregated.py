@@ -16,6 +16,7 @@ from baton import LLM, SamplingParams
 from baton.launcher import Cluster
 from shared.protos.baton.v1 import worker_pb2
 from tests.e2e.conftest import (
+    disaggregated_routes,
     list_workers,
     long_prompt,
     running_cluster,
@@ -34,17 +35,6 @@ def pd_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     with running_cluster(tiny_model, 0, "--prefill-workers", "1", "--decode-workers", "1",
                          "--routing-policy", str(policy)) as c:  # fmt: skip
         yield c
-
-
-def disaggregated_routes(cluster: Cluster) -> float:
-    text = "baton_scheduler_route_decisions_total"
-    total = 0.0
-    for factor in ("prefix", "load"):
-        with contextlib.suppress(AssertionError):  # not exported until it first counts
-            total += scheduler_metric(
-                cluster, f'{text}{{factor="{factor}",outcome="disaggregated"}}'
-            )
-    return total
 
 
 def test_long_prompts_are_disaggregated_and_equal_offline(

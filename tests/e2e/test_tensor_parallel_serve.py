@@ -15,13 +15,13 @@ import pytest
 
 from baton import LLM, SamplingParams
 from tests.e2e.conftest import (
+    disaggregated_routes,
     long_prompt,
     running_cluster,
     scheduler_metric,
     wait_for,
     worker_health,
 )
-from tests.e2e.test_disaggregated import disaggregated_routes
 
 MODEL = "qwen3"
 PROMPTS = ["Hi", "The quick brown fox jumps over the lazy dog", "import os\nimport sys\n"]

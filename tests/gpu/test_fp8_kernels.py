@@ -1,5 +1,5 @@
 """The FP8 kernels (ops/fp8_linear.py) against the plain-PyTorch path they replace on a GPU
-(models/quantization.py: the activations rounded through e4m3 the same way, the weights
+(quantization/fp8_math.py: the activations rounded through e4m3 the same way, the weights
 dequantized), kernel by kernel and through the engine on the tiny FP8 checkpoints, where the
 dequantizing reference model (baton/tiny_fp8) is the oracle as on CPU. Skipped without CUDA."""
 
@@ -13,19 +13,19 @@ import torch.nn.functional as F
 
 from baton import LLM, SamplingParams
 from baton.tiny_model import make_tiny_model
-from services.worker.engine.models.quantization import (
+from services.worker.engine.quantization.fp8_math import (
     FP8,
     dequantize,
     quantize_activations,
     quantize_blocks,
 )
-from services.worker.engine.models.quantization import quantize_rows as quantize_weight_rows
-from tests.integration.test_fp8 import (
-    GREEDY,
-    LOGPROB_ATOL,
-    PROMPTS,
-    TIE,
-    _check_against_reference,
+from services.worker.engine.quantization.fp8_math import quantize_rows as quantize_weight_rows
+from tests.helpers import (
+    FP8_GREEDY,
+    FP8_LOGPROB_ATOL,
+    FP8_PROMPTS,
+    FP8_TIE,
+    check_against_fp8_reference,
 )
 
 pytestmark = pytest.mark.gpu
@@ -82,7 +82,8 @@ def test_fp8_linear_matches_the_plain_path(
         assert got.dtype == dtype and got.shape == (rows, n)
         # the GEMV in float32: only the order of the float32 sums differs. The tensor cores
         # (fp8_mm) accumulate FP8 products with fewer bits than float32 keep: 2.6e-4 to 9.2e-4
-        # of the largest output on an H200, K = 64 to 4096 (docs/results/h200-2026-12-02/).
+        # of the largest output on an H200, K = 64 to 4096 (docs/performance.md, "FP8": the
+        # GEMV, cuBLASLt's FP8 tensor cores 2.6e-4 to 9.2e-4).
         # bf16: one output rounding on top.
         tol = 1e-2 if dtype == torch.bfloat16 else 1e-4 if rows == 1 else 2e-3
         err = (got.double() - want).abs().max() / want.abs().max()
@@ -129,8 +130,8 @@ def test_the_fast_gemv_sums_each_word_in_float16(n: int, k: int) -> None:
     output from the exact product on such data at these shapes (emulated on CPU), where the
     float32 GEMV is within 1e-4 (test_fp8_linear_matches_the_plain_path). Given the row, it
     stays float32."""
-    from services.worker.engine.models.quantization import Codes
     from services.worker.engine.ops.fp8_linear import fp8_gemv, quantize_rows
+    from services.worker.engine.quantization.fp8_math import Codes
 
     w, ws = _layer(n, k, n + k)
     x = torch.randn(1, k, device="cuda") * 2
@@ -163,8 +164,8 @@ def test_fp8_gemm_is_as_exact_as_cublas_and_deterministic(
     cuBLASLt's own error against float64 in either accumulation mode (plus a bf16 step), the
     same bits on a second call whatever order the K slices finished in, the bias added, and
     the split-K ticket counters left at zero."""
-    from services.worker.engine.models.quantization import Codes
     from services.worker.engine.ops import fp8_linear
+    from services.worker.engine.quantization.fp8_math import Codes
 
     w, ws = _layer(n, k, n + k + rows)
     x = (torch.randn(rows, k, device="cuda") * 2).to(torch.bfloat16)
@@ -187,8 +188,8 @@ def test_fp8_gemm_is_as_exact_as_cublas_and_deterministic(
 def test_fp8_gemm_split_k_replays_in_a_cuda_graph() -> None:
     """The ticket counters are reset by the launch itself: a captured split-K GEMM replays to
     the same bits as it runs eagerly, over new inputs each replay."""
-    from services.worker.engine.models.quantization import Codes
     from services.worker.engine.ops import fp8_linear
+    from services.worker.engine.quantization.fp8_math import Codes
 
     w, ws = _layer(4096, 14336, 7)
     launch = GEMM_LAUNCHES[1]
@@ -282,8 +283,8 @@ def _cublas(codes: Any, w: torch.Tensor, ws: torch.Tensor, fast: bool) -> torch.
 
 
 def test_fp8_mm_takes_our_gemm_where_the_table_says(monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.worker.engine.models.quantization import Codes
     from services.worker.engine.ops import fp8_linear, gemv_configs
+    from services.worker.engine.quantization.fp8_math import Codes
 
     w, ws = _layer(4096, 4096, 3)
     x = torch.randn(32, 4096, device="cuda").to(torch.bfloat16)
@@ -311,7 +312,6 @@ def test_the_fused_kernels_hand_over_the_layers_own_codes(
     token and 128 columns (block checkpoints): the codes the layer's own pass writes of their
     plain output (quantize_rows, quantize_groups; bit for bit in bf16); the GEMV / fp8_mm, or
     a block layer's kernels, given a row's codes: exactly their output given the row."""
-    from services.worker.engine.models.quantization import Codes
     from services.worker.engine.ops.fp8_block import (
         block_scales,
         fp8_block_mm,
@@ -319,6 +319,7 @@ def test_the_fused_kernels_hand_over_the_layers_own_codes(
     )
     from services.worker.engine.ops.fp8_linear import fp8_gemv, fp8_mm, quantize_rows
     from services.worker.engine.ops.fused_ops import add_rms_norm, silu_and_mul
+    from services.worker.engine.quantization.fp8_math import Codes
 
     x = torch.randn(rows, 4096, device="cuda") * torch.linspace(0.01, 30, 4096, device="cuda")
     x, res = x.to(dtype), torch.randn(rows, 4096, device="cuda").to(dtype)
@@ -336,10 +337,10 @@ def test_the_fused_kernels_hand_over_the_layers_own_codes(
         differ = codes.codes.view(torch.uint8) != q.view(torch.uint8)
         # the kernels with codes and without compile apart, and their float32 rows may part
         # in the last bit (on an H200: 56 of 300 rows' scales, all codes equal;
-        # docs/results/h200-2026-12-02c/NOTES.md). Rounded to bf16 first, a row is mostly
-        # the same, but a last-bit difference on a rounding edge moves a bf16 value a step:
-        # with 300 random rows one code of millions differed, in two GPU runs of many
-        # (docs/results/h200-2026-12-02f/ and -12-02h/)
+        # docs/performance.md, "FP8": the activations as codes). Rounded to bf16 first, a row
+        # is mostly the same, but a last-bit difference on a rounding edge moves a bf16 value a
+        # step: with 300 random rows one code of millions differed, in two GPU runs of many
+        # (the same entry)
         step = 2**-7 if dtype == torch.bfloat16 else 1e-6  # (a bf16 step of the largest value)
         assert torch.allclose(codes.scales, s, rtol=step, atol=0)
         assert differ.float().mean() < (1e-5 if dtype == torch.bfloat16 else 1e-3)
@@ -386,7 +387,7 @@ def test_the_engine_on_the_fp8_kernels_matches_the_dequantizing_reference(
     try:
         llm = LLM(model=str(path), dtype="float32", enforce_eager=True, show_progress=False,
                   fp8_fast_accumulation=fast)  # fmt: skip
-        outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in PROMPTS]
+        outs = [llm.generate([p], FP8_GREEDY, use_tqdm=False)[0] for p in FP8_PROMPTS]
         llm.shutdown()
     finally:
         fp8_linear.fp8_gemv, fp8_linear.fp8_mm = gemv, mm  # type: ignore[assignment]
@@ -396,8 +397,8 @@ def test_the_engine_on_the_fp8_kernels_matches_the_dequantizing_reference(
     # the prompts' KV comes from the tensor cores, whose FP8 accumulation moves an output by
     # up to ~1e-3 of the largest (test_fp8_linear_matches_the_plain_path): the logprobs are
     # not the reference's arithmetic to 1e-3, as on CPU, only close to it
-    exact = _check_against_reference(path, outs, median_atol=1e-2)
-    assert exact >= 0.9 * len(PROMPTS) * GREEDY.max_tokens
+    exact = check_against_fp8_reference(path, outs, median_atol=1e-2)
+    assert exact >= 0.9 * len(FP8_PROMPTS) * FP8_GREEDY.max_tokens
 
 
 def test_the_engine_on_our_fp8_gemm_matches_the_dequantizing_reference(
@@ -424,12 +425,12 @@ def test_the_engine_on_our_fp8_gemm_matches_the_dequantizing_reference(
     llm = LLM(model=str(path), dtype="float16", show_progress=False)
     try:
         assert llm.client.core.executor.worker.runner.graphs is not None  # type: ignore[attr-defined]
-        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # decode steps of 4 rows
+        outs = llm.generate(FP8_PROMPTS, FP8_GREEDY, use_tqdm=False)  # decode steps of 4 rows
     finally:
         llm.shutdown()
     assert calls[0] > 0
-    exact = _check_against_reference(path, outs, median_atol=3e-2)
-    assert exact >= 0.85 * len(PROMPTS) * GREEDY.max_tokens
+    exact = check_against_fp8_reference(path, outs, median_atol=3e-2)
+    assert exact >= 0.85 * len(FP8_PROMPTS) * FP8_GREEDY.max_tokens
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
@@ -441,8 +442,9 @@ def test_the_engine_on_the_block_kernels_matches_the_dequantizing_reference(
     prompts at once; float16 with CUDA graphs, float32 eager), teacher-forced against the
     dequantizing reference as on CPU, with the tolerances of the tensor cores'
     accumulation."""
-    from services.worker.engine.models.quantization import Codes
     from services.worker.engine.ops import fp8_block
+    from services.worker.engine.quantization.fp8 import Fp8BlockLinearMethod
+    from services.worker.engine.quantization.fp8_math import Codes
 
     # 128-wide heads: the k and v rows fill whole blocks, so every layer has its block scales
     path = make_tiny_model(tmp_path / "m", arch="llama", quantize="fp8-block", hidden_size=512)
@@ -460,10 +462,11 @@ def test_the_engine_on_the_block_kernels_matches_the_dequantizing_reference(
         llm = LLM(model=str(path), dtype=dtype, enforce_eager=dtype == "float32",
                   show_progress=False)  # fmt: skip
         model = llm.client.core.executor.worker.runner.model  # type: ignore[attr-defined]
-        layers = [m for m in model.modules() if getattr(m, "quant", None) is not None]
+        layers = [m for m in model.modules()
+                  if isinstance(getattr(m, "method", None), Fp8BlockLinearMethod)]  # fmt: skip
         assert layers and all(m.block_scales is not None for m in layers)  # for cuBLASLt
-        outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in PROMPTS]
-        outs_batched = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        outs = [llm.generate([p], FP8_GREEDY, use_tqdm=False)[0] for p in FP8_PROMPTS]
+        outs_batched = llm.generate(FP8_PROMPTS, FP8_GREEDY, use_tqdm=False)
         llm.shutdown()
     finally:
         fp8_block.fp8_block_mm = block_mm  # type: ignore[assignment]
@@ -473,35 +476,35 @@ def test_the_engine_on_the_block_kernels_matches_the_dequantizing_reference(
     assert 0.7 < sum(handed) / len(handed) < 0.8
     # In float16 (512 wide) the engine rounds each activation to float16 before its e4m3
     # codes, the reference (float32) does not: a code on a rounding edge flips, which moves a
-    # logprob by up to LOGPROB_ATOL, so a near-tie may part by as much (on an H200 a token
-    # 0.07 nats under the reference's best, docs/results/h200-2026-12-03c/). Exact argmaxes
-    # stay the measure.
-    tie = LOGPROB_ATOL if dtype == "float16" else TIE
-    exact = _check_against_reference(path, outs, median_atol=3e-2, tie=tie)
-    assert exact >= 0.85 * len(PROMPTS) * GREEDY.max_tokens
-    exact = _check_against_reference(path, outs_batched, median_atol=3e-2, tie=tie)
-    assert exact >= 0.85 * len(PROMPTS) * GREEDY.max_tokens
+    # logprob by up to FP8_LOGPROB_ATOL, so a near-tie may part by as much (on an H200 a token
+    # 0.07 nats under the reference's best, docs/performance.md, "FP8": float16 models).
+    # Exact argmaxes stay the measure.
+    tie = FP8_LOGPROB_ATOL if dtype == "float16" else FP8_TIE
+    exact = check_against_fp8_reference(path, outs, median_atol=3e-2, tie=tie)
+    assert exact >= 0.85 * len(FP8_PROMPTS) * FP8_GREEDY.max_tokens
+    exact = check_against_fp8_reference(path, outs_batched, median_atol=3e-2, tie=tie)
+    assert exact >= 0.85 * len(FP8_PROMPTS) * FP8_GREEDY.max_tokens
 
 
 def test_cuda_graphs_capture_the_fp8_gemv(tmp_path: Path) -> None:
     path = make_tiny_model(tmp_path / "m", arch="llama", quantize="fp8-channel", hidden_size=128)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     eager = LLM(model=str(path), dtype="float32", enforce_eager=True, show_progress=False)
-    want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in eager.generate(FP8_PROMPTS, params, use_tqdm=False)]
     eager.shutdown()
     graphs = LLM(model=str(path), dtype="float32", show_progress=False)
     assert graphs.client.core.executor.worker.runner.graphs is not None  # type: ignore[attr-defined]
     assert [
-        o.outputs[0].token_ids for o in graphs.generate(PROMPTS, params, use_tqdm=False)
+        o.outputs[0].token_ids for o in graphs.generate(FP8_PROMPTS, params, use_tqdm=False)
     ] == want
     graphs.shutdown()
 
 
 @pytest.mark.parametrize(("k_scale", "v_scale"), [(1.0, 1.0), (0.37, 2.5)], ids=["unit", "scaled"])
 def test_the_triton_cache_write_rounds_like_the_reference(k_scale: float, v_scale: float) -> None:
-    """The Triton ``_write_kv`` into an FP8 cache on the GPU: divided by the layer's scales,
-    saturated, rounded to nearest even, bit for bit as ``attention/backend.write_kv`` (on CPU
-    the backend uses the latter)."""
+    """The Triton backend's ``write_kv`` into an FP8 cache on the GPU: divided by the layer's
+    scales, saturated, rounded to nearest even, bit for bit as ``attention/backend.write_kv``
+    (on CPU the backend uses the latter)."""
     from services.worker.engine.attention.backend import write_kv
     from services.worker.engine.attention.triton_backend import TritonAttentionBackend
     from services.worker.engine.kv_cache.layout import KVCacheLayout, layer_views
@@ -515,7 +518,7 @@ def test_the_triton_cache_write_rounds_like_the_reference(k_scale: float, v_scal
     views = layer_views(ours, 1), layer_views(ref, 1)
     for view in views:
         view.k_scale, view.v_scale = k_scale, v_scale
-    impl._write_kv(k, v, views[0], slots)
+    impl.write_kv(k, v, views[0], slots)
     write_kv(k, v, views[1], slots)
     assert torch.equal(ours.view(torch.uint8), ref.view(torch.uint8))
 
@@ -526,6 +529,6 @@ def test_an_fp8_cache_on_the_triton_kernels_matches_the_torch_backend(tiny_model
     for backend in ("torch", "triton"):
         llm = LLM(model=str(tiny_model), dtype="float32", kv_cache_dtype="fp8",
                   attention_backend=backend, show_progress=False)  # fmt: skip
-        outs[backend] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        outs[backend] = [o.outputs[0].token_ids for o in llm.generate(FP8_PROMPTS, params)]
         llm.shutdown()
     assert outs["triton"] == outs["torch"]

@@ -123,7 +123,7 @@ def test_the_split_tune_times_each_case_with_the_launch_the_engine_gives_it() ->
     in the engine, whatever the split launch is, so the sweep's times of a candidate there
     must not pick it (here the deep launch is the fastest alone at the short case, and loses
     at the long one)."""
-    from benchmarks.attention_sweep import SplitChoice
+    from benchmarks.kernels.attention_sweep import SplitChoice
 
     one, deep, mid = (64, 4, 2), (128, 8, 4), (128, 4, 3)
     cases = [(1, 32768), (1, 2048)]

@@ -10,8 +10,8 @@ from typing import Any
 
 import aiohttp
 import pytest
+from prometheus_client import REGISTRY
 
-from services.global_scheduler import metrics
 from services.global_scheduler.directory import create_directory
 from services.global_scheduler.discovery import PodDiscovery, kubernetes_api
 from services.global_scheduler.planner import DELETING, PLANNER, Planner, PlannerConfig
@@ -85,7 +85,7 @@ async def test_the_registry_follows_the_pods(kmock: Any, http: aiohttp.ClientSes
         await until(lambda: discovery.pods["decode-a"].ready, "the pod Ready")
         await asyncio.sleep(0.35)
         assert discovery.unregistered() == ["decode-a"]
-        assert metrics.PODS_UNREGISTERED._value.get() == 1
+        assert REGISTRY.get_sample_value("baton_scheduler_pods_unregistered") == 1
         servicer.registry.register(worker("decode-a"))
         await servicer.directory.apply(WorkerId("decode-a"), "inc-1", KVEventBatch(1, [
             BlockStored([BlockHash(1), BlockHash(2)], None, 16)]))  # fmt: skip

@@ -5,7 +5,7 @@ checkpoint quantized at load; FP8 logits against the float model they come from;
 layouts and unknown formats refused at load, naming what is wrong.
 
 Greedy is compared with the reference teacher-forced on the engine's own tokens: at every step
-the engine's token must be the reference's argmax, or within ``TIE`` nats of it. Rounding to
+the engine's token must be the reference's argmax, or within ``FP8_TIE`` nats of it. Rounding to
 e4m3 amplifies float noise (an input on a rounding boundary moves by a whole e4m3 step), so a
 near-tie may flip; the test also demands that almost every step is an exact argmax.
 """
@@ -22,14 +22,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from baton import LLM, EngineArgs, SamplingParams
 from baton.tiny_fp8 import dequantized_reference
 from baton.tiny_model import make_tiny_model
+from tests.helpers import (
+    FP8_GREEDY,
+    FP8_PROMPTS,
+    check_against_fp8_reference,
+    copy_checkpoint,
+)
 
-TIE = 0.05  # nats: a near-tie the engine may break the other way
-LOGPROB_ATOL = 0.2  # one flipped e4m3 rounding moves a logprob this far at most (seen: 0.05)
-PROMPTS = [
-    "Hi", "The quick brown fox jumps over the lazy dog", "import os\nimport sys\n\n",
-    "Return a new list containing all items from the iterable in ascending order.",
-]  # fmt: skip
-GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
 CASES = [("fp8-tensor", "llama"), ("fp8-tensor", "qwen2"), ("fp8-channel", "mistral"),
          ("fp8-channel", "qwen3"), ("fp8-block", "llama"), ("fp8-block", "qwen3")]  # fmt: skip
 
@@ -43,31 +42,6 @@ def fp8_models(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str]
             for fmt, arch in CASES}  # fmt: skip
 
 
-def _check_against_reference(
-    path: Path, outs: list[Any], median_atol: float = 1e-3, tie: float = TIE
-) -> int:
-    """Every engine token is the reference's argmax or a near-tie (within ``tie`` nats), its
-    logprob the reference's (most of them to ``median_atol``); returns how many tokens are the
-    reference's exact argmax."""
-    ref = dequantized_reference(path)
-    tok = AutoTokenizer.from_pretrained(path)
-    exact, diffs = 0, []
-    for prompt, out in zip(PROMPTS, outs, strict=True):
-        ids = tok(prompt, return_tensors="pt")["input_ids"][0].tolist()
-        gen = out.outputs[0].token_ids
-        with torch.no_grad():
-            logits = ref(torch.tensor([ids + gen])).logits[0].float()
-        lps = logits.log_softmax(-1)[len(ids) - 1 : len(ids) - 1 + len(gen)]
-        for step, (row, t) in enumerate(zip(lps, gen, strict=True)):
-            assert row[t] >= row.max() - tie, (prompt, step, float(row.max() - row[t]))
-            exact += int(row.argmax() == t)
-            diffs.append(abs(out.outputs[0].logprobs[step][t].logprob - float(row[t])))
-    assert max(diffs) <= LOGPROB_ATOL, max(diffs)
-    median = sorted(diffs)[len(diffs) // 2]
-    assert median <= median_atol, median  # most steps are the same arithmetic
-    return exact
-
-
 @pytest.mark.parametrize(("fmt", "arch"), CASES)
 def test_fp8_checkpoint_matches_its_dequantizing_reference(
     fp8_models: dict[tuple[str, str], Path], fmt: str, arch: str
@@ -76,12 +50,12 @@ def test_fp8_checkpoint_matches_its_dequantizing_reference(
     llm = LLM(model=str(path), show_progress=False)
     try:
         assert llm.config.model.quantization is not None
-        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        outs = llm.generate(FP8_PROMPTS, FP8_GREEDY, use_tqdm=False)
         info = llm.get_model_info()
     finally:
         llm.shutdown()
-    exact = _check_against_reference(path, outs)
-    assert exact >= 0.9 * len(PROMPTS) * GREEDY.max_tokens
+    exact = check_against_fp8_reference(path, outs)
+    assert exact >= 0.9 * len(FP8_PROMPTS) * FP8_GREEDY.max_tokens
     # the linear weights are one byte each: far fewer bytes than the float checkpoint's
     float_bytes = sum(t.numel() * 4 for t in load_file(path / "unquantized" /
                                                        "model.safetensors").values())  # fmt: skip
@@ -96,7 +70,7 @@ def test_fp8_logits_are_close_to_the_float_models(
     fp8 = dequantized_reference(path)
     full = AutoModelForCausalLM.from_pretrained(path / "unquantized", dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(path)
-    ids = tok(" ".join(PROMPTS), return_tensors="pt")["input_ids"]
+    ids = tok(" ".join(FP8_PROMPTS), return_tensors="pt")["input_ids"]
     with torch.no_grad():
         a, b = fp8(ids).logits[0], full(ids).logits[0]
     cosine = torch.nn.functional.cosine_similarity(a, b, dim=-1)  # one per position
@@ -111,8 +85,8 @@ def test_a_float_checkpoint_quantized_at_load(fp8_models: dict[tuple[str, str], 
     stored = LLM(model=str(path), show_progress=False)
     try:
         assert online.config.model.quantization.online  # type: ignore[union-attr]
-        a = online.generate(PROMPTS, GREEDY, use_tqdm=False)
-        b = stored.generate(PROMPTS, GREEDY, use_tqdm=False)
+        a = online.generate(FP8_PROMPTS, FP8_GREEDY, use_tqdm=False)
+        b = stored.generate(FP8_PROMPTS, FP8_GREEDY, use_tqdm=False)
     finally:
         online.shutdown()
         stored.shutdown()
@@ -152,25 +126,17 @@ def test_fp8_with_tensor_parallelism(fp8_models: dict[tuple[str, str], Path]) ->
     path = fp8_models[("fp8-block", "llama")]
     llm = LLM(model=str(path), tensor_parallel_size=2, show_progress=False)
     try:
-        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        outs = llm.generate(FP8_PROMPTS, FP8_GREEDY, use_tqdm=False)
     finally:
         llm.shutdown()
-    exact = _check_against_reference(path, outs, median_atol=5e-3)
-    assert exact >= 0.9 * len(PROMPTS) * GREEDY.max_tokens
-
-
-def _copy_checkpoint(src: Path, dst: Path) -> Path:
-    dst.mkdir()
-    for f in src.iterdir():
-        if f.is_file():
-            (dst / f.name).write_bytes(f.read_bytes())
-    return dst
+    exact = check_against_fp8_reference(path, outs, median_atol=5e-3)
+    assert exact >= 0.9 * len(FP8_PROMPTS) * FP8_GREEDY.max_tokens
 
 
 def test_a_wrong_scale_layout_is_refused_naming_the_tensor(
     fp8_models: dict[tuple[str, str], Path], tmp_path: Path
 ) -> None:
-    path = _copy_checkpoint(fp8_models[("fp8-channel", "qwen3")], tmp_path / "bad")
+    path = copy_checkpoint(fp8_models[("fp8-channel", "qwen3")], tmp_path / "bad")
     tensors = load_file(path / "model.safetensors")
     name = "model.layers.1.mlp.down_proj.weight_scale"
     tensors[name] = tensors[name][:10]  # ten channels' scales for 64 channels
@@ -191,7 +157,7 @@ def test_unknown_formats_are_refused(
     fp8_models: dict[tuple[str, str], Path], tmp_path: Path,
     quantization_config: dict[str, Any], message: str,
 ) -> None:  # fmt: skip
-    path = _copy_checkpoint(fp8_models[("fp8-channel", "qwen3")], tmp_path / "unknown")
+    path = copy_checkpoint(fp8_models[("fp8-channel", "qwen3")], tmp_path / "unknown")
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = quantization_config
     (path / "config.json").write_text(json.dumps(config))
@@ -205,26 +171,27 @@ def test_codes_from_the_fused_kernels_change_no_token(
     """The engine on the FP8 kernels (Triton's interpreter; the GPU check bypassed) with the
     norms and SiLU·mul handing the linear layers codes, and with every layer quantizing its
     own input: the same tokens and logprobs, as the codes are the layers' own rounding."""
-    from services.worker.engine.models.layers import linear
     from services.worker.engine.ops import fp8_linear
+    from services.worker.engine.quantization.fp8 import Fp8LinearMethod
+    from services.worker.engine.quantization.fp8_math import Codes
 
     monkeypatch.setattr(fp8_linear, "supported", lambda x, w: True)
     calls = {"codes": 0}
-    take = linear._LinearBase._linear
+    apply = Fp8LinearMethod.apply
 
-    def counted(self: Any, x: Any, bias: Any) -> torch.Tensor:
-        calls["codes"] += isinstance(x, linear.Codes)
-        return take(self, x, bias)
+    def counted(self: Any, layer: Any, x: Any, bias: Any) -> torch.Tensor:
+        calls["codes"] += isinstance(x, Codes)
+        return apply(self, layer, x, bias)
 
-    monkeypatch.setattr(linear._LinearBase, "_linear", counted)
+    monkeypatch.setattr(Fp8LinearMethod, "apply", counted)
     path = fp8_models[("fp8-channel", "qwen3")]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
     runs = []
     for codes in (True, False):
-        if not codes:
-            monkeypatch.setattr(linear._LinearBase, "takes_codes", lambda self, like: 0)
+        if not codes:  # every layer quantizes its own input
+            monkeypatch.setattr(Fp8LinearMethod, "input_group", lambda self, layer, like: 0)
         llm = LLM(model=str(path), fused_ops=True, enforce_eager=True, show_progress=False)
-        runs.append([o.outputs[0] for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)])
+        runs.append([o.outputs[0] for o in llm.generate(FP8_PROMPTS[:2], params, use_tqdm=False)])
         llm.shutdown()
         if codes:
             assert calls["codes"] > 0  # the codes really went in (prefill and decode steps)

@@ -15,8 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from baton import LLM, SamplingParams
 from shared.text.tokenizer import TextTokenizer
-from tests.integration.test_fp8 import _copy_checkpoint
-from tests.integration.test_pd_transfer import disaggregated
+from tests.helpers import copy_checkpoint, disaggregated
 
 PROMPTS = ["Hi", "The quick brown fox jumps over the lazy dog", "import os\nimport sys\n\n"]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
@@ -160,9 +159,7 @@ def test_checkpoint_kv_scales_reach_the_cache_and_match_the_reference(
     e4m3(k / k_scale) · k_scale and e4m3(v / v_scale) · v_scale (chunked prefill: later chunks
     read the cache)."""
     from baton.tiny_fp8 import rounding_kv_cache
-    from tests.integration.test_fp8 import GREEDY as FP8_GREEDY
-    from tests.integration.test_fp8 import PROMPTS as FP8_PROMPTS
-    from tests.integration.test_fp8 import _check_against_reference
+    from tests.helpers import FP8_GREEDY, FP8_PROMPTS, check_against_fp8_reference
 
     want = _stored_scales(scaled_checkpoint)
     assert len(want) == 2 and all(k != 1.0 and v != 1.0 for k, v in want)
@@ -178,7 +175,7 @@ def test_checkpoint_kv_scales_reach_the_cache_and_match_the_reference(
     finally:
         llm.shutdown()
     with rounding_kv_cache(scaled_checkpoint):
-        exact = _check_against_reference(scaled_checkpoint, outs)
+        exact = check_against_fp8_reference(scaled_checkpoint, outs)
     assert exact >= 0.9 * len(FP8_PROMPTS) * FP8_GREEDY.max_tokens
 
 
@@ -189,7 +186,7 @@ def test_kv_scales_by_their_older_names_and_a_float_cache_ignores_them(
     ``v_proj.output_scale``; a float KV cache has no use for them (and reads as without)."""
     from safetensors.torch import load_file, save_file
 
-    path = _copy_checkpoint(scaled_checkpoint, tmp_path / "old-names")
+    path = copy_checkpoint(scaled_checkpoint, tmp_path / "old-names")
     tensors = load_file(path / "model.safetensors")
     renamed = {k.replace("self_attn.k_scale", "self_attn.k_proj.output_scale")
                 .replace("self_attn.v_scale", "self_attn.v_proj.output_scale"): v
@@ -229,7 +226,7 @@ def test_kv_scales_the_engine_cannot_use_are_refused(
 
     from safetensors.torch import load_file, save_file
 
-    path = _copy_checkpoint(scaled_checkpoint, tmp_path / change)
+    path = copy_checkpoint(scaled_checkpoint, tmp_path / change)
     tensors = load_file(path / "model.safetensors")
     name = "model.layers.0.self_attn.k_scale"
     if change == "dynamic":

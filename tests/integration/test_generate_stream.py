@@ -11,12 +11,12 @@ from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from baton import AsyncLLM, EngineArgs
-from services.gateway import metrics
 from services.gateway.call_stream import status_of
 from services.gateway.generate_client import GenerateClient, GenerateFailed
-from services.worker.servicer import WorkerServicer
+from services.worker.servicer import GenerateFn, WorkerServicer
 from services.worker.settings import WorkerSettings
 from shared.protos.baton.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from shared.rpc import channel, server
@@ -102,7 +102,16 @@ async def tokens(responses: AsyncIterator[worker_pb2.GenerateResponse]) -> list[
 
 
 def calls(transport: str) -> float:
-    return metrics.GENERATE_CALLS.labels(transport)._value.get()
+    value = REGISTRY.get_sample_value(
+        "baton_gateway_generate_calls_total", {"transport": transport}
+    )
+    return value or 0.0  # (not exported before its first call)
+
+
+def without_engine(tiny_model: Path, generate: GenerateFn) -> WorkerServicer:
+    """A servicer whose requests answer what ``generate`` yields: the transport alone."""
+    settings = WorkerSettings(engine=EngineArgs(model=str(tiny_model)))
+    return WorkerServicer(settings, None, generate)  # type: ignore[arg-type]
 
 
 async def test_concurrent_requests_share_the_stream_and_equal_unary(tiny_model: Path) -> None:
@@ -192,14 +201,13 @@ async def test_an_abort_during_a_write_leaves_the_stream_whole(tiny_model: Path)
     """An abort cancels its request's task, maybe while that task's write is in flight; the
     other requests on the stream must still get every event and their end (the write after a
     cancelled one used to start too early, fail, and leave its request waiting forever)."""
-    servicer = WorkerServicer(WorkerSettings(engine=EngineArgs(model=str(tiny_model))), None)  # type: ignore[arg-type]
 
     async def generate(request: worker_pb2.GenerateRequest):  # type: ignore[no-untyped-def]
         for i in range(40):
             yield worker_pb2.GenerateResponse(deltas=[worker_pb2.CompletionDelta(token_ids=[i])])
             await asyncio.sleep(0)
 
-    servicer._generate = generate  # type: ignore[method-assign]
+    servicer = without_engine(tiny_model, generate)
     context = OneWriteAtATime()
     inbox: asyncio.Queue[worker_pb2.GenerateCall | None] = asyncio.Queue()
 
@@ -247,7 +255,6 @@ async def test_a_stop_during_a_write_waits_for_it_and_spares_the_others(
     the gateway aborts it) ends once that write is done; the stream's other requests get
     everything. Cancelling the request's task mid-write instead would let the next write
     start while gRPC still has this one in flight: it fails, and so does its request."""
-    servicer = WorkerServicer(WorkerSettings(engine=EngineArgs(model=str(tiny_model))), None)  # type: ignore[arg-type]
     stopped: list[str] = []
 
     async def generate(request: worker_pb2.GenerateRequest):  # type: ignore[no-untyped-def]
@@ -259,7 +266,7 @@ async def test_a_stop_during_a_write_waits_for_it_and_spares_the_others(
         finally:  # the engine's abort
             stopped.append(request.request_id)
 
-    servicer._generate = generate  # type: ignore[method-assign]
+    servicer = without_engine(tiny_model, generate)
     context = SlowWrite("x")
 
     async def calls() -> AsyncIterator[worker_pb2.GenerateCall]:
@@ -292,14 +299,13 @@ async def test_a_deadline_during_the_last_write_leaves_a_finished_request_finish
 ) -> None:
     """Its finished response is on the wire when the deadline passes: the request ended well,
     and no DEADLINE_EXCEEDED end may follow it."""
-    servicer = WorkerServicer(WorkerSettings(engine=EngineArgs(model=str(tiny_model))), None)  # type: ignore[arg-type]
 
     async def generate(request: worker_pb2.GenerateRequest):  # type: ignore[no-untyped-def]
         for i in range(3):
             delta = worker_pb2.CompletionDelta(token_ids=[i])
             yield worker_pb2.GenerateResponse(deltas=[delta], finished=i == 2)
 
-    servicer._generate = generate  # type: ignore[method-assign]
+    servicer = without_engine(tiny_model, generate)
     context = SlowWrite("x")  # the third, finished response takes 0.5 s to write
 
     async def calls() -> AsyncIterator[worker_pb2.GenerateCall]:
@@ -315,14 +321,13 @@ async def test_a_deadline_during_the_last_write_leaves_a_finished_request_finish
 async def test_an_abort_right_behind_its_start_ends_the_stream(tiny_model: Path) -> None:
     """An abort read before its request's task first ran cancels that task before it starts;
     the stream must still forget the request and end when the gateway closes its side."""
-    servicer = WorkerServicer(WorkerSettings(engine=EngineArgs(model=str(tiny_model))), None)  # type: ignore[arg-type]
     started: list[str] = []
 
     async def generate(request: worker_pb2.GenerateRequest):  # type: ignore[no-untyped-def]
         started.append(request.request_id)
         yield worker_pb2.GenerateResponse(deltas=[worker_pb2.CompletionDelta(token_ids=[1])])
 
-    servicer._generate = generate  # type: ignore[method-assign]
+    servicer = without_engine(tiny_model, generate)
     context = OneWriteAtATime()
 
     async def calls() -> AsyncIterator[worker_pb2.GenerateCall]:
@@ -338,13 +343,12 @@ async def test_an_abort_right_behind_its_start_ends_the_stream(tiny_model: Path)
 
 
 async def test_a_request_the_engine_fails_ends_with_internal_not_silence(tiny_model: Path) -> None:
-    servicer = WorkerServicer(WorkerSettings(engine=EngineArgs(model=str(tiny_model))), None)  # type: ignore[arg-type]
 
     async def generate(request: worker_pb2.GenerateRequest):  # type: ignore[no-untyped-def]
         yield worker_pb2.GenerateResponse(deltas=[worker_pb2.CompletionDelta(token_ids=[1])])
         raise RuntimeError("engine core died")
 
-    servicer._generate = generate  # type: ignore[method-assign]
+    servicer = without_engine(tiny_model, generate)
     context = OneWriteAtATime()
 
     async def calls() -> AsyncIterator[worker_pb2.GenerateCall]:
@@ -398,9 +402,9 @@ async def test_a_new_prefill_peer_is_asked_about_before_a_handle_is_refused(
 
     servicer.ask_for_kv_peers = ask
     start = time.monotonic()
-    assert await servicer._kv_refusal("tcp://new:1") is None
+    assert await servicer.kv_refusal("tcp://new:1") is None
     assert len(asked) == 1 and time.monotonic() - start < 0.15
     start = time.monotonic()
-    why = await servicer._kv_refusal("tcp://never-registered:1")
+    why = await servicer.kv_refusal("tcp://never-registered:1")
     assert why is not None and "is not a prefill worker the scheduler has registered" in why
     assert 0.19 <= time.monotonic() - start < 1.0  # refused at the bound, not before

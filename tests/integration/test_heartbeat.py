@@ -177,7 +177,7 @@ async def test_an_unregistered_worker_stops_with_a_failure() -> None:
         beats[1].engine.step_done.set()  # type: ignore[attr-defined]
         task = asyncio.create_task(beats[1].run())
         stop, code = StopSignal(), [0]
-        watch = asyncio.create_task(worker_main._watch_registration(beats, stop, 0.5, code))
+        watch = asyncio.create_task(worker_main.watch_registration(beats, stop, 0.5, code))
         try:
             await until(lambda: beats[1].connected.is_set(), "registered", 3)
             await asyncio.sleep(1.0)

@@ -13,7 +13,7 @@ import pytest
 from baton import LLM, SamplingParams
 from services.worker.engine.kv_transfer.params import KVTransferParams
 from shared.text.tokenizer import TextTokenizer
-from tests.integration.test_pd_transfer import disaggregated, wait_all_free
+from tests.helpers import disaggregated, wait_all_free
 
 KW = {"num_kv_blocks": 128, "max_model_len": 1024}
 TEXT = "The quick brown fox jumps over the lazy dog " * 6

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from baton import LLM, RequestOutput, SamplingParams
+from baton import LLM, SamplingParams
 from services.worker.engine.kv_transfer.params import KVTransferParams, RemoteKV
 from services.worker.engine.messages import ErrorCode
 from shared.text.tokenizer import TextTokenizer
+from tests.helpers import disaggregated, wait_all_free
 
 KW = {"num_kv_blocks": 128, "max_model_len": 1024}
 
@@ -31,29 +32,6 @@ def engines(tiny_model: Path, request: pytest.FixtureRequest) -> Iterator[tuple[
 
 def prompt(tiny_model: Path, text: str) -> list[int]:
     return TextTokenizer(tiny_model).encode(text)
-
-
-def disaggregated(
-    prefill: LLM, decode: LLM, ids: list[int], params: SamplingParams
-) -> tuple[RequestOutput, RequestOutput]:
-    first = prefill.generate(
-        [{"prompt_token_ids": ids, "kv_transfer": KVTransferParams(do_remote_decode=True)}],
-        params.clone(max_tokens=1, min_tokens=0),
-    )[0]
-    handle = first.kv_handle
-    assert handle is not None and handle.num_tokens == len(ids)
-    token = first.outputs[0].token_ids[0]
-    leg = KVTransferParams(remote=handle, first_token_id=token)
-    rest = decode.generate([{"prompt_token_ids": ids, "kv_transfer": leg}], params)[0]
-    return first, rest
-
-
-def wait_all_free(llm: LLM, timeout_s: float = 5.0) -> float:
-    start = time.monotonic()
-    while llm.get_stats().num_free_blocks != llm.get_stats().num_blocks:
-        assert time.monotonic() - start < timeout_s, "the lease was not released"
-        time.sleep(0.02)
-    return time.monotonic() - start
 
 
 @pytest.mark.parametrize("text", ["short", "The quick brown fox jumps over the lazy dog " * 6])

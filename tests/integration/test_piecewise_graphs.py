@@ -132,21 +132,21 @@ def test_piecewise_sizes_cover_the_budget() -> None:
         assert big - small <= max(128, small // 8 + 1)
     # capped at the step's token budget; none on CPU or with enforce_eager
     args = {"piecewise_cuda_graph_tokens": 4096, "max_num_batched_tokens": 2048}
-    assert EngineArgs(model="m", **args)._piecewise_sizes("cuda", 2048, 1)[-1] == 2048
-    assert EngineArgs(model="m", **args)._piecewise_sizes("cpu", 2048, 1) == ()
+    assert EngineArgs(model="m", **args).piecewise_graph_sizes("cuda", 2048, 1)[-1] == 2048
+    assert EngineArgs(model="m", **args).piecewise_graph_sizes("cpu", 2048, 1) == ()
     eager = EngineArgs(model="m", enforce_eager=True, **args)
-    assert eager._piecewise_sizes("cuda", 2048, 1) == ()
+    assert eager.piecewise_graph_sizes("cuda", 2048, 1) == ()
     with pytest.raises(ValueError, match="piecewise_cuda_graph_tokens must be >= 0"):
-        EngineArgs(model="m", piecewise_cuda_graph_tokens=-1)._piecewise_sizes("cuda", 2048, 1)
+        EngineArgs(model="m", piecewise_cuda_graph_tokens=-1).piecewise_graph_sizes("cuda", 2048, 1)
     # by default: on one GPU up to 8,192 tokens (or the budget), none above one rank unless
     # asked for; 0 turns them off
     default = EngineArgs(model="m")
-    assert default._piecewise_sizes("cuda", 16384, 1) == piecewise_sizes(8192)
-    assert default._piecewise_sizes("cuda", 2048, 1) == piecewise_sizes(2048)
-    assert default._piecewise_sizes("cuda", 16384, 2) == ()
-    assert EngineArgs(model="m", **args)._piecewise_sizes("cuda", 2048, 2)[-1] == 2048
+    assert default.piecewise_graph_sizes("cuda", 16384, 1) == piecewise_sizes(8192)
+    assert default.piecewise_graph_sizes("cuda", 2048, 1) == piecewise_sizes(2048)
+    assert default.piecewise_graph_sizes("cuda", 16384, 2) == ()
+    assert EngineArgs(model="m", **args).piecewise_graph_sizes("cuda", 2048, 2)[-1] == 2048
     off = EngineArgs(model="m", piecewise_cuda_graph_tokens=0)
-    assert off._piecewise_sizes("cuda", 2048, 1) == ()
+    assert off.piecewise_graph_sizes("cuda", 2048, 1) == ()
 
 
 class _FakeGraph:
@@ -183,7 +183,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     # on CPU no pool holds the pieces' memory: a view that owns nothing would read freed
     # memory at replay, so here the views own theirs (test_unowned_views checks the real one)
-    monkeypatch.setattr(piecewise_graphs, "_unowned", lambda t: t)
+    monkeypatch.setattr(piecewise_graphs, "unowned_view", lambda t: t)
     _FakeGraph.log.clear()
     return _FakeGraph.log
 
@@ -267,7 +267,7 @@ def test_a_failed_capture_says_what_failed_and_ends_the_capture(
             raise RuntimeError("operation not permitted when stream is capturing")
         return t
 
-    monkeypatch.setattr(piecewise_graphs, "_unowned", refusing)
+    monkeypatch.setattr(piecewise_graphs, "unowned_view", refusing)
     want = (r"capturing the 32-token forward failed after 1 of its \d+ attention calls "
             r"\(operation not permitted.*piecewise-cuda-graph-tokens")  # fmt: skip
     with pytest.raises(RuntimeError, match=want):
@@ -284,7 +284,7 @@ def test_unowned_views_alias_without_holding_the_memory() -> None:
     base = torch.arange(48.0).view(4, 12)
     q = base[:, 4:8].view(4, 2, 2)
     owners = torch._C._storage_Use_Count(base.untyped_storage()._cdata)
-    view = piecewise_graphs._unowned(q)
+    view = piecewise_graphs.unowned_view(q)
     assert torch._C._storage_Use_Count(base.untyped_storage()._cdata) == owners
     assert (view.shape, view.stride(), view.storage_offset()) == (
         q.shape, q.stride(), q.storage_offset())  # fmt: skip

@@ -161,7 +161,10 @@ def in_lanes(impl: object, lanes: int) -> None:
     a tile on asked of L2 (a GPU only; the interpreter skips it): over the GPU's own config."""
     if lanes == 1:
         return
-    impl._tune(torch.device(DEVICE))  # type: ignore[attr-defined]
+    from services.worker.engine.attention.triton_backend import TritonAttentionBackend
+
+    assert isinstance(impl, TritonAttentionBackend)
+    impl.tune(torch.device(DEVICE))
     for name, value in (("LANES", lanes), ("PREFETCH", 1)):
         setattr(impl, f"DECODE_{name}", value)
         setattr(impl, f"DECODE_SPLIT_{name}", value)
@@ -285,15 +288,15 @@ def test_a_tuned_config_sets_the_launches_and_the_split_rule(
     impl.apply_config(doc)
     assert (impl.PREFILL_BLOCK_M, impl.PREFILL_BLOCK_N, impl.PREFILL_WARPS) == (128, 32, 8)
     assert impl.PREFILL_STAGES == 3
-    assert impl._split_rule == {"waves": 2, "max_splits": 64, "tokens_per_split": 256}
+    assert impl.split_rule == {"waves": 2, "max_splits": 64, "tokens_per_split": 256}
     # the class defaults are untouched, and another head dim takes nothing from this document
     assert triton_backend.TritonAttentionBackend.PREFILL_BLOCK_M == 64
     other = triton_backend.TritonAttentionBackend(8, 8, 64, 64**-0.5)
     other.apply_config(doc)
-    assert (other.PREFILL_BLOCK_M, other._split_rule) == (64, {})
+    assert (other.PREFILL_BLOCK_M, other.split_rule) == (64, {})
     # one request of 32k tokens on 8 kv heads and 132 SMs: 16 splits by default, 64 by this rule
     assert triton_backend.num_decode_splits(1, 8, 32768, 132) == 16
-    assert triton_backend.num_decode_splits(1, 8, 32768, 132, **impl._split_rule) == 64
+    assert triton_backend.num_decode_splits(1, 8, 32768, 132, **impl.split_rule) == 64
     with pytest.raises(ValueError, match="unknown prefill launch settings"):
         impl.apply_config({"prefill": {"head_dim_128": {"block_k": 64}}})
 
@@ -306,34 +309,31 @@ def test_the_split_launch_serves_contexts_above_the_long_context_only() -> None:
     from services.worker.engine.attention.triton_backend import TritonAttentionBackend
 
     impl = TritonAttentionBackend(32, 8, 128, 128**-0.5)
-    impl._tuned = True  # this test's document, not the GPU's
-    impl.apply_config({"decode": {"head_dim_128": {
+    impl.use_config({"decode": {"head_dim_128": {  # this test's document, not the GPU's
         "block_n": 64, "warps": 4, "stages": 2, "split_block_n": 128, "split_warps": 8,
         "split_stages": 4, "long_context": 16384, "waves": 2}}})  # fmt: skip
     cpu = torch.device("cpu")
-    one, split = impl._launches()
+    one, split = impl.decode_launches()
     assert (one, split) == ((64, 4, 2), (128, 8, 4))
-    assert not impl._long_context(16384) and impl._long_context(16385)
+    assert not impl.is_long_context(16384) and impl.is_long_context(16385)
     # 8 SMs on CPU, 8 kv heads, two waves: one row splits a context in two, two rows do not
     assert impl.decode_graph_contexts(1, 131072, cpu) == (16384, 131072)
     assert impl.decode_graph_contexts(2, 131072, cpu) == (131072,)
     assert impl.decode_graph_contexts(1, 16384, cpu) == (16384,)  # nothing longer to serve
     impl.DECODE_LONG_CONTEXT = None  # every split context takes the split launch
-    assert impl._long_context(100) and impl.decode_graph_contexts(1, 131072, cpu) == (131072,)
+    assert impl.is_long_context(100) and impl.decode_graph_contexts(1, 131072, cpu) == (131072,)
     same = TritonAttentionBackend(32, 8, 128, 128**-0.5)
-    same._tuned = True
-    same.apply_config({"decode": {"head_dim_128": {"long_context": 4096, "waves": 2}}})
+    same.use_config({"decode": {"head_dim_128": {"long_context": 4096, "waves": 2}}})
     assert same.decode_graph_contexts(1, 131072, cpu) == (131072,)  # no split launch of its own
     # lanes and prefetch alone make a split launch of its own too, and reach the kernel
     lanes = TritonAttentionBackend(32, 8, 128, 128**-0.5)
-    lanes._tuned = True
-    lanes.apply_config({"decode": {"head_dim_128": {
+    lanes.use_config({"decode": {"head_dim_128": {
         "long_context": 4096, "waves": 2, "split_lanes": 4, "split_prefetch": 2}}})  # fmt: skip
-    assert lanes._streams() == ((1, 0), (4, 2))
+    assert lanes.decode_streams() == ((1, 0), (4, 2))
     assert lanes.decode_graph_contexts(1, 131072, cpu) == (4096, 131072)
     q = torch.empty(1, 32, 128)
-    assert lanes._decode_launch(q, 2, 8192)["LANES"] == 4  # split, above long_context
-    assert lanes._decode_launch(q, 2, 4096)["LANES"] == 1
+    assert lanes.decode_launch(q, 2, 8192)["LANES"] == 4  # split, above long_context
+    assert lanes.decode_launch(q, 2, 4096)["LANES"] == 1
 
 
 def test_the_decode_graph_of_a_step_holds_its_batch_and_its_longest_context() -> None:
@@ -352,7 +352,7 @@ def test_the_decode_graph_of_a_step_holds_its_batch_and_its_longest_context() ->
     assert runner(None).key(5, [10]) == (8, 32768)  # one graph a size, at the longest context
     with pytest.raises(ValueError, match="must end at 32768"):
         runner({2: (16384,)})
-    meta = two._metadata(2, 16384)  # captured as if every row had the bound's context
+    meta = two.capture_metadata(2, 16384)  # captured as if every row had the bound's context
     assert meta.max_seq_len == 16384 and meta.max_decode_seq_len == 16384
 
 

@@ -9,7 +9,7 @@ from services.global_scheduler.routing import (
     RouteQuery,
     RoutingPolicy,
 )
-from tests.unit.test_routing import worker
+from tests.helpers import worker
 
 BLOCK = 16  # tokens per block (test_routing.worker)
 

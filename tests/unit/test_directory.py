@@ -10,6 +10,7 @@ from services.global_scheduler.directory import Match, PrefixDirectory, create_d
 from shared.block_hash import hash_blocks
 from shared.ids import WorkerId
 from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from tests.helpers import held
 
 H = hash_blocks(list(range(16 * 6)), 16)  # six chained block hashes
 W1, W2 = WorkerId("w1"), WorkerId("w2")
@@ -45,12 +46,6 @@ async def directory(request: pytest.FixtureRequest, clock: Clock) -> AsyncIterat
         d = create_directory("memory", clock=clock)
     yield d
     await d.close()
-
-
-def held(matches: dict[WorkerId, Match]) -> dict[WorkerId, int]:
-    """Confirmed leading blocks per worker, where nothing is pending."""
-    assert all(m.pending == 0 for m in matches.values()), matches
-    return {w: m.confirmed for w, m in matches.items()}
 
 
 def stored(seq: int, hashes: list, parent: bytes | None = None) -> KVEventBatch:

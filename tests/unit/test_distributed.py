@@ -73,18 +73,16 @@ def _hf_tensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _load_as_rank(path: Path, rank: int, size: int, monkeypatch: pytest.MonkeyPatch) -> ModelRunner:
+def _load_as_rank(path: Path, rank: int, size: int) -> ModelRunner:
     config = EngineArgs(model=str(path)).create_engine_config()
-    monkeypatch.setattr(parallel_state, "_tp", GroupCoordinator(rank, size))  # no collectives
-    runner = ModelRunner(config, torch.device("cpu"))
-    runner.load_model(show_progress=False)
+    with parallel_state.use_tp_group(GroupCoordinator(rank, size)):  # no collectives
+        runner = ModelRunner(config, torch.device("cpu"))
+        runner.load_model(show_progress=False)
     return runner
 
 
 @pytest.mark.parametrize("name", ["llama", "llama3-tied", "qwen2-sharded"])
-def test_each_rank_reads_only_its_slices(
-    tiny_models: dict[str, Path], name: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_each_rank_reads_only_its_slices(tiny_models: dict[str, Path], name: str) -> None:
     path = tiny_models[name]
     hf = _hf_tensors(path)
     total = sum(t.numel() * t.element_size() for t in hf.values())
@@ -92,7 +90,7 @@ def test_each_rank_reads_only_its_slices(
         t.numel() * t.element_size() for k, t in hf.items() if k.endswith("norm.weight")
     )
     for rank in range(2):
-        runner = _load_as_rank(path, rank, 2, monkeypatch)
+        runner = _load_as_rank(path, rank, 2)
         # every split weight half (embeddings and LM head too), the norms whole
         assert runner.read.bytes == (total - replicated) // 2 + replicated
         model, half = runner.model, slice(rank * 32, (rank + 1) * 32)

@@ -5,13 +5,15 @@ a round-up's carry into the next power of two (31.5 becomes 16, where the GPU an
 the GPU they are checked bit for bit against the reference's rounding
 (tests/gpu/test_fp8_kernels.py)."""
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from services.worker.engine.models.quantization import Codes, dequantize, quantize_blocks
-from services.worker.engine.models.quantization import quantize_rows as quantize_weight_rows
 from services.worker.engine.ops import fp8_block, fp8_linear
+from services.worker.engine.quantization.fp8_math import Codes, dequantize, quantize_blocks
+from services.worker.engine.quantization.fp8_math import quantize_rows as quantize_weight_rows
 
 
 def _case(rows: int, n: int, k: int) -> tuple[torch.Tensor, ...]:
@@ -283,35 +285,35 @@ def test_the_kernels_take_codes_as_their_own_quantization(rows: int, bias: bool)
     assert got.dtype == x.dtype and torch.equal(got, fn(x, w, ws, b if bias else None))
 
 
-def test_only_fused_dynamic_layers_on_a_gpu_take_codes() -> None:
+def _row_parallel(k: int, quant: Any, kernels: bool = True) -> Any:
     from services.worker.engine.models.layers.linear import RowParallelLinear
-    from services.worker.engine.models.quant_config import parse_quantization
+    from services.worker.engine.quantization.registry import linear_method
+
+    return RowParallelLinear(k, 32, method=linear_method(quant, kernels))
+
+
+def test_only_fused_dynamic_layers_on_a_gpu_take_codes() -> None:
+    from services.worker.engine.quantization.config import parse_quantization
 
     fp8 = parse_quantization({}, "fp8")
     x = torch.randn(1, 64)
-    assert not RowParallelLinear(64, 32, fused=True, quant=fp8).takes_codes(x)  # CPU
-    assert not RowParallelLinear(64, 32, fused=True).takes_codes(x)  # not FP8
+    assert not _row_parallel(64, fp8).input_group(x)  # CPU
+    assert not _row_parallel(64, None).input_group(x)  # not FP8
 
 
 def test_a_layer_says_which_codes_it_takes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the kernels run (here: made to say so on CPU), a per-token layer takes codes of
     its whole input row, a block layer codes a scale per 128 columns, when its columns fall in
     whole blocks; a static or float layer takes the row (0)."""
-    from services.worker.engine.models.layers import linear
-    from services.worker.engine.models.quant_config import QuantConfig, parse_quantization
+    from services.worker.engine.quantization.config import QuantConfig, parse_quantization
 
     monkeypatch.setattr(fp8_linear, "supported", lambda x, w: True)
     x = torch.randn(1, 64)
     block = QuantConfig("block", "token_group")
-    assert (
-        linear.RowParallelLinear(
-            384, 32, fused=True, quant=parse_quantization({}, "fp8")
-        ).takes_codes(x)
-        == 384
-    )
-    assert linear.RowParallelLinear(384, 32, fused=True, quant=block).takes_codes(x) == 128
-    assert linear.RowParallelLinear(320, 32, fused=True, quant=block).takes_codes(x) == 0
-    assert linear.RowParallelLinear(384, 32, fused=False, quant=block).takes_codes(x) == 0
+    assert _row_parallel(384, parse_quantization({}, "fp8")).input_group(x) == 384
+    assert _row_parallel(384, block).input_group(x) == 128
+    assert _row_parallel(320, block).input_group(x) == 0
+    assert _row_parallel(384, block, kernels=False).input_group(x) == 0
     static = QuantConfig("tensor", "static")
-    assert linear.RowParallelLinear(384, 32, fused=True, quant=static).takes_codes(x) == 0
-    assert linear.RowParallelLinear(384, 32, fused=True).takes_codes(x) == 0
+    assert _row_parallel(384, static).input_group(x) == 0
+    assert _row_parallel(384, None).input_group(x) == 0

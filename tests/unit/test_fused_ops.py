@@ -163,7 +163,7 @@ def test_rotary_stores_keys_and_values(
     want = _strided_cache(blocks, block_size, heads_k, d, cache_dtype, scales)
     q2, k2, v2 = split(qkv.clone())
     q2, k2 = fused(positions, q2, k2, fused_norms)
-    TritonAttentionBackend(heads_q, heads_k, d, d**-0.5)._write_kv(k2, v2, want, slots)
+    TritonAttentionBackend(heads_q, heads_k, d, d**-0.5).write_kv(k2, v2, want, slots)
     assert torch.equal(q, q2)
     assert torch.equal(got.key.float(), want.key.float())
     assert torch.equal(got.value.float(), want.value.float())
@@ -214,14 +214,16 @@ def test_gemv_equals_linear(n: int, k: int, dtype: torch.dtype, bias: bool) -> N
 
 
 def test_linear_layers_take_the_gemv_for_one_token_on_a_gpu_only() -> None:
-    """The fused flag routes a one-token GPU input through the GEMV; anything else (several
-    tokens, or CPU tensors) stays on F.linear, so CPU engines are unchanged."""
+    """The unquantized method on the engine's kernels routes a one-token GPU input through the
+    GEMV; anything else (several tokens, or CPU tensors) stays on F.linear, so CPU engines are
+    unchanged."""
     from unittest import mock
 
     from services.worker.engine.models.layers.linear import RowParallelLinear
     from services.worker.engine.ops import gemv as gemv_mod
+    from services.worker.engine.quantization.unquantized import UnquantizedLinearMethod
 
-    layer = RowParallelLinear(8, 4, fused=True)
+    layer = RowParallelLinear(8, 4, method=UnquantizedLinearMethod(kernels=True))
     layer.weight.data.normal_()
     with mock.patch.object(gemv_mod, "gemv", wraps=gemv_mod.gemv) as spy:
         layer(torch.randn(1, 8))

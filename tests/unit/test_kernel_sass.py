@@ -1,6 +1,7 @@
-"""benchmarks/kernel_sass.py: the engine's kernels compiled for sm_90 on this machine (Triton's
-bundled ptxas and nvdisasm; no GPU), and its reading of the main loop. The compiling runs in a
-process of its own: this one's kernels are made for Triton's interpreter (tests/conftest.py)."""
+"""benchmarks/kernels/kernel_sass.py: the engine's kernels compiled for sm_90 on this machine
+(Triton's bundled ptxas and nvdisasm; no GPU), and its reading of the main loop. The compiling
+runs in a process of its own: this one's kernels are made for Triton's interpreter
+(tests/conftest.py)."""
 
 import json
 import os
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import kernel_sass
+from benchmarks.kernels import kernel_sass
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,7 +20,8 @@ def _reports(tmp_path: Path, *names: str) -> dict:  # type: ignore[type-arg]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "sass.json"
     run = subprocess.run(
-        [sys.executable, "benchmarks/kernel_sass.py", "--kernels", *names, "--output", str(out)],
+        [sys.executable, "benchmarks/kernels/kernel_sass.py", "--kernels", *names,
+         "--output", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
@@ -67,7 +69,8 @@ def test_the_fused_kernels_store_group_codes_in_words(tmp_path: Path) -> None:
     """RMSNorm and SiLU·mul writing a block layer's codes store them as wide as the layer's
     own pass does, never a byte a thread: a first form reshaped its pointers, lost their
     contiguity and stored bytes, 32 a thread in RMSNorm (on an H200 the 8B block
-    checkpoint's 2k prefill went from 32.17 to 39.55 ms, docs/results/h200-2026-12-03c/)."""
+    checkpoint's 2k prefill went from 32.17 to 39.55 ms, docs/performance.md, "FP8": the
+    first form was slower)."""
     got = _reports(tmp_path, "rms_norm_codes", "rms_norm_group_codes", "silu_mul_group_codes",
                    "quantize_groups")  # fmt: skip
     widths = {name: set(r["global_stores"]) for name, r in got.items()}

@@ -1,7 +1,7 @@
 """KVCacheManager: prefix lookup, allocation (all or nothing), freeing."""
 
 from services.worker.engine.kv_cache.manager import KVCacheManager
-from tests.unit.helpers import make_request
+from tests.helpers import make_request
 
 
 def test_allocation_covers_the_tokens() -> None:

@@ -19,7 +19,7 @@ from services.worker.engine.request import FinishReason, Request, RequestStatus
 from services.worker.engine.sched.output import SchedulerOutput
 from services.worker.engine.sched.scheduler import LEASE_EXPIRED, PULL_FAILED, Scheduler
 from shared.ids import RequestId
-from tests.unit.helpers import fake_run, make_request, make_scheduler
+from tests.helpers import fake_run, make_request, make_scheduler
 
 BLOCK = 4  # tokens per block (helpers.make_request)
 PROMPT = 10  # tokens: blocks of 4 + 4 + 2

@@ -12,7 +12,7 @@ from shared.block_hash import hash_blocks
 from shared.ids import WorkerId
 from shared.kv_events import BlockStored, KVEventBatch
 from shared.protos.baton.v1 import scheduler_pb2
-from tests.unit.test_routing import worker
+from tests.helpers import worker
 
 HASHES = hash_blocks(list(range(16 * 64)), 16)  # a 1,024-token prompt's 64 blocks
 
@@ -28,7 +28,7 @@ def cluster(roles: list[str], policy: dict | None = None) -> SchedulerServicer:
 
 async def route(s: SchedulerServicer, i: int) -> scheduler_pb2.RouteResponse:
     """Request i over the prompt, the previous one finished (as a gateway reports it)."""
-    return await s._route(
+    return await s.route(
         scheduler_pb2.RouteRequest(
             request_id=f"r{i}", model="m", block_hashes=HASHES, num_prompt_tokens=1024,
             finished_request_ids=[f"r{i - 1}"] if i else [],

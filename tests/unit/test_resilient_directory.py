@@ -10,8 +10,8 @@ from services.global_scheduler.resilient import ResilientDirectory
 from shared.block_hash import hash_blocks
 from shared.ids import WorkerId
 from shared.kv_events import BlockStored, KVEventBatch
+from tests.helpers import held
 from tests.redis_server import RedisServer
-from tests.unit.test_directory import held
 
 H = hash_blocks(list(range(64)), 16)
 W = WorkerId("w")

@@ -79,8 +79,8 @@ async def test_concurrent_calls_share_one_stream_and_get_their_own_answers() -> 
     async with Setup(impl) as setup:
         client = setup.client
         routes = await asyncio.gather(*(client.route(request(i), 5.0, "t") for i in range(40)))
-        stream = client._stream
-        assert stream is not None and client._streaming
+        stream = client.stream
+        assert stream is not None and client.streaming
         assert {r.decode.worker_id for r in routes} == {"w0", "w1"}  # load spreads
         routed = sum(w.num_routed for w in impl.registry.workers())
         assert routed == 40  # every call routed exactly once
@@ -88,7 +88,7 @@ async def test_concurrent_calls_share_one_stream_and_get_their_own_answers() -> 
             await client.route(request(99, model="nope"), 5.0, "t")
         assert e.value.code == grpc.StatusCode.NOT_FOUND and "nope" in e.value.details
         again = await client.route(request(100), 5.0, "t")  # the failure ended one call only
-        assert again.decode.worker_id in ("w0", "w1") and client._stream is stream
+        assert again.decode.worker_id in ("w0", "w1") and client.stream is stream
         # no heartbeats here: all 41 routes are in transit until the gateway says they finished
         assert sum(w.in_transit for w in impl.registry.workers()) == 41
         for i in [*range(40), 100]:
@@ -101,12 +101,12 @@ async def test_a_restarted_scheduler_gets_a_new_stream() -> None:
     async with Setup(servicer()) as setup:
         client = setup.client
         await client.route(request(0), 5.0, "t")
-        first = client._stream
+        first = client.stream
         await setup.restart(servicer())
         route = await client.route(request(1), 10.0, "t")  # unary fallback or a new stream
         assert route.decode.worker_id in ("w0", "w1")
         await client.route(request(2), 10.0, "t")
-        assert client._stream is not None and client._stream is not first
+        assert client.stream is not None and client.stream is not first
 
 
 async def test_a_scheduler_without_route_stream_is_used_through_unary_calls() -> None:
@@ -115,7 +115,7 @@ async def test_a_scheduler_without_route_stream_is_used_through_unary_calls() ->
         for i in range(3):
             route = await client.route(request(i), 5.0, "t")
             assert route.decode.worker_id in ("w0", "w1")
-        assert not client._streaming
+        assert not client.streaming
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await client.route(request(9, model="nope"), 5.0, "t")
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
@@ -130,7 +130,7 @@ async def test_callers_that_give_up_do_not_break_the_shared_stream() -> None:
     async with Setup(servicer()) as setup:
         client, rng = setup.client, random.Random(0)
         await client.route(request(0), 5.0, "t")
-        stream = client._stream
+        stream = client.stream
 
         async def one(i: int) -> bool:
             task = asyncio.create_task(client.route(request(i), 5.0, "t"))
@@ -145,6 +145,6 @@ async def test_callers_that_give_up_do_not_break_the_shared_stream() -> None:
 
         done = await asyncio.gather(*(one(i) for i in range(1, 301)))
         assert 0 < sum(done) < 300  # some finished, some gave up
-        assert client._stream is stream and stream is not None and not stream.pending
+        assert client.stream is stream and stream is not None and not stream.pending
         route = await client.route(request(999), 5.0, "t")
-        assert route.decode.worker_id in ("w0", "w1") and client._stream is stream
+        assert route.decode.worker_id in ("w0", "w1") and client.stream is stream

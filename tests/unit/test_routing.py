@@ -2,22 +2,14 @@
 
 import pytest
 
-from services.global_scheduler.registry import WorkerLoad, WorkerState
+from services.global_scheduler.registry import WorkerState
 from services.global_scheduler.routing import (
     Candidate,
     NoWorkerError,
     RouteQuery,
     RoutingPolicy,
 )
-from shared.ids import WorkerId
-
-
-def worker(name: str, role: str = "both", running: int = 0, kv: float = 0.0,
-           draining: bool = False) -> WorkerState:  # fmt: skip
-    w = WorkerState(WorkerId(name), "i", role, f"{name}:1", "m", 1024, 16, 100)
-    w.load = WorkerLoad(num_running=running, kv_usage=kv, draining=draining)
-    return w
-
+from tests.helpers import worker
 
 Q = RouteQuery("m", num_blocks=10)
 

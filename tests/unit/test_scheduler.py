@@ -6,7 +6,7 @@ import pytest
 
 from services.worker.engine.request import FinishReason, RequestStatus
 from services.worker.engine.sched.scheduler import Scheduler
-from tests.unit.helpers import EOS, fake_run, make_request, make_scheduler
+from tests.helpers import EOS, fake_run, make_request, make_scheduler
 
 
 def trace(sched: Scheduler, steps: int) -> list[dict[str, int]]:

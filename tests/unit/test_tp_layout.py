@@ -17,16 +17,14 @@ from services.worker.engine.models.layers.linear import QKVParallelLinear
 
 
 @pytest.mark.parametrize(("tp", "heads"), [(1, 8), (2, 8), (4, 8), (8, 8), (4, 2), (8, 2)])
-def test_placement_matches_the_qkv_layers_split(
-    tp: int, heads: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_placement_matches_the_qkv_layers_split(tp: int, heads: int) -> None:
     """The heads a rank's cache holds are the heads its QKV layer loads (GQA replication too)."""
     from services.worker.engine.distributed import parallel_state
     from services.worker.engine.distributed.parallel_state import GroupCoordinator
 
     for rank in range(tp):
-        monkeypatch.setattr(parallel_state, "_tp", GroupCoordinator(rank, tp))
-        layer = QKVParallelLinear(64, 4, 8, heads)
+        with parallel_state.use_tp_group(GroupCoordinator(rank, tp)):
+            layer = QKVParallelLinear(64, 4, 8, heads)
         held = global_kv_heads(rank, tp, heads)
         assert len(held) == layer.num_kv_heads
         replicas = max(1, tp // heads)

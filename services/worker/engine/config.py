@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Literal
 
 from services.worker.engine.model_config import ArchConfig, load_arch_config
-from services.worker.engine.models.quant_config import QuantConfig, parse_quantization
 from services.worker.engine.models.registry import check_architecture
+from services.worker.engine.quantization.config import QuantConfig, parse_quantization
 
 DTYPES = ("float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -38,7 +38,7 @@ class ModelConfig:
     max_model_len: int  # prompt + output tokens per request
     arch: ArchConfig
     fused_ops: bool  # Triton kernels for norm / rotary / SiLU·mul (ops/fused_ops.py)
-    quantization: QuantConfig | None = None  # FP8 linear layers (models/quantization.py)
+    quantization: QuantConfig | None = None  # how the linear layers are kept (quantization/)
 
 
 @dataclass(frozen=True)
@@ -168,15 +168,7 @@ class EngineArgs:
         )
         parallel = self._parallel_config(arch, device)
         hf_config = json.loads((Path(self.model) / "config.json").read_text())
-        quantization = parse_quantization(hf_config, self.quantization)
-        if self.fp8_fast_accumulation and quantization is None:
-            raise ValueError("fp8_fast_accumulation needs an FP8 model: a quantized "
-                             "checkpoint or quantization='fp8'")  # fmt: skip
-        if quantization is not None and self.fp8_fast_accumulation is not False:
-            quantization = dataclasses.replace(
-                quantization, fast_accumulation=True,
-                method=f"{quantization.method}, fast accumulation",
-            )  # fmt: skip
+        quantization = parse_quantization(hf_config, self.quantization, self.fp8_fast_accumulation)
         from services.worker.engine.kv_transfer.connector import CONNECTORS
 
         if self.kv_connector not in CONNECTORS:
@@ -236,7 +228,7 @@ class EngineArgs:
             device=DeviceConfig(
                 device,
                 self._graph_sizes(device),
-                self._piecewise_sizes(device, budget, parallel.tensor_parallel_size),
+                self.piecewise_graph_sizes(device, budget, parallel.tensor_parallel_size),
             ),
             kv_transfer=KVTransferConfig(
                 enabled=self.kv_transfer,
@@ -286,7 +278,7 @@ class EngineArgs:
             raise ValueError("the fake KV connector copies within one process: tp=1 only")
         return ParallelConfig(tp, backend)
 
-    def _piecewise_sizes(self, device: str, budget: int, tp: int) -> tuple[int, ...]:
+    def piecewise_graph_sizes(self, device: str, budget: int, tp: int) -> tuple[int, ...]:
         """Token counts of the piecewise graphs (``piecewise_sizes``), up to the budget."""
         tokens = self.piecewise_cuda_graph_tokens
         if tokens is not None and tokens < 0:

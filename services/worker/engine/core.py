@@ -23,7 +23,8 @@ import time
 import msgspec
 
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.executor.executor import StepResult, make_executor
+from services.worker.engine.executor.executor import StepResult
+from services.worker.engine.executor.factory import make_executor
 from services.worker.engine.kv_transfer.params import KVTransferParams
 from services.worker.engine.kv_transfer.scheduler_side import KVTransferBookkeeping
 from services.worker.engine.messages import (

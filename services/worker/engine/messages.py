@@ -115,7 +115,7 @@ class ModelInfo(msgspec.Struct):
     kv_side_channel: str = ""  # where its KV side channel listens ("" without KV transfer)
     # ranks the model is split over; the sizes above are one rank's shard (rank 0's)
     tensor_parallel_size: int = 1
-    quantization: str = ""  # "" or what its FP8 linear layers are (models/quant_config.py)
+    quantization: str = ""  # "" or what its FP8 linear layers are (quantization/config.py)
     kv_cache_dtype: str = ""  # the KV cache's element type, e.g. bfloat16 or float8_e4m3fn
 
 

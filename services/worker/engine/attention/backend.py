@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.worker.engine.models.quantization import to_e4m3
+from services.worker.engine.quantization.fp8_math import to_e4m3
 
 
 @dataclass

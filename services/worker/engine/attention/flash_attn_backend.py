@@ -7,7 +7,8 @@ a Hopper forward path) for the prefill rows of a step, the Triton kernels for th
   "request i's queries are the last q_len_i of its seq_lens[i] positions".
 - Decode rows (a decode step, the trailing rows of a mixed step): the Triton split-over-context
   decode kernel, which CUDA graphs capture, as in the Triton backend.
-- K/V writes: the Triton ``_write_kv``; the cache layout (and what NIXL pulls) is unchanged.
+- K/V writes: the Triton backend's ``write_kv``; the cache layout (and what NIXL pulls) is
+  unchanged.
 - float32 (which FlashAttention does not run), head dims its paged path does not take
   (other than 64, 128, 256), and an FP8 cache go to the Triton prefill kernel.
 

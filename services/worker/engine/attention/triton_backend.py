@@ -10,7 +10,7 @@ On CPU the same kernels run in Triton's interpreter (``TRITON_INTERPRET=1``), wh
 checks them on every commit.
 
 Launch configurations: the class defaults below, or those measured on a GPU model by
-``benchmarks/attention_sweep.py --tune`` and kept in ``configs/<GPU name>.json`` beside this
+``benchmarks/kernels/attention_sweep.py --tune`` and kept in ``configs/<GPU name>.json`` beside this
 file (read once per process, for the GPU the backend runs on).
 """
 
@@ -71,8 +71,8 @@ def num_decode_splits(
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
-    # GPU launch configurations (benchmarks/attention_sweep.py measures the alternatives; its
-    # --prefill mode those of the prefill kernel)
+    # GPU launch configurations (benchmarks/kernels/attention_sweep.py measures the
+    # alternatives; its --prefill mode those of the prefill kernel)
     DECODE_BLOCK_N = 64
     DECODE_WARPS = 4
     DECODE_STAGES = 2
@@ -105,12 +105,25 @@ class TritonAttentionBackend(AttentionBackend):
         self._split_rule: dict[str, int] = {}
         self._tuned = False
 
-    def _tune(self, device: torch.device) -> None:
-        """Take the measured configuration of this GPU over the class defaults, once. (A sweep
-        that sets its own configurations marks the instance tuned first.)"""
+    def tune(self, device: torch.device) -> None:
+        """Take the measured configuration of this GPU over the class defaults, once (the
+        first launch does, when nothing did before). (A sweep that sets its own configurations
+        marks the instance tuned first: ``use_config``.)"""
         self._tuned = True
         if device.type == "cuda":
             self.apply_config(tuned_config(torch.cuda.get_device_name(device)))
+
+    def use_config(self, config: dict[str, Any]) -> None:
+        """``config`` (a tuned-config document: a sweep's, a test's) instead of this GPU's
+        measured configuration: applied now, and ``tune`` takes nothing over it."""
+        self._tuned = True
+        self.apply_config(config)
+
+    @property
+    def split_rule(self) -> dict[str, int]:
+        """What a tuned configuration sets of ``num_decode_splits``'s rule (``waves``,
+        ``max_splits``, ``tokens_per_split``; {}: its defaults)."""
+        return dict(self._split_rule)
 
     TUNABLE: ClassVar[dict[str, tuple[str, ...]]] = {
         "prefill": ("block_m", "block_n", "warps", "stages"),
@@ -158,7 +171,7 @@ class TritonAttentionBackend(AttentionBackend):
         store_kv: bool = True,
     ) -> torch.Tensor:
         if store_kv:
-            self._write_kv(k, v, kv_cache, metadata.slot_mapping)
+            self.write_kv(k, v, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(q) if out is None else out
         if metadata.max_query_len == 1:
             self._decode(q, kv_cache, metadata, out)
@@ -170,9 +183,10 @@ class TritonAttentionBackend(AttentionBackend):
             self._decode(q, kv_cache, metadata, out, num_reqs - decodes)
         return out
 
-    def _write_kv(
+    def write_kv(
         self, k: torch.Tensor, v: torch.Tensor, kv: LayerKVCache, slot_mapping: torch.Tensor
     ) -> None:
+        """Store the step's keys and values [T, kv heads, D] at their slots: one launch."""
         if k.stride(-1) != 1 or v.stride(-1) != 1:
             raise ValueError("new keys and values need a contiguous head dimension")
         if kv.is_fp8 and not k.is_cuda:
@@ -220,7 +234,7 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> None:
         """The first ``num_reqs`` requests of the batch."""
         if not self._tuned:
-            self._tune(q.device)
+            self.tune(q.device)
         block_m, block_n = (self.PREFILL_BLOCK_M, self.PREFILL_BLOCK_N) if q.is_cuda else (16, 16)
         grid = (self.num_heads, triton.cdiv(meta.max_query_len, block_m), num_reqs)
         launch = {"num_warps": self.PREFILL_WARPS, "num_stages": self.PREFILL_STAGES}
@@ -240,7 +254,7 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> None:
         """The requests from ``first`` on, one query each, in ``meta.decode_order``."""
         if not self._tuned:
-            self._tune(q.device)
+            self.tune(q.device)
         num_reqs = meta.seq_lens.shape[0] - first
         splits = num_decode_splits(
             num_reqs,
@@ -265,7 +279,7 @@ class TritonAttentionBackend(AttentionBackend):
             order if order is not None else meta.seq_lens, ORDERED=order is not None,
             GROUP_PAD=max(16, triton.next_power_of_2(self.group)),
             NUM_SPLITS=splits, **common,
-            **self._decode_launch(q, splits, meta.max_decode_seq_len),
+            **self.decode_launch(q, splits, meta.max_decode_seq_len),
         )  # fmt: skip
         if splits > 1:
             _combine[(num_reqs, self.num_heads)](
@@ -275,33 +289,35 @@ class TritonAttentionBackend(AttentionBackend):
                 **launch_options(q),
             )  # fmt: skip
 
-    def _decode_launch(
+    def decode_launch(
         self, q: torch.Tensor, splits: int, max_seq_len: int
     ) -> dict[str, int | bool]:
-        long = splits > 1 and self._long_context(max_seq_len)
-        lanes, prefetch = self._streams()[1 if long else 0]
+        """The decode kernel's launch settings for queries ``q`` in ``splits`` splits of a
+        context of up to ``max_seq_len`` tokens (Triton's interpreter: its block and lanes)."""
+        long = splits > 1 and self.is_long_context(max_seq_len)
+        lanes, prefetch = self.decode_streams()[1 if long else 0]
         if not q.is_cuda:
             return {"BLOCK_N": 16, "LANES": lanes}
-        one, split = self._launches()
+        one, split = self.decode_launches()
         block_n, warps, stages = split if long else one
         return {
             "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "LANES": lanes,
             "PREFETCH": prefetch, **launch_options(q),
         }  # fmt: skip
 
-    def _launches(self) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    def decode_launches(self) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
         """(BLOCK_N, warps, stages) of the decode kernel: one range, and long split ones."""
         one = self.DECODE_BLOCK_N, self.DECODE_WARPS, self.DECODE_STAGES
         split = (self.DECODE_SPLIT_BLOCK_N, self.DECODE_SPLIT_WARPS, self.DECODE_SPLIT_STAGES)
         return one, (split[0] or one[0], split[1] or one[1], split[2] or one[2])
 
-    def _streams(self) -> tuple[tuple[int, int], tuple[int, int]]:
+    def decode_streams(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """(LANES, PREFETCH) of the decode kernel: one range, and long split ones."""
         one = self.DECODE_LANES, self.DECODE_PREFETCH
         lanes, prefetch = self.DECODE_SPLIT_LANES, self.DECODE_SPLIT_PREFETCH
         return one, (lanes or one[0], one[1] if prefetch is None else prefetch)
 
-    def _long_context(self, max_seq_len: int) -> bool:
+    def is_long_context(self, max_seq_len: int) -> bool:
         """Whether a split context of ``max_seq_len`` tokens takes the split launch."""
         return self.DECODE_LONG_CONTEXT is None or max_seq_len > self.DECODE_LONG_CONTEXT
 
@@ -312,13 +328,13 @@ class TritonAttentionBackend(AttentionBackend):
         split launch, of its own, starts above ``DECODE_LONG_CONTEXT``: contexts up to it, and
         the rest (a graph keeps its launch). One otherwise."""
         if not self._tuned:
-            self._tune(device)
+            self.tune(device)
         long = self.DECODE_LONG_CONTEXT
-        one, split = self._launches()
+        one, split = self.decode_launches()
         splits = num_decode_splits(
             num_reqs, self.num_kv_heads, max_model_len, self._sms(device), **self._split_rule
         )
-        same = one == split and self._streams()[0] == self._streams()[1]
+        same = one == split and self.decode_streams()[0] == self.decode_streams()[1]
         if splits == 1 or long is None or long >= max_model_len or same:
             return (max_model_len,)
         return (long, max_model_len)

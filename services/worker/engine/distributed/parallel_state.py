@@ -12,8 +12,10 @@ collective is the identity: that is how ``UniprocExecutor`` runs, with no proces
               fails instead of waiting for it forever
 """
 
+import contextlib
 import datetime
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +98,20 @@ _tp: GroupCoordinator = _WORLD_OF_ONE
 
 def get_tp_group() -> GroupCoordinator:
     return _tp
+
+
+@contextlib.contextmanager
+def use_tp_group(group: GroupCoordinator) -> Iterator[GroupCoordinator]:
+    """Inside the block this process's group is ``group``; after it, the one it had before.
+    A ``GroupCoordinator(rank, size)`` without a process group is one rank's view (its
+    collectives are not to be called): to build or load that rank's share of a model in a
+    process of its own, joined to no group."""
+    global _tp
+    before, _tp = _tp, group
+    try:
+        yield group
+    finally:
+        _tp = before
 
 
 def init_tensor_parallel(rank: int, world_size: int, store: StoreSpec, backend: str) -> None:

@@ -4,8 +4,10 @@
     MultiprocExecutor  one process per tensor-parallel rank on this host (executor/multiproc.py)
     RayExecutor        one Ray actor per rank, for ranks across machines (executor/ray_executor.py)
 
-The core reaches its workers, and their KV connectors, only through these calls; ``make_executor``
-picks one from ``ParallelConfig.distributed_executor_backend``.
+The core reaches its workers, and their KV connectors, only through these calls;
+``make_executor`` (executor/factory.py) picks one from
+``ParallelConfig.distributed_executor_backend``. This module imports none of the executors built
+on it (they import it), so it takes part in no import circle.
 """
 
 from abc import ABC, abstractmethod
@@ -88,16 +90,3 @@ class UniprocExecutor(Executor):
 
     def shutdown(self) -> None:
         self.worker.shutdown()
-
-
-def make_executor(config: EngineConfig, show_progress: bool = True) -> Executor:
-    backend = config.parallel.distributed_executor_backend
-    if backend == "mp":
-        from services.worker.engine.executor.multiproc import MultiprocExecutor
-
-        return MultiprocExecutor(config, show_progress)
-    if backend == "ray":
-        from services.worker.engine.executor.ray_executor import RayExecutor
-
-        return RayExecutor(config, show_progress)
-    return UniprocExecutor(config, show_progress)

@@ -1,4 +1,4 @@
-"""What the two halves of a disaggregated request exchange (docs/architecture.md, A4).
+"""What the two halves of a disaggregated request exchange (docs/internals/kv_transfer.md).
 
     prefill engine  ──EngineCoreOutput.kv_handle (RemoteKV)──▶ gateway ──▶ decode engine
                                                     EngineCoreRequest.kv_transfer (KVTransferParams)

@@ -15,6 +15,8 @@ from torch import nn
 from tqdm import tqdm
 
 from services.worker.engine.models.weights import CheckpointTensor, ReadCounter, copy_weight
+from services.worker.engine.quantization.base import is_scale
+from services.worker.engine.quantization.registry import checkpoint_name
 
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -52,7 +54,7 @@ def load_safetensors(
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if name.endswith(_SKIPPED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
-                target, shard = _map_name(_our_suffix(name), packed)
+                target, shard = _map_name(checkpoint_name(name), packed)
                 if target not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
                 param = params[target]
@@ -69,29 +71,14 @@ def load_safetensors(
                 loaded.add(target)
     if tied:
         loaded.add("lm_head.weight")
-    for target in list(params):  # FP8 scales computed at load (a float checkpoint quantized)
-        owner = modules[target.rpartition(".")[0]]
-        if target.endswith(".weight_scale") and getattr(owner, "derives_scale", False):
-            loaded.add(target)
+    for prefix, module in modules.items():  # what a layer computes at load, not reads
+        derived = getattr(module, "derived_parameters", None)
+        for name in derived() if derived is not None else ():
+            loaded.add(f"{prefix}.{name}")
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks weights for: {', '.join(missing[:8])}")
     return counter
-
-
-_KV_SCALE_NAMES = {".k_proj.output_scale": ".k_scale", ".v_proj.output_scale": ".v_scale"}
-
-
-def _our_suffix(name: str) -> str:
-    """fp8 block checkpoints call the weight scale ``weight_scale_inv`` (a multiplier all the
-    same: w = w_fp8 · weight_scale_inv); older compressed-tensors checkpoints keep a layer's KV
-    cache scales as its k and v projections' ``output_scale``."""
-    if name.endswith(".weight_scale_inv"):
-        return name.removesuffix("_inv")
-    for old, ours in _KV_SCALE_NAMES.items():
-        if name.endswith(old):
-            return name.removesuffix(old) + ours
-    return name
 
 
 def _map_name(name: str, packed: dict[str, tuple[str, str | int]]) -> tuple[str, str | int | None]:
@@ -102,12 +89,13 @@ def _map_name(name: str, packed: dict[str, tuple[str, str | int]]) -> tuple[str,
 
 
 def load_dummy(model: nn.Module, seed: int) -> None:
-    """Small uniform random weights (norm weights near 1), reproducible from ``seed``."""
+    """Small uniform random weights (norm weights near 1, scales 1), reproducible from
+    ``seed``."""
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
         noise = torch.rand(param.shape, generator=gen, dtype=torch.float32, device=device)
-        if name.endswith(("weight_scale", "input_scale", "k_scale", "v_scale")):  # FP8: 1
+        if is_scale(param):
             values = torch.ones_like(noise)
         elif name.endswith("norm.weight"):
             values = 1.0 + (noise - 0.5) * 0.1

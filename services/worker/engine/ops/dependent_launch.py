@@ -5,14 +5,15 @@ it in the stream is still running: its programs start, then wait (``griddepcontr
 until that kernel has finished and its writes are visible. A batch-1 decode step is some 350
 short kernels in one CUDA graph (eleven a layer, every one of them ours: the linear layers go
 through the Triton GEMV at one token); with PDL each one's launch and ramp-up overlap the tail
-of the one before, instead of following it. Measured on an H200 (``benchmarks/latency.py
---variants graphs no_pdl``, Llama-3.1-8B shape): 4.00–4.06 ms a step with PDL, 4.33–4.35 ms
-without.
+of the one before, instead of following it. Measured on an H200 (Llama-3.1-8B shape; the
+``latency.py`` variant without PDL was dropped once the A/B was settled): 4.00–4.06 ms a step
+with PDL, 4.33–4.35 ms without (docs/performance.md, "batch-1 decode").
 
 Only one-token launches use it. With more tokens the linear layers are cuBLAS GEMMs between
 our kernels and the kernels are long; PDL on every launch measured no faster above 128 rows,
 1–3 % slower at 2–128 rows and 4–5 % slower on prefill steps
-(docs/results/h200-2026-11-30g/NOTES.md). A launch of more tokens compiles to the same PTX as
+(docs/performance.md, "Where the time goes": PDL at more tokens). A launch of more tokens
+compiles to the same PTX as
 before PDL existed here (checked for ``_decode`` and ``_silu_mul``: ``USE_PDL`` is a
 constexpr, so its branch compiles away).
 

@@ -1,5 +1,5 @@
 """FP8 block checkpoints on a GPU: weights in 128×128 blocks of e4m3, each with a float32
-scale; activations quantized per token and 128 columns (``models/quantization``'s
+scale; activations quantized per token and 128 columns (``quantization/fp8_math``'s
 ``token_group``), as the ``fp8`` method's checkpoints store them.
 
 ``fp8_block_mm`` quantizes the rows (``quantize_groups``: one Triton kernel, the scales stored
@@ -22,7 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from services.worker.engine.models.quantization import FP8, Codes
 from services.worker.engine.ops.dependent_launch import await_inputs, launch_options
 from services.worker.engine.ops.fp8_linear import (
     _quantize,
@@ -30,6 +29,7 @@ from services.worker.engine.ops.fp8_linear import (
     fp8_gemm,
     fp8_gemv,
 )
+from services.worker.engine.quantization.fp8_math import FP8, Codes
 
 
 @triton.jit
@@ -100,8 +100,8 @@ def block_launch(m: int, n: int, k: int, group: int, sms: int) -> dict[str, int]
     cuBLASLt's block scaling is not taken: weight rows on the tensor cores' wide side (64 a
     tile), the activation rows on the narrow one; K split until the tiles and slices make about
     three programs an SM, with at least eight K tiles a slice. (The fastest launches of
-    ``benchmarks/fp8_mm.py --block`` at 1 and 16 rows on an H200 are such:
-    docs/results/h200-2026-12-03b/.)"""
+    ``benchmarks/kernels/fp8_mm.py --block`` at 1 and 16 rows on an H200 are such:
+    docs/performance.md, "FP8": block checkpoints.)"""
     block_m = min(128, max(16, triton.next_power_of_2(m)))
     tiles = triton.cdiv(n, 64) * triton.cdiv(m, block_m)
     splits = max(1, min(triton.cdiv(3 * sms, tiles), triton.cdiv(k, group) // 8))
@@ -110,7 +110,7 @@ def block_launch(m: int, n: int, k: int, group: int, sms: int) -> dict[str, int]
 
 
 # cuBLASLt's block scaling (1 × 128 activations, 128 × 128 weights) from this many rows
-# (it refuses one row; measured against our kernel in docs/results/h200-2026-12-03b/)
+# (it refuses one row; against our kernel: docs/performance.md, "FP8", block checkpoints)
 CUBLAS_BLOCK_ROWS = 16
 
 
@@ -135,7 +135,7 @@ def fp8_block_mm(
       cuBLASLt's block scaling (``torch._scaled_mm``), over rows padded to a multiple of four
       (it refuses others; the padding rows' outputs are dropped). With K of 2, 3 or 5 groups
       it ran without complaint on an H200 (torch 2.11, CUDA 13.0) and returned wrong products
-      (docs/results/h200-2026-12-03b/), hence the rule;
+      (docs/performance.md, "FP8": block checkpoints), hence the rule;
 
     else ``fp8_gemm`` with a scale pair a K tile, over ``weight_scale`` (a block's scale on
     each of its rows: [N, K / group]), at ``config`` (``block_launch``'s by default)."""

@@ -4,7 +4,7 @@ layer's input, dynamically per token or with the checkpoint's static scale.
 
 - One token (batch-1 decode; ``fp8_gemv``): a Triton matrix-vector product that reads the FP8
   weight once, quantizes the activation row itself (its absolute maximum, then each chunk,
-  exactly as ``models/quantization.quantize_activations`` does) and multiplies in float32,
+  exactly as ``quantization/fp8_math.quantize_activations`` does) and multiplies in float32,
   scaling once at the end: a weight read of one byte per parameter, in one kernel, which CUDA
   graphs capture.
 - More rows (prefill, batched decode; ``fp8_mm``): the rows quantized by one Triton kernel
@@ -18,13 +18,14 @@ layer's input, dynamically per token or with the checkpoint's static scale.
 - Either takes its input already quantized (``quantization.Codes``), when the kernel before
   it wrote the codes with its output row in registers (``store_codes``, called by
   ``fused_ops``' RMSNorm and SiLU·mul): the GEMV then only widens codes and the rows skip
-  ``quantize_rows``. A layer says whether it takes them (``_LinearBase.takes_codes``).
+  ``quantize_rows``. A layer says whether it takes them (``LinearBase.input_group``: its
+  quantization method answers).
 
 - Block checkpoints (128×128 weight blocks, activations per token and 128-column group;
   ``ops/fp8_block.py``) use both: the GEMV with a scale per block (``group``) and
   ``fp8_gemm`` with a scale pair a K tile (``GROUPED``).
 
-The plain-PyTorch path (models/quantization.py) is the reference these are tested against
+The plain-PyTorch path (quantization/fp8_math.py) is the reference these are tested against
 (tests/gpu/test_fp8_kernels.py, and in Triton's interpreter tests/unit/test_fp8_kernels.py).
 """
 
@@ -32,9 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from services.worker.engine.models.quantization import FP8, FP8_MAX, Codes
 from services.worker.engine.ops import gemv_configs
 from services.worker.engine.ops.dependent_launch import await_inputs, launch_options
+from services.worker.engine.quantization.fp8_math import FP8, FP8_MAX, Codes
 
 MIN_SCALE = 1e-12  # as the reference clamps a scale of an all-zero row
 
@@ -113,7 +114,7 @@ def _widen4(words, GPU: tl.constexpr):
     On a GPU in PTX: two e4m3x2 → f16x2 conversions and four widenings a word. Triton's own
     cast of an e4m3 tile takes each byte out of the loaded vector and packs pairs again, 5.7
     instructions a weight in the GEMV's loop against 3.0 this way, and the GEMV was bound by
-    its instructions, not by HBM (docs/results/h200-2026-12-02b/NOTES.md). The interpreter
+    its instructions, not by HBM (docs/performance.md, "FP8": the GEMV). The interpreter
     (no PTX) takes the bytes by shifts."""
     if GPU:
         return tl.inline_asm_elementwise(
@@ -225,7 +226,7 @@ def _fp8_gemv_kernel(
     FAST (with CODES, on a GPU: fast accumulation, as ``fp8_mm``'s): a word's four products
     in float16 (``_dot_word``), added to the float32 sums a word at a time. (Without codes it
     measured slower for the o projection, the 8B shape's only such layer: each program
-    quantizes the row's columns again, docs/results/h200-2026-12-02j/.)
+    quantizes the row's columns again, docs/performance.md, "FP8": its products in float16.)
 
     GROUP (block checkpoints, with CODES): ``xs_in`` holds the codes' scale per GROUP columns
     and WS the weight's per block, [K / GROUP, N / GROUP] (strides ``stride_wsg``,
@@ -240,7 +241,7 @@ def _fp8_gemv_kernel(
     # the first weight tile before the wait (no kernel of a step writes weights: with PDL the
     # read overlaps the previous kernel's tail), then the activation's scale in AMAX_BLOCK-wide
     # loads (one or two for an 8B model's rows): measured 1.2x faster than a BLOCK_K-wide scan
-    # after the wait (docs/results/h200-2026-12-02/NOTES.md)
+    # after the wait (docs/performance.md, "FP8": one token)
     j = tl.arange(0, WORDS)
     w = tl.load(w_rows + j[None, :], mask=row_ok[:, None] & (j < k4)[None, :], other=0)
     await_inputs(USE_PDL)
@@ -289,8 +290,8 @@ def _fp8_gemv_kernel(
 
 
 # one byte per weight: wider K chunks than the bf16 GEMV's for the same bytes per load (the
-# fastest of each 8B projection in the sweep of docs/results/h200-2026-12-02b/, and neighbours;
-# with FAST too: whole 4,096-wide rows a tile lost to these, docs/results/h200-2026-12-02j/)
+# fastest of each 8B projection in a sweep, and neighbours; with FAST too: whole 4,096-wide
+# rows a tile lost to these; docs/performance.md, "FP8": one token)
 _CONFIGS = [
     triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
     for n, k, w, s in [
@@ -535,7 +536,7 @@ def fp8_mm(
     """x: [M, K], or its codes → [M, N] in x's dtype, on the FP8 tensor cores. With
     ``fast_accumulation`` the tensor cores' partial sums are not promoted to float32 as the
     product goes (cuBLASLt's fast-accumulation mode): faster, less exact over long rows
-    (``benchmarks/fp8_mm.py`` measures both)."""
+    (``benchmarks/kernels/fp8_mm.py`` measures both)."""
     if isinstance(x, Codes):
         xq, xs, dtype = x.codes, x.scales, x.dtype
     else:

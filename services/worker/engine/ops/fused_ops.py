@@ -18,11 +18,11 @@ import triton
 import triton.language as tl
 
 from services.worker.engine.attention.backend import LayerKVCache, write_kv
-from services.worker.engine.models.quantization import FP8, Codes
 from services.worker.engine.ops.attention import cache_values
 from services.worker.engine.ops.dependent_launch import await_inputs, launch_options
 from services.worker.engine.ops.fp8_block import group_codes_out, store_group_codes
 from services.worker.engine.ops.fp8_linear import store_codes
+from services.worker.engine.quantization.fp8_math import FP8, Codes
 
 
 @triton.jit
@@ -233,7 +233,7 @@ def _rotary(
 
     With ``STORE`` the k programs store their rotated keys, and the same heads' values from V,
     into the KV cache (KC, VC: [blocks, KV_BLOCK, kv heads, D] views) at the token's slot, as
-    the attention backend's ``_write_kv`` would (``cache_values``: an FP8 cache's rounding),
+    the attention backend's ``write_kv`` would (``cache_values``: an FP8 cache's rounding),
     and leave K as it was: one launch and one pass over the keys where there were two.
     """
     await_inputs(USE_PDL)

@@ -2,11 +2,12 @@
 
 At one token a linear layer is a weight read: cuBLAS reaches ≈ 4.1 TB/s on the large MLP
 projections of an 8B model but ≈ 3.1 TB/s on the smaller qkv and o projections, and splits K
-over a second reduction kernel (measured: docs/results/h200-2026-11-30/NOTES.md). Here each
+over a second reduction kernel (docs/performance.md, "Where the time goes": cuBLAS ≈ 4.1 and
+≈ 3.1 TB/s). Here each
 program reads ``BLOCK_N`` whole rows in ``BLOCK_K`` chunks, accumulates in float32 and rounds
 once, as a bf16 GEMM does; the tile sizes are tuned per (N, K) on first use (before CUDA
-graph capture: the capture's warm-up forwards run it eagerly). ``benchmarks/gemv.py`` compares
-it with cuBLAS and cuBLASLt per shape.
+graph capture: the capture's warm-up forwards run it eagerly). ``benchmarks/kernels/gemv.py``
+compares it with cuBLAS and cuBLASLt per shape.
 """
 
 import torch

@@ -1,16 +1,17 @@
 """Measured launches of the one-token GEMVs (``ops/gemv.py``, ``ops/fp8_linear.py``) per
-GPU model and projection shape, kept in ``configs/<GPU name>.json`` beside this file and written
-by ``benchmarks/gemv.py --tune``. A shape without one takes Triton's autotuner instead.
+GPU model and projection shape, kept in ``configs/linear/<GPU name>.json`` and written by
+``benchmarks/kernels/gemv.py --tune``. A shape without one takes Triton's autotuner instead.
 
 Beside them, ``fp8_gemm``: per projection shape and row count, the launch of
 ``fp8_linear._fp8_gemm_kernel`` where it measured faster than cuBLASLt's FP8 GEMM
-(``benchmarks/fp8_mm.py --tune``); a key M holds for row counts up to M above the next smaller
-key, and a product of more rows than the largest, or of a shape with none, goes to cuBLASLt.
+(``benchmarks/kernels/fp8_mm.py --tune``); a key M holds for row counts up to M above the next
+smaller key, and a product of more rows than the largest, or of a shape with none, goes to
+cuBLASLt.
 
 The autotuner times one weight, which fits in L2 for the smaller projections of an 8B model,
 and launches each call alone, where a decode step's CUDA graph runs them back to back. On an
 H200 it chose FP8 GEMV configurations 9 % slower per layer than a sweep over weights read from
-HBM inside a graph (docs/results/h200-2026-12-02/NOTES.md). The tuner measures the latter way.
+HBM inside a graph (docs/performance.md, "FP8": one token). The tuner measures the latter way.
 
     {"gemv": {"6144x4096": {"block_n": 8, "block_k": 512, "warps": 4, "stages": 3}, ...},
      "fp8_gemv": {...}, "fp8_gemv_codes": {...}, "fp8_gemv_codes_fast": {...},

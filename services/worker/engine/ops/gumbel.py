@@ -30,7 +30,7 @@ _SERIES_BELOW = 2.0**-10  # -log(1 - v) by its series below this: v is exact, 1 
 SLICE = 8192  # logits per program on the GPU
 # ... for greedy rows: a batch-1 row of a 128k vocabulary in 126 programs. On an H200 over it
 # torch.argmax took 26.3 us, this 2.9; at 16 rows 26.9 against 5.0, at 256 45.8 against 35.9
-# (bf16; docs/results/h200-2026-12-02g/call6/argmax2.json)
+# (bf16; docs/performance.md, "Greedy argmax (H200)")
 GREEDY_SLICE = 1024
 
 

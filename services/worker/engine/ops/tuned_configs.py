@@ -1,7 +1,7 @@
 """Launch configurations measured per GPU model, kept as JSON files beside the kernels they
 configure (``ops/configs/attention/``, ``ops/configs/linear/``): one file per model, named by
-``config_file``, read once per process. The benchmarks that measure them write them
-(``benchmarks/attention_sweep.py --tune``, ``benchmarks/gemv.py --tune``)."""
+``config_file``, read once per process. The kernel labs that measure them write them
+(``benchmarks/kernels/attention_sweep.py --tune``, ``benchmarks/kernels/gemv.py --tune``)."""
 
 import functools
 import json

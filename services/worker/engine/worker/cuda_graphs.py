@@ -99,7 +99,7 @@ class CudaGraphRunner:
         keys = [(s, c) for s, bounds in self.contexts.items() for c in bounds]
         for key in sorted(keys, reverse=True):
             size = key[0]
-            meta = self._metadata(*key)
+            meta = self.capture_metadata(*key)
             for _ in range(2):  # compile kernels, settle allocations
                 self._forward(size, meta)
             torch.cuda.synchronize()
@@ -142,7 +142,9 @@ class CudaGraphRunner:
         self.graphs[key].replay()
         return self.logits[key][:b]
 
-    def _metadata(self, size: int, context: int) -> AttentionMetadata:
+    def capture_metadata(self, size: int, context: int) -> AttentionMetadata:
+        """What the graph of ``size`` rows and context bound ``context`` is captured with: the
+        static buffers' first ``size`` rows, every row at the bound's context."""
         return AttentionMetadata(
             num_tokens=size,
             query_start_loc=self.query_start_loc[: size + 1],

@@ -21,11 +21,13 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.distributed.parallel_state import get_tp_group
 from services.worker.engine.kv_cache.layout import KVCacheLayout, layer_views
 from services.worker.engine.messages import ModelInfo, SampleLogprobs
+from services.worker.engine.models.context import ModelContext
 from services.worker.engine.models.loader import load_dummy, load_safetensors
 from services.worker.engine.models.registry import resolve_model_class
 from services.worker.engine.models.weights import ReadCounter
 from services.worker.engine.ops.gumbel import greedy_argmax
 from services.worker.engine.params import SamplingParams
+from services.worker.engine.quantization.config import describe
 from services.worker.engine.sample.sampler import Sampler, SamplerOutput
 from services.worker.engine.sched.output import (
     CachedRequestData,
@@ -76,9 +78,10 @@ class ModelRunner:
         cls = resolve_model_class(cfg.arch.architecture)
         self.backend = get_backend(self.config.attention.backend)
         with torch.device(self.device), _default_dtype(self.dtype):
-            self.model = cls(
-                cfg.arch, cfg.max_model_len, self.backend, cfg.fused_ops, cfg.quantization
+            ctx = ModelContext.build(
+                cfg.max_model_len, self.backend, cfg.fused_ops, cfg.quantization
             )
+            self.model = cls(cfg.arch, ctx)
         if cfg.load_format == "dummy":
             load_dummy(self.model, cfg.seed)
         else:
@@ -196,7 +199,6 @@ class ModelRunner:
         return peak
 
     def model_info(self) -> ModelInfo:
-        quant = self.config.model.quantization
         params = list(self.model.parameters())  # tied weights appear once
         embed = self.model.model.embed_tokens.weight
         lm_head = self.model.lm_head.weight
@@ -208,7 +210,7 @@ class ModelRunner:
             kv_bytes_per_token=self.layout.bytes_per_block // self.block_size,
             device=str(self.device),
             dtype=self.config.model.dtype,
-            quantization=quant.method if quant is not None else "",
+            quantization=describe(self.config.model.quantization),
             kv_cache_dtype=str(self.layout.dtype).removeprefix("torch."),
         )
 

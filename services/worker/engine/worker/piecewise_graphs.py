@@ -9,14 +9,15 @@ attention call a layer, ``LlamaAttention.split``.)
 Why: a step of 2,048 prompt tokens launches some 350-500 kernels, and with FP8 linear layers
 the host takes longer to launch them (Triton's launch path, cuBLASLt's per-call set-up, the
 tensors' allocations) than the GPU takes to run them: the step is bound by the host
-(docs/results/h200-2026-12-02d/NOTES.md). Replayed, a step costs one graph launch per layer
-plus the attention's own launches.
+(docs/performance.md, "FP8": the 2k prefill was bound by the host; 225 Triton launches, 128
+``torch._scaled_mm``). Replayed, a step costs one graph launch per layer plus the attention's
+own launches.
 
 Capture (``capture``), per size N, largest first, every piece in one memory pool:
 
 - the forward runs once eagerly on the static inputs (kernels compiled, allocations settled),
   then again under capture, with each attention layer's ``split`` set: the split keeps
-  unowned views of the layer's q, k, v (``_unowned``: their memory is the pool's, where the
+  unowned views of the layer's q, k, v (``unowned_view``: their memory is the pool's, where the
   replayed piece writes them), ends that piece's capture, begins the next one, and hands the
   layer the static output buffer, which the next piece reads. L layers give L + 1 pieces; the
   last one's hidden states stay.
@@ -130,7 +131,7 @@ class PiecewiseGraphRunner:
 
         def split(layer: LlamaAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   _: AttentionMetadata) -> torch.Tensor:  # fmt: skip
-            views.append((_unowned(q), _unowned(k), _unowned(v)))
+            views.append((unowned_view(q), unowned_view(k), unowned_view(v)))
             end()
             order.append(layer)
             pieces.append(torch.cuda.CUDAGraph())
@@ -231,7 +232,7 @@ class PiecewiseGraphRunner:
 QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def _unowned(t: torch.Tensor) -> torch.Tensor:
+def unowned_view(t: torch.Tensor) -> torch.Tensor:
     """A view of ``t``'s memory (its offset, shape and strides) that keeps no reference to it:
     the allocator counts the memory free once ``t`` is gone. It stays valid as long as the
     graphs' pool does (the runner holds the graphs). (PyTorch's own CUDA-graph trees rebuild

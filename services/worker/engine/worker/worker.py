@@ -83,11 +83,11 @@ class Worker:
             assert self.runner.kv_cache is not None
             model, arch = self.config.model, self.config.model.arch
             kv_dtype = str(self.runner.kv_cache.dtype).removeprefix("torch.")
-            fp8 = self.runner.kv_cache.dtype == torch.float8_e4m3fn
+            fp8_kv = self.runner.kv_cache.dtype == torch.float8_e4m3fn  # (its scales matter)
             compat = compat_hash(
                 model.served_model_name, kv_dtype, self.config.cache.block_size,
                 arch.num_layers, arch.num_kv_heads, arch.head_dim,
-                self.runner.kv_scales() if fp8 else (),
+                self.runner.kv_scales() if fp8_kv else (),
             )  # fmt: skip
             tp = self.runner.tp
             placement = RankPlacement(tp.rank, tp.world_size, arch.num_kv_heads)

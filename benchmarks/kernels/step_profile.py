@@ -8,7 +8,7 @@ admission itself is measured instead (the throughput workload's first steps, pro
 with the decode rows of the requests already prefilled): each step's wall time, twice over
 with fresh prompts (the first pass pays whatever happens once), then the second pass profiled.
 
-    python benchmarks/step_profile.py --shape qwen3-0.6b --batch 256 --output step.json
+    python benchmarks/kernels/step_profile.py --shape qwen3-0.6b --batch 256 --output step.json
 """
 
 import argparse
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from baton import LLM, SamplingParams
 from benchmarks.profiling import cpu_rows, kernel_rows

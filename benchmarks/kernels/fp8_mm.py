@@ -10,7 +10,8 @@ the median time of each (``triton.testing.do_bench``, which clears the L2 before
 as TFLOP/s, and each FP8 product's error against float64 over the same codes and scales:
 the largest absolute error over the largest absolute output, and the mean relative error.
 
-    python benchmarks/fp8_mm.py --shape llama-3.1-8b --tokens 64 256 2048 --output fp8_mm.json
+    python benchmarks/kernels/fp8_mm.py --shape llama-3.1-8b --tokens 64 256 2048 \
+        --output fp8_mm.json
 
 ``--tune DIR``: instead, at each row count of ``--tokens`` (decode batches), our own FP8 GEMM
 (``fp8_linear.fp8_gemm``) at each launch of ``GEMM_LAUNCHES`` against cuBLASLt (fast
@@ -20,7 +21,7 @@ back-to-back calls over weights read from HBM. Where the fastest launch beats cu
 ``gemv_configs.gemm_launch``), replacing that section and keeping the rest of the file; every
 time and each kept launch's error against float64 go to ``--output``.
 
-    python benchmarks/fp8_mm.py --tune services/worker/engine/ops/configs/linear/ \
+    python benchmarks/kernels/fp8_mm.py --tune services/worker/engine/ops/configs/linear/ \
         --output fp8_gemm_tune.json
 
 ``--block``: instead, block checkpoints' products (128 × 128 weight blocks, activations per
@@ -32,7 +33,7 @@ default launch (``block_launch``, with the group quantization), and up to
 ``--block-sweep-rows`` rows every launch of ``BLOCK_LAUNCHES`` over the same codes, the
 fastest named; the engine path's error against float64.
 
-    python benchmarks/fp8_mm.py --block --tokens 1 16 64 128 256 2048 --output block.json
+    python benchmarks/kernels/fp8_mm.py --block --tokens 1 16 64 128 256 2048 --output block.json
 """
 
 import argparse
@@ -46,14 +47,14 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.gemv import projections
+from benchmarks.kernels.gemv import projections
 from benchmarks.roofline import fp8_matmul_peak
 from benchmarks.shapes import SHAPES
-from services.worker.engine.models import quantization
-from services.worker.engine.models.quantization import Codes
 from services.worker.engine.ops.fp8_linear import fp8_mm, quantize_rows
+from services.worker.engine.quantization import fp8_math
+from services.worker.engine.quantization.fp8_math import Codes
 
 
 def errors(y: torch.Tensor, exact: torch.Tensor) -> dict[str, float]:
@@ -75,7 +76,7 @@ def case(n: int, k: int, m: int, dev: torch.device) -> dict[str, Any]:
     gen = torch.Generator(device=dev).manual_seed(n * 7 + k + m)
     x = torch.randn(m, k, device=dev, generator=gen, dtype=torch.bfloat16)
     w = torch.randn(n, k, device=dev, generator=gen, dtype=torch.bfloat16) * k**-0.5
-    wq, ws = quantization.quantize_rows(w)  # a scale per output channel
+    wq, ws = fp8_math.quantize_rows(w)  # a scale per output channel
     xq, xs = quantize_rows(x)
     codes = Codes(xq, xs, torch.bfloat16)
     exact = exact_product(codes, wq, ws)
@@ -120,7 +121,7 @@ def gemm_launches(m: int) -> list[dict[str, int]]:
 
 
 def tune(args: argparse.Namespace, dev: torch.device) -> None:
-    from benchmarks.gemv import time_calls
+    from benchmarks.kernels.gemv import time_calls
     from services.worker.engine.ops import fp8_linear, gemv_configs, tuned_configs
 
     gpu = torch.cuda.get_device_name(dev)
@@ -132,7 +133,7 @@ def tune(args: argparse.Namespace, dev: torch.device) -> None:
         copies = max(2, -(-(512 << 20) // (n * k)))  # ≥ 512 MiB in all: nothing stays in L2
         gen = torch.Generator(device=dev).manual_seed(n + k)
         weights = [
-            quantization.quantize_rows(torch.randn(n, k, device=dev, generator=gen) * k**-0.5)
+            fp8_math.quantize_rows(torch.randn(n, k, device=dev, generator=gen) * k**-0.5)
             for _ in range(copies)
         ]
         for m in args.tokens:
@@ -204,7 +205,7 @@ BLOCK_SPLITS = (1, 2, 3, 4, 6, 8)
 
 
 def block(args: argparse.Namespace, dev: torch.device) -> None:
-    from benchmarks.gemv import time_calls
+    from benchmarks.kernels.gemv import time_calls
     from services.worker.engine.ops import fp8_block, fp8_linear
     from services.worker.engine.ops.gemv import gemv
 
@@ -228,10 +229,10 @@ def block(args: argparse.Namespace, dev: torch.device) -> None:
         blocks, channels, floats = [], [], []
         for i in range(copies):
             w = torch.randn(n, k, device=dev, generator=gen) * k**-0.5
-            wq, scale = quantization.quantize_blocks(w, 128)
+            wq, scale = fp8_math.quantize_blocks(w, 128)
             ws = scale.repeat_interleave(128, 0)  # as the layer keeps it: a row a weight row
             blocks.append((wq, ws, fp8_block.block_scales(ws, 128)))
-            channels.append(quantization.quantize_rows(w))
+            channels.append(fp8_math.quantize_rows(w))
             if i < max(2, copies // 2):  # bf16's copies: 2 bytes a weight
                 floats.append(w.to(torch.bfloat16))
             del w
@@ -331,7 +332,7 @@ def main() -> None:
         return block(args, dev)
     if args.tune:
         # (at 256 rows o and down measured 1.16x and 1.04x alone, but no engine step showed a
-        # gain: docs/results/h200-2026-12-02i/NOTES.md §3)
+        # gain: docs/performance.md, "FP8": our own FP8 GEMM, the 256-row entries not kept)
         args.tokens = args.tokens or [16, 32, 64, 128]
         return tune(args, dev)
     args.tokens = args.tokens or [64, 256, 2048]

@@ -1,31 +1,13 @@
-"""FP8 (e4m3) quantization of the linear layers: what a checkpoint's ``quantization_config``
-says, and the arithmetic the layers and the reference share.
-
-    weights      float8_e4m3fn, with a float32 scale per tensor, per output channel, or per
-                 128×128 block (``w ≈ w_fp8 · scale``); the layer keeps the scale as one column
-                 per output row ([out, 1]) or one per block column ([out, in/128])
-    activations  quantized at each linear input: dynamic per token, dynamic per token and
-                 128-column group (block checkpoints), or a static per-tensor scale
-    kept bf16    embeddings, norms and the LM head
-
-Formats read (``models/quant_config.parse_quantization``, torch-free):
-    compressed-tensors  ``format: float-quantized`` (``weight_scale``, and ``input_scale`` when
-                        activations are static)
-    fp8                 ``weight_block_size: [128, 128]`` (``weight_scale_inv``: the multiplier)
-    online              ``EngineArgs(quantization="fp8")`` on a float checkpoint: per-channel
-                        scales computed at load, activations dynamic per token
-
-This module is the plain-PyTorch path (it runs everywhere, CI included): activations and weights
-are quantized exactly as the FP8 kernels would, then multiplied dequantized.
+"""The FP8 (e4m3) arithmetic, in plain PyTorch: how weights, activations and KV cache entries
+are rounded, and ``Codes``, an activation already quantized. It runs everywhere (CI included)
+and is the reference the GPU kernels (``ops/fp8_linear.py``, ``ops/fp8_block.py``) are tested
+against: the FP8 methods' fallback path quantizes exactly as the kernels would, then multiplies
+dequantized.
 """
 
 from dataclasses import dataclass
 
 import torch
-
-from services.worker.engine.models.quant_config import QuantConfig, parse_quantization
-
-__all__ = ["FP8", "FP8_MAX", "Codes", "QuantConfig", "parse_quantization"]
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value

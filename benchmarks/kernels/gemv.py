@@ -5,14 +5,14 @@ the copy bandwidth measured in the same run.
 Each timing replays a CUDA graph of back-to-back calls (as a decode step does, no launch gaps)
 cycling through enough weight copies that none is read from L2 twice.
 
-    python benchmarks/gemv.py --shape llama-3.1-8b --output gemv.json
+    python benchmarks/kernels/gemv.py --shape llama-3.1-8b --output gemv.json
 
 ``--tune DIR``: each GEMV kernel's configurations timed that way per projection of each
 ``--shapes``, the fastest written into ``DIR/<GPU name>.json``, merged over the kept file of
 this GPU (``services/worker/engine/ops/configs/linear/`` keeps them; the kernels read
 that launch instead of their autotuner's: ``ops/gemv_configs.py``).
 
-    python benchmarks/gemv.py --tune services/worker/engine/ops/configs/linear/
+    python benchmarks/kernels/gemv.py --tune services/worker/engine/ops/configs/linear/
 
 ``--fp8``: the FP8 GEMV (ops/fp8_linear.py: e4m3 weights with a scale per row, the
 activation quantized per token inside the kernel) beside the bf16 Triton GEMV, each against
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.roofline import copy_bandwidth, matmul_peak
 from benchmarks.shapes import SHAPES
@@ -135,8 +135,8 @@ def main() -> None:
 def fp8(args: argparse.Namespace, dev: torch.device, bandwidth: float) -> None:
     """Per projection: the FP8 GEMV and the bf16 Triton GEMV, µs and the fraction of each one's
     weight-read bound (N·K bytes, or 2·N·K, over the copy bandwidth)."""
-    from services.worker.engine.models.quantization import quantize_rows
     from services.worker.engine.ops.fp8_linear import fp8_gemv
+    from services.worker.engine.quantization.fp8_math import quantize_rows
 
     layers = SHAPES[args.shape]["num_hidden_layers"]
     result: dict[str, Any] = {"shape": args.shape, "copy_bandwidth_tbs": bandwidth / 1e12,
@@ -176,9 +176,9 @@ def tune(args: argparse.Namespace, dev: torch.device) -> None:
     fast accumulation) and projection: every configuration of the
     kernel's autotune list, timed in a CUDA graph of back-to-back calls over weights from HBM;
     the fastest kept (the whole table under ``measured``)."""
-    from services.worker.engine.models.quantization import quantize_rows
     from services.worker.engine.ops import fp8_linear, gemv_configs, tuned_configs
     from services.worker.engine.ops import gemv as gemv_module
+    from services.worker.engine.quantization.fp8_math import quantize_rows
 
     gpu = torch.cuda.get_device_name(dev)
     kept = tuned_configs.read(gemv_configs.CONFIG_DIR, gpu)
@@ -186,7 +186,7 @@ def tune(args: argparse.Namespace, dev: torch.device) -> None:
     if gemv_configs.GEMM in kept:  # fp8_mm.py --tune's section, kept as it is
         doc[gemv_configs.GEMM] = kept[gemv_configs.GEMM]
     measured: dict[str, Any] = {"gpu": gpu, "us": dict(kept.get("measured", {}).get("us", {}))}
-    from services.worker.engine.models.quantization import Codes
+    from services.worker.engine.quantization.fp8_math import Codes
 
     kernels = {"gemv": gemv_module._CONFIGS, "fp8_gemv": fp8_linear._CONFIGS,
                "fp8_gemv_codes": fp8_linear._CONFIGS,

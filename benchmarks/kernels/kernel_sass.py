@@ -6,10 +6,11 @@ and the widths of its global stores.
 
 For reading a kernel change before spending device time on it: barriers, shared-memory trips,
 spills, register pressure. Not for speed: a GEMV with 28 % fewer instructions in its loop ran
-no faster (docs/results/h200-2026-12-02g/NOTES.md §4).
+no faster (docs/performance.md, "FP8": the GEMV over codes loaded as words, 514 against
+372–408 instructions a tile, tried and reverted).
 
-    python benchmarks/kernel_sass.py                       # every preset
-    python benchmarks/kernel_sass.py --kernels fp8_gemv_codes decode_fp8 --output sass.json
+    python benchmarks/kernels/kernel_sass.py                       # every preset
+    python benchmarks/kernels/kernel_sass.py --kernels fp8_gemv_codes decode_fp8 --output sass.json
 """
 
 import argparse
@@ -28,7 +29,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from services.worker.engine.ops import attention as attention_ops
 from services.worker.engine.ops import fp8_block, fp8_linear, fused_ops

@@ -1,9 +1,9 @@
-"""Which FP8 quantization a checkpoint (or ``EngineArgs.quantization``) asks for: torch-free,
-so that configuration (and the CLI) never imports torch. The arithmetic is in
-``models/quantization.py``; the formats are described there.
+"""Which quantization a checkpoint (or ``EngineArgs.quantization``) asks for: torch-free, so
+that configuration (and the CLI) never imports torch. The formats are described in the
+package's docstring; the methods that run them are chosen in ``registry.py``.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 WEIGHT_STRATEGIES = ("tensor", "channel", "block")
@@ -25,9 +25,27 @@ class QuantConfig:
     fast_accumulation: bool = False
 
 
-def parse_quantization(hf: dict[str, Any], requested: str | None) -> QuantConfig | None:
+def parse_quantization(
+    hf: dict[str, Any], requested: str | None, fast_accumulation: bool | None = False
+) -> QuantConfig | None:
     """The quantization a checkpoint's config.json (or ``requested``) asks for; refuses what it
-    cannot run with a message that says what it found."""
+    cannot run with a message that says what it found. ``fast_accumulation``
+    (``EngineArgs.fp8_fast_accumulation``): True or False as asked; None, on for an FP8 model."""
+    quant = _parse(hf, requested)
+    if fast_accumulation and quant is None:
+        raise ValueError("fp8_fast_accumulation needs an FP8 model: a quantized "
+                         "checkpoint or quantization='fp8'")  # fmt: skip
+    if quant is None or fast_accumulation is False:
+        return quant
+    return replace(quant, fast_accumulation=True, method=f"{quant.method}, fast accumulation")
+
+
+def describe(quant: QuantConfig | None) -> str:
+    """What a worker says its linear layers are ("" in the model's dtype)."""
+    return "" if quant is None else quant.method
+
+
+def _parse(hf: dict[str, Any], requested: str | None) -> QuantConfig | None:
     qc = hf.get("quantization_config")
     if qc is None:
         if requested is None:

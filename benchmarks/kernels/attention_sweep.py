@@ -12,8 +12,8 @@ The requests are taken longest context first, as the engine's runner orders them
 (``AttentionMetadata.decode_order``); the default configuration is also timed in batch order,
 alternating with the first, ``--rounds`` times.
 
-    python benchmarks/attention_sweep.py --batch 256 --min-ctx 100 --max-ctx 1024
-    python benchmarks/attention_sweep.py --batch 1 --min-ctx 32768 --max-ctx 32768 \
+    python benchmarks/kernels/attention_sweep.py --batch 256 --min-ctx 100 --max-ctx 1024
+    python benchmarks/kernels/attention_sweep.py --batch 1 --min-ctx 32768 --max-ctx 32768 \
         --heads 32 --layers 32 --splits 8 16 32 64
 
 Prefill (``--prefill``): one prompt of each ``--lengths`` attended causally over the paged
@@ -22,7 +22,7 @@ the square, 4 · head_dim FLOPs per query-key pair per head) against the matmul 
 in the same run; with ``--configs``, the Triton prefill kernel's launch configurations at the
 first length (picks PREFILL_*).
 
-    python benchmarks/attention_sweep.py --prefill --heads 32 --kv-heads 8 --layers 32 \
+    python benchmarks/kernels/attention_sweep.py --prefill --heads 32 --kv-heads 8 --layers 32 \
         --lengths 2048 8192 16384 32768 --backends triton flash_attn --block-sizes 16 128
 """
 
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import triton.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.roofline import copy_bandwidth, matmul_peak
 from services.worker.engine.attention import triton_backend
@@ -399,7 +399,8 @@ def tune(args: argparse.Namespace) -> None:
 # fills the GPU once gives them 1 or 2): the rule must not trade those for the long ones
 SPLIT_CASES = [(1, 32768), (4, 32768), (1, 8192), (32, 4096), (16, 32768)]
 # the old default and the fastest of a sweep of BLOCK_N 64-256 x 4|8 warps x 2-4 stages at
-# 1 x 32k, 4 x 32k and 1 x 8k on an H200 (docs/results/h200-2026-12-02b/NOTES.md)
+# 1 x 32k, 4 x 32k and 1 x 8k on an H200 (docs/performance.md, "Long context": the tuned
+# split-context decode, 128 keys a tile, 8 warps, 4 stages)
 SPLIT_LAUNCHES = [(64, 4, 2), (64, 8, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 4)]
 SPLIT_COUNTS = (1, 2, 4, 8, 16, 32)
 
@@ -465,7 +466,8 @@ def tune_split_decode(args: argparse.Namespace) -> None:
 
     The kernel is timed alone. At short contexts that misjudged the engine's step: there the
     deep launch it picked cost a batch-1 step 0.12–0.36 ms, where alone it was within 1–2 µs
-    a layer (docs/results/h200-2026-12-02f); ``long_context`` was set from the step's times."""
+    a layer (docs/performance.md, "Batch-1 decode: the split launch by context");
+    ``long_context`` was set from the step's times."""
     dev = torch.device("cuda")
     gpu = torch.cuda.get_device_name(dev)
     key = f"head_dim_{args.head_dim}"
@@ -477,7 +479,7 @@ def tune_split_decode(args: argparse.Namespace) -> None:
     engine = TritonAttentionBackend(args.heads, args.kv_heads, args.head_dim, args.head_dim**-0.5)
     engine._tuned = True
     engine.apply_config(kept)
-    one, split_now = engine._launches()
+    one, split_now = engine.decode_launches()
     launches = list(dict.fromkeys([*SPLIT_LAUNCHES, one, split_now]))
     # the sweep times every launch as a split launch, whatever the context
     impl = TritonAttentionBackend(args.heads, args.kv_heads, args.head_dim, args.head_dim**-0.5)

@@ -1,0 +1,127 @@
+"""The seams between a layer and its quantization: a method object per layer kind.
+
+A ``LinearMethod`` owns everything about how a linear layer keeps and multiplies its weight:
+``create_weights`` registers the layer's parameters (at least ``weight``, [out, in] of this
+rank), ``load`` takes the checkpoint tensors it owns (scales; a float weight it quantizes at
+load), ``process_weights_after_loading`` derives what its kernels want from the loaded values,
+``apply`` multiplies, and ``input_group`` says whether the product takes its input already
+quantized (``fp8_math.Codes``), so that the kernel before the layer can write it that way.
+The layer (``models/layers/linear.py``) keeps only tensor-parallel sharding: which rows and
+columns of a checkpoint tensor are this rank's (``Shard``, ``rank_slice``).
+
+A ``KVCacheMethod`` does the same for an attention layer's KV cache scales.
+
+One method object serves every layer of its kind in a model: what differs between layers
+(shapes, scales) is on the layer.
+"""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from services.worker.engine.models.weights import Loaded
+from services.worker.engine.quantization.fp8_math import Codes
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """Where a checkpoint tensor's rows go on this rank: the parameter's rows
+    [dst, dst + size) take the checkpoint rows [src, src + size) of a tensor of ``total``."""
+
+    dst: int
+    size: int
+    src: int
+    total: int
+
+
+class Linear(Protocol):
+    """What a method sees of a tensor-parallel linear layer (``models/layers/linear.py``)."""
+
+    in_features: int  # this rank's input columns
+    out_features: int  # this rank's output rows
+    in_total: int  # the checkpoint's input columns (row-parallel: every rank's)
+    col_start: int  # this rank's first input column in the checkpoint
+
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None: ...
+
+    def register_buffer(
+        self, name: str, tensor: torch.Tensor | None, persistent: bool = True
+    ) -> None: ...
+
+    def rank_slice(self, loaded: Loaded, shard: Shard) -> Loaded: ...
+
+
+def scale_parameter(*shape: int, fill: float = 0.0) -> nn.Parameter:
+    """A float32 scale parameter, marked so that random ("dummy") weights give it 1.0."""
+    param = nn.Parameter(torch.full(shape, fill, dtype=torch.float32), requires_grad=False)
+    param.is_scale = True  # type: ignore[attr-defined]
+    return param
+
+
+def is_scale(param: torch.Tensor) -> bool:
+    """A parameter made by ``scale_parameter``."""
+    return bool(getattr(param, "is_scale", False))
+
+
+def tensor(layer: object, name: str) -> torch.Tensor:
+    """A tensor a method registered on its layer."""
+    value = getattr(layer, name)
+    assert isinstance(value, torch.Tensor), f"{name} is not a tensor of {type(layer).__name__}"
+    return value
+
+
+def optional_tensor(layer: object, name: str) -> torch.Tensor | None:
+    """A tensor a method may have registered on its layer, or None."""
+    value = getattr(layer, name, None)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+class LinearMethod(ABC):
+    """How a linear layer keeps and multiplies its weight."""
+
+    # what a worker reports its linear layers are ("" in the model's dtype)
+    description: str = ""
+    # parameters computed at load rather than read from the checkpoint
+    derived_parameters: tuple[str, ...] = ()
+
+    @abstractmethod
+    def create_weights(self, layer: Linear) -> None:
+        """Register ``weight`` [out_features, in_features] and whatever the product needs."""
+
+    def load(self, layer: Linear, param: nn.Parameter, loaded: Loaded, shard: Shard) -> bool:
+        """Load a checkpoint tensor this method owns into ``param``; False leaves it to the
+        layer, which copies this rank's slice as it is."""
+        return False
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        """Derive what the kernels want from the loaded values (once, on the device)."""
+        return None
+
+    def input_group(self, layer: Linear, like: torch.Tensor) -> int:
+        """Whether the product takes an input like ``like`` as codes (``Codes``) and in groups
+        of how many columns (its width: per token); 0 for the input itself. Asked once per
+        layer, with the weights on their device."""
+        return 0
+
+    @abstractmethod
+    def apply(
+        self, layer: Linear, x: torch.Tensor | Codes, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x Wᵀ (+ bias)`` for this rank, in x's dtype."""
+
+
+class KVCacheMethod:
+    """An attention layer's KV cache scales: none (1.0) unless a method says otherwise."""
+
+    def create_weights(self, layer: nn.Module) -> None:
+        """Register the scale parameters the checkpoint holds for this layer (none here)."""
+
+    def load(self, param: nn.Parameter, loaded: Loaded) -> None:
+        raise ValueError("this model's attention layers take no KV cache scales")
+
+    def scales(self, layer: nn.Module) -> tuple[float, float]:
+        """The (key, value) scales an FP8 cache of this layer takes."""
+        return 1.0, 1.0

@@ -1,0 +1,198 @@
+"""Helpers that more than one test module uses, for every kind of test (unit, integration,
+the chart): a test module imports them from here, never from another test module. Fixtures
+stay in the conftest files; the e2e tests' cluster helpers are ``tests/e2e/conftest.py``'s.
+
+Light to import: what only annotates is imported for the type checker alone (a unit test of
+the scheduler loads no model, no torch). ``tests/conftest.py`` has pytest rewrite the asserts
+here, as in a test module.
+"""
+
+import functools
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import yaml
+
+from services.global_scheduler.registry import WorkerLoad, WorkerState
+from services.worker.engine.config import CacheConfig, SchedulerConfig
+from services.worker.engine.kv_transfer.params import KVTransferParams
+from services.worker.engine.kv_transfer.scheduler_side import KVTransferBookkeeping
+from services.worker.engine.params import SamplingParams
+from services.worker.engine.request import Request
+from services.worker.engine.sched.output import ModelRunnerOutput, SchedulerOutput
+from services.worker.engine.sched.scheduler import Scheduler
+from shared.ids import RequestId, WorkerId
+
+if TYPE_CHECKING:
+    from baton import LLM, RequestOutput
+    from services.global_scheduler.directory import Match
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# ---- the engine's scheduler and KV bookkeeping (no model, no torch) ---------------------------
+
+EOS = 0
+
+
+def make_request(
+    rid: str, prompt_len: int, max_tokens: int = 4, first_token: int = 1, **params: object
+) -> Request:
+    prompt = [first_token + i for i in range(prompt_len)]
+    sp = SamplingParams(max_tokens=max_tokens, **params)  # type: ignore[arg-type]
+    return Request(RequestId(rid), prompt, sp, (EOS,), block_size=4, max_model_len=256)
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    budget: int = 32,
+    max_num_seqs: int = 8,
+    chunked: bool = True,
+    caching: bool = True,
+    transfer: KVTransferBookkeeping | None = None,
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_num_seqs, budget, chunked, max_model_len=256),
+        CacheConfig(4, caching, num_blocks, None, 0.9),
+        num_blocks,
+        transfer,
+    )
+
+
+def fake_run(sched: Scheduler, out: SchedulerOutput, token: int = 7) -> ModelRunnerOutput:
+    """What a model runner would report for the step just scheduled: a token for every request
+    the step computes up to its end (the scheduler counted it as a placeholder)."""
+    ids = [r.req_id for r in out.new_reqs] + [r.req_id for r in out.cached_reqs]
+    sampled = []
+    for rid in ids:
+        req = sched.requests[RequestId(rid)]
+        samples = req.num_computed_tokens == req.num_tokens_with_placeholders - 1
+        sampled.append([token] if req.num_output_placeholders and samples else [])
+    return ModelRunnerOutput(ids, sampled, [None] * len(ids))
+
+
+# ---- the global scheduler ---------------------------------------------------------------------
+
+
+def worker(name: str, role: str = "both", running: int = 0, kv: float = 0.0,
+           draining: bool = False) -> WorkerState:  # fmt: skip
+    w = WorkerState(WorkerId(name), "i", role, f"{name}:1", "m", 1024, 16, 100)
+    w.load = WorkerLoad(num_running=running, kv_usage=kv, draining=draining)
+    return w
+
+
+def held(matches: "dict[WorkerId, Match]") -> dict[WorkerId, int]:
+    """Confirmed leading blocks per worker, where nothing is pending."""
+    assert all(m.pending == 0 for m in matches.values()), matches
+    return {w: m.confirmed for w, m in matches.items()}
+
+
+# ---- disaggregated prefill/decode between two engines of this process -------------------------
+
+
+def disaggregated(
+    prefill: "LLM", decode: "LLM", ids: list[int], params: SamplingParams
+) -> "tuple[RequestOutput, RequestOutput]":
+    first = prefill.generate(
+        [{"prompt_token_ids": ids, "kv_transfer": KVTransferParams(do_remote_decode=True)}],
+        params.clone(max_tokens=1, min_tokens=0),
+    )[0]
+    handle = first.kv_handle
+    assert handle is not None and handle.num_tokens == len(ids)
+    token = first.outputs[0].token_ids[0]
+    leg = KVTransferParams(remote=handle, first_token_id=token)
+    rest = decode.generate([{"prompt_token_ids": ids, "kv_transfer": leg}], params)[0]
+    return first, rest
+
+
+def wait_all_free(llm: "LLM", timeout_s: float = 5.0) -> float:
+    start = time.monotonic()
+    while llm.get_stats().num_free_blocks != llm.get_stats().num_blocks:
+        assert time.monotonic() - start < timeout_s, "the lease was not released"
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+# ---- the Helm chart, rendered with each value set of charts/baton/ci --------------------------
+
+CHART = ROOT / "charts" / "baton"
+SETS = sorted(p.name.removesuffix("-values.yaml") for p in (CHART / "ci").glob("*-values.yaml"))
+TOKEN = "golden-token-0123456789"  # the internal token is random otherwise
+
+
+def helm() -> str:
+    found = shutil.which("helm", path=str(Path(sys.executable).parent)) or shutil.which("helm")
+    if found is None:
+        pytest.fail("helm is missing: `make install` puts it in .venv/bin")
+    return found
+
+
+def extra_args(name: str) -> list[str]:
+    return ["--api-versions", "monitoring.coreos.com/v1"] if name == "monitoring" else []
+
+
+@functools.cache
+def rendered(name: str) -> str:
+    cmd = [helm(), "template", "rel", str(CHART), "--namespace", "serving",
+           "-f", str(CHART / "ci" / f"{name}-values.yaml"),
+           "--set", f"internalToken.value={TOKEN}", *extra_args(name)]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def objects(name: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(rendered(name)) if d]
+
+
+# the FP8 checkpoints against their dequantizing reference (baton/tiny_fp8), on CPU and GPU
+FP8_TIE = 0.05  # nats: a near-tie the engine may break the other way
+FP8_LOGPROB_ATOL = 0.2  # one flipped e4m3 rounding moves a logprob this far at most (seen: 0.05)
+FP8_PROMPTS = [
+    "Hi", "The quick brown fox jumps over the lazy dog", "import os\nimport sys\n\n",
+    "Return a new list containing all items from the iterable in ascending order.",
+]  # fmt: skip
+FP8_GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+
+
+def check_against_fp8_reference(
+    path: Path, outs: list[Any], median_atol: float = 1e-3, tie: float = FP8_TIE
+) -> int:
+    """Every engine token is the reference's argmax or a near-tie (within ``tie`` nats), its
+    logprob the reference's (most of them to ``median_atol``); returns how many tokens are the
+    reference's exact argmax."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from baton.tiny_fp8 import dequantized_reference
+
+    ref = dequantized_reference(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    exact, diffs = 0, []
+    for prompt, out in zip(FP8_PROMPTS, outs, strict=True):
+        ids = tok(prompt, return_tensors="pt")["input_ids"][0].tolist()
+        gen = out.outputs[0].token_ids
+        with torch.no_grad():
+            logits = ref(torch.tensor([ids + gen])).logits[0].float()
+        lps = logits.log_softmax(-1)[len(ids) - 1 : len(ids) - 1 + len(gen)]
+        for step, (row, t) in enumerate(zip(lps, gen, strict=True)):
+            assert row[t] >= row.max() - tie, (prompt, step, float(row.max() - row[t]))
+            exact += int(row.argmax() == t)
+            diffs.append(abs(out.outputs[0].logprobs[step][t].logprob - float(row[t])))
+    assert max(diffs) <= FP8_LOGPROB_ATOL, max(diffs)
+    median = sorted(diffs)[len(diffs) // 2]
+    assert median <= median_atol, median  # most steps are the same arithmetic
+    return exact
+
+
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    """A copy of a checkpoint directory's files (to edit its config or tensors)."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.is_file():
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
