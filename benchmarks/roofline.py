@@ -85,6 +85,11 @@ def limits(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
     return max(b for b, _ in seen), max(p for _, p in seen)
 
 
+def forget_limits() -> None:
+    """Forget every measurement ``limits`` kept (a test's fake readings)."""
+    _seen.clear()
+
+
 def limits_seen(device: torch.device, dtype: torch.dtype) -> list[tuple[float, float]]:
     """Every (copy bandwidth, matmul peak) ``limits`` measured, in order: for the record."""
     return list(_seen.get(_key(device, dtype), []))

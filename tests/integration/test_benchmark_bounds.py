@@ -108,13 +108,17 @@ def test_limits_are_the_best_of_every_measurement_of_one_device(
     from benchmarks import roofline
 
     readings = iter([4.2e12, 3.8e12])
-    monkeypatch.setattr(roofline, "_seen", {})
+    roofline.forget_limits()
     monkeypatch.setattr(roofline, "copy_bandwidth", lambda device: next(readings))
     monkeypatch.setattr(roofline, "matmul_peak", lambda device, dtype: 7.9e14)
     bf16 = torch.bfloat16
-    assert roofline.limits(torch.device("cuda"), bf16) == (4.2e12, 7.9e14)  # before the engine
-    assert roofline.limits(torch.device("cuda:0"), bf16) == (4.2e12, 7.9e14)  # after: lower
-    assert [b for b, _ in roofline.limits_seen(torch.device("cuda", 0), bf16)] == [4.2e12, 3.8e12]
+    try:
+        assert roofline.limits(torch.device("cuda"), bf16) == (4.2e12, 7.9e14)  # before
+        assert roofline.limits(torch.device("cuda:0"), bf16) == (4.2e12, 7.9e14)  # after: lower
+        seen = roofline.limits_seen(torch.device("cuda", 0), bf16)
+        assert [b for b, _ in seen] == [4.2e12, 3.8e12]
+    finally:
+        roofline.forget_limits()  # (the fake readings are no machine's)
 
 
 def test_the_split_tune_times_each_case_with_the_launch_the_engine_gives_it() -> None:
