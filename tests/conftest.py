@@ -45,6 +45,20 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: make_tiny_model(root / name, **kw) for name, kw in TINY_MODELS.items()}
 
 
+# SmolLM2-135M-Instruct as GGUF (Q4_1): a trained model, put in place by `make install`
+SMOLLM2 = Path(__file__).resolve().parents[1] / ".models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The trained model's file. Missing, the test fails (not skips): `make install` puts it
+    there on every machine that runs the tests."""
+    if not SMOLLM2.is_file():
+        pytest.fail(f"{SMOLLM2} is missing: run `make install` (or `make {SMOLLM2.parent.name}/"
+                    f"{SMOLLM2.name}`)", pytrace=False)  # fmt: skip
+    return SMOLLM2
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tiny_models: dict[str, Path]) -> Path:
     """The default checkpoint for tests that need any one model."""
