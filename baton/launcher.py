@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.affinity import assign_cpus
+from shared.gguf_files import default_model_name
 from shared.internal_auth import TLS_DIR_ENV, TOKEN_ENV, TOKEN_FILE_ENV
 from shared.tmpdirs import make_private_dir
 
@@ -185,7 +186,7 @@ class Cluster:
 
     @property
     def model_name(self) -> str:
-        return self.spec.served_model_name or Path(self.spec.model).name
+        return self.spec.served_model_name or default_model_name(self.spec.model)
 
     def start(self) -> str:
         """Start everything and return the OpenAI base URL; on failure nothing is left running."""

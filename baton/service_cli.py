@@ -21,6 +21,7 @@ from services.worker.engine.config import (
     EngineArgs,
 )
 from shared.affinity import check_cpus, parse_cpus
+from shared.gguf_files import default_model_name
 from shared.internal_auth import TLS_DIR_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Security, is_unspecified
 
 # gRPC core's transport for every service: the poll-based I/O manager instead of EventEngine
@@ -291,7 +292,7 @@ def run_gateway(args: argparse.Namespace) -> None:
 
     setup_logging("gateway")
     _configure_security(args, "gateway")
-    name = args.served_model_name or Path(args.model).name
+    name = args.served_model_name or default_model_name(args.model)
     settings = GatewaySettings(
         scheduler_address=args.scheduler, models={name: args.model}, host=args.host,
         port=args.port, api_keys=_api_keys(args), max_body_bytes=args.max_body_bytes,

@@ -19,3 +19,10 @@ def gguf_path(model: str | Path) -> Path | None:
         names = ", ".join(p.name for p in found[:4])
         raise ValueError(f"{path} holds several GGUF files ({names}): name one of them")
     return found[0] if found else None
+
+
+def default_model_name(model: str | Path) -> str:
+    """The name a model is served under when none is given: a checkpoint directory's name, or
+    a GGUF file's without its suffix."""
+    path = Path(model)
+    return path.stem if path.suffix == SUFFIX else path.name
