@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from baton.service_cli import HelpFormatter, add_service_commands
+from services.worker.engine.config import LOAD_FORMATS
 
 # ``baton --help``: what a user needs first (the module docstring above is for its readers)
 DESCRIPTION = """\
@@ -121,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
         "chat with the engine in this process, and print it (no server, no gRPC).",
     )  # fmt: skip
     p.add_argument("--model", required=True,
-                   help="the model's checkpoint directory (Hugging Face format)")  # fmt: skip
+                   help="the model: a Hugging Face checkpoint directory, or a GGUF file (or a "
+                   "directory holding one)")  # fmt: skip
     p.add_argument("--prompt", action="append",
                    help="a prompt; repeatable (default: three sample prompts)")  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
@@ -132,9 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="the longest prompt plus completion, in tokens (default: the model's "
                    "context length)")  # fmt: skip
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
-                   help="safetensors (auto): the checkpoint's weights; dummy: random "
-                   "ones")  # fmt: skip
+    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                   help="safetensors or gguf (auto: the model's own): its weights; dummy: "
+                   "random ones")  # fmt: skip
     p.set_defaults(func=_generate)
 
     add_service_commands(sub)

@@ -91,8 +91,9 @@ ENGINE_HELP = {
     "/v1/models (default: the checkpoint directory's name)",
     "dtype": "the weights' and activations' type: auto (the checkpoint's bfloat16 or float16 "
     "on a GPU, float32 on CPU), float32, float16 (or half) or bfloat16",
-    "load_format": "how weights are read: safetensors (the checkpoint's files; auto means "
-    "this) or dummy (random weights of the checkpoint's shapes, for tests and benchmarks)",
+    "load_format": "how weights are read: safetensors (a checkpoint directory's files), gguf "
+    "(a llama.cpp .gguf file, dequantized as it loads; auto picks the one the model is) or "
+    "dummy (random weights of the checkpoint's shapes, for tests and benchmarks)",
     "seed": "the engine's random seed: given, requests without a seed of their own sample the "
     "same in every run (and in every worker given it); by default each worker draws from a "
     "random state of its own. A request's own seed samples the same everywhere either way",
@@ -390,7 +391,10 @@ def run_serve(args: argparse.Namespace) -> None:
     Cluster(cluster_spec(args)).run()
 
 
-MODEL_HELP = "the model's checkpoint directory (Hugging Face format, safetensors)"
+MODEL_HELP = (
+    "the model: a Hugging Face checkpoint directory (safetensors), or a GGUF file (or "
+    "a directory holding one)"
+)
 METRICS_PORT_HELP = "serve Prometheus /metrics on this port (0: any free port; default: none)"
 READY_FILE_HELP = ("write the address and ports it serves on to this JSON file once it serves, "
                    "for a launcher to wait on")  # fmt: skip

@@ -26,7 +26,7 @@ class InputLimits:
 @dataclass(frozen=True)
 class GatewaySettings:
     scheduler_address: str
-    models: dict[str, str] = field(hash=False)  # served model name → tokenizer directory
+    models: dict[str, str] = field(hash=False)  # served model name → checkpoint dir or .gguf
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: tuple[str, ...] = ()  # empty: no authentication

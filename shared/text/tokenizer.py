@@ -5,6 +5,9 @@ installed): the gateway must stay torch-free. Reads a Hugging Face checkpoint di
     tokenizer_config.json   special tokens, ``chat_template``, ``add_bos_token``
     chat_template.jinja     the chat template, when not in tokenizer_config.json
 
+or a GGUF file (or a directory holding one), whose metadata carries all of these
+(gguf_tokenizer.py builds the ``tokenizers`` model from it).
+
 The chat template is rendered the way ``transformers`` renders it (a sandboxed Jinja2
 environment with ``trim_blocks``/``lstrip_blocks``, ``raise_exception`` and ``tojson``); the
 tests check both give the same token ids on every test checkpoint.
@@ -20,6 +23,9 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+
+from shared.gguf_files import gguf_path
+from shared.text.gguf_tokenizer import TokenizerParts, load_gguf_tokenizer
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -43,21 +49,13 @@ class ChatTemplateError(ValueError):
 
 
 class TextTokenizer:
-    def __init__(self, model_dir: str | Path):
-        path = Path(model_dir)
-        if not (path / "tokenizer.json").exists():
-            raise FileNotFoundError(f"{path} has no tokenizer.json (a fast tokenizer is required)")
-        self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-        config_path = path / "tokenizer_config.json"
-        self._config: dict[str, Any] = (
-            json.loads(config_path.read_text()) if config_path.exists() else {}
-        )
-        self.special_tokens = {k: _token_text(self._config.get(k)) for k in _SPECIAL_KEYS}
-        template_file = path / "chat_template.jinja"
-        template = self._config.get("chat_template")
-        if template is None and template_file.exists():
-            template = template_file.read_text()
-        self.chat_template: str | None = template if isinstance(template, str) else None
+    def __init__(self, model: str | Path):
+        """``model``: a checkpoint directory, a GGUF file or a directory holding one."""
+        gguf = gguf_path(model)
+        loaded = load_gguf_tokenizer(gguf) if gguf is not None else _load_hf_dir(Path(model))
+        self.tokenizer: Tokenizer = loaded.tokenizer
+        self.special_tokens = loaded.special_tokens  # bos_token, ... (template variables)
+        self.chat_template: str | None = loaded.chat_template
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -144,6 +142,21 @@ class TextTokenizer:
         env.globals["raise_exception"] = _raise
         assert self.chat_template is not None
         return env.from_string(self.chat_template)
+
+
+def _load_hf_dir(path: Path) -> TokenizerParts:
+    if not (path / "tokenizer.json").exists():
+        raise FileNotFoundError(f"{path} has no tokenizer.json (a fast tokenizer is required)")
+    config_path = path / "tokenizer_config.json"
+    config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.exists() else {}
+    template = config.get("chat_template")
+    if template is None and (path / "chat_template.jinja").exists():
+        template = (path / "chat_template.jinja").read_text()
+    return TokenizerParts(
+        Tokenizer.from_file(str(path / "tokenizer.json")),
+        {k: _token_text(config.get(k)) for k in _SPECIAL_KEYS},
+        template if isinstance(template, str) else None,
+    )
 
 
 def _cut_after_final(text: str, final: dict[str, Any]) -> str:

@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 class AsyncLLM:
     def __init__(self, config: EngineConfig):
         self.config = config
-        # torch-free, as the gateway's (engine/tokenizer.py): this process runs no model
+        # torch-free, as the gateway's (engine/tokenizer.py): this process runs no model.
+        # config.model.tokenizer: a checkpoint directory, or a GGUF file (its metadata)
         self.tokenizer = TextTokenizer(config.model.tokenizer)
         self.processor = InputProcessor(config.model, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)

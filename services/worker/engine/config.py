@@ -7,30 +7,29 @@ KV blocks that fit in memory) travel as explicit constructor arguments instead.
 
 import dataclasses
 import glob
-import json
 import os
 import secrets
 import sys
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
-from services.worker.engine.model_config import ArchConfig, load_arch_config
+from services.worker.engine.model_config import ArchConfig, load_arch_config, load_hf_config
 from services.worker.engine.models.registry import check_architecture
 from services.worker.engine.quantization.config import QuantConfig, parse_quantization
+from shared.gguf_files import default_model_name, gguf_path
 
 DTYPES = ("float32", "float16", "bfloat16")
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str  # checkpoint directory
+    model: str  # checkpoint directory, or a GGUF file (or a directory holding one)
     tokenizer: str  # tokenizer directory (defaults to the checkpoint)
     served_model_name: str
     dtype: str  # one of DTYPES, resolved
-    load_format: str  # safetensors | dummy, resolved
+    load_format: str  # safetensors | gguf | dummy, resolved
     seed: int  # dummy weights and torch's generator: EngineArgs.seed, or 0
     # the random state that requests without their own seed draw from: EngineArgs.seed, or 63
     # random bits drawn once per engine (EngineArgs.seed says why)
@@ -157,7 +156,8 @@ class EngineArgs:
         return {f.name for f in dataclasses.fields(cls)}
 
     def create_engine_config(self) -> EngineConfig:
-        arch = load_arch_config(self.model)
+        hf_config = load_hf_config(self.model)  # config.json, or a GGUF file's metadata
+        arch = load_arch_config(self.model, hf_config)
         check_architecture(arch.architecture)
         device = _resolve_device(self.device)
         max_model_len = _resolve_max_model_len(self.max_model_len, arch)
@@ -167,7 +167,6 @@ class EngineArgs:
             tensor_parallel_size=self.tensor_parallel_size,
         )
         parallel = self._parallel_config(arch, device)
-        hf_config = json.loads((Path(self.model) / "config.json").read_text())
         quantization = parse_quantization(hf_config, self.quantization, self.fp8_fast_accumulation)
         from services.worker.engine.kv_transfer.connector import CONNECTORS
 
@@ -196,9 +195,9 @@ class EngineArgs:
             model=ModelConfig(
                 model=self.model,
                 tokenizer=self.tokenizer or self.model,
-                served_model_name=self.served_model_name or Path(self.model).name,
+                served_model_name=self.served_model_name or default_model_name(self.model),
                 dtype=_resolve_dtype(self.dtype, arch, device),
-                load_format=_resolve_load_format(self.load_format),
+                load_format=_resolve_load_format(self.load_format, self.model),
                 seed=self.seed if self.seed is not None else 0,
                 sampling_seed=self.seed if self.seed is not None else secrets.randbits(63),
                 max_model_len=max_model_len,
@@ -360,12 +359,16 @@ def _resolve_dtype(dtype: str, arch: ArchConfig, device: str) -> str:
     return dtype
 
 
-def _resolve_load_format(load_format: str) -> str:
+def _resolve_load_format(load_format: str, model: str) -> str:
+    """auto: gguf for a GGUF model (a file, or a directory holding one), else safetensors."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(
             f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}"
         )
-    return "safetensors" if load_format == "auto" else load_format
+    found = "gguf" if gguf_path(model) is not None else "safetensors"
+    if load_format in ("safetensors", "gguf") and load_format != found:
+        raise ValueError(f"load_format={load_format!r}, but {model} is a {found} checkpoint")
+    return found if load_format == "auto" else load_format
 
 
 def _resolve_max_model_len(requested: int | None, arch: ArchConfig) -> int:

@@ -2,12 +2,15 @@
 
 Torch-free on purpose: the gateway uses it too (context length, eos ids). Handles both the
 transformers<5 spelling (``rope_theta`` + ``rope_scaling``) and the v5 one (``rope_parameters``).
+A GGUF model has no config.json: its metadata reads as one (``shared/gguf_checkpoint.py``).
 """
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from shared.gguf_files import gguf_path
 
 
 @dataclass(frozen=True)
@@ -76,16 +79,32 @@ def _sliding_window(cfg: dict[str, Any]) -> int | None:
     return int(window)
 
 
-def load_arch_config(model_dir: str | Path) -> ArchConfig:
-    """Parse ``config.json`` (and ``generation_config.json`` for extra eos ids)."""
-    path = Path(model_dir)
-    config_file = path / "config.json"
+def load_hf_config(model: str | Path) -> dict[str, Any]:
+    """A checkpoint's ``config.json``, or a GGUF model's metadata as one (``model``: a GGUF
+    file or a directory holding one, ``shared/gguf_files.py``)."""
+    gguf = gguf_path(model)
+    if gguf is not None:
+        from shared.gguf_checkpoint import hf_config
+
+        return hf_config(gguf)
+    config_file = Path(model) / "config.json"
     if not config_file.is_file():
-        raise FileNotFoundError(f"no config.json in {path} (expected a Hugging Face checkpoint)")
-    cfg = json.loads(config_file.read_text())
+        raise FileNotFoundError(
+            f"no config.json in {model} (expected a Hugging Face checkpoint or a GGUF file)"
+        )
+    cfg: dict[str, Any] = json.loads(config_file.read_text())
+    return cfg
+
+
+def load_arch_config(model_dir: str | Path, cfg: dict[str, Any] | None = None) -> ArchConfig:
+    """Parse ``config.json`` (``cfg`` when the caller has read it already: ``load_hf_config``)
+    and ``generation_config.json`` for extra eos ids."""
+    path = Path(model_dir)
+    if cfg is None:
+        cfg = load_hf_config(path)
     archs = cfg.get("architectures") or []
     if not archs:
-        raise ValueError(f"{config_file} names no 'architectures'")
+        raise ValueError(f"the config of {path} names no 'architectures'")
     num_heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     eos = list(_ids(cfg.get("eos_token_id")))

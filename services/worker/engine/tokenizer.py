@@ -5,7 +5,11 @@ and the Rust ``tokenizers`` model that incremental detokenization steps through.
 meet it:
 
 - ``LLM`` (offline) loads the ``transformers`` tokenizer (``load_tokenizer``, wrapped by
-  ``HFTokenizer``): its chat templates, and what ``LLM.tokenizer`` users expect.
+  ``HFTokenizer``): its chat templates, and what ``LLM.tokenizer`` users expect. Of a GGUF
+  model it is ``TextTokenizer``'s Rust model inside a ``transformers`` tokenizer, not the one
+  ``transformers`` builds from the file (``gguf_file=``): that one splits text as GPT-2 does
+  where it does not know the file's pre-tokenizer (SmolLM2's ``smollm``), and would give
+  other ids than the gateway and llama.cpp for a prompt such as "a   1".
 - ``AsyncLLM`` (the worker service's front end, whose core runs in another process) takes
   ``shared.text.tokenizer.TextTokenizer``, torch-free as the gateway is. ``transformers``
   imports torch when it is installed; the two were 5.8 s of the 6.2 s that importing that
@@ -17,6 +21,9 @@ meet it:
 from typing import TYPE_CHECKING, Any, Protocol
 
 import tokenizers
+
+from shared.gguf_files import gguf_path
+from shared.text.tokenizer import TextTokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -45,9 +52,17 @@ class HFTokenizer:
 
 
 def load_tokenizer(path: str) -> "PreTrainedTokenizerBase":
-    from transformers import AutoTokenizer
+    """A checkpoint directory's ``transformers`` tokenizer; for a GGUF model (a file, or a
+    directory holding one), the gateway's ``TextTokenizer`` wrapped as one (see above why)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    return AutoTokenizer.from_pretrained(path)
+    if gguf_path(path) is None:
+        return AutoTokenizer.from_pretrained(path)
+    text = TextTokenizer(path)
+    specials = {k: v for k, v in text.special_tokens.items() if v is not None}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=text.tokenizer, chat_template=text.chat_template, **specials
+    )
 
 
 def apply_chat_template(

@@ -1,5 +1,6 @@
-"""Weight loading: Hugging Face safetensors (single file or sharded with an index), or random
-"dummy" weights of the right shapes for benchmarks.
+"""Weight loading: Hugging Face safetensors (single file or sharded with an index), GGUF
+(llama.cpp's file, dequantized as it loads), or random "dummy" weights of the right shapes for
+benchmarks.
 
 Each checkpoint tensor reaches its layer's ``weight_loader`` as a lazy ``CheckpointTensor``
 (models/weights.py): a tensor-parallel rank narrows it to its own slice, and only that slice is
@@ -7,6 +8,7 @@ read from the file.
 """
 
 import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -14,9 +16,16 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from services.worker.engine.models.weights import CheckpointTensor, ReadCounter, copy_weight
+from services.worker.engine.models.weights import (
+    CheckpointTensor,
+    GGUFSlices,
+    ReadCounter,
+    copy_weight,
+)
 from services.worker.engine.quantization.base import is_scale
 from services.worker.engine.quantization.registry import checkpoint_name
+from shared.gguf_checkpoint import GGUFCheckpoint
+from shared.gguf_files import gguf_path
 
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -42,33 +51,64 @@ def load_safetensors(
     Raises if a parameter is left unloaded: a half-loaded model would produce silent garbage.
     """
     counter = ReadCounter()
+
+    def tensors() -> Iterator[tuple[str, CheckpointTensor, str]]:
+        files = checkpoint_files(model_dir)
+        for file in tqdm(files, desc="Loading weights", disable=not show_progress):
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    yield name, CheckpointTensor.of(f.get_slice(name), counter), name
+
+    _load(model, tensors(), model_dir)
+    return counter
+
+
+def load_gguf(model: nn.Module, model_path: str | Path, show_progress: bool = True) -> ReadCounter:
+    """The same from a GGUF file (or the directory holding one): each tensor, under our name
+    (``shared/gguf_checkpoint.py``), is dequantized as it is loaded, only the region a layer
+    reads of it (its rank's rows, and the blocks of its columns), then copied into the
+    parameter in the model's dtype: one tensor in float32 at a time, the file memory-mapped.
+    What was read counts the float32 values made."""
+    path = gguf_path(model_path)
+    if path is None:
+        raise FileNotFoundError(f"no GGUF file at {model_path}")
+    checkpoint = GGUFCheckpoint(path)
+    counter = ReadCounter()
+    tensors = (
+        (t.name, CheckpointTensor.of(GGUFSlices(t), counter), t.gguf_name)
+        for t in tqdm(checkpoint.tensors, desc="Loading weights", disable=not show_progress)
+    )
+    _load(model, tensors, path)
+    return counter
+
+
+def _load(
+    model: nn.Module, tensors: Iterable[tuple[str, CheckpointTensor, str]], source: str | Path
+) -> None:
+    """Load (our name, tensor, the checkpoint's name for it) triples; refuses a tensor without
+    a parameter, and a checkpoint that leaves a parameter unloaded."""
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     packed: dict[str, tuple[str, str | int]] = getattr(model, "packed_modules", {})
     tied = bool(getattr(getattr(model, "arch", None), "tie_word_embeddings", False))
     loaded: set[str] = set()
-    for file in tqdm(
-        checkpoint_files(model_dir), desc="Loading weights", disable=not show_progress
-    ):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if name.endswith(_SKIPPED_SUFFIXES) or (tied and name == "lm_head.weight"):
-                    continue
-                target, shard = _map_name(checkpoint_name(name), packed)
-                if target not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
-                param = params[target]
-                owner = modules[target.rpartition(".")[0]]
-                loader = getattr(owner, "weight_loader", None)
-                tensor = CheckpointTensor.of(f.get_slice(name), counter)
-                try:
-                    if loader is not None:
-                        loader(param, tensor, shard)
-                    else:
-                        copy_weight(param, tensor)
-                except ValueError as e:  # name the tensor: a wrong layout must be findable
-                    raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
-                loaded.add(target)
+    for name, tensor, label in tensors:
+        if name.endswith(_SKIPPED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            continue
+        target, shard = _map_name(checkpoint_name(name), packed)
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {label!r} has no matching parameter")
+        param = params[target]
+        owner = modules[target.rpartition(".")[0]]
+        loader = getattr(owner, "weight_loader", None)
+        try:
+            if loader is not None:
+                loader(param, tensor, shard)
+            else:
+                copy_weight(param, tensor)
+        except ValueError as e:  # name the tensor: a wrong layout must be findable
+            raise ValueError(f"checkpoint tensor {label!r}: {e}") from None
+        loaded.add(target)
     if tied:
         loaded.add("lm_head.weight")
     for prefix, module in modules.items():  # what a layer computes at load, not reads
@@ -77,8 +117,7 @@ def load_safetensors(
             loaded.add(f"{prefix}.{name}")
     missing = sorted(set(params) - loaded)
     if missing:
-        raise ValueError(f"checkpoint {model_dir} lacks weights for: {', '.join(missing[:8])}")
-    return counter
+        raise ValueError(f"checkpoint {source} lacks weights for: {', '.join(missing[:8])}")
 
 
 def _map_name(name: str, packed: dict[str, tuple[str, str | int]]) -> tuple[str, str | int | None]:

@@ -1,15 +1,18 @@
 """Checkpoint tensors read lazily: a tensor-parallel rank reads only its slice of each weight.
 
-``CheckpointTensor`` wraps one tensor of an open safetensors file. Narrowing it costs nothing;
-``load()`` reads only the narrowed region from the file (safetensors' ``get_slice``), so a rank
-of a column- or row-parallel layer never holds the whole matrix, and a worker never materialises
-the whole model in one process.
+``CheckpointTensor`` wraps one tensor of an open safetensors file (safetensors' ``get_slice``)
+or GGUF file (``GGUFSlices``). Narrowing it costs nothing; ``load()`` reads only the narrowed
+region from the file (a GGUF file's: dequantized), so a rank of a column- or row-parallel layer
+never holds the whole matrix, and a worker never materialises the whole model in one process.
 """
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from shared.gguf_checkpoint import GGUFTensor
 
 
 @dataclass
@@ -56,6 +59,21 @@ class CheckpointTensor:
         self.counter.bytes += t.numel() * t.element_size()
         self.counter.tensors += 1
         return t
+
+
+class GGUFSlices:
+    """A GGUF tensor as ``CheckpointTensor`` reads its handle: a shape, and any region of it
+    dequantized to float32 (``GGUFTensor.read``: only the rows asked for, and the blocks of
+    the columns)."""
+
+    def __init__(self, tensor: "GGUFTensor"):
+        self.tensor = tensor
+
+    def get_shape(self) -> tuple[int, ...]:
+        return self.tensor.shape
+
+    def __getitem__(self, region: tuple[slice, ...]) -> torch.Tensor:
+        return torch.from_numpy(self.tensor.read(region))
 
 
 Loaded = torch.Tensor | CheckpointTensor

@@ -22,7 +22,7 @@ from services.worker.engine.distributed.parallel_state import get_tp_group
 from services.worker.engine.kv_cache.layout import KVCacheLayout, layer_views
 from services.worker.engine.messages import ModelInfo, SampleLogprobs
 from services.worker.engine.models.context import ModelContext
-from services.worker.engine.models.loader import load_dummy, load_safetensors
+from services.worker.engine.models.loader import load_dummy, load_gguf, load_safetensors
 from services.worker.engine.models.registry import resolve_model_class
 from services.worker.engine.models.weights import ReadCounter
 from services.worker.engine.ops.gumbel import greedy_argmax
@@ -84,6 +84,8 @@ class ModelRunner:
             self.model = cls(cfg.arch, ctx)
         if cfg.load_format == "dummy":
             load_dummy(self.model, cfg.seed)
+        elif cfg.load_format == "gguf":
+            self.read = load_gguf(self.model, cfg.model, show_progress)
         else:
             self.read = load_safetensors(self.model, cfg.model, show_progress)
         for module in self.model.modules():  # what a layer derives from its loaded weights
