@@ -6,16 +6,12 @@ chat prompts token for token as Hugging Face transformers does on the same file,
 on three.
 """
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
-from transformers.initialization import no_init_weights
-from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from baton import LLM, SamplingParams
 from services.worker.engine.config import EngineArgs
@@ -23,17 +19,11 @@ from services.worker.engine.distributed import parallel_state
 from services.worker.engine.distributed.parallel_state import GroupCoordinator
 from services.worker.engine.quantization.fp8_math import quantize_rows
 from services.worker.engine.worker.model_runner import ModelRunner
+from tests.smollm2 import chat_prompts, transformers_model, transformers_tokenizer
 from tests.tiny_gguf import T, reference, write_tiny_gguf
 
 TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K]
 MAX_NEW = 24
-CHATS = [
-    [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "user", "content": "Write a haiku about the sea."}],
-    [{"role": "system", "content": "You are terse."},
-     {"role": "user", "content": "List three prime numbers."}],
-    [{"role": "user", "content": "Explain gravity to a child in one sentence."}],
-]  # fmt: skip
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW)
 
 
@@ -161,51 +151,15 @@ def test_the_engine_config_comes_from_the_file(smollm2_gguf: Path, tmp_path: Pat
         EngineArgs(model=str(gpt2)).create_engine_config()
 
 
-class _Names:
-    """What transformers' GGUF loader asks of a model to name the file's tensors: a config and
-    parameter names (handed a model, it builds a name table for each of its submodules: 5 s
-    here). Those of a Llama of 64 layers, more than the file has."""
-
-    def __init__(self) -> None:
-        config = LlamaConfig(
-            num_hidden_layers=64, hidden_size=8, intermediate_size=8, num_attention_heads=1
-        )
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-        self.config, self.names = model.config, model.state_dict()
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.names
-
-    def named_children(self) -> Iterator[tuple[str, Any]]:
-        return iter(())
-
-
-def _transformers_model(path: Path) -> Any:
-    """transformers' own reading of the file, as ``from_pretrained(gguf_file=...)`` does it
-    (which wants ``accelerate``): its config, and its tensors dequantized and un-permuted."""
-    parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=_Names())
-    config = AutoConfig.for_model(**parsed["config"])
-    with no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    result = model.load_state_dict(parsed["tensors"], strict=False)
-    assert result.missing_keys == ["lm_head.weight"] and not result.unexpected_keys  # tied
-    model.tie_weights()
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def transformers_side(
     smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[list[list[int]], list[list[int]], Path]:
     """The chat prompts as transformers' tokenizer renders them, transformers' greedy tokens,
     and that tokenizer saved for the engine's front end."""
-    tok = AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
-    prompts = []
-    for chat in CHATS:
-        ids: Any = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
-        prompts.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
-    model = _transformers_model(smollm2_gguf)
+    tok = transformers_tokenizer(smollm2_gguf)
+    prompts = chat_prompts(tok)
+    model = transformers_model(smollm2_gguf)
     tokens = []
     with torch.no_grad():
         for ids in prompts:
