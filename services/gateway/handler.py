@@ -12,11 +12,11 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from services.gateway import errors, metrics
 from services.gateway.catalog import ModelCatalog
-from services.gateway.choice import ChoiceDelta
+from services.gateway.choice import ChoiceDelta, TokenLogprob
 from services.gateway.limits import check_limits
 from services.gateway.merge import merge
 from services.gateway.orchestrator import Job, Orchestrator
@@ -24,6 +24,7 @@ from services.gateway.responses import Choice, Formatter, Usage
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.settings import InputLimits
 from shared.protos.baton.v1 import common_pb2
+from shared.text.detokenizer import TokenText, token_texts
 from shared.text.tokenizer import ChatTemplateError, TextTokenizer
 
 Body = CompletionRequest | ChatCompletionRequest
@@ -37,6 +38,22 @@ class Plan:
     num_logprobs: int | None
     echo: list[str]  # completions with echo: each prompt's text, prepended to its choices
     n: int
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field, beside the choices
+    # echo with logprobs: each prompt's tokens with the text each adds (they join to its echo)
+    echo_tokens: list[list[TokenText]] | None = None
+
+    def echo_logprobs(self, p: int, prompt: list[TokenLogprob] | None) -> list[TokenLogprob]:
+        """Prompt ``p``'s echoed logprobs, one per token: the first has none; each shows the
+        top ``num_logprobs`` and the text its token adds to the echoed prompt."""
+        assert self.echo_tokens is not None
+        if prompt is None:  # (a worker that does not know the field)
+            raise errors.APIError(502, "the worker sent no prompt logprobs",
+                                  type="server_error", code="upstream_error")  # fmt: skip
+        first = self.jobs[p].prompt_ids[0]
+        entries = [TokenLogprob(first, None, []), *(replace(lp) for lp in prompt)]
+        for lp, t in zip(entries, self.echo_tokens[p], strict=True):
+            lp.text, lp.offset, lp.top = t.text, t.offset, lp.top[: self.num_logprobs or 0]
+        return entries
 
 
 class Handler:
@@ -79,7 +96,10 @@ class Handler:
             ]  # fmt: skip
             limit, num_logprobs, echo = body.max_tokens, body.logprobs, body.echo
         deadline = time.monotonic() + self.timeout_s
-        params = _params(body, limit, num_logprobs)
+        echo_logprobs = echo and num_logprobs is not None
+        wanted = [n for n in (body.prompt_logprobs, num_logprobs if echo_logprobs else None)
+                  if n is not None]  # fmt: skip
+        params = _params(body, limit, num_logprobs, max(wanted, default=None))
         _check_vocabulary(
             prompts,
             {"stop_token_ids": body.stop_token_ids, "allowed_token_ids": body.allowed_token_ids},
@@ -99,8 +119,14 @@ class Handler:
             )  # fmt: skip
         prefix = "chatcmpl" if chat else "cmpl"
         formatter = Formatter(f"{prefix}-{request_id}", body.model, chat, tok)
-        echo_texts = [tok.decode(ids) for ids in prompts] if echo else []
-        return Plan(jobs, formatter, num_logprobs, echo_texts, body.n)
+        echo_tokens = None
+        if echo_logprobs:  # the echoed text is what its tokens' entries add up to
+            echo_tokens = [token_texts(tok.tokenizer, ids) for ids in prompts]
+            echo_texts = ["".join(t.text for t in tokens) for tokens in echo_tokens]
+        else:
+            echo_texts = [tok.decode(ids) for ids in prompts] if echo else []
+        return Plan(jobs, formatter, num_logprobs, echo_texts, body.n, body.prompt_logprobs,
+                    echo_tokens)  # fmt: skip
 
     async def complete(self, plan: Plan) -> dict:
         choices = [Choice(i) for i in range(len(plan.jobs) * plan.n)]
@@ -110,8 +136,13 @@ class Handler:
             _count(usage, d)
         for p, text in enumerate(plan.echo):
             for i in range(plan.n):
-                choices[p * plan.n + i].text = text + choices[p * plan.n + i].text
-        return plan.formatter.response(choices, usage)
+                choice = choices[p * plan.n + i]
+                if plan.echo_tokens is not None:
+                    _shift(choice.logprobs, len(text))
+                    echoed = plan.echo_logprobs(p, choice.prompt_logprobs)
+                    choice.logprobs = echoed + choice.logprobs
+                choice.text = text + choice.text
+        return plan.formatter.response(choices, usage, plan.prompt_logprobs)
 
     async def stream(self, plan: Plan, include_usage: bool) -> AsyncGenerator[str, None]:
         """SSE lines; raises APIError (the caller turns one before the first line into a
@@ -123,6 +154,10 @@ class Handler:
             index = p * plan.n + d.index
             _count(usage, d)
             first = index not in started
+            if plan.echo_tokens is not None:  # the choice's text follows the echoed prompt's
+                _shift(d.logprobs, len(plan.echo[p]))
+                if first:
+                    d.logprobs = plan.echo_logprobs(p, d.prompt_logprobs) + d.logprobs
             if first and plan.echo:
                 d.text = plan.echo[p] + d.text
             if not (d.text or d.finish_reason or d.logprobs or first):
@@ -153,7 +188,14 @@ class Handler:
                     plan.n, 1e3 * seconds)  # fmt: skip
 
 
-def _params(body: Body, limit: int | None, num_logprobs: int | None) -> common_pb2.SamplingParams:
+def _shift(logprobs: list[TokenLogprob], by: int) -> None:
+    for lp in logprobs:
+        lp.offset += by
+
+
+def _params(
+    body: Body, limit: int | None, num_logprobs: int | None, prompt_logprobs: int | None
+) -> common_pb2.SamplingParams:
     p = common_pb2.SamplingParams(
         n=1, top_k=max(body.top_k or 0, 0), min_p=body.min_p,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
@@ -169,6 +211,8 @@ def _params(body: Body, limit: int | None, num_logprobs: int | None) -> common_p
         p.max_tokens = limit
     if num_logprobs is not None:
         p.logprobs = num_logprobs
+    if prompt_logprobs is not None:
+        p.prompt_logprobs = prompt_logprobs
     if limit is not None and body.min_tokens > limit:
         raise errors.bad_request(
             f"min_tokens ({body.min_tokens}) > max_tokens ({limit})", "min_tokens"

@@ -184,6 +184,8 @@ class Orchestrator:
         failed: list[str] = []
         while True:
             at_start = len(state.generated)  # tokens before this worker (P/D: the first)
+            if state.prompt_logprobs is not None and params.HasField("prompt_logprobs"):
+                params = _without_prompt_logprobs(params)  # the prefill leg sent them
             responses = self.workers.generate(route.decode.address).generate(
                 _generate_request(job, index, params, state.generated, handoff),
                 timeout=max(job.deadline - time.monotonic(), 0.001),
@@ -273,6 +275,13 @@ def _generate_request(
     if job.cache_salt:
         req.cache_salt = job.cache_salt
     return req
+
+
+def _without_prompt_logprobs(params: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
+    rest = common_pb2.SamplingParams()
+    rest.CopyFrom(params)
+    rest.ClearField("prompt_logprobs")
+    return rest
 
 
 def _remaining(params: common_pb2.SamplingParams, done: int) -> common_pb2.SamplingParams:

@@ -26,12 +26,15 @@ class Choice:
     num_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # when asked for (prompt token 1 on)
 
     def add(self, d: ChoiceDelta) -> None:
         self.text += d.text
         self.num_tokens += len(d.token_ids)
         self.logprobs += d.logprobs
         self.finish_reason = d.finish_reason or self.finish_reason
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
 
 
 @dataclass
@@ -59,11 +62,40 @@ class Formatter:
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def response(self, choices: list[Choice], usage: Usage) -> dict[str, Any]:
+    def response(
+        self, choices: list[Choice], usage: Usage, prompt_logprobs: int | None = None
+    ) -> dict[str, Any]:
+        """``prompt_logprobs``: vLLM's field of that name, with that many top entries: on each
+        completion choice, or once beside a chat's choices."""
         body = self._envelope("chat.completion" if self.chat else "text_completion")
         body["choices"] = [self._final_choice(c) for c in choices]
+        if prompt_logprobs is not None:
+            shown = [self._prompt_logprobs(c.prompt_logprobs, prompt_logprobs) for c in choices]
+            if self.chat:
+                body["prompt_logprobs"] = shown[0] if shown else None
+            else:
+                for choice, entries in zip(body["choices"], shown, strict=True):
+                    choice["prompt_logprobs"] = entries
         body["usage"] = usage.body()
         return body
+
+    def _prompt_logprobs(
+        self, lps: list[TokenLogprob] | None, n: int
+    ) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's shape: None for the first prompt token, then {token id: {logprob, rank,
+        decoded_token}} holding the prompt's token and the top ``n``."""
+        if lps is None:
+            return None
+        out: list[dict[str, dict[str, Any]] | None] = [None]
+        for lp in lps:
+            entry = {str(lp.token_id): self._entry(lp.token_id, lp.logprob, lp.rank)}
+            for rank, (token_id, value) in enumerate(lp.top[:n], 1):
+                entry.setdefault(str(token_id), self._entry(token_id, value, rank))
+            out.append(entry)
+        return out
+
+    def _entry(self, token_id: int, logprob: float | None, rank: int) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": self.tok.token_text(token_id)}
 
     def chunk(self, index: int, d: ChoiceDelta, first: bool, want_logprobs: bool) -> dict:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
@@ -104,7 +136,10 @@ class Formatter:
         return {
             "tokens": [lp.text for lp in lps],
             "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [_top_by_text(r.top) for r in rendered],
+            "top_logprobs": [
+                _top_by_text(r.top) if lp.logprob is not None else None
+                for lp, r in zip(lps, rendered, strict=True)
+            ],  # (none for an echoed prompt's first token)
             "text_offset": [lp.offset for lp in lps],
         }
 

@@ -6,12 +6,12 @@ ignored:
 - honoured: OpenAI's sampling fields, and vLLM's ``top_k``, ``min_p``, ``repetition_penalty``,
   ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
   ``skip_special_tokens``, ``cache_salt``, ``allowed_token_ids``, ``bad_words``,
-  ``truncate_prompt_tokens``, ``add_special_tokens``, and for chat ``add_generation_prompt``,
-  ``continue_final_message``, ``chat_template_kwargs``;
+  ``truncate_prompt_tokens``, ``add_special_tokens``, ``prompt_logprobs`` (not streamed), for
+  completions ``echo`` (with ``logprobs``: the prompt's too) and ``max_tokens: 0``, and for chat
+  ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``;
 - refused (``REFUSED`` below, and the checks in the validators): ``logit_bias``, ``suffix``,
-  tools and functions, non-text ``response_format``, structured outputs, ``echo`` with logprobs,
-  beam search, prompt logprobs, non-text modalities and content parts, and the other vLLM and
-  OpenAI fields Baton cannot honour;
+  tools and functions, non-text ``response_format``, structured outputs, beam search, non-text
+  modalities and content parts, and the other vLLM and OpenAI fields Baton cannot honour;
 - accepted and ignored, because they change nothing in the output: ``user``, ``metadata``,
   ``store``, ``service_tier``, ``parallel_tool_calls`` (no tools), ``prediction`` (a latency
   hint), ``safety_identifier``, ``prompt_cache_key``, ``priority``, ``request_id``,
@@ -56,7 +56,6 @@ STRUCTURED = "structured outputs are not supported"
 REFUSED_COMMON = {
     "logit_bias": "logit_bias is not supported",
     "use_beam_search": "beam search is not supported",
-    "prompt_logprobs": "prompt logprobs are not supported",
     "structured_outputs": STRUCTURED,
     "guided_json": STRUCTURED,
     "guided_regex": STRUCTURED,
@@ -130,11 +129,13 @@ class _SamplingFields(_Body):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     response_format: ResponseFormat | None = None
+    # vLLM's: the top-N logprobs at each prompt token (the prompt's own token always), as
+    # ``prompt_logprobs`` beside the choices; not while streaming, as vLLM
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     user: str | None = None
     # refused when set (REFUSED_COMMON): declared so that their presence is seen
     logit_bias: dict[str, float] | None = None
     use_beam_search: bool = False
-    prompt_logprobs: int | None = None
     structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -153,6 +154,8 @@ class _SamplingFields(_Body):
             raise refuse("response_format", "response_format other than 'text' is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise refuse("best_of", "best_of must equal n (no server-side best-of selection)")
+        if self.prompt_logprobs is not None and self.stream:
+            raise refuse("prompt_logprobs", "prompt_logprobs are not available when stream=true")
         if self.stream_options is not None and not self.stream:
             raise refuse("stream_options", "stream_options is only allowed with stream=true")
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
@@ -182,9 +185,9 @@ Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 class CompletionRequest(_SamplingFields):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1, le=UINT32_MAX)
+    max_tokens: int | None = Field(16, ge=0, le=UINT32_MAX)  # 0: only the prompt (echo)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    echo: bool = False  # the prompt before each choice's text (with logprobs: the prompt's too)
     add_special_tokens: bool = True  # text prompts: the tokenizer's BOS, as vLLM
     suffix: str | None = None
     prompt_embeds: Any = None
@@ -192,8 +195,6 @@ class CompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _check(self) -> "CompletionRequest":
         _refuse_set(self, REFUSED_COMPLETION)
-        if self.echo and self.logprobs is not None:
-            raise refuse("echo", "echo with logprobs is not supported (no prompt logprobs)")
         if isinstance(self.prompt, list) and not self.prompt:
             raise refuse("prompt", "prompt must not be empty")
         return self

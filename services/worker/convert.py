@@ -2,7 +2,7 @@
 
 from services.worker.engine.kv_transfer.params import RemoteKV
 from services.worker.engine.messages import EngineStats, ErrorCode
-from services.worker.engine.outputs import CompletionOutput, RequestOutput
+from services.worker.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from services.worker.engine.params import RequestOutputKind, SamplingParams
 from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from shared.protos.baton.v1 import common_pb2, scheduler_pb2, worker_pb2
@@ -28,6 +28,7 @@ def sampling_params(p: common_pb2.SamplingParams) -> SamplingParams:
         "max_tokens": p.max_tokens if p.HasField("max_tokens") else None,
         "seed": p.seed if p.HasField("seed") else None,
         "logprobs": p.logprobs if p.HasField("logprobs") else None,
+        "prompt_logprobs": p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         "detokenize": False,
         "output_kind": RequestOutputKind.DELTA,
     }
@@ -49,21 +50,27 @@ def generate_response(out: RequestOutput) -> worker_pb2.GenerateResponse:
         finished=out.finished,
         error=out.error or "",
         error_code=ERROR_CODES.get(out.error_code, worker_pb2.ERROR_CODE_UNSPECIFIED),
+        prompt_logprobs=prompt_logprobs(out),
     )
 
 
 def token_logprobs(c: CompletionOutput) -> list[common_pb2.TokenLogprobs]:
-    result = []
-    for position in c.logprobs or []:
-        ids = list(position)  # the sampled token first, then the top-N (output_processor order)
-        result.append(
-            common_pb2.TokenLogprobs(
-                token_ids=ids,
-                logprobs=[position[t].logprob for t in ids],
-                sampled_rank=position[ids[0]].rank,
-            )
-        )
-    return result
+    return [_position(position) for position in c.logprobs or []]
+
+
+def prompt_logprobs(out: RequestOutput) -> list[common_pb2.TokenLogprobs]:
+    """The prompt's logprobs, from its second token on (the first has none); [] when not asked
+    for, or already sent (a DELTA request's later outputs)."""
+    return [_position(p) for p in (out.prompt_logprobs or [])[1:] if p is not None]
+
+
+def _position(position: dict[int, Logprob]) -> common_pb2.TokenLogprobs:
+    ids = list(position)  # the sampled (or prompt) token first, then the top-N (output_processor)
+    return common_pb2.TokenLogprobs(
+        token_ids=ids,
+        logprobs=[position[t].logprob for t in ids],
+        sampled_rank=position[ids[0]].rank,
+    )
 
 
 def _delta(c: CompletionOutput) -> worker_pb2.CompletionDelta:

@@ -295,26 +295,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         keep_kv = request.keep_kv
         if keep_kv:
             self._require_kv_transfer()
-        params = params.clone(max_tokens=1, min_tokens=0)
-        leg = KVTransferParams(do_remote_decode=True) if keep_kv else None
+        prompt_only = params.max_tokens == 0  # nothing to decode: no token, no KV kept
+        params = params.clone(max_tokens=0 if prompt_only else 1, min_tokens=0)
+        leg = KVTransferParams(do_remote_decode=True) if keep_kv and not prompt_only else None
         last: RequestOutput | None = None
+        prompt_logprobs: list[common_pb2.TokenLogprobs] = []
         async for out in self._run(request, params, leg):
             last = out
-        if last is None or not last.outputs or not last.outputs[0].token_ids:
+            prompt_logprobs += convert.prompt_logprobs(out)  # (with the first output)
+        if last is None or not last.outputs or not (last.outputs[0].token_ids or prompt_only):
             raise CallRejected(grpc.StatusCode.INTERNAL, "prefill produced no token")
         first = last.outputs[0]
         # max_tokens=1 ends it with "length"; any other reason (eos, a stop id) ends the request
-        reason = first.finish_reason if first.finish_reason != "length" else ""
+        reason = first.finish_reason if first.finish_reason != "length" or prompt_only else ""
         if reason and last.kv_handle is not None:  # nothing to decode: end the lease now
             await self.engine.abort(request.request_id)
         logprobs = convert.token_logprobs(first)
         response = worker_pb2.PrefillResponse(
-            first_token_id=first.token_ids[0],
             first_logprobs=logprobs[0] if logprobs else None,
             num_prompt_tokens=len(last.prompt_token_ids),
             num_cached_tokens=last.num_cached_tokens,
             finish_reason=reason or "",
+            prompt_logprobs=prompt_logprobs,
         )
+        if first.token_ids:
+            response.first_token_id = first.token_ids[0]
         if last.kv_handle is not None and not reason:
             response.kv_handle.CopyFrom(convert.kv_handle(last.kv_handle))
         return response

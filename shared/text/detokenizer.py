@@ -121,3 +121,18 @@ class IncrementalDetokenizer:
     def released_text(self) -> str:
         """Everything handed out so far (cumulative outputs show this)."""
         return self.text[: self._sent]
+
+
+def token_texts(
+    tokenizer: Tokenizer, token_ids: Sequence[int], skip_special_tokens: bool = True
+) -> list[TokenText]:
+    """What each token adds to the text of ``token_ids`` decoded from the start (an echoed
+    prompt), one entry for every token, "" for one that adds nothing (the first bytes of a
+    character, a skipped special token): the entries' texts join to the whole text."""
+    stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+    out, offset = [], 0
+    for token in token_ids:
+        piece = stream.step(tokenizer, token) or ""
+        out.append(TokenText(offset, piece))
+        offset += len(piece)
+    return out

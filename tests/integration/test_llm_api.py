@@ -115,7 +115,7 @@ def test_prefix_is_reused_and_only_new_tokens_computed(llm: LLM) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"prompt_logprobs": 100}, "prompt_logprobs"),
         ({"max_tokens": -1}, "max_tokens"),
         ({"temperature": -0.5}, "temperature"),
         ({"top_p": 2}, "top_p"),

@@ -121,7 +121,7 @@ def test_temperature_sampling_follows_the_distribution() -> None:
         {"top_p": 1.5},
         {"top_k": -2},
         {"min_p": 2.0},
-        {"max_tokens": 0},
+        {"prompt_logprobs": 21},
         {"max_tokens": -5},
         {"n": 0},
         {"logprobs": 21},

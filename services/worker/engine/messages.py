@@ -69,6 +69,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     queued_seconds: float = 0.0  # time it waited in the scheduler before its first step
     kv_handle: RemoteKV | None = None  # a finished prefill leg: where its KV waits (leased)
     error_code: ErrorCode | None = None  # with error: its kind, when it has one
+    # prompt logprobs (SamplingParams.prompt_logprobs) computed since the last output, in prompt
+    # order, on from where the last left off (the first of all is about prompt token 1: token 0
+    # has none)
+    new_prompt_logprobs: list[SampleLogprobs] | None = None
 
 
 class EngineStats(msgspec.Struct):

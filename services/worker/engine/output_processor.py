@@ -30,7 +30,10 @@ def fan_out(request: EngineCoreRequest) -> list[EngineCoreRequest]:
     children = []
     for i in range(params.n):
         seed = params.seed + i if params.seed is not None else None
-        child = params.clone(n=1, seed=seed)
+        # the prompt is the same for all: the first child alone reports its logprobs (the
+        # others may take their prompt from the prefix cache)
+        prompt_logprobs = params.prompt_logprobs if i == 0 else None
+        child = params.clone(n=1, seed=seed, prompt_logprobs=prompt_logprobs)
         children.append(
             EngineCoreRequest(
                 f"{i}_{request.request_id}",
@@ -68,6 +71,8 @@ class _RequestState:
     error: str | None = None
     error_code: ErrorCode | None = None
     kv_handle: RemoteKV | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # when asked for
+    prompt_logprobs_sent: bool = False  # with the first output of a DELTA request
 
     @property
     def finished(self) -> bool:
@@ -99,9 +104,11 @@ class OutputProcessor:
             )
             for i, c in enumerate(core_requests)
         }
+        params = request.sampling_params
         self._requests[request.request_id] = _RequestState(
-            request.request_id, prompt, request.prompt_token_ids, request.sampling_params, samples
-        )
+            request.request_id, prompt, request.prompt_token_ids, params, samples,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        )  # fmt: skip
         for c in core_requests:
             self._core_to_request[c.request_id] = request.request_id
 
@@ -140,7 +147,8 @@ class OutputProcessor:
             state = self._requests[rid]
             if self._apply(state, state.samples[out.request_id], out):
                 to_abort.append(out.request_id)
-            changed.setdefault(rid, []).append(out.request_id)
+            if out.new_token_ids or out.finish_reason is not None:  # not a prompt chunk alone
+                changed.setdefault(rid, []).append(out.request_id)
         results = []
         for rid, core_ids in changed.items():
             state = self._requests[rid]
@@ -159,9 +167,13 @@ class OutputProcessor:
             state.kv_handle = out.kv_handle
         if out.error is not None:
             state.error, state.error_code = out.error, out.error_code
+        decode = sample.detok is not None
+        if state.prompt_logprobs is not None and out.new_prompt_logprobs:
+            state.prompt_logprobs += [
+                self._logprob_dict(lp, decode) for lp in out.new_prompt_logprobs
+            ]
         sample.token_ids += out.new_token_ids
         if sample.logprobs is not None and out.new_logprobs:
-            decode = sample.detok is not None
             sample.logprobs += [self._logprob_dict(lp, decode) for lp in out.new_logprobs]
         stop = sample.detok.update(out.new_token_ids) if sample.detok is not None else None
         if stop is not None:  # the text was cut here, whatever else ended the request
@@ -187,6 +199,10 @@ class OutputProcessor:
         completions = [
             self._completion(state.samples[i], delta=kind == RequestOutputKind.DELTA) for i in ids
         ]
+        prompt_logprobs = state.prompt_logprobs
+        if kind == RequestOutputKind.DELTA and state.prompt_logprobs_sent:
+            prompt_logprobs = None
+        state.prompt_logprobs_sent = True
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
@@ -198,6 +214,7 @@ class OutputProcessor:
             error_code=state.error_code,
             metrics={"queued_seconds": state.queued_seconds},
             kv_handle=state.kv_handle,
+            prompt_logprobs=prompt_logprobs,
         )
 
     @staticmethod

@@ -1,6 +1,7 @@
 """What users get back, shaped like vLLM's so code can switch: ``RequestOutput`` with
-``.prompt_token_ids`` and ``.outputs[i]`` (``CompletionOutput``: token_ids, text, finish_reason,
-logprobs as one {token_id: Logprob} dict per generated token)."""
+``.prompt_token_ids``, ``.prompt_logprobs`` (None for the first prompt token, then one
+{token_id: Logprob} dict per prompt token) and ``.outputs[i]`` (``CompletionOutput``: token_ids,
+text, finish_reason, logprobs as one {token_id: Logprob} dict per generated token)."""
 
 from dataclasses import dataclass, field
 
@@ -41,3 +42,6 @@ class RequestOutput:
     error_code: ErrorCode | None = None  # why it ended in error
     metrics: dict[str, float] = field(default_factory=dict)
     kv_handle: RemoteKV | None = None  # a finished prefill leg: where its KV waits
+    # with SamplingParams.prompt_logprobs, once the whole prompt has run (with the first output
+    # of a DELTA request, with every output of a CUMULATIVE one)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

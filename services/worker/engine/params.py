@@ -33,12 +33,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
-    max_tokens: int | None = 16  # None: up to the context length
+    max_tokens: int | None = 16  # None: up to the context length; 0: only the prompt runs
     min_tokens: int = 0
     stop: list[str] = msgspec.field(default_factory=list)
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled one always)
+    # vLLM's: top-N logprobs at every prompt token after the first (the prompt's own token
+    # always), computed in the steps that run the prompt (model_runner.prompt_logprobs)
+    prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None  # only these may be sampled; None: any token
     # vLLM's: never generate these words (sample/constraints.py); the input processor tokenizes
     # them into bad_words_token_ids, which is what the sampler reads
@@ -69,12 +72,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.seed is not None:
             _check_int("seed", self.seed, lo=-(2**63), hi=2**63 - 1)
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, lo=1)
+            _check_int("max_tokens", self.max_tokens, lo=0)
         _check_int("min_tokens", self.min_tokens, lo=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) > max_tokens ({self.max_tokens})")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS)
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         for tok in self.stop_token_ids:

@@ -74,7 +74,10 @@ class Request:
         self.queued_seconds = 0.0  # admitted → first scheduled
         self.stop_reason: int | None = None  # the stop token id that ended it, if any
         limit = max_model_len - len(prompt_token_ids)
-        self.max_tokens = min(params.max_tokens or limit, limit)
+        self.max_tokens = min(params.max_tokens if params.max_tokens is not None else limit, limit)
+        # prompt positions whose logprobs went out (prompt_logprobs): a chunk recomputed after a
+        # preemption is not reported twice
+        self.num_prompt_logprobs = 0
         self._block_size = block_size
         self._extra_keys = (cache_salt,) if cache_salt else ()
         self.block_hashes: list[BlockHash] = hash_blocks(
@@ -91,8 +94,10 @@ class Request:
 
     @property
     def length_reached(self) -> bool:
-        """Its last token is already sampled, if not yet known: nothing more to schedule."""
-        return len(self.output_token_ids) + self.num_output_placeholders >= self.max_tokens
+        """Its last token is already sampled, if not yet known: nothing more to schedule. (A
+        request with ``max_tokens=0`` runs its whole prompt, then ends.)"""
+        sampled = len(self.output_token_ids) + self.num_output_placeholders
+        return sampled >= max(self.max_tokens, 1)
 
     @property
     def num_prompt_tokens(self) -> int:

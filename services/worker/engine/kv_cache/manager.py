@@ -53,9 +53,11 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """Longest cached prefix of ``request`` as (blocks, tokens). The last prompt token is
-        never a hit: its logits are needed to sample the first output token.
+        never a hit: its logits are needed to sample the first output token. A request that asks
+        for its prompt's logprobs gets no hit at all (as in vLLM): a cached block holds keys and
+        values, not the logits its positions need; the blocks it computes are cached for others.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.params.prompt_logprobs is not None:
             return KVCacheBlocks(), 0
         hits: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[: (request.num_tokens - 1) // self.block_size]:

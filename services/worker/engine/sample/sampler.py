@@ -44,7 +44,7 @@ class Sampler:
             sampled = greedy_argmax(logits)
         else:
             sampled = self._sample_random(logits, meta)
-        return _with_logprobs(sampled, raw_logprobs, meta.max_num_logprobs)
+        return token_logprobs(sampled, raw_logprobs, meta.max_num_logprobs)
 
     def _sample_random(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Greedy rows (inverse temperature 0) take their argmax in the same pass."""
@@ -98,7 +98,9 @@ def apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def _with_logprobs(sampled: torch.Tensor, raw: torch.Tensor | None, n: int | None) -> SamplerOutput:
+def token_logprobs(sampled: torch.Tensor, raw: torch.Tensor | None, n: int | None) -> SamplerOutput:
+    """The logprob and rank of each row's token in ``sampled`` (the sampled one, or a prompt's
+    next token), and each row's top ``n``, from ``raw``: the rows' log-softmax."""
     if raw is None or n is None:
         return SamplerOutput(sampled, None, None, None, None)
     chosen = raw.gather(1, sampled.unsqueeze(1)).squeeze(1)

@@ -42,7 +42,19 @@ class SchedulerOutput:
 
 
 @dataclass
+class PromptLogprobsChunk:
+    """The logprobs a step computed for a part of one prompt: ``entries[i]`` is about the prompt
+    token at position ``start + i + 1``, predicted at position ``start + i`` (that token first,
+    then the top-N; ``sampled_rank`` is its rank)."""
+
+    start: int
+    entries: list[SampleLogprobs]
+
+
+@dataclass
 class ModelRunnerOutput:
     req_ids: list[str] = field(default_factory=list)  # in the order the runner batched them
     sampled_token_ids: list[list[int]] = field(default_factory=list)  # empty: a prefill chunk
     logprobs: list[SampleLogprobs | None] = field(default_factory=list)
+    # requests that asked for prompt logprobs and ran prompt tokens this step
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)

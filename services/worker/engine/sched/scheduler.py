@@ -17,7 +17,12 @@ from services.worker.engine.kv_cache.manager import KVCacheBlocks, KVCacheManage
 from services.worker.engine.kv_transfer.connector import TransferResults
 from services.worker.engine.kv_transfer.params import RemoteKV
 from services.worker.engine.kv_transfer.scheduler_side import KVTransferBookkeeping
-from services.worker.engine.messages import EngineCoreOutput, EngineStats, ErrorCode
+from services.worker.engine.messages import (
+    EngineCoreOutput,
+    EngineStats,
+    ErrorCode,
+    SampleLogprobs,
+)
 from services.worker.engine.request import FINISH_REASONS, FinishReason, Request, RequestStatus
 from services.worker.engine.sched.output import (
     CachedRequestData,
@@ -296,10 +301,17 @@ class Scheduler:
             result.req_ids, result.sampled_token_ids, result.logprobs, strict=True
         ):
             request = self.requests.get(RequestId(rid))
-            if request is None or not tokens:  # finished meanwhile, or a prefill chunk
+            if request is None:  # finished meanwhile
+                continue
+            prompt_logprobs = self._new_prompt_logprobs(request, result)
+            if not tokens:  # a prefill chunk
+                if prompt_logprobs:
+                    outputs.append(EngineCoreOutput(rid, [], new_prompt_logprobs=prompt_logprobs))
                 continue
             request.num_output_placeholders -= 1
             status = None
+            if request.max_tokens == 0:  # only its prompt was asked for: the sample is dropped
+                tokens, logprobs, status = [], None, RequestStatus.FINISHED_LENGTH_CAPPED
             for token in tokens:
                 request.append_output_token(token)
                 status = request.check_stop()
@@ -316,6 +328,7 @@ class Scheduler:
                     request_id=rid,
                     new_token_ids=tokens,
                     new_logprobs=[logprobs] if logprobs is not None else None,
+                    new_prompt_logprobs=prompt_logprobs,
                     finish_reason=FINISH_REASONS[status] if status is not None else None,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens or 0,
@@ -324,6 +337,20 @@ class Scheduler:
                 )
             )
         return outputs
+
+    @staticmethod
+    def _new_prompt_logprobs(
+        request: Request, result: ModelRunnerOutput
+    ) -> list[SampleLogprobs] | None:
+        """The prompt logprobs a step computed for ``request`` that were not reported yet (a
+        chunk recomputed after a preemption was)."""
+        chunk = result.prompt_logprobs.get(request.request_id)
+        if chunk is None:
+            return None
+        fresh = chunk.entries[max(request.num_prompt_logprobs - chunk.start, 0) :]
+        reported = chunk.start + len(chunk.entries)
+        request.num_prompt_logprobs = max(request.num_prompt_logprobs, reported)
+        return fresh or None
 
     def _free(self, request: Request, status: RequestStatus) -> RemoteKV | None:
         """End a request. A prefill leg that finished normally keeps its blocks under a lease

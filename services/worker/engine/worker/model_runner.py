@@ -12,6 +12,7 @@ One step, for requests A (3-token prefill chunk that completes its prompt), B (d
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,10 +29,11 @@ from services.worker.engine.models.weights import ReadCounter
 from services.worker.engine.ops.gumbel import greedy_argmax
 from services.worker.engine.params import SamplingParams
 from services.worker.engine.quantization.config import describe
-from services.worker.engine.sample.sampler import Sampler, SamplerOutput
+from services.worker.engine.sample.sampler import Sampler, SamplerOutput, token_logprobs
 from services.worker.engine.sched.output import (
     CachedRequestData,
     ModelRunnerOutput,
+    PromptLogprobsChunk,
     SchedulerOutput,
 )
 from services.worker.engine.worker.cuda_graphs import CudaGraphRunner
@@ -47,6 +49,60 @@ from services.worker.engine.worker.step_inputs import StepInputs, TokenFill, bui
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class PromptSpan:
+    """Prompt tokens of one request in this step whose logprobs it asked for: hidden rows
+    ``first ..`` predict ``targets``, the prompt tokens after position ``start``."""
+
+    req_id: str
+    start: int
+    first: int
+    targets: list[int]
+    top_n: int
+
+
+@dataclass
+class PromptLogprobs:
+    """A step's prompt logprobs, every span's rows one after another (on the device, then on the
+    host)."""
+
+    spans: list[PromptSpan]
+    values: SamplerOutput
+
+    def chunks(self) -> dict[str, PromptLogprobsChunk]:
+        lp = _logprobs_to_host(self.values)
+        assert lp is not None
+        top_ids, top_lps, chosen, ranks = lp
+        out, row = {}, 0
+        for span in self.spans:
+            n = span.top_n
+            entries = []
+            for target in span.targets:
+                entries.append(
+                    SampleLogprobs(
+                        token_ids=[target, *top_ids[row][:n]],
+                        logprobs=[chosen[row], *top_lps[row][:n]],
+                        sampled_rank=ranks[row],
+                    )
+                )
+                row += 1
+            out[span.req_id] = PromptLogprobsChunk(span.start, entries)
+        return out
+
+
+def _concat_outputs(parts: list[SamplerOutput]) -> SamplerOutput:
+    def cat(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
+        return torch.cat(ts) if ts and ts[0] is not None else None  # type: ignore[arg-type]
+
+    return SamplerOutput(
+        sampled=torch.cat([p.sampled for p in parts]),
+        top_ids=cat([p.top_ids for p in parts]),
+        top_logprobs=cat([p.top_logprobs for p in parts]),
+        sampled_logprobs=cat([p.sampled_logprobs for p in parts]),
+        sampled_ranks=cat([p.sampled_ranks for p in parts]),
+    )
 
 
 class ModelRunner:
@@ -236,16 +292,60 @@ class ModelRunner:
         if sched.total_num_scheduled_tokens == 0:
             return StepHandle.empty(self)
         inputs = build_step_inputs(sched, self.requests, self.block_size)
-        logits = self._run_model(inputs, self._token_fill(inputs))
+        spans = self._prompt_spans(inputs)
+        logits, hidden = self._run_model(inputs, self._token_fill(inputs), eager=bool(spans))
+        prompt = self._prompt_logprobs(spans, hidden) if spans else None
         if logits is None:
-            return StepHandle(self, inputs.req_ids, [], [], None)
+            return StepHandle(self, inputs.req_ids, [], [], None, prompt)
         states = [self.requests[inputs.req_ids[r]] for r in inputs.sample_rows]
         result = self._sample(logits, states)
         for state in states:
             state.num_pending += 1
-        handle = StepHandle(self, inputs.req_ids, states, inputs.sample_rows, result)
+        handle = StepHandle(self, inputs.req_ids, states, inputs.sample_rows, result, prompt)
         self.last_step = handle
         return handle
+
+    def _prompt_spans(self, inputs: StepInputs) -> list[PromptSpan]:
+        """The prompt tokens this step runs whose next token is a prompt token too, for the
+        requests that asked for prompt logprobs."""
+        spans = []
+        for row, rid in enumerate(inputs.req_ids):
+            state = self.requests[rid]
+            if state.params.prompt_logprobs is None:
+                continue
+            start = state.num_computed_tokens
+            end = min(start + inputs.query_start_loc[row + 1] - inputs.query_start_loc[row],
+                      state.num_prompt_tokens - 1)  # fmt: skip
+            if end > start:
+                targets = state.token_ids[start + 1 : end + 1]
+                first = inputs.query_start_loc[row]
+                spans.append(PromptSpan(rid, start, first, targets, state.params.prompt_logprobs))
+        return spans
+
+    def _prompt_logprobs(
+        self, spans: list[PromptSpan], hidden: torch.Tensor | None
+    ) -> PromptLogprobs | None:
+        """Logprobs of the spans' next prompt tokens from this step's hidden states, a slice of
+        rows at a time: as many as a step samples at most, whose logits and sampling the memory
+        profile made room for (``profile_peak_bytes``); a long prompt's would not fit at once.
+        Every rank computes the logits (a tensor-parallel LM head gathers them); rank 0 alone
+        keeps the logprobs."""
+        assert hidden is not None
+        index = to_device(
+            [s.first + i for s in spans for i in range(len(s.targets))], torch.int64, self.device
+        )
+        targets = to_device([t for s in spans for t in s.targets], torch.int64, self.device)
+        top_n = max(s.top_n for s in spans)
+        parts, step = [], self.config.scheduler.max_num_seqs
+        for lo in range(0, index.shape[0], step):
+            rows = slice(lo, lo + step)
+            logits = self.model.compute_logits(hidden[index[rows]])
+            if self.tp.is_driver:
+                raw = logits.float().log_softmax(-1)
+                parts.append(token_logprobs(targets[rows], raw, top_n))
+        if not self.tp.is_driver:
+            return None
+        return PromptLogprobs(spans, _concat_outputs(parts))
 
     def _sample(self, logits: torch.Tensor, states: list[CachedRequestState]) -> SamplerOutput:
         """Rank 0 samples; with tensor parallelism it broadcasts the sampled ids, so every rank
@@ -274,17 +374,21 @@ class ModelRunner:
             self.last_step.in_flight.tokens_of([inputs.req_ids[r] for r in rows]),
         )
 
-    def _run_model(self, inputs: StepInputs, fill: TokenFill | None) -> torch.Tensor | None:
-        """Logits of the rows to sample, or None when no request samples this step."""
-        if self.graphs is not None and self.graphs.can_run(inputs):
+    def _run_model(
+        self, inputs: StepInputs, fill: TokenFill | None, eager: bool = False
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(the logits of the rows to sample, or None when no request samples this step; every
+        token's hidden state, or None from a decode graph). ``eager``: no CUDA graph (a step
+        that needs the hidden states of all its tokens)."""
+        if not eager and self.graphs is not None and self.graphs.can_run(inputs):
             logits = self.graphs.run(inputs, fill)  # one row per request
             if len(inputs.sample_rows) == len(inputs.req_ids):
-                return logits
+                return logits, None
             # a one-token prefill chunk has one query too, but samples nothing yet
             if not inputs.sample_rows:
-                return None
-            return logits[to_device(inputs.sample_rows, torch.int64, self.device)]
-        if self.pieces is not None and self.pieces.can_run(inputs):
+                return None, None
+            return logits[to_device(inputs.sample_rows, torch.int64, self.device)], None
+        if not eager and self.pieces is not None and self.pieces.can_run(inputs):
             hidden, logits_indices = self.pieces.run(inputs, fill)  # (padding rows at the end)
         else:
             input_ids, positions, meta, logits_indices = inputs.to_device(self.device)
@@ -292,8 +396,8 @@ class ModelRunner:
                 fill.apply(input_ids)
             hidden = self.model(input_ids, positions, meta)
         if not inputs.sample_rows:
-            return None
-        return self.model.compute_logits(hidden[logits_indices])
+            return None, hidden
+        return self.model.compute_logits(hidden[logits_indices]), hidden
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_req_ids:
@@ -336,6 +440,7 @@ class StepHandle:
         states: list[CachedRequestState],
         rows: list[int],
         result: SamplerOutput | None,
+        prompt: PromptLogprobs | None = None,
     ):
         self.runner = runner
         self.states = states
@@ -352,16 +457,21 @@ class StepHandle:
             logprobs=[None for _ in req_ids],
         )
         self._host: SamplerOutput | None = None
+        self._prompt: PromptLogprobs | None = None
         self._ready: torch.cuda.Event | None = None
-        self._done = result is None
+        self._done = result is None and prompt is None
+        on_gpu = runner.device.type == "cuda"
+
+        def to_host(t: torch.Tensor) -> torch.Tensor:
+            return t.to("cpu", non_blocking=True) if on_gpu else t
+
         if result is not None:
-            on_gpu = runner.device.type == "cuda"
-            self._host = _map_tensors(
-                result, lambda t: t.to("cpu", non_blocking=True) if on_gpu else t
-            )
-            if on_gpu:
-                self._ready = torch.cuda.Event()
-                self._ready.record()
+            self._host = _map_tensors(result, to_host)
+        if prompt is not None:
+            self._prompt = PromptLogprobs(prompt.spans, _map_tensors(prompt.values, to_host))
+        if on_gpu and not self._done:
+            self._ready = torch.cuda.Event()
+            self._ready.record()
 
     @classmethod
     def empty(cls, runner: ModelRunner) -> "StepHandle":
@@ -377,8 +487,11 @@ class StepHandle:
             return self.output
         self._done = True
         self.wait()
+        if self._prompt is not None:
+            self.output.prompt_logprobs = self._prompt.chunks()
         host = self._host
-        assert host is not None
+        if host is None:  # a step of prompt chunks only
+            return self.output
         sampled = host.sampled.tolist()
         lp = _logprobs_to_host(host)
         live = self.runner.requests

@@ -25,39 +25,39 @@ _sym_db = _symbol_database.Default()
 from shared.protos.baton.v1 import common_pb2 as baton_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/worker.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\"\xe8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12(\n\x06params\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12%\n\tremote_kv\x18\x05 \x01(\x0b\x32\x12.baton.v1.KVHandle\x12\x1b\n\x0e\x66irst_token_id\x18\x06 \x01(\rH\x01\x88\x01\x01\x42\r\n\x0b_cache_saltB\x11\n\x0f_first_token_id\"\xa3\x01\n\x0f\x43ompletionDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.baton.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1a\n\rstop_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"\xc3\x01\n\x10GenerateResponse\x12)\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x19.baton.v1.CompletionDelta\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\'\n\nerror_code\x18\x07 \x01(\x0e\x32\x13.baton.v1.ErrorCodeJ\x04\x08\x06\x10\x07\"x\n\x0cGenerateCall\x12*\n\x05start\x18\x01 \x01(\x0b\x32\x19.baton.v1.GenerateRequestH\x00\x12\x0f\n\x05\x61\x62ort\x18\x02 \x01(\tH\x00\x12\x10\n\x08trace_id\x18\x03 \x01(\t\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x42\x06\n\x04\x63\x61ll\"(\n\x07\x43\x61llEnd\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"~\n\rGenerateEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x08response\x18\x02 \x01(\x0b\x32\x1a.baton.v1.GenerateResponseH\x00\x12 \n\x03\x65nd\x18\x03 \x01(\x0b\x32\x11.baton.v1.CallEndH\x00\x42\x07\n\x05\x65vent\"\xa1\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12(\n\x06params\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x0f\n\x07keep_kv\x18\x05 \x01(\x08\x42\r\n\x0b_cache_salt\"\xce\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12/\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x17.baton.v1.TokenLogprobs\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12%\n\tkv_handle\x18\x06 \x01(\x0b\x32\x12.baton.v1.KVHandle\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\r\"\x0f\n\rHealthRequest\"\xab\x01\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\"\n\x04role\x18\x02 \x01(\x0e\x32\x14.baton.v1.WorkerRole\x12\r\n\x05model\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x10\n\x08kv_usage\x18\x06 \x01(\x02\x12\x19\n\x11num_cached_blocks\x18\x07 \x01(\r*j\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_CODE_INVALID_REQUEST\x10\x01\x12!\n\x1d\x45RROR_CODE_KV_TRANSFER_FAILED\x10\x02\x32\xcb\x02\n\x06Worker\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12\x45\n\x0eGenerateStream\x12\x16.baton.v1.GenerateCall\x1a\x17.baton.v1.GenerateEvent(\x01\x30\x01\x12>\n\x07Prefill\x12\x18.baton.v1.PrefillRequest\x1a\x19.baton.v1.PrefillResponse\x12\x38\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x17.baton.v1.AbortResponse\x12;\n\x06Health\x12\x17.baton.v1.HealthRequest\x1a\x18.baton.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/worker.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\"\xe8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12(\n\x06params\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12%\n\tremote_kv\x18\x05 \x01(\x0b\x32\x12.baton.v1.KVHandle\x12\x1b\n\x0e\x66irst_token_id\x18\x06 \x01(\rH\x01\x88\x01\x01\x42\r\n\x0b_cache_saltB\x11\n\x0f_first_token_id\"\xa3\x01\n\x0f\x43ompletionDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.baton.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1a\n\rstop_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"\xf5\x01\n\x10GenerateResponse\x12)\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x19.baton.v1.CompletionDelta\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\'\n\nerror_code\x18\x07 \x01(\x0e\x32\x13.baton.v1.ErrorCode\x12\x30\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x17.baton.v1.TokenLogprobsJ\x04\x08\x06\x10\x07\"x\n\x0cGenerateCall\x12*\n\x05start\x18\x01 \x01(\x0b\x32\x19.baton.v1.GenerateRequestH\x00\x12\x0f\n\x05\x61\x62ort\x18\x02 \x01(\tH\x00\x12\x10\n\x08trace_id\x18\x03 \x01(\t\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x42\x06\n\x04\x63\x61ll\"(\n\x07\x43\x61llEnd\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"~\n\rGenerateEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x08response\x18\x02 \x01(\x0b\x32\x1a.baton.v1.GenerateResponseH\x00\x12 \n\x03\x65nd\x18\x03 \x01(\x0b\x32\x11.baton.v1.CallEndH\x00\x42\x07\n\x05\x65vent\"\xa1\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12(\n\x06params\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x0f\n\x07keep_kv\x18\x05 \x01(\x08\x42\r\n\x0b_cache_salt\"\x98\x02\n\x0fPrefillResponse\x12\x1b\n\x0e\x66irst_token_id\x18\x01 \x01(\rH\x00\x88\x01\x01\x12/\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x17.baton.v1.TokenLogprobs\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12%\n\tkv_handle\x18\x06 \x01(\x0b\x32\x12.baton.v1.KVHandle\x12\x30\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x17.baton.v1.TokenLogprobsB\x11\n\x0f_first_token_id\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\r\"\x0f\n\rHealthRequest\"\xab\x01\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\"\n\x04role\x18\x02 \x01(\x0e\x32\x14.baton.v1.WorkerRole\x12\r\n\x05model\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x10\n\x08kv_usage\x18\x06 \x01(\x02\x12\x19\n\x11num_cached_blocks\x18\x07 \x01(\r*j\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_CODE_INVALID_REQUEST\x10\x01\x12!\n\x1d\x45RROR_CODE_KV_TRANSFER_FAILED\x10\x02\x32\xcb\x02\n\x06Worker\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12\x45\n\x0eGenerateStream\x12\x16.baton.v1.GenerateCall\x1a\x17.baton.v1.GenerateEvent(\x01\x30\x01\x12>\n\x07Prefill\x12\x18.baton.v1.PrefillRequest\x1a\x19.baton.v1.PrefillResponse\x12\x38\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x17.baton.v1.AbortResponse\x12;\n\x06Health\x12\x17.baton.v1.HealthRequest\x1a\x18.baton.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ERRORCODE']._serialized_start=1588
-  _globals['_ERRORCODE']._serialized_end=1694
+  _globals['_ERRORCODE']._serialized_start=1712
+  _globals['_ERRORCODE']._serialized_end=1818
   _globals['_GENERATEREQUEST']._serialized_start=59
   _globals['_GENERATEREQUEST']._serialized_end=291
   _globals['_COMPLETIONDELTA']._serialized_start=294
   _globals['_COMPLETIONDELTA']._serialized_end=457
   _globals['_GENERATERESPONSE']._serialized_start=460
-  _globals['_GENERATERESPONSE']._serialized_end=655
-  _globals['_GENERATECALL']._serialized_start=657
-  _globals['_GENERATECALL']._serialized_end=777
-  _globals['_CALLEND']._serialized_start=779
-  _globals['_CALLEND']._serialized_end=819
-  _globals['_GENERATEEVENT']._serialized_start=821
-  _globals['_GENERATEEVENT']._serialized_end=947
-  _globals['_PREFILLREQUEST']._serialized_start=950
-  _globals['_PREFILLREQUEST']._serialized_end=1111
-  _globals['_PREFILLRESPONSE']._serialized_start=1114
-  _globals['_PREFILLRESPONSE']._serialized_end=1320
-  _globals['_ABORTREQUEST']._serialized_start=1322
-  _globals['_ABORTREQUEST']._serialized_end=1357
-  _globals['_ABORTRESPONSE']._serialized_start=1359
-  _globals['_ABORTRESPONSE']._serialized_end=1395
-  _globals['_HEALTHREQUEST']._serialized_start=1397
-  _globals['_HEALTHREQUEST']._serialized_end=1412
-  _globals['_HEALTHRESPONSE']._serialized_start=1415
-  _globals['_HEALTHRESPONSE']._serialized_end=1586
-  _globals['_WORKER']._serialized_start=1697
-  _globals['_WORKER']._serialized_end=2028
+  _globals['_GENERATERESPONSE']._serialized_end=705
+  _globals['_GENERATECALL']._serialized_start=707
+  _globals['_GENERATECALL']._serialized_end=827
+  _globals['_CALLEND']._serialized_start=829
+  _globals['_CALLEND']._serialized_end=869
+  _globals['_GENERATEEVENT']._serialized_start=871
+  _globals['_GENERATEEVENT']._serialized_end=997
+  _globals['_PREFILLREQUEST']._serialized_start=1000
+  _globals['_PREFILLREQUEST']._serialized_end=1161
+  _globals['_PREFILLRESPONSE']._serialized_start=1164
+  _globals['_PREFILLRESPONSE']._serialized_end=1444
+  _globals['_ABORTREQUEST']._serialized_start=1446
+  _globals['_ABORTREQUEST']._serialized_end=1481
+  _globals['_ABORTRESPONSE']._serialized_start=1483
+  _globals['_ABORTRESPONSE']._serialized_end=1519
+  _globals['_HEALTHREQUEST']._serialized_start=1521
+  _globals['_HEALTHREQUEST']._serialized_end=1536
+  _globals['_HEALTHRESPONSE']._serialized_start=1539
+  _globals['_HEALTHRESPONSE']._serialized_end=1710
+  _globals['_WORKER']._serialized_start=1821
+  _globals['_WORKER']._serialized_end=2152
 # @@protoc_insertion_point(module_scope)

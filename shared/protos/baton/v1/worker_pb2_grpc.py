@@ -82,7 +82,8 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Prefill(self, request, context):
-        """Run only the prompt and sample the first token (the prefill leg of a disaggregated request).
+        """Run only the prompt and sample the first token (the prefill leg of a disaggregated request;
+        with max_tokens 0, only the prompt: its logprobs).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
