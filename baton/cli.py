@@ -52,23 +52,30 @@ def _make_tiny_model(args: argparse.Namespace) -> None:
     print(f"wrote a tiny {args.arch}{fp8} checkpoint to {path}")
 
 
+DEMO_PROMPTS = ["The quick brown fox", "Return a new list containing", "This module provides"]
+DEMO_CHAT = "What does the json module do?"
+
+
 def _generate(args: argparse.Namespace) -> None:
+    import textwrap
+
     from baton import LLM, SamplingParams
 
     llm = LLM(model=args.model, load_format=args.load_format, max_model_len=args.max_model_len)
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
     )
-    prompts = args.prompt or [
-        "The quick brown fox",
-        "Return a new list containing",
-        "This module provides",
-    ]
-    for out in llm.generate(prompts, params):
+    given = args.prompt or args.chat  # either: exactly those; neither: the samples
+    prompts = args.prompt or ([] if given else DEMO_PROMPTS)
+    chats = args.chat or ([] if given else [DEMO_CHAT])
+    for out in llm.generate(prompts, params) if prompts else []:
         completion = out.outputs[0]
         print(f"--- prompt: {out.prompt!r}\n    {completion.text!r} ({completion.finish_reason})")
-    chat = llm.chat([{"role": "user", "content": "What does the json module do?"}], params)
-    print(f"--- chat reply: {chat[0].outputs[0].text!r}")
+    conversations = [[{"role": "user", "content": message}] for message in chats]
+    for message, out in zip(chats, llm.chat(conversations, params) if chats else [], strict=True):
+        reply = out.outputs[0]
+        print(f"--- user: {message}\n{textwrap.indent(reply.text.strip(), '    ')}\n"
+              f"    ({reply.finish_reason}, {len(reply.token_ids)} tokens)")  # fmt: skip
     stats = llm.get_stats()
     print(
         f"engine: {stats.num_blocks} KV blocks, prefix-cache hits {stats.prefix_hit_tokens} tokens"
@@ -118,15 +125,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "generate", help="generate text with the engine in this process (no server)",
-        formatter_class=HelpFormatter, description="Generate text for a few prompts and one "
-        "chat with the engine in this process, and print it (no server, no gRPC).",
+        formatter_class=HelpFormatter, description="Generate text for prompts and chat "
+        "messages with the engine in this process, and print it (no server, no gRPC).",
     )  # fmt: skip
     p.add_argument("--model", required=True,
                    help="the model: a Hugging Face checkpoint directory, or a GGUF file (or a "
                    "directory holding one)")  # fmt: skip
     p.add_argument("--prompt", action="append",
-                   help="a prompt; repeatable (default: three sample prompts)")  # fmt: skip
-    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
+                   help="a prompt, continued as it is; repeatable (default, without --prompt "
+                   "or --chat: three sample prompts and one chat message)")  # fmt: skip
+    p.add_argument("--chat", action="append", metavar="MESSAGE",
+                   help="a user's message, answered through the model's chat template (each "
+                   "one a conversation of its own); repeatable")  # fmt: skip
+    p.add_argument("--max-tokens", type=int, default=32,
+                   help="the most tokens to generate per prompt or message")  # fmt: skip
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature (0: greedy)")  # fmt: skip
     p.add_argument("--seed", type=int, default=None,
