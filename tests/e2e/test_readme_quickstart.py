@@ -1,7 +1,9 @@
 """The README's quickstart, run as written: ``make run`` (the Makefile's own target, in a fresh
-directory, so it writes the tiny model first), the ready line the README says to wait for, then
-the README's curl and its ``openai`` snippet. Only the port is changed, the way the README says
-a user changes it (``make run PORT=…``), so that the test cannot meet another server on 8000."""
+directory that holds only the Makefile and what ``make install`` made: ``.venv`` and the
+SmolLM2 file in ``.models``), the ready line the README says to wait for, then the README's curl
+and its ``openai`` snippet, whose answers must name Paris. Only the port is changed, the way the
+README says a user changes it (``make run PORT=…``), so that the test cannot meet another server
+on 8000."""
 
 import json
 import os
@@ -17,13 +19,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
 from baton.launcher import free_port
+from tests.conftest import SMOLLM2
 
 ROOT = Path(__file__).resolve().parents[2]
 README_PORT = "8000"  # the port the README's commands name
-READY_S = 240.0  # make-tiny-model, then four services starting on a shared 2-core machine
+READY_S = 240.0  # four services starting on a shared 2-core machine (~12 s when it is idle)
+QUESTION = "What is the capital of France?"
 STOP_S = 60.0
 
 
@@ -93,9 +98,12 @@ def readme() -> dict[str, str]:
 
 
 @pytest.fixture
-def make_run(readme: dict[str, str], tmp_path: Path) -> Iterator[tuple[Server, int, Path]]:
-    """The quickstart's ``serve`` block run in a directory holding the repository's Makefile and
-    its ``.venv`` (``make install`` is done: the tests run in that venv), with no tiny-model."""
+def make_run(
+    readme: dict[str, str], tmp_path: Path, smollm2_gguf: Path
+) -> Iterator[tuple[Server, int, Path]]:
+    """The quickstart's ``serve`` block run in a directory holding the repository's Makefile, its
+    ``.venv`` and its ``.models`` (``make install`` is done: the tests run in that venv, and
+    the ``smollm2_gguf`` fixture says the model is in place)."""
     if shutil.which("make") is None or shutil.which("curl") is None:
         pytest.skip("needs make and curl")
     commands = shell_commands(readme["serve"])
@@ -103,6 +111,7 @@ def make_run(readme: dict[str, str], tmp_path: Path) -> Iterator[tuple[Server, i
     assert (ROOT / ".venv" / "bin" / "python").exists()
     shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
     (tmp_path / ".venv").symlink_to(ROOT / ".venv")
+    (tmp_path / ".models").symlink_to(ROOT / ".models")
     port = free_port()
     # a user's environment: no internal token (baton serve makes one), no test switches
     env = {k: v for k, v in os.environ.items()
@@ -134,22 +143,30 @@ def test_readme_quickstart_runs_as_written(
 ) -> None:
     server, port, workdir = make_run
     [ready_line] = readme["ready"].strip().splitlines()
+    served = ready_line.split()[3]  # "Baton is serving NAME at URL ..."
     server.wait_for_line(on_port(ready_line, port), READY_S)
-    assert (workdir / "tiny-model" / "config.json").exists()  # make run wrote the model first
 
+    # the ready line's promise: a request sent at once is answered (no retry, no /ready first)
+    body = {"model": served, "messages": [{"role": "user", "content": QUESTION}],
+            "max_tokens": 16, "temperature": 0}  # fmt: skip
+    first = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120)
+    assert first.status_code == 200, first.text
+
+    assert QUESTION in readme["request"] and QUESTION in readme["python"]
     request = subprocess.run(["bash", "-c", on_port(readme["request"], port)], cwd=workdir,
                              capture_output=True, text=True, timeout=120)  # fmt: skip
     assert request.returncode == 0, request.stderr
     completion = json.loads(request.stdout)  # an error would be {"error": …} with its status
-    assert completion.get("object") == "text_completion", completion
+    assert completion.get("object") == "chat.completion", completion
     [choice] = completion["choices"]
-    assert isinstance(choice["text"], str) and choice["finish_reason"] in ("length", "stop")
-    assert completion["usage"]["completion_tokens"] >= 1
+    assert "Paris" in choice["message"]["content"], completion  # a trained model's answer
+    assert choice["finish_reason"] == "stop", completion  # it ended its answer itself
 
     snippet = subprocess.run([sys.executable, "-c", on_port(readme["python"], port)],
                              cwd=workdir, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert snippet.returncode == 0, snippet.stderr
-    assert "id='tiny-model'" in snippet.stdout, snippet.stdout
+    assert f"id='{served}'" in snippet.stdout, snippet.stdout
+    assert "Paris" in snippet.stdout, snippet.stdout
 
     server.stop()
     assert "baton serve: stopped" in server.output(), server.output()
@@ -157,11 +174,15 @@ def test_readme_quickstart_runs_as_written(
 
 def test_the_quickstart_names_the_model_make_run_serves(readme: dict[str, str]) -> None:
     """Without a server: the model the README's requests name is the one ``make run`` serves
-    (its ``--model`` directory's name), and the ready line names it too."""
+    (SmolLM2's file, under its ``--served-model-name``), and the ready line names it too."""
     run = subprocess.run(["make", "-n", "-f", str(ROOT / "Makefile"), "run"], cwd=ROOT,
                          capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
-    served = Path(re.search(r"serve --model (\S+)", run.stdout).group(1)).name  # type: ignore[union-attr]
+    model = re.search(r"serve --model (\S+)", run.stdout)
+    served = re.search(r"--served-model-name (\S+)", run.stdout)
+    assert model and served, run.stdout
+    assert (ROOT / model.group(1)).resolve() == SMOLLM2.resolve()  # what `make install` put
+    name = served.group(1)
     assert f"--port {README_PORT}" in run.stdout
-    assert f'"model": "{served}"' in readme["request"]
-    assert f'"{served}"' in readme["python"]
-    assert readme["ready"].startswith(f"Baton is serving {served} at ")
+    assert f'"model": "{name}"' in readme["request"]
+    assert f'"{name}"' in readme["python"]
+    assert readme["ready"].startswith(f"Baton is serving {name} at ")
