@@ -27,7 +27,7 @@ from tests.conftest import SMOLLM2
 
 ROOT = Path(__file__).resolve().parents[2]
 README_PORT = "8000"  # the port the README's commands name
-READY_S = 240.0  # four services starting on a shared 2-core machine (~12 s when it is idle)
+READY_S = 240.0  # four services starting on a shared 2-core machine (6-13 s measured)
 QUESTION = "What is the capital of France?"
 STOP_S = 60.0
 
