@@ -1,8 +1,8 @@
 """One choice's progress across worker calls: the token deltas of its GenerateResponses become
 ``ChoiceDelta``s — detokenized incrementally, cut at a stop string, each token's logprobs paired
-with the text it added and handed out with that text (none for a token that adds nothing at
-the end: an end-of-turn token, tokens past a stop string) — and an engine's error becomes the
-client's (``errors.from_engine``).
+with the text it added and handed out with that text (a token that adds nothing at the end, an
+end-of-turn token, with "" at the end; none for the tokens a stop string cut off) — and an
+engine's error becomes the client's (``errors.from_engine``).
 
     GenerateResponse (token ids) ─▶ ChoiceState.apply ─▶ ChoiceDelta (text, ids, logprobs, finish)
     PrefillResponse (first token) ─▶ ChoiceState.apply_first ─┘

@@ -99,7 +99,8 @@ class Formatter:
 
     def chunk(self, index: int, d: ChoiceDelta, first: bool, want_logprobs: bool) -> dict:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
-        logprobs = self._logprobs(d.logprobs) if want_logprobs else None
+        lps = _content(d.logprobs) if self.chat and d.finish_reason else d.logprobs
+        logprobs = self._logprobs(lps) if want_logprobs else None
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if d.text or first:
@@ -117,7 +118,8 @@ class Formatter:
         return body
 
     def _final_choice(self, c: Choice) -> dict[str, Any]:
-        logprobs = self._logprobs(c.logprobs) if c.logprobs else None
+        lps = _content(c.logprobs) if self.chat else c.logprobs
+        logprobs = self._logprobs(lps) if lps else None
         if self.chat:
             message = {"role": "assistant", "content": c.text}
             return {"index": c.index, "message": message, "logprobs": logprobs,
@@ -216,6 +218,16 @@ def _is_utf8(data: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+def _content(lps: list[TokenLogprob]) -> list[TokenLogprob]:
+    """A chat's logprobs describe its content, as OpenAI's do: without the tokens that end the
+    reply adding nothing (its end-of-turn token). The legacy completions keep one entry for
+    every generated token, as harnesses that slice them by token count expect."""
+    end = len(lps)
+    while end and not lps[end - 1].text:
+        end -= 1
+    return lps[:end]
 
 
 def _top_by_text(top: list[_Alternative]) -> dict[str, float]:

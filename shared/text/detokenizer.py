@@ -12,7 +12,10 @@ ones before it add ""), and text is handed out at token boundaries only:
 
     tokens      ' w'   b'\\xc3'   b'\\xb6'   'r'   <|im_end|>
     adds        ' w'   ''        'ö'       'r'   ''            (special tokens skipped)
-    offset      0      2         2         3     4  ── at the end, adding nothing: dropped
+    offset      0      2         2         3     4  ── at the end, adding nothing: handed out
+                                                       with the end (every token has an entry)
+
+Tokens whose text a stop string cut off entirely are not handed out.
 """
 
 import bisect
@@ -55,6 +58,7 @@ class IncrementalDetokenizer:
         self._ends: list[int] = []  # per token fed: len(text) after it, before any stop cut
         self._tokens_sent = 0  # tokens that ``new_tokens`` handed out (or dropped)
         self._cut_off = ""  # the text a stop string cut off the end
+        self._stopped = False  # a stop string ended the text
 
     def update(self, token_ids: list[int]) -> str | None:
         """Add tokens; return the stop string they completed, if any (text is then cut, and
@@ -79,6 +83,7 @@ class IncrementalDetokenizer:
         at, stop = best
         end = at + len(stop) if self.include_stop else at
         self.text, self._cut_off = self.text[:end], self.text[end:]
+        self._stopped = True
         return stop
 
     def new_text(self, finished: bool) -> str:
@@ -103,7 +108,9 @@ class IncrementalDetokenizer:
         before, in order; call it after ``new_text``. A token that adds nothing waits for the
         next one that adds something (the rest of its character). Once finished, the tokens
         that add nothing at the very end (an end-of-text token, the bytes of an unfinished
-        character, tokens past a stop string) are dropped: no text of theirs, no entry."""
+        character) come with "" at the text's end, so every token generated has an entry (as
+        OpenAI's and vLLM's logprobs have: harnesses count on it); those whose text a stop
+        string cut off are dropped."""
         out = []
         i = self._tokens_sent
         while i < len(self._ends):
@@ -114,6 +121,8 @@ class IncrementalDetokenizer:
             cut = self._cut_off[: self._ends[i] - end]  # "" unless a stop string cut it
             out.append(TokenText(start, self.text[start:end], cut))
             i += 1
+        if finished and not self._stopped:
+            out += [TokenText(len(self.text), "") for _ in range(i, len(self._ends))]
         self._tokens_sent = len(self._ends) if finished else i
         return out
 

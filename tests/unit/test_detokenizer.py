@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.text.detokenizer import IncrementalDetokenizer
+from shared.text.detokenizer import IncrementalDetokenizer, TokenText
 from shared.text.tokenizer import TextTokenizer
 
 TEXTS = [
@@ -59,8 +59,8 @@ def test_include_stop_string(tokenizer: TextTokenizer) -> None:
 @pytest.mark.parametrize("text", TEXTS)
 def test_each_token_says_what_it_added(tokenizer: TextTokenizer, text: str) -> None:
     """The texts of the tokens handed out with each piece are that piece; a character split
-    across tokens belongs to the token that completes it; the end token adds nothing and,
-    being at the very end, is dropped."""
+    across tokens belongs to the token that completes it; the end token adds nothing and
+    comes last, with "" at the text's end."""
     ids = [*tokenizer.encode(text), 2]  # 2: <|im_end|>, skipped
     detok = IncrementalDetokenizer(tokenizer.tokenizer, tokenizer.encode("Prompt:"))
     tokens = []
@@ -71,11 +71,12 @@ def test_each_token_says_what_it_added(tokenizer: TextTokenizer, text: str) -> N
         new = detok.new_tokens(done)
         assert "".join(t.text for t in new) == piece
         tokens += new
-    assert len(tokens) == len(ids) - 1
+    assert len(tokens) == len(ids)
+    assert tokens[-1] == TokenText(len(text), "")
     assert "".join(t.text for t in tokens) == text
     assert all(text[t.offset : t.offset + len(t.text)] == t.text for t in tokens)
     raw = [tokenizer.token_bytes(i) for i in ids[:-1]]
-    for t, b in zip(tokens, raw, strict=True):
+    for t, b in zip(tokens[:-1], raw, strict=True):
         assert t.text == "" or t.text.encode().endswith(b)  # its bytes end its text
 
 

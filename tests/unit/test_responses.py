@@ -83,8 +83,9 @@ def test_completion_tokens_join_to_the_text_with_offsets_inside_it(
     assert lp["text_offset"] == sorted(lp["text_offset"])
     for token, offset in zip(lp["tokens"], lp["text_offset"], strict=True):
         assert text[offset : offset + len(token)] == token
-    # one entry per token of the text; the end token, which adds nothing, has none
-    assert len(lp["tokens"]) == len(tok.encode(text))
+    # one entry per generated token: the end token's, which adds nothing, comes last
+    assert len(lp["tokens"]) == len(tok.encode(text)) + 1 and lp["tokens"][-1] == ""
+    assert lp["text_offset"][-1] == len(text)
     for value, top, token in zip(
         lp["token_logprobs"], lp["top_logprobs"], lp["tokens"], strict=True
     ):
