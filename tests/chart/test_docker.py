@@ -86,9 +86,13 @@ def test_slim_requirements_cover_what_the_gateway_and_scheduler_import() -> None
     import subprocess
     import sys
 
-    code = (  # the optional imports of grpc and kubernetes fail there, as they will in the image
+    # the optional imports of grpc and kubernetes fail there, as they will in the image, and so
+    # does requests' of chardet (the dev extras' lm_eval installs it; the image has requests'
+    # own charset_normalizer)
+    code = (
         "import sys, importlib\n"
-        "sys.modules.update(dict.fromkeys(('grpc_tools', 'kubernetes_validate', 'sniffio')))\n"
+        "sys.modules.update(dict.fromkeys(('grpc_tools', 'kubernetes_validate', 'sniffio',\n"
+        "                                  'chardet')))\n"
         "for m in ('baton.cli', 'services.gateway.main', 'services.global_scheduler.main',\n"
         "          'services.global_scheduler.discovery', 'kubernetes.aio.client'):\n"
         "    importlib.import_module(m)\n"
