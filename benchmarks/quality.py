@@ -158,7 +158,7 @@ def transformers_logprobs(
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     if model_path.suffix == ".gguf":
-        from tests.smollm2 import transformers_model
+        from baton.transformers_gguf import transformers_model
 
         model = transformers_model(model_path, dtype=torch_dtype)
     else:
