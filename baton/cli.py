@@ -17,11 +17,12 @@ Baton serves language models behind an OpenAI-compatible API (/v1/completions,
 /v1/chat/completions, /v1/models), with disaggregated prefill and decode workers.
 
 start here:
+  baton serve --model .models/SmolLM2-135M-Instruct.Q4_1.gguf
+      the whole system on this machine serving SmolLM2 (the trained model that
+      `make install` downloads; a GGUF file or a checkpoint directory will do),
+      on http://127.0.0.1:8000/v1 once it prints 'Baton is serving ...'
   baton make-tiny-model tiny-model
-      a small model with random weights to try Baton on (its text is noise)
-  baton serve --model tiny-model
-      the whole system on this machine, serving http://127.0.0.1:8000/v1 once
-      it prints 'Baton is serving tiny-model at ...'
+      a small model with random weights, any architecture (its text is noise)
   baton COMMAND --help
       a command's flags, each with its default
 """
