@@ -411,6 +411,7 @@ LIMIT_HELP = {
     "max_bad_words": "the most bad_words in one request",
     "max_bad_word_chars": "the most characters in one bad word",
     "max_allowed_token_ids": "the most allowed_token_ids in one request",
+    "max_logit_bias": "the most logit_bias entries in one request",
 }
 
 

@@ -152,8 +152,8 @@ def transformers_logprobs(
     model_path: Path, wins: list[Window], dtype: str, device: str
 ) -> tuple[list[list[float | None]], float]:
     """Each window's per-token logprobs from Hugging Face transformers: a GGUF file read as
-    ``baton/transformers_gguf.py`` reads it (dequantized, q/k un-permuted), a checkpoint directory with
-    ``from_pretrained``. Log-softmax in float32 over the model's logits."""
+    ``baton/transformers_gguf.py`` reads it (dequantized, q/k un-permuted), a checkpoint
+    directory with ``from_pretrained``. Log-softmax in float32 over the model's logits."""
     from transformers import AutoModelForCausalLM
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]

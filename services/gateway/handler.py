@@ -100,11 +100,10 @@ class Handler:
         wanted = [n for n in (body.prompt_logprobs, num_logprobs if echo_logprobs else None)
                   if n is not None]  # fmt: skip
         params = _params(body, limit, num_logprobs, max(wanted, default=None))
-        _check_vocabulary(
-            prompts,
-            {"stop_token_ids": body.stop_token_ids, "allowed_token_ids": body.allowed_token_ids},
-            limits.vocab_size,
-        )
+        biased = [int(k) for k in body.logit_bias or ()]
+        fields = {"stop_token_ids": body.stop_token_ids,
+                  "allowed_token_ids": body.allowed_token_ids, "logit_bias": biased}  # fmt: skip
+        _check_vocabulary(prompts, fields, limits.vocab_size)
         jobs = []
         for i, ids in enumerate(prompts):
             _check_length(ids, limit, limits.max_model_len)
@@ -213,6 +212,8 @@ def _params(
         p.logprobs = num_logprobs
     if prompt_logprobs is not None:
         p.prompt_logprobs = prompt_logprobs
+    for token, bias in (body.logit_bias or {}).items():
+        p.logit_bias[int(token)] = bias
     if limit is not None and body.min_tokens > limit:
         raise errors.bad_request(
             f"min_tokens ({body.min_tokens}) > max_tokens ({limit})", "min_tokens"

@@ -30,6 +30,8 @@ def check_limits(limits: InputLimits, body: CompletionRequest | ChatCompletionRe
     _at_most("bad_words", "characters in a bad word", longest, limits.max_bad_word_chars)
     allowed = len(body.allowed_token_ids or ())
     _at_most("allowed_token_ids", "allowed token ids", allowed, limits.max_allowed_token_ids)
+    biased = len(body.logit_bias or ())
+    _at_most("logit_bias", "logit_bias entries", biased, limits.max_logit_bias)
 
 
 def _at_most(param: str, what: str, count: int, limit: int) -> None:

@@ -5,11 +5,12 @@ ignored:
 
 - honoured: OpenAI's sampling fields, and vLLM's ``top_k``, ``min_p``, ``repetition_penalty``,
   ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
-  ``skip_special_tokens``, ``cache_salt``, ``allowed_token_ids``, ``bad_words``,
+  ``skip_special_tokens``, ``cache_salt``, ``allowed_token_ids``, ``bad_words``, OpenAI's
+  ``logit_bias``,
   ``truncate_prompt_tokens``, ``add_special_tokens``, ``prompt_logprobs`` (not streamed), for
   completions ``echo`` (with ``logprobs``: the prompt's too) and ``max_tokens: 0``, and for chat
   ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``;
-- refused (``REFUSED`` below, and the checks in the validators): ``logit_bias``, ``suffix``,
+- refused (``REFUSED`` below, and the checks in the validators): ``suffix``,
   tools and functions, non-text ``response_format``, structured outputs, beam search, non-text
   modalities and content parts, and the other vLLM and OpenAI fields Baton cannot honour;
 - accepted and ignored, because they change nothing in the output: ``user``, ``metadata``,
@@ -54,7 +55,6 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 # Fields whose presence (anything but null, false or empty) asks for what Baton cannot do.
 STRUCTURED = "structured outputs are not supported"
 REFUSED_COMMON = {
-    "logit_bias": "logit_bias is not supported",
     "use_beam_search": "beam search is not supported",
     "structured_outputs": STRUCTURED,
     "guided_json": STRUCTURED,
@@ -133,8 +133,9 @@ class _SamplingFields(_Body):
     # ``prompt_logprobs`` beside the choices; not while streaming, as vLLM
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     user: str | None = None
-    # refused when set (REFUSED_COMMON): declared so that their presence is seen
+    # OpenAI's: token id (as a string) → a bias in [-100, 100] added to its logit
     logit_bias: dict[str, float] | None = None
+    # refused when set (REFUSED_COMMON): declared so that their presence is seen
     use_beam_search: bool = False
     structured_outputs: Any = None
     guided_json: Any = None
@@ -167,6 +168,11 @@ class _SamplingFields(_Body):
             raise refuse("allowed_token_ids", "allowed_token_ids must not be empty")
         if any(not w.strip() for w in self.bad_words or ()):
             raise refuse("bad_words", "bad words must not be empty or only whitespace")
+        for key, bias in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit() and int(key) <= UINT32_MAX):
+                raise refuse("logit_bias", f"logit_bias keys are token ids, got {key[:40]!r}")
+            if not -100 <= bias <= 100:  # (finite: the body's floats are)
+                raise refuse("logit_bias", f"a bias is in [-100, 100], got {bias}")
         return self
 
     @property

@@ -16,6 +16,7 @@ class InputLimits:
     max_bad_words: int = 64  # bad_words (each is matched on every generated token)
     max_bad_word_chars: int = 256  # characters in one bad word
     max_allowed_token_ids: int = 4096  # allowed_token_ids (a mask built every step)
+    max_logit_bias: int = 1024  # logit_bias entries (added to the logits every step)
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

@@ -37,6 +37,8 @@ def sampling_params(p: common_pb2.SamplingParams) -> SamplingParams:
             kwargs[name] = getattr(p, name)
     if p.allowed_token_ids:  # (empty on the wire: no restriction; the gateway refuses [])
         kwargs["allowed_token_ids"] = list(p.allowed_token_ids)
+    if p.logit_bias:  # bounded and checked against the vocabulary by SamplingParams, processor
+        kwargs["logit_bias"] = dict(p.logit_bias)
     if p.bad_words:  # tokenized on admission (engine/processor.py), bounded by SamplingParams
         kwargs["bad_words"] = list(p.bad_words)
     return SamplingParams(**kwargs)  # type: ignore[arg-type]

@@ -92,8 +92,9 @@ def test_killed_worker_is_dropped_and_requests_succeed(fresh_cluster: Cluster) -
     took = wait_for(lambda: len(list_workers(fresh_cluster)) == 1, 5.0, "the dead worker to go")
     assert took < 2.5
     for i in range(6):
-        out = c.completions.create(model=MODEL, prompt=f"after the kill {i}", max_tokens=4,
-                                   extra_body={"ignore_eos": True})  # (a random draw may stop)
+        out = c.completions.create(
+            model=MODEL, prompt=f"after the kill {i}", max_tokens=4, extra_body={"ignore_eos": True}
+        )  # (a random draw may stop)
         assert out.choices[0].finish_reason == "length"
 
 

@@ -100,8 +100,9 @@ def test_seeded_n_equals_offline(pd_cluster: Cluster, offline: LLM, tiny_model: 
 def test_token_constraints_hold_across_the_hand_off(
     pd_cluster: Cluster, offline: LLM, tiny_model: Path
 ) -> None:
-    """allowed_token_ids and bad_words: the prefill worker samples the first token under them
-    (each request here changes it), the decode worker the rest: as the offline engine does."""
+    """allowed_token_ids, bad_words and logit_bias: the prefill worker samples the first token
+    under them (each request here changes it), the decode worker the rest: as the offline
+    engine does."""
     before = disaggregated_routes(pd_cluster)
     prompt = long_prompt(tiny_model, 120, "pd-constrained")
     free = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
@@ -110,8 +111,11 @@ def test_token_constraints_hold_across_the_hand_off(
     word = offline.tokenizer.decode(ids[:1]).strip()  # the first token's word, banned
     assert word, "the tiny model's first token here is a word"
     with openai.OpenAI(base_url=pd_cluster.url, api_key="x", max_retries=0, timeout=60) as c:
-        for extra in ({"allowed_token_ids": allowed}, {"bad_words": [word]}):
+        bias = {allowed[0]: 100.0}  # the first token, and every other one
+        for extra in ({"allowed_token_ids": allowed}, {"bad_words": [word]}, {"logit_bias": bias}):
             params = SamplingParams(temperature=0, max_tokens=12, **extra)  # type: ignore[arg-type]
+            if "logit_bias" in extra:  # OpenAI's keys are strings
+                extra = {"logit_bias": {str(t): b for t, b in bias.items()}}
             ref = offline.generate([prompt], params)[0].outputs[0]
             out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
                                        extra_body=extra)  # fmt: skip

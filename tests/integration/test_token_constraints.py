@@ -1,7 +1,7 @@
-"""allowed_token_ids and bad_words through the offline ``LLM`` (vLLM's API) on the tiny model,
-against the unconstrained greedy output as the oracle; and under async scheduling (the GPU
-default, here on CPU), where a bad word's prefix may end with the token still in flight: the
-outputs equal the one-step-at-a-time engine's."""
+"""allowed_token_ids, bad_words and logit_bias through the offline ``LLM`` (vLLM's API) on the
+tiny model, against the unconstrained greedy output as the oracle; and under async scheduling
+(the GPU default, here on CPU), where a bad word's prefix may end with the token still in
+flight: the outputs equal the one-step-at-a-time engine's."""
 
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,6 +58,15 @@ def test_bad_word_token_ids_are_never_generated(llm: LLM, prompt: str) -> None:
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
+def test_logit_bias(llm: LLM, prompt: str) -> None:
+    """-100 on each token of the free output bans it; +100 on one token makes it every token."""
+    free = greedy(llm, prompt)
+    banned = greedy(llm, prompt, logit_bias={t: -100.0 for t in set(free)})
+    assert not set(banned) & set(free)
+    assert greedy(llm, prompt, logit_bias={free[5]: 100.0}) == [free[5]] * len(free)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
 def test_bad_words_as_text(llm: LLM, prompt: str) -> None:
     """The input processor tokenizes them as vLLM does; none of those sequences appears."""
     free = greedy(llm, prompt)
@@ -77,7 +86,7 @@ def test_bad_words_as_text(llm: LLM, prompt: str) -> None:
 def test_token_ids_outside_the_vocabulary_are_refused(llm: LLM) -> None:
     vocab = llm.config.model.arch.vocab_size
     for extra in ({"allowed_token_ids": [vocab]}, {"bad_words_token_ids": [[1, vocab]]},
-                  {"stop_token_ids": [vocab]}):  # fmt: skip
+                  {"stop_token_ids": [vocab]}, {"logit_bias": {vocab: 1.0}}):  # fmt: skip
         with pytest.raises(ValueError, match="outside the vocabulary"):
             greedy(llm, "hi", **extra)
 

@@ -26,7 +26,9 @@ def refusal(schema: type[BaseModel], body: dict[str, Any]) -> errors.APIError:
 # (schema, body, the param the 400 names)
 REFUSED: list[tuple[type[BaseModel], dict[str, Any], str]] = [
     # cross-field checks: these said "Value error, ..." with param null
-    (CompletionRequest, {**P, "logit_bias": {"1": 5}}, "logit_bias"),
+    (CompletionRequest, {**P, "logit_bias": {"1": 101}}, "logit_bias"),
+    (CompletionRequest, {**P, "logit_bias": {"a": 1}}, "logit_bias"),
+    (ChatCompletionRequest, {**C, "logit_bias": {"-1": 1}}, "logit_bias"),
     (CompletionRequest, {**P, "suffix": "x"}, "suffix"),
     (CompletionRequest, {**P, "best_of": 2}, "best_of"),
     (CompletionRequest, {**P, "stop": [""]}, "stop"),

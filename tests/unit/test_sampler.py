@@ -113,6 +113,29 @@ def test_temperature_sampling_follows_the_distribution() -> None:
     assert 0.6 < share < 0.8 and set(draws) <= {0, 1, 2}
 
 
+def test_logit_bias_moves_the_draw_not_the_logprobs() -> None:
+    """OpenAI's logit_bias: added to a row's logits before any draw (greedy or random); the
+    logprobs stay those of the model's raw distribution, as vLLM reports them."""
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]] * 2)
+    rows = [state([1], temperature=0, logit_bias={3: 100.0}), state([1], temperature=0)]
+    assert sample(logits, rows) == [3, 0]  # each row its own biases
+    assert sample(logits[:1], [state([1], temperature=0, logit_bias={0: -100.0})]) == [1]
+    assert sample(logits[:1], [state([1], temperature=0, logit_bias={0: -0.5})]) == [0]
+    meta = build_sampling_metadata(
+        [state([1], temperature=0, logprobs=1, logit_bias={3: 100.0})], VOCAB, torch.device("cpu")
+    )
+    out = Sampler()(logits[:1].clone(), meta)
+    raw = logits[0].log_softmax(-1)
+    assert out.sampled.tolist() == [3]
+    assert out.sampled_logprobs is not None and out.sampled_ranks is not None
+    assert out.sampled_logprobs.tolist() == pytest.approx([raw[3].item()])
+    assert out.sampled_ranks.tolist() == [4]  # its raw rank: three tokens above it
+    # a random draw follows the biased distribution: +10 on a token the model gives e^-3 of
+    # the best's weight makes it ~e^7 times the best's
+    drawn = [sample(logits[:1], [state([1], seed=i, logit_bias={3: 10.0})])[0] for i in range(40)]
+    assert drawn.count(3) >= 38
+
+
 @pytest.mark.parametrize(
     "bad",
     [
@@ -122,6 +145,8 @@ def test_temperature_sampling_follows_the_distribution() -> None:
         {"top_k": -2},
         {"min_p": 2.0},
         {"prompt_logprobs": 21},
+        {"logit_bias": {1: 100.5}},
+        {"logit_bias": {-1: 1.0}},
         {"max_tokens": -5},
         {"n": 0},
         {"logprobs": 21},

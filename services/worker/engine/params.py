@@ -15,6 +15,8 @@ MAX_LOGPROBS = 20
 MAX_BAD_WORDS = 1024
 MAX_BAD_WORD_CHARS = 4096
 MAX_ALLOWED_TOKEN_IDS = 1 << 20
+MAX_LOGIT_BIAS = 1 << 16  # tokens one request may bias
+LOGIT_BIAS_BOUND = 100.0  # OpenAI's: each bias in [-100, 100]
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -43,6 +45,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # always), computed in the steps that run the prompt (model_runner.prompt_logprobs)
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None  # only these may be sampled; None: any token
+    # OpenAI's: token id → a bias added to its logit before sampling (not to the logprobs, which
+    # are the model's raw distribution, as vLLM reports them)
+    logit_bias: dict[int, float] | None = None
     # vLLM's: never generate these words (sample/constraints.py); the input processor tokenizes
     # them into bad_words_token_ids, which is what the sampler reads
     bad_words: list[str] = msgspec.field(default_factory=list)
@@ -96,6 +101,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 )  # (an empty list would mask every token)
             for tok in self.allowed_token_ids:
                 _check_int("allowed_token_ids[]", tok, lo=0)
+        if self.logit_bias is not None:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got "
+                                 f"{len(self.logit_bias)}")  # fmt: skip
+            for tok, bias in self.logit_bias.items():
+                _check_int("logit_bias token id", tok, lo=0)
+                _check_float("logit_bias", bias, lo=-LOGIT_BIAS_BOUND, hi=LOGIT_BIAS_BOUND)
         if len(self.bad_words) > MAX_BAD_WORDS:
             raise ValueError(f"bad_words: at most {MAX_BAD_WORDS}, got {len(self.bad_words)}")
         for word in self.bad_words:

@@ -39,6 +39,7 @@ def check_vocabulary(params: SamplingParams, vocab_size: int) -> None:
         "allowed_token_ids": params.allowed_token_ids or [],
         "bad_words": [t for seq in params.bad_words_token_ids for t in seq],
         "stop_token_ids": params.stop_token_ids,
+        "logit_bias": list(params.logit_bias or ()),
     }
     for name, ids in fields.items():
         bad = next((t for t in ids if not 0 <= t < vocab_size), None)

@@ -1,7 +1,7 @@
-"""The token constraints' masks on the logits (``constraints.py`` says what they mean): applied
-by the sampler in place, after the raw logprobs and before the min_tokens ban, the penalties
-and any draw (greedy, truncated or Gumbel). A batch where no row sets a constraint builds none
-of this (its metadata fields are None) and pays nothing.
+"""The token constraints' masks on the logits (``constraints.py`` says what they mean), and
+``logit_bias``'s additions: applied by the sampler in place, after the raw logprobs and before
+the min_tokens ban, the penalties and any draw (greedy, truncated or Gumbel). A batch where no
+row sets a constraint builds none of this (its metadata fields are None) and pays nothing.
 """
 
 from dataclasses import dataclass
@@ -24,6 +24,20 @@ class BadWordBans:
     pending_flat: torch.Tensor | None  # int64 [k]: row * vocab + token
     expected: torch.Tensor | None  # int64 [k]
     pending_tokens: torch.Tensor | None  # int64 [k]: what the step in flight sampled, on device
+
+
+@dataclass
+class LogitBias:
+    """Biases added to some rows' logits (OpenAI's ``logit_bias``)."""
+
+    flat: torch.Tensor  # int64: row * vocab + token
+    values: torch.Tensor  # float32, one per index
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: LogitBias) -> None:
+    """Add each bias to its logit, in place (flat: a (rows, tokens) index would wait for the
+    device; a token masked already stays -inf)."""
+    logits.view(-1).index_add_(0, bias.flat, bias.values)
 
 
 def apply_allowed(logits: torch.Tensor, allowed: AllowedTokens) -> None:

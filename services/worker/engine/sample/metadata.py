@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.engine.sample.masks import AllowedTokens, BadWordBans
+from services.worker.engine.sample.masks import AllowedTokens, BadWordBans, LogitBias
 
 
 @dataclass
@@ -32,3 +32,4 @@ class SamplingMetadata:
     max_num_logprobs: int | None  # largest top-N requested among the rows; None: no logprobs
     allowed: AllowedTokens | None = None  # rows limited to their allowed_token_ids
     bad_words: BadWordBans | None = None  # bad words' last tokens masked this step
+    logit_bias: LogitBias | None = None  # rows' logit_bias

@@ -1,6 +1,6 @@
 """The sampler. Order, as in vLLM: logprobs of the raw model output → allowed_token_ids →
-bad_words → min_tokens ban → penalties → greedy argmax | (temperature → top-k/top-p → min-p →
-random draw).
+bad_words → logit_bias → min_tokens ban → penalties → greedy argmax | (temperature →
+top-k/top-p → min-p → random draw).
 
 Random rows draw by the Gumbel-max race (``ops/gumbel.py``): one pass over the logits in the model's
 dtype on a GPU, with noise hashed from the request's seed and token index, so a seeded request's
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from services.worker.engine.ops.gumbel import greedy_argmax, gumbel_argmax
-from services.worker.engine.sample.masks import apply_allowed, apply_bad_words
+from services.worker.engine.sample.masks import apply_allowed, apply_bad_words, apply_logit_bias
 from services.worker.engine.sample.metadata import Penalties, SamplingMetadata
 
 
@@ -30,12 +30,15 @@ class Sampler:
         wanted = meta.max_num_logprobs is not None
         raw_logprobs = logits.float().log_softmax(-1) if wanted else None
         masks = meta.allowed is not None or meta.bad_words is not None or meta.banned is not None
+        masks = masks or meta.logit_bias is not None
         if masks or meta.penalties is not None:
             logits = logits.float()
         if meta.allowed is not None:
             apply_allowed(logits, meta.allowed)
         if meta.bad_words is not None:
             apply_bad_words(logits, meta.bad_words)
+        if meta.logit_bias is not None:
+            apply_logit_bias(logits, meta.logit_bias)
         if meta.banned is not None:  # flat: a (rows, tokens) index would wait for the device
             logits.view(-1).index_fill_(0, meta.banned, float("-inf"))
         if meta.penalties is not None:

@@ -12,7 +12,7 @@ import torch
 from services.worker.engine.ops.gumbel import row_keys
 from services.worker.engine.params import SamplingParams
 from services.worker.engine.sample.constraints import row_bad_word_bans
-from services.worker.engine.sample.masks import AllowedTokens, BadWordBans
+from services.worker.engine.sample.masks import AllowedTokens, BadWordBans, LogitBias
 from services.worker.engine.sample.metadata import Penalties, SamplingMetadata
 
 
@@ -111,6 +111,7 @@ def build_sampling_metadata(
         max_num_logprobs=max(logprobs) if logprobs else None,
         allowed=_allowed(states, vocab_size, device),
         bad_words=_bad_words(states, vocab_size, device, in_flight),
+        logit_bias=_logit_bias(states, vocab_size, device),
     )
 
 
@@ -184,6 +185,21 @@ def _allowed(
         for r in rows
     ])  # fmt: skip
     return AllowedTokens(to_device(rows, torch.int64, device), to_device(flat, torch.int64, device))
+
+
+def _logit_bias(
+    states: list[CachedRequestState], vocab_size: int, device: torch.device
+) -> LogitBias | None:
+    """Every row's logit_bias as flat indices (row × vocab + token) and their values."""
+    flat: list[int] = []
+    values: list[float] = []
+    for row, s in enumerate(states):
+        for tok, bias in (s.params.logit_bias or {}).items():
+            flat.append(row * vocab_size + tok)
+            values.append(bias)
+    if not flat:
+        return None
+    return LogitBias(to_device(flat, torch.int64, device), to_device(values, torch.float32, device))
 
 
 def _bad_words(
