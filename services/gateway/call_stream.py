@@ -47,8 +47,13 @@ class CallStream(Generic[Send, Recv]):
         try:
             while True:
                 await self.call.write(await self._outbox.get())
-        except Exception as e:  # any failed write leaves the call unusable: end it, loudly
-            self._end(e)
+        except Exception:
+            # Any failed write leaves the call unusable, but its error may not say why: a write
+            # racing the server's end of the call fails INTERNAL ("execute_batch") where the
+            # call itself ended UNIMPLEMENTED (a server without the method, which the client
+            # must hear to go unary). The reader hears the call's own status and ends the
+            # stream with it; cancelling ends a call still open, so the reader ends either way.
+            self.call.cancel()
 
     async def _read(self) -> None:
         try:
