@@ -45,7 +45,7 @@ def transformers_model(path: Path, dtype: torch.dtype = torch.float32) -> Any:
     result = model.load_state_dict(parsed["tensors"], strict=False)
     assert result.missing_keys == ["lm_head.weight"] and not result.unexpected_keys  # tied
     model.tie_weights()
-    return model.eval()
+    return model.train(False)  # inference mode for every submodule
 
 
 def transformers_tokenizer(path: Path) -> Any:

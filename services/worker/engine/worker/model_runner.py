@@ -125,6 +125,7 @@ class ModelRunner:
         self.pad_block = 0  # the spare block past the real cache that padding rows write to
         self.pieces: PiecewiseGraphRunner | None = None  # the steps decode graphs do not take
         self.last_step: StepHandle | None = None  # the latest sampling step not yet taken
+        self._prompt_logprob_reqs: set[str] = set()  # requests that asked for prompt logprobs
         # the seeds of unseeded rows: per engine unless the user gave one (ModelConfig)
         self._rng = np.random.default_rng(config.model.sampling_seed)
         self.read = ReadCounter()  # what loading read from the checkpoint (this rank's slices)
@@ -280,6 +281,7 @@ class ModelRunner:
         self.graphs = None
         self.pieces = None
         self.requests.clear()
+        self._prompt_logprob_reqs.clear()
         self.last_step = None
 
     # ---- one step ------------------------------------------------------------------------
@@ -308,18 +310,22 @@ class ModelRunner:
     def _prompt_spans(self, inputs: StepInputs) -> list[PromptSpan]:
         """The prompt tokens this step runs whose next token is a prompt token too, for the
         requests that asked for prompt logprobs."""
-        spans = []
+        spans: list[PromptSpan] = []
+        if not self._prompt_logprob_reqs:  # the usual step: no per-row work
+            return spans
         for row, rid in enumerate(inputs.req_ids):
-            state = self.requests[rid]
-            if state.params.prompt_logprobs is None:
+            if rid not in self._prompt_logprob_reqs:
                 continue
+            state = self.requests[rid]
+            top_n = state.params.prompt_logprobs
+            assert top_n is not None  # (how it joined the set)
             start = state.num_computed_tokens
             end = min(start + inputs.query_start_loc[row + 1] - inputs.query_start_loc[row],
                       state.num_prompt_tokens - 1)  # fmt: skip
             if end > start:
                 targets = state.token_ids[start + 1 : end + 1]
                 first = inputs.query_start_loc[row]
-                spans.append(PromptSpan(rid, start, first, targets, state.params.prompt_logprobs))
+                spans.append(PromptSpan(rid, start, first, targets, top_n))
         return spans
 
     def _prompt_logprobs(
@@ -402,7 +408,10 @@ class ModelRunner:
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_req_ids:
             self.requests.pop(rid, None)
+            self._prompt_logprob_reqs.discard(rid)
         for new in sched.new_reqs:
+            if new.params.prompt_logprobs is not None:
+                self._prompt_logprob_reqs.add(new.req_id)
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
                 token_ids=list(new.token_ids),
