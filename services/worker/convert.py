@@ -3,7 +3,11 @@
 from services.worker.engine.kv_transfer.params import RemoteKV
 from services.worker.engine.messages import EngineStats, ErrorCode
 from services.worker.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from services.worker.engine.params import RequestOutputKind, SamplingParams
+from services.worker.engine.params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputParams,
+)
 from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from shared.protos.baton.v1 import common_pb2, scheduler_pb2, worker_pb2
 
@@ -41,7 +45,27 @@ def sampling_params(p: common_pb2.SamplingParams) -> SamplingParams:
         kwargs["logit_bias"] = dict(p.logit_bias)
     if p.bad_words:  # tokenized on admission (engine/processor.py), bounded by SamplingParams
         kwargs["bad_words"] = list(p.bad_words)
+    if p.HasField("structured_output"):
+        kwargs["structured_outputs"] = structured_output(p.structured_output)
     return SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def structured_output(s: common_pb2.StructuredOutput) -> StructuredOutputParams:
+    """The grammar of a request (ValueError when none of its kinds is set)."""
+    kind = s.WhichOneof("kind")
+    replay = s.replay_tokens
+    if kind == "json_schema":
+        return StructuredOutputParams(json=s.json_schema, replay_tokens=replay)
+    if kind == "json_object":
+        return StructuredOutputParams(json_object=True, replay_tokens=replay)
+    if kind == "regex":
+        return StructuredOutputParams(regex=s.regex, replay_tokens=replay)
+    if kind == "choice":
+        return StructuredOutputParams(choice=list(s.choice.choices), replay_tokens=replay)
+    if kind == "grammar":
+        return StructuredOutputParams(grammar=s.grammar, replay_tokens=replay)
+    raise ValueError("structured_output sets none of json_schema, json_object, regex, choice, "
+                     "grammar")  # fmt: skip
 
 
 def generate_response(out: RequestOutput) -> worker_pb2.GenerateResponse:

@@ -2,6 +2,7 @@
 its blocks, a decode engine pulls them over NIXL (UCX, DRAM on CPU) and continues from the
 handed-over first token. Output must equal a colocated engine's, token for token."""
 
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 from baton import LLM, SamplingParams
 from services.worker.engine.kv_transfer.params import KVTransferParams, RemoteKV
 from services.worker.engine.messages import ErrorCode
+from services.worker.engine.params import StructuredOutputParams
 from shared.text.tokenizer import TextTokenizer
 from tests.helpers import disaggregated, wait_all_free
 
@@ -64,6 +66,29 @@ def test_seeded_sampling_continues_exactly(engines, tiny_model: Path) -> None:  
     got_lps = (first.outputs[0].logprobs or []) + (rest.outputs[0].logprobs or [])
     assert [next(iter(lp)) for lp in got_lps] == want.token_ids  # sampled token first
     assert len(set(want.token_ids)) > 3  # really sampled, not a degenerate repeat
+
+
+@pytest.mark.parametrize("kind", ["regex", "json"])
+def test_a_grammar_holds_across_the_hand_off(engines, tiny_model: Path, kind: str) -> None:  # type: ignore[no-untyped-def]
+    """The prefill engine samples the first token under the grammar; the decode engine's
+    matcher starts by accepting it: the output is the colocated engine's, and follows it."""
+    ref, prefill, decode = engines
+    ids = prompt(tiny_model, "A constrained answer across two engines")
+    regex = r"[a-z]{2,9}@[a-z]{2,9}\.(com|org)"
+    schema = '{"type": "object", "properties": {"k": {"enum": ["x", "y"]}}, "required": ["k"]}'
+    spec = (
+        StructuredOutputParams(regex=regex)
+        if kind == "regex"
+        else StructuredOutputParams(json=schema)
+    )
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=40, logprobs=2,
+                            structured_outputs=spec)  # fmt: skip
+    want = ref.generate([{"prompt_token_ids": ids}], params)[0].outputs[0]
+    first, rest = disaggregated(prefill, decode, ids, params)
+    got = first.outputs[0].token_ids + rest.outputs[0].token_ids
+    assert got == want.token_ids
+    if kind == "regex":  # (the random model's JSON may fill its 40 tokens with whitespace)
+        assert re.fullmatch(regex, TextTokenizer(tiny_model).decode(got))
 
 
 def test_decode_reuses_its_own_prefix_blocks(engines, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]

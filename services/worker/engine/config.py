@@ -93,6 +93,18 @@ class KVTransferConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputConfig:
+    """Grammar-constrained decoding (engine/structured/)."""
+
+    compile_threads: int = 2  # the compiling pool's threads (and xgrammar's own per grammar)
+    compile_timeout_s: float = 30.0  # a request whose grammar is not ready by then fails
+    cache_bytes: int = 256 << 20  # compiled grammars kept (xgrammar's cache, per engine)
+    # JSON: whitespace characters allowed between two of its tokens (a pretty-printed object's
+    # newline and indentation); 0: none beyond the single spaces of ", " and ": "
+    max_whitespace: int = 32
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -101,6 +113,7 @@ class EngineConfig:
     attention: AttentionConfig
     device: DeviceConfig
     kv_transfer: KVTransferConfig = KVTransferConfig(False, "", "127.0.0.1", 30.0, False)
+    structured: StructuredOutputConfig = StructuredOutputConfig()
 
 
 @dataclass
@@ -150,6 +163,14 @@ class EngineArgs:
     # precision, not promoted to float32 (faster; sums over long rows less exact: measured in
     # docs/performance.md). None: on for an FP8 model (as the FP8 GEMMs of other servers run)
     fp8_fast_accumulation: bool | None = None
+    # structured outputs: threads compiling grammars, how long a request may wait for its
+    # grammar, the bytes of compiled grammars kept
+    grammar_compile_threads: int = 2
+    grammar_compile_timeout_s: float = 30.0
+    grammar_cache_bytes: int = 256 << 20
+    # JSON output: whitespace characters allowed between two tokens (a bound: a weak model
+    # otherwise may fill its answer with whitespace); 0: compact JSON only
+    grammar_max_whitespace: int = 32
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -229,6 +250,7 @@ class EngineArgs:
                 self._graph_sizes(device),
                 self.piecewise_graph_sizes(device, budget, parallel.tensor_parallel_size),
             ),
+            structured=self._structured_config(),
             kv_transfer=KVTransferConfig(
                 enabled=self.kv_transfer,
                 engine_id=f"baton-{uuid.uuid4().hex[:12]}",
@@ -238,6 +260,18 @@ class EngineArgs:
                 connector=self.kv_connector,
             ),
         )
+
+    def _structured_config(self) -> StructuredOutputConfig:
+        _check_positive(grammar_compile_threads=self.grammar_compile_threads,
+                        grammar_cache_bytes=self.grammar_cache_bytes)  # fmt: skip
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError("grammar_compile_timeout_s must be > 0")
+        if self.grammar_max_whitespace < 0:
+            raise ValueError("grammar_max_whitespace must be >= 0")
+        return StructuredOutputConfig(
+            self.grammar_compile_threads, self.grammar_compile_timeout_s, self.grammar_cache_bytes,
+            self.grammar_max_whitespace,
+        )  # fmt: skip
 
     def _parallel_config(self, arch: ArchConfig, device: str) -> ParallelConfig:
         """The ranks' executor, once the model's sizes are known to split over them."""

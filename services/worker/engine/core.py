@@ -40,10 +40,13 @@ from services.worker.engine.messages import (
 from services.worker.engine.request import FinishReason, Request, RequestStatus
 from services.worker.engine.sched.output import SchedulerOutput
 from services.worker.engine.sched.scheduler import Scheduler
+from services.worker.engine.structured.manager import StructuredOutputManager
 from shared.ids import RequestId
 from shared.kv_events import KVEventBatch
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_WAIT_S = 0.01  # an engine with only requests whose grammars compile: how long it waits
 
 
 class EngineCore:
@@ -64,6 +67,7 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, StepResult] | None = None  # submitted, not done
         self._kv_event_seq = 0
         self._model_seconds = 0.0
+        self.structured: StructuredOutputManager | None = None  # made for the first grammar
         logger.info(
             "engine core ready: %d KV blocks of %d tokens", self.num_blocks, config.cache.block_size
         )
@@ -72,23 +76,49 @@ class EngineCore:
         outputs, self._ended = self._ended, []
         busy = self.scheduler.has_requests() or self.scheduler.needs_polling()
         outputs += self._run_step(busy)
+        if not outputs and self.structured is not None:
+            compiling = self.scheduler.waiting_for_grammars()
+            if compiling:  # nothing can run before a grammar is ready: wait, briefly
+                self.structured.wait_any(compiling, GRAMMAR_WAIT_S)
         return EngineCoreOutputs(outputs=outputs, kv_events=self.take_kv_events())
 
     def _run_step(self, busy: bool) -> list[EngineCoreOutput]:
         """Finish the step in flight (submitting one first when none is), having submitted the
-        next one behind it with async scheduling (at most two are ever out)."""
+        next one behind it with async scheduling (at most two are ever out).
+
+        A step with rows that sample under a grammar waits for their bitmask before it
+        samples: the one submitted first gets it at once (its requests' tokens are all known);
+        the one submitted behind a step in flight runs its forward pass while that step's
+        tokens come back and advance the matchers, then gets its bitmask."""
         outputs: list[EngineCoreOutput] = []
         if self._in_flight is None:
             if not busy:
                 return outputs
             self._in_flight = self._submit(outputs)
+            self._sample(self._in_flight[0])
         following = self._submit(outputs) if busy and self.async_scheduling else None
         sched, pending = self._in_flight
         self._in_flight = following
         start = time.perf_counter()
         result = pending.result()
         self._model_seconds += time.perf_counter() - start
-        return outputs + self.scheduler.update_from_output(sched, result)
+        outputs += self.scheduler.update_from_output(sched, result)
+        if following is not None:
+            self._sample(following[0])
+        return outputs
+
+    def _sample(self, sched: SchedulerOutput) -> None:
+        """Give a submitted step with constrained rows their bitmask (now that every token
+        before this step's is known), so that it samples."""
+        if not sched.structured_req_ids:
+            return
+        assert self.structured is not None
+        requests = self.scheduler.requests
+        grammars = [
+            r.grammar if (r := requests.get(RequestId(rid))) is not None else None
+            for rid in sched.structured_req_ids
+        ]
+        self.executor.sample(self.structured.fill(sched.structured_req_ids, grammars))
 
     def _submit(self, outputs: list[EngineCoreOutput]) -> tuple[SchedulerOutput, StepResult]:
         """Schedule and submit a step; the KV transfer progress seen meanwhile is applied now
@@ -167,6 +197,8 @@ class EngineCore:
         return UtilityResult(call.call_id, result=msgspec.Raw(msgspec.msgpack.encode(result)))
 
     def shutdown(self) -> None:
+        if self.structured is not None:
+            self.structured.shutdown()
         self.executor.shutdown()
 
     def _make_request(self, req: EngineCoreRequest) -> Request:
@@ -194,7 +226,22 @@ class EngineCore:
         )
         if req.kv_transfer is not None:
             self._attach_kv_transfer(request, req.kv_transfer)
+        structured = req.sampling_params.structured_outputs
+        if structured is not None:  # its grammar compiles while it waits (and pulls its KV)
+            request.grammar = self._structured().request_grammar(structured, list(prompt))
         return request
+
+    def _structured(self) -> StructuredOutputManager:
+        """The grammar compiler, made for the first request that has a grammar (an engine
+        that never gets one never reads the tokenizer's vocabulary for it)."""
+        if self.structured is None:
+            cfg, s = self.config.model, self.config.structured
+            self.structured = StructuredOutputManager(
+                cfg.tokenizer, cfg.arch.vocab_size, cfg.arch.eos_token_ids,
+                self.config.scheduler.max_num_seqs, s.compile_threads, s.compile_timeout_s,
+                s.cache_bytes, s.max_whitespace,
+            )  # fmt: skip
+        return self.structured
 
     def _attach_kv_transfer(self, request: Request, params: KVTransferParams) -> None:
         if not self.config.kv_transfer.enabled:

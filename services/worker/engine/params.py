@@ -17,6 +17,68 @@ MAX_BAD_WORD_CHARS = 4096
 MAX_ALLOWED_TOKEN_IDS = 1 << 20
 MAX_LOGIT_BIAS = 1 << 16  # tokens one request may bias
 LOGIT_BIAS_BOUND = 100.0  # OpenAI's: each bias in [-100, 100]
+MAX_GRAMMAR_CHARS = 1 << 20  # a schema, regex or EBNF grammar (the gateway's bound is lower)
+MAX_CHOICES = 4096  # strings of a choice constraint
+
+
+class StructuredOutputParams(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
+    """A grammar the output must follow (vLLM's ``structured_outputs``): exactly one of
+    ``json`` (a JSON Schema as JSON text), ``json_object`` (any JSON object), ``regex``,
+    ``choice`` (one of these strings) or ``grammar`` (EBNF). The engine compiles it against its
+    tokenizer off the step loop and masks, at every sampled position, the tokens it does not
+    allow (engine/structured/)."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    # the prompt's last tokens that were generated under this grammar by an earlier worker (a
+    # resumed request): accepted by the matcher before the first sample
+    replay_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, json_object, regex, choice, "
+                f"grammar; got {', '.join(kinds) or 'none'}"
+            )
+        for name in ("json", "regex", "grammar"):
+            text = getattr(self, name)
+            if text is not None and not (
+                isinstance(text, str) and 0 < len(text) <= MAX_GRAMMAR_CHARS
+            ):
+                raise ValueError(f"structured_outputs.{name} must be 1 to {MAX_GRAMMAR_CHARS} "
+                                 "characters")  # fmt: skip
+        if self.choice is not None:
+            if not 0 < len(self.choice) <= MAX_CHOICES:
+                raise ValueError(f"structured_outputs.choice must hold 1 to {MAX_CHOICES} strings")
+            if not all(isinstance(c, str) for c in self.choice):
+                raise ValueError("structured_outputs.choice must be strings")
+            if sum(len(c) for c in self.choice) > MAX_GRAMMAR_CHARS:
+                raise ValueError(f"structured_outputs.choice: at most {MAX_GRAMMAR_CHARS} "
+                                 "characters in all")  # fmt: skip
+        _check_int("structured_outputs.replay_tokens", self.replay_tokens, lo=0)
+
+    @property
+    def kind(self) -> str:
+        """json | json_object | regex | choice | grammar."""
+        if self.json_object:
+            return "json_object"
+        return next(
+            k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None
+        )
+
+    def key(self) -> tuple[str, str]:
+        """What the grammar is, whatever the request (the compile cache's key)."""
+        kind = self.kind
+        if kind == "json_object":
+            return kind, ""
+        if kind == "choice":
+            return kind, msgspec.json.encode(self.choice).decode()
+        return kind, getattr(self, kind)
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -52,6 +114,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # them into bad_words_token_ids, which is what the sampler reads
     bad_words: list[str] = msgspec.field(default_factory=list)
     bad_words_token_ids: list[list[int]] = msgspec.field(default_factory=list)
+    # vLLM's: a grammar the output must follow (StructuredOutputParams)
+    structured_outputs: StructuredOutputParams | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (the worker service; the gateway decodes)

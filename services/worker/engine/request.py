@@ -5,11 +5,15 @@ with ``num_tokens``. A prompt of 40 with 3 outputs and 42 computed has one token
 """
 
 import enum
+from typing import TYPE_CHECKING
 
 from services.worker.engine.kv_transfer.params import KVTransferParams
 from services.worker.engine.params import SamplingParams
 from shared.block_hash import ROOT_HASH, hash_blocks
 from shared.ids import BlockHash, RequestId
+
+if TYPE_CHECKING:  # (the front ends import this module, torch-free; the grammar's is not)
+    from services.worker.engine.structured.manager import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -78,6 +82,9 @@ class Request:
         # prompt positions whose logprobs went out (prompt_logprobs): a chunk recomputed after a
         # preemption is not reported twice
         self.num_prompt_logprobs = 0
+        # its grammar (structured outputs): compiled elsewhere; the request waits for it
+        self.grammar: RequestGrammar | None = None
+        self.error: str | None = None  # why it ended with an error in a step
         self._block_size = block_size
         self._extra_keys = (cache_salt,) if cache_salt else ()
         self.block_hashes: list[BlockHash] = hash_blocks(
@@ -137,7 +144,8 @@ class Request:
         self.status = RequestStatus.WAITING_FOR_REMOTE_KV
 
     def check_stop(self) -> RequestStatus | None:
-        """After appending a token: the final status it causes, if any."""
+        """After appending a token: the final status it causes, if any. A grammar that has
+        ended (its stop token accepted) ends the request, ``ignore_eos`` or not."""
         last = self.output_token_ids[-1]
         if len(self.output_token_ids) >= self.params.min_tokens:
             if not self.params.ignore_eos and last in self.eos_token_ids:
@@ -145,6 +153,8 @@ class Request:
             if last in self.params.stop_token_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
+        if self.grammar is not None and self.grammar.terminated:
+            return RequestStatus.FINISHED_STOPPED
         if len(self.output_token_ids) >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None

@@ -17,6 +17,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.kv_transfer.connector import ConnectorInfo, TransferResults
 from services.worker.engine.messages import ModelInfo
 from services.worker.engine.sched.output import ModelRunnerOutput, SchedulerOutput
+from services.worker.engine.structured.bitmask import GrammarBitmask
 from services.worker.engine.worker.worker import Worker
 
 
@@ -49,6 +50,12 @@ class Executor(ABC):
         pulls started and the transfers polled."""
 
     @abstractmethod
+    def sample(self, grammar: GrammarBitmask) -> None:
+        """Let the step submitted last, which has rows constrained by a grammar
+        (``SchedulerOutput.structured_req_ids``), sample with their bitmask; its forward pass
+        may be running meanwhile."""
+
+    @abstractmethod
     def poll_transfers(self) -> TransferResults:
         """Progress the KV connector between steps (an idle engine); empty without one."""
 
@@ -78,6 +85,9 @@ class UniprocExecutor(Executor):
 
     def submit(self, sched: SchedulerOutput) -> StepResult:
         return self.worker.submit(sched)
+
+    def sample(self, grammar: GrammarBitmask) -> None:
+        self.worker.sample(grammar)
 
     def poll_transfers(self) -> TransferResults:
         return self.worker.poll_transfers()

@@ -97,12 +97,13 @@ class MultiprocExecutor(RankExecutor):
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     # ---- calls and answers ---------------------------------------------------------------
-    def _call(self, call: object) -> dict[int, Any]:
+    def _call(self, call: object, others: object | None = None) -> dict[int, Any]:
         self._check_usable()
         self.seq += 1
         raw = self.encoder.encode(call)
-        for sock in self.calls:
-            sock.send(raw, copy=False)
+        rest = raw if others is None else self.encoder.encode(others)
+        for rank, sock in enumerate(self.calls):
+            sock.send(raw if rank == 0 else rest, copy=False)
         ranks = answered_by(call, self.world_size, self.kv_transfer)
         return self._await(self.seq, ranks, CALL_TIMEOUT_S, ANSWERS.get(type(call)))
 

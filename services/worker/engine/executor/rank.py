@@ -10,6 +10,7 @@ the same collectives in the same order.
     InitializeCache      every rank       True
     Submit(sched)        every rank, only with KV transfer (else nobody: no round trip per step)
                                           TransferResults seen as the step was submitted
+    Sample(bitmask)      nobody           (the last step submitted samples: constrained rows)
     Collect              rank 0           ModelRunnerOutput of the oldest submitted step
     PollTransfers        every rank       TransferResults
     GetTransferInfo      every rank       ConnectorInfo (``merge_infos``: the side channels joined)
@@ -41,6 +42,7 @@ from services.worker.engine.executor.executor import Executor, RankFailedError, 
 from services.worker.engine.kv_transfer.connector import ConnectorInfo, TransferResults
 from services.worker.engine.messages import ModelInfo
 from services.worker.engine.sched.output import ModelRunnerOutput, SchedulerOutput
+from services.worker.engine.structured.bitmask import BitmaskWire, GrammarBitmask
 from services.worker.engine.worker.worker import Worker, WorkerStep
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,10 @@ class InitializeCache(msgspec.Struct, tag="init_cache"):
 
 class Submit(msgspec.Struct, tag="submit"):
     sched: SchedulerOutput
+
+
+class Sample(msgspec.Struct, tag="sample"):
+    grammar: BitmaskWire | None  # rank 0's (the others sample nothing: they get None)
 
 
 class Collect(msgspec.Struct, tag="collect"):
@@ -79,7 +85,7 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
 
 
 RankCall = (
-    NumBlocks | InitializeCache | Submit | Collect | PollTransfers | GetTransferInfo
+    NumBlocks | InitializeCache | Submit | Sample | Collect | PollTransfers | GetTransferInfo
     | GetModelInfo | Shutdown
 )  # fmt: skip
 
@@ -105,7 +111,7 @@ ANSWERS: dict[type, type] = {
 
 def answered_by(call: object, world_size: int, kv_transfer: bool) -> range:
     """The ranks that answer ``call`` (the executor waits for exactly these)."""
-    if isinstance(call, Shutdown) or (isinstance(call, Submit) and not kv_transfer):
+    if isinstance(call, Shutdown | Sample) or (isinstance(call, Submit) and not kv_transfer):
         return range(0)
     if isinstance(call, Collect | GetModelInfo):
         return range(1)
@@ -187,6 +193,9 @@ class RankWorker:
             step = w.submit(call.sched)
             self.steps.append(step)
             answer = step.transfers
+        elif isinstance(call, Sample):
+            w.sample(call.grammar.to_bitmask() if call.grammar is not None else None)
+            answer = None
         elif isinstance(call, Collect):
             answer = self.steps.popleft().result()
         elif isinstance(call, NumBlocks):
@@ -226,8 +235,9 @@ class RankExecutor(Executor):
         self._closed = False
 
     @abstractmethod
-    def _call(self, call: object) -> dict[int, Any]:
-        """Send ``call`` to every rank; the decoded answers of those ``answered_by`` names."""
+    def _call(self, call: object, others: object | None = None) -> dict[int, Any]:
+        """Send ``call`` to every rank (``others``, when given, to every rank but rank 0); the
+        decoded answers of those ``answered_by`` names."""
 
     @abstractmethod
     def _stop(self) -> None:
@@ -241,6 +251,10 @@ class RankExecutor(Executor):
 
     def submit(self, sched: SchedulerOutput) -> StepResult:
         return RankStep(self, self.transfers.add(self._call(Submit(sched))))
+
+    def sample(self, grammar: GrammarBitmask) -> None:
+        """Rank 0 gets the bitmask; the others only take part in the sampled ids' broadcast."""
+        self._call(Sample(grammar.to_wire()), Sample(None))
 
     def poll_transfers(self) -> TransferResults:
         if not self.kv_transfer:

@@ -92,13 +92,16 @@ class RayExecutor(RankExecutor):
                 self.ray.kill(a)
         self.actors = []
 
-    def _call(self, call: object) -> dict[int, Any]:
+    def _call(self, call: object, others: object | None = None) -> dict[int, Any]:
         self._check_usable()
         raw = self.encoder.encode(call)
-        refs = [a.call.remote(raw) for a in self.actors]
+        rest = raw if others is None else self.encoder.encode(others)
+        refs = [a.call.remote(raw if r == 0 else rest) for r, a in enumerate(self.actors)]
         answering = answered_by(call, self.world_size, self.kv_transfer)
         self._unanswered += [ref for r, ref in enumerate(refs) if r not in answering]
         got = self._wait({r: refs[r] for r in answering}, CALL_TIMEOUT_S)
+        if not got:
+            return {}
         kind = ANSWERS[type(call)]
         return {r: msgspec.msgpack.decode(raw, type=kind) for r, raw in got.items()}
 

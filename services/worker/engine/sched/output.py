@@ -39,6 +39,9 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)  # the runner drops their state
     preempted_req_ids: set[str] = field(default_factory=set)
     kv_loads: list[KVLoad] = field(default_factory=list)  # KV pulls to start (decode side)
+    # requests that sample under a grammar this step: the runner runs the step's forward pass
+    # and waits for their bitmask (``Executor.sample``) before it samples
+    structured_req_ids: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -30,6 +30,7 @@ from services.worker.engine.sched.output import (
     NewRequestData,
     SchedulerOutput,
 )
+from services.worker.engine.structured.manager import RequestGrammar
 from shared.ids import RequestId
 from shared.kv_events import KVEvent
 
@@ -110,6 +111,8 @@ class Scheduler:
             self._context_tokens_read += request.num_computed_tokens
             if request.num_computed_tokens == request.num_tokens_with_placeholders:
                 request.num_output_placeholders += 1  # this step samples its next token
+                if request.grammar is not None:
+                    out.structured_req_ids.append(rid)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         self._computed_tokens += out.total_num_scheduled_tokens
         self._num_steps += out.total_num_scheduled_tokens > 0
@@ -155,13 +158,22 @@ class Scheduler:
                 return None
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        compiling: list[Request] = []  # passed over: their grammars are not ready yet
         while self.waiting and budget > 0 and self._num_admitted < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.num_output_placeholders:  # preempted while its last step ran: wait for it
                 break
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KV and not request.kv_ready:
-                if not self._start_pull(request, out):
+                if not self._start_pull(request, out):  # (its grammar compiles meanwhile)
                     break
+                continue
+            grammar = request.grammar
+            if grammar is not None and not grammar.ready(request.output_token_ids):
+                self.waiting.popleft()
+                if grammar.error is None:
+                    compiling.append(request)
+                else:
+                    self._fail(request, grammar.error, ErrorCode.INVALID_REQUEST)
                 continue
             if request.kv_ready:  # its prompt's KV was pulled: decode on from the first token
                 hits, num_hit = None, request.num_computed_tokens
@@ -194,6 +206,15 @@ class Scheduler:
                 out.new_reqs.append(self._new_request_data(request, block_ids))
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
+
+    def waiting_for_grammars(self) -> list[RequestGrammar]:
+        """The grammars that requests wait for, when nothing else can run (empty otherwise)."""
+        if self.running:
+            return []
+        grammars = [r.grammar for r in self.waiting if r.grammar is not None]
+        pending = [g for g in grammars if g.matcher is None and g.error is None]
+        return pending if len(pending) == len(self.waiting) else []
 
     @property
     def _num_admitted(self) -> int:
@@ -259,11 +280,15 @@ class Scheduler:
             request.status, request.num_computed_tokens = RequestStatus.WAITING, 0
             self.waiting.appendleft(request)
             return
+        self._fail(request, error, ErrorCode.KV_TRANSFER_FAILED)
+
+    def _fail(self, request: Request, error: str, code: ErrorCode) -> None:
+        """End a request that is in no queue with an error (reported with the next outputs)."""
         self._free(request, RequestStatus.FINISHED_ERROR)
         self._ended.append(
             EngineCoreOutput(
                 request.request_id, [], finish_reason=FinishReason.ERROR, error=error,
-                error_code=ErrorCode.KV_TRANSFER_FAILED,
+                error_code=code,
             )
         )  # fmt: skip
 
@@ -314,6 +339,10 @@ class Scheduler:
                 tokens, logprobs, status = [], None, RequestStatus.FINISHED_LENGTH_CAPPED
             for token in tokens:
                 request.append_output_token(token)
+                if request.grammar is not None and not request.grammar.accept(token):
+                    status = RequestStatus.FINISHED_ERROR  # (its mask allowed it: a bug)
+                    request.error = f"the grammar does not allow the sampled token {token}"
+                    break
                 status = request.check_stop()
                 if status is not None:
                     break
@@ -330,6 +359,7 @@ class Scheduler:
                     new_logprobs=[logprobs] if logprobs is not None else None,
                     new_prompt_logprobs=prompt_logprobs,
                     finish_reason=FINISH_REASONS[status] if status is not None else None,
+                    error=request.error,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens or 0,
                     queued_seconds=request.queued_seconds,
@@ -356,6 +386,7 @@ class Scheduler:
         """End a request. A prefill leg that finished normally keeps its blocks under a lease
         and returns the KV handle for the decode side."""
         request.status = status
+        request.grammar = None  # (its matcher's memory)
         handle = None
         remote_decode = request.kv_transfer is not None and request.kv_transfer.do_remote_decode
         if self.transfer is not None and remote_decode and status in _LEASABLE:

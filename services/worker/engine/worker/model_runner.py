@@ -36,6 +36,7 @@ from services.worker.engine.sched.output import (
     PromptLogprobsChunk,
     SchedulerOutput,
 )
+from services.worker.engine.structured.bitmask import GrammarBitmask, apply_bitmask
 from services.worker.engine.worker.cuda_graphs import CudaGraphRunner
 from services.worker.engine.worker.input_batch import (
     CachedRequestState,
@@ -125,6 +126,8 @@ class ModelRunner:
         self.pad_block = 0  # the spare block past the real cache that padding rows write to
         self.pieces: PiecewiseGraphRunner | None = None  # the steps decode graphs do not take
         self.last_step: StepHandle | None = None  # the latest sampling step not yet taken
+        # a submitted step whose sampling waits for its grammar bitmask (``sample``)
+        self._unsampled: tuple[StepHandle, torch.Tensor] | None = None
         self._prompt_logprob_reqs: set[str] = set()  # requests that asked for prompt logprobs
         # the seeds of unseeded rows: per engine unless the user gave one (ModelConfig)
         self._rng = np.random.default_rng(config.model.sampling_seed)
@@ -283,6 +286,7 @@ class ModelRunner:
         self.requests.clear()
         self._prompt_logprob_reqs.clear()
         self.last_step = None
+        self._unsampled = None
 
     # ---- one step ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -298,14 +302,22 @@ class ModelRunner:
         logits, hidden = self._run_model(inputs, self._token_fill(inputs), eager=bool(spans))
         prompt = self._prompt_logprobs(spans, hidden) if spans else None
         if logits is None:
-            return StepHandle(self, inputs.req_ids, [], [], None, prompt)
+            return StepHandle(self, inputs.req_ids, [], [], prompt)
         states = [self.requests[inputs.req_ids[r]] for r in inputs.sample_rows]
-        result = self._sample(logits, states)
-        for state in states:
-            state.num_pending += 1
-        handle = StepHandle(self, inputs.req_ids, states, inputs.sample_rows, result, prompt)
-        self.last_step = handle
+        handle = StepHandle(self, inputs.req_ids, states, inputs.sample_rows, prompt)
+        if sched.structured_req_ids:  # its rows' bitmask comes with ``sample``
+            self._unsampled = (handle, logits)
+        else:
+            handle.sampled(self._sample(logits, states))
         return handle
+
+    @torch.inference_mode()
+    def sample(self, grammar: GrammarBitmask | None) -> None:
+        """Sample the step submitted last, which waited for its grammar bitmask (rank 0's;
+        None elsewhere). Nothing here waits for the device either."""
+        assert self._unsampled is not None, "no submitted step waits for its bitmask"
+        (handle, logits), self._unsampled = self._unsampled, None
+        handle.sampled(self._sample(logits, handle.states, grammar))
 
     def _prompt_spans(self, inputs: StepInputs) -> list[PromptSpan]:
         """The prompt tokens this step runs whose next token is a prompt token too, for the
@@ -353,10 +365,21 @@ class ModelRunner:
             return None
         return PromptLogprobs(spans, _concat_outputs(parts))
 
-    def _sample(self, logits: torch.Tensor, states: list[CachedRequestState]) -> SamplerOutput:
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        states: list[CachedRequestState],
+        grammar: GrammarBitmask | None = None,
+    ) -> SamplerOutput:
         """Rank 0 samples; with tensor parallelism it broadcasts the sampled ids, so every rank
-        feeds the same tokens to the next step (the other ranks hold no logits: [rows, 0])."""
+        feeds the same tokens to the next step (the other ranks hold no logits: [rows, 0]).
+        Rows under a grammar are masked first: the sampler, logprobs included, sees only what
+        the grammar allows (vLLM's order)."""
         if self.tp.is_driver:
+            if grammar is not None:
+                row_of = {s.req_id: i for i, s in enumerate(states)}
+                rows = [row_of[rid] for rid in grammar.req_ids]
+                apply_bitmask(logits, grammar, rows, self.config.model.arch.vocab_size)
             in_flight = self.last_step.in_flight if self.last_step is not None else None
             base = int(self._rng.integers(1 << 62))  # the seed of this step's unseeded rows
             meta = build_sampling_metadata(
@@ -440,7 +463,8 @@ class StepHandle:
     """A submitted step. Its sampled ids (and logprobs) are copied to pinned host memory behind
     the step's kernels; ``result()`` waits for that copy alone, then records the tokens in the
     runner's request state and builds the ``ModelRunnerOutput``. Results are taken in the
-    order steps were submitted; taking one twice returns the same output."""
+    order steps were submitted; taking one twice returns the same output. A step whose
+    sampling waits for a grammar bitmask is complete once ``sampled`` gave it its tokens."""
 
     def __init__(
         self,
@@ -448,18 +472,12 @@ class StepHandle:
         req_ids: list[str],
         states: list[CachedRequestState],
         rows: list[int],
-        result: SamplerOutput | None,
         prompt: PromptLogprobs | None = None,
     ):
         self.runner = runner
         self.states = states
         self.rows = rows
-        # its sampled ids, still on the device, for the next step's inputs and penalties
-        self.in_flight = (
-            InFlightTokens(result.sampled, {s.req_id: i for i, s in enumerate(states)})
-            if result is not None
-            else None
-        )
+        self.in_flight: InFlightTokens | None = None  # its sampled ids, still on the device
         self.output = ModelRunnerOutput(
             req_ids=req_ids,
             sampled_token_ids=[[] for _ in req_ids],
@@ -468,23 +486,34 @@ class StepHandle:
         self._host: SamplerOutput | None = None
         self._prompt: PromptLogprobs | None = None
         self._ready: torch.cuda.Event | None = None
-        self._done = result is None and prompt is None
-        on_gpu = runner.device.type == "cuda"
-
-        def to_host(t: torch.Tensor) -> torch.Tensor:
-            return t.to("cpu", non_blocking=True) if on_gpu else t
-
-        if result is not None:
-            self._host = _map_tensors(result, to_host)
+        self._done = not states and prompt is None
         if prompt is not None:
-            self._prompt = PromptLogprobs(prompt.spans, _map_tensors(prompt.values, to_host))
-        if on_gpu and not self._done:
+            self._prompt = PromptLogprobs(prompt.spans, _map_tensors(prompt.values, self._to_host))
+        if not states and not self._done:  # prompt chunks only: nothing to sample
+            self._record()
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to("cpu", non_blocking=True) if self.runner.device.type == "cuda" else t
+
+    def _record(self) -> None:
+        if self.runner.device.type == "cuda":
             self._ready = torch.cuda.Event()
             self._ready.record()
 
+    def sampled(self, result: SamplerOutput) -> None:
+        """Its sampled ids (on the device): fed to the next step, copied to the host."""
+        for state in self.states:
+            state.num_pending += 1
+        self.in_flight = InFlightTokens(
+            result.sampled, {s.req_id: i for i, s in enumerate(self.states)}
+        )
+        self._host = _map_tensors(result, self._to_host)
+        self._record()
+        self.runner.last_step = self
+
     @classmethod
     def empty(cls, runner: ModelRunner) -> "StepHandle":
-        return cls(runner, [], [], [], None)
+        return cls(runner, [], [], [])
 
     def wait(self) -> None:
         """Until the step's device work is done (its KV writes included)."""
@@ -500,6 +529,8 @@ class StepHandle:
             self.output.prompt_logprobs = self._prompt.chunks()
         host = self._host
         if host is None:  # a step of prompt chunks only
+            if self.states:
+                raise RuntimeError("a step's tokens were asked for before it sampled")
             return self.output
         sampled = host.sampled.tolist()
         lp = _logprobs_to_host(host)

@@ -15,6 +15,7 @@ from services.worker.engine.kv_transfer.connector import (
     make_connector,
 )
 from services.worker.engine.sched.output import ModelRunnerOutput, SchedulerOutput
+from services.worker.engine.structured.bitmask import GrammarBitmask
 from services.worker.engine.worker.model_runner import ModelRunner, StepHandle
 
 CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on CPU: 1 GiB
@@ -113,6 +114,11 @@ class Worker:
         results = self.connector.poll()
         results.failed = failed + results.failed
         return WorkerStep(step, results)
+
+    def sample(self, grammar: GrammarBitmask | None) -> None:
+        """The step submitted last samples, its constrained rows under ``grammar`` (None on a
+        rank other than 0, which holds no logits)."""
+        self.runner.sample(grammar)
 
     def poll_transfers(self) -> TransferResults:
         return self.connector.poll() if self.connector is not None else TransferResults()
