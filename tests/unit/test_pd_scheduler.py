@@ -240,3 +240,42 @@ def test_aborted_prefill_leg_releases_its_lease() -> None:
     prefill_leg(prefill)
     prefill.sched.finish_requests(["p"], RequestStatus.FINISHED_ABORTED)
     assert prefill.all_free() and prefill.transfer.num_released == 1
+
+
+class SlowGrammar:
+    """A request's grammar as the scheduler sees it (structured/manager.RequestGrammar), whose
+    compilation ends when the test says."""
+
+    def __init__(self) -> None:
+        self.compiled = False
+        self.matcher: object | None = None
+        self.error: str | None = None
+        self.accepted: list[int] = []
+        self.terminated = False
+
+    def ready(self, output_token_ids: list[int]) -> bool:
+        if self.compiled and self.matcher is None:
+            self.matcher, self.accepted = object(), list(output_token_ids)
+        return self.matcher is not None
+
+    def accept(self, token: int) -> bool:
+        self.accepted.append(token)
+        return True
+
+
+def test_a_decode_leg_pulls_while_its_grammar_compiles() -> None:
+    """The pull starts at once; decoding waits for the grammar, whose matcher starts from the
+    prefill leg's first token."""
+    fabric = FakeFabric()
+    prefill, decode = Engine.make(fabric, "prefill"), Engine.make(fabric, "decode")
+    handle, token = prefill_leg(prefill, first_token=3)
+    request = decode_leg(decode, handle, token)
+    grammar = SlowGrammar()
+    request.grammar = grammar  # type: ignore[assignment]
+    decode.run(3)
+    assert len(decode.loads) == 1 and request.kv_ready  # pulled, not decoded
+    assert decode.trace == [{}, {}, {}] and decode.sched.waiting_for_grammars() == [grammar]
+    grammar.compiled = True
+    decode.run(4)
+    assert decode.trace[3:] == [{"d": 1}, {"d": 1}, {"d": 1}, {}]
+    assert grammar.accepted == [token, 7, 7, 7] and decode.tokens("d") == [7, 7, 7]
