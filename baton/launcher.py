@@ -137,7 +137,8 @@ class ClusterSpec:
     prefill_tensor_parallel_size: int | None = None  # the prefill pool's (None: the above)
     decode_tensor_parallel_size: int | None = None  # the decode pool's (None: the above)
     engine_argv: tuple[str, ...] = ()  # the engine flags every worker gets, as argv
-    gateway_argv: tuple[str, ...] = ()  # flags the gateway gets besides those above (limits)
+    gateway_argv: tuple[str, ...] = ()  # flags the gateway gets besides those above (limits,
+    # --tool-call-parser)
     restart: RestartPolicy = RestartPolicy()
     internal_token_file: str | None = None  # None: $BATON_INTERNAL_TOKEN(_FILE), else a new one
     internal_tls_dir: str | None = None  # None: $BATON_INTERNAL_TLS_DIR, else no TLS

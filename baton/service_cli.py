@@ -14,6 +14,7 @@ import uvloop  # the event loop of every service (gRPC p99 latency ~7× lower th
 
 from baton.launcher import Cluster, ClusterSpec, RestartPolicy  # (no grpc, no torch: see below)
 from services.gateway.settings import InputLimits
+from services.gateway.tool_parsers import PARSERS
 from services.worker.engine.config import (
     EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
@@ -186,11 +187,15 @@ def input_limits(args: argparse.Namespace) -> InputLimits:
     return InputLimits(**{name: getattr(args, name) for name in LIMIT_FIELDS})
 
 
-def limit_flags_argv(args: argparse.Namespace) -> list[str]:
-    """The input-limit flags off their defaults, for a child ``baton gateway``."""
+def gateway_flags_argv(args: argparse.Namespace) -> list[str]:
+    """The input-limit flags off their defaults and the tool call parser, for a child
+    ``baton gateway``."""
     default = InputLimits()
-    return [item for name in LIMIT_FIELDS if getattr(args, name) != getattr(default, name)
+    argv = [item for name in LIMIT_FIELDS if getattr(args, name) != getattr(default, name)
             for item in ("--" + name.replace("_", "-"), str(getattr(args, name)))]  # fmt: skip
+    if args.tool_call_parser is not None:
+        argv += ["--tool-call-parser", args.tool_call_parser]
+    return argv
 
 
 def engine_args(args: argparse.Namespace) -> EngineArgs:
@@ -298,7 +303,7 @@ def run_gateway(args: argparse.Namespace) -> None:
         scheduler_address=args.scheduler, models={name: args.model}, host=args.host,
         port=args.port, api_keys=_api_keys(args), max_body_bytes=args.max_body_bytes,
         request_timeout_s=args.request_timeout, generate_stream=not args.no_generate_stream,
-        cpus=args.cpus, limits=input_limits(args),
+        cpus=args.cpus, limits=input_limits(args), tool_call_parser=args.tool_call_parser,
     )  # fmt: skip
     serve(settings)
 
@@ -380,7 +385,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         tensor_parallel_size=args.tensor_parallel_size,
         prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,
         decode_tensor_parallel_size=args.decode_tensor_parallel_size,
-        engine_argv=tuple(engine_flags_argv(args)), gateway_argv=tuple(limit_flags_argv(args)),
+        engine_argv=tuple(engine_flags_argv(args)), gateway_argv=tuple(gateway_flags_argv(args)),
         internal_token_file=args.internal_token_file, internal_tls_dir=args.internal_tls_dir,
         restart=RestartPolicy(max_restarts=args.max_restarts, delay_s=args.restart_delay,
                               max_delay_s=max(args.restart_delay, RestartPolicy.max_delay_s)),
@@ -412,6 +417,10 @@ LIMIT_HELP = {
     "max_bad_word_chars": "the most characters in one bad word",
     "max_allowed_token_ids": "the most allowed_token_ids in one request",
     "max_logit_bias": "the most logit_bias entries in one request",
+    "max_grammar_chars": "the most characters of one request's grammar (a JSON schema as "
+    "JSON text, a regex, an EBNF grammar, a choice's strings), and of its tools' parameter "
+    "schemas",
+    "max_tools": "the most tools in one chat request",
 }
 
 
@@ -582,6 +591,12 @@ def _gateway_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name),
                        help=LIMIT_HELP.get(name, "an input limit per request") + "; a request "
                        "above it gets a 400")  # fmt: skip
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                   help="read tool calls out of replies to chat requests with tools and "
+                   "tool_choice 'auto' (the default with tools): hermes (Hermes, Qwen: "
+                   "<tool_call>{...}</tool_call>) or llama3_json (Llama 3.1's JSON); without "
+                   "it such a request gets a 400 ('required' and a named function need "
+                   "none)")  # fmt: skip
     p.add_argument(
         "--no-generate-stream",
         action="store_true",

@@ -67,9 +67,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         export_task_count()
         owner.spawn(catalog.refresh_forever(), "catalog-refresh")
         orchestrator = Orchestrator(scheduler, catalog, workers)
-        state["handler"] = Handler(
-            orchestrator, catalog, settings.request_timeout_s, settings.limits
-        )
+        state["handler"] = Handler(orchestrator, catalog, settings.request_timeout_s,
+                                   settings.limits, settings.tool_call_parser)  # fmt: skip
         if settings.cpus:
             pin_threads(settings.cpus)
         yield

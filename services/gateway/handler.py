@@ -5,6 +5,9 @@ orchestrator, and produce the response body or the stream of chunks.
     body ──▶ prompts (token ids) ──▶ Jobs ──▶ Orchestrator.run ×P ──▶ merged ChoiceDeltas
                                                                       ├─▶ Formatter.response
                                                                       └─▶ Formatter.chunk (SSE)
+
+A chat request with tools reads each choice's text through a ``tools.ToolReader`` on the way
+out: content and tool calls (streamed as OpenAI's tool-call deltas).
 """
 
 import json
@@ -23,6 +26,8 @@ from services.gateway.orchestrator import Job, Orchestrator
 from services.gateway.responses import Choice, Formatter, Usage
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.settings import InputLimits
+from services.gateway.tool_parsers import ToolCallDelta
+from services.gateway.tools import ToolPlan, ToolReader
 from shared.protos.baton.v1 import common_pb2
 from shared.text.detokenizer import TokenText, token_texts
 from shared.text.tokenizer import ChatTemplateError, TextTokenizer
@@ -41,6 +46,14 @@ class Plan:
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field, beside the choices
     # echo with logprobs: each prompt's tokens with the text each adds (they join to its echo)
     echo_tokens: list[list[TokenText]] | None = None
+    tools: ToolPlan | None = None  # chat with tools: how replies are read (tools.py)
+    tool_parser: str | None = None  # the gateway's --tool-call-parser
+
+    def tool_reader(self) -> ToolReader | None:
+        """A reader for one choice's reply, when tools may be called."""
+        if self.tools is None or self.tools.mode == "none":
+            return None
+        return ToolReader(self.tools, self.tool_parser)
 
     def echo_logprobs(self, p: int, prompt: list[TokenLogprob] | None) -> list[TokenLogprob]:
         """Prompt ``p``'s echoed logprobs, one per token: the first has none; each shows the
@@ -63,11 +76,13 @@ class Handler:
         catalog: ModelCatalog,
         timeout_s: float,
         limits: InputLimits,
+        tool_call_parser: str | None = None,
     ):
         self.orchestrator = orchestrator
         self.catalog = catalog
         self.timeout_s = timeout_s
         self.limits = limits
+        self.tool_call_parser = tool_call_parser  # tool_parsers.PARSERS' name, or None
 
     async def plan(self, body: Body, request_id: str) -> Plan:
         check_limits(self.limits, body)
@@ -79,11 +94,14 @@ class Handler:
             raise errors.no_worker(f"no live worker serves model {body.model!r}")
         chat = isinstance(body, ChatCompletionRequest)
         keep = _truncation(body.truncate_prompt_tokens, limits.max_model_len)
+        tool_plan = None
         if isinstance(body, ChatCompletionRequest):
+            tool_plan = self._tool_plan(body)
             messages = [m.as_template_input() for m in body.messages]
             try:
                 text = tok.render_chat_template(messages, body.add_generation_prompt,
-                    body.continue_final_message, body.chat_template_kwargs)  # fmt: skip
+                    body.continue_final_message, body.chat_template_kwargs,
+                    tool_plan.template_tools() if tool_plan is not None else None)  # fmt: skip
             except ChatTemplateError as e:
                 raise errors.bad_request(str(e), "messages") from None
             prompts = [_encode(tok, text, body.add_special_tokens, keep)]
@@ -125,7 +143,17 @@ class Handler:
         else:
             echo_texts = [tok.decode(ids) for ids in prompts] if echo else []
         return Plan(jobs, formatter, num_logprobs, echo_texts, body.n, body.prompt_logprobs,
-                    echo_tokens)  # fmt: skip
+                    echo_tokens, tool_plan, self.tool_call_parser)  # fmt: skip
+
+    def _tool_plan(self, body: ChatCompletionRequest) -> ToolPlan | None:
+        tool_plan = body.tool_plan
+        if tool_plan is not None and tool_plan.mode == "auto" and self.tool_call_parser is None:
+            raise errors.bad_request(
+                'tool_choice "auto" (the default with tools) needs a tool call parser: start '
+                "the gateway with --tool-call-parser (hermes or llama3_json); tool_choice "
+                '"required", a named function and "none" need none', "tool_choice",
+            )  # fmt: skip
+        return tool_plan
 
     async def complete(self, plan: Plan) -> dict:
         choices = [Choice(i) for i in range(len(plan.jobs) * plan.n)]
@@ -133,6 +161,13 @@ class Handler:
         async for p, d in self._merged(plan):
             choices[p * plan.n + d.index].add(d)
             _count(usage, d)
+        for choice in choices:
+            reader = plan.tool_reader()
+            if reader is not None:  # the whole reply at once: the same calls as streamed
+                parsed = reader.feed(choice.text)
+                parsed += reader.finish()
+                choice.text, choice.tool_calls = parsed.content, reader.calls
+                choice.finish_reason = reader.finish_reason(choice.finish_reason)
         for p, text in enumerate(plan.echo):
             for i in range(plan.n):
                 choice = choices[p * plan.n + i]
@@ -148,6 +183,7 @@ class Handler:
         status, and a later one into an error event)."""
         usage = _usage(plan)
         started: set[int] = set()
+        readers: dict[int, ToolReader | None] = {}
         want_logprobs = plan.num_logprobs is not None
         async for p, d in self._merged(plan):
             index = p * plan.n + d.index
@@ -159,10 +195,14 @@ class Handler:
                     d.logprobs = plan.echo_logprobs(p, d.prompt_logprobs) + d.logprobs
             if first and plan.echo:
                 d.text = plan.echo[p] + d.text
-            if not (d.text or d.finish_reason or d.logprobs or first):
+            if first:
+                readers[index] = plan.tool_reader()
+            reader = readers[index]
+            calls = _read_tools(reader, d) if reader is not None else []
+            if not (d.text or calls or d.finish_reason or d.logprobs or first):
                 continue
             started.add(index)
-            yield sse(plan.formatter.chunk(index, d, first, want_logprobs))
+            yield sse(plan.formatter.chunk(index, d, first, want_logprobs, calls))
         if include_usage:
             yield sse(plan.formatter.usage_chunk(usage))
         yield SSE_DONE
@@ -185,6 +225,17 @@ class Handler:
         metrics.E2E.observe(seconds)
         logger.info("%s done: %d prompt(s) × n=%d in %.1f ms", plan.formatter.id, len(plan.jobs),
                     plan.n, 1e3 * seconds)  # fmt: skip
+
+
+def _read_tools(reader: ToolReader, d: ChoiceDelta) -> list[ToolCallDelta]:
+    """A streamed delta's text read for tool calls: ``d`` keeps the content, its finish reason
+    becomes OpenAI's; the tool-call deltas it carries are returned."""
+    parsed = reader.feed(d.text)
+    if d.finish_reason is not None:
+        parsed += reader.finish()
+        d.finish_reason = reader.finish_reason(d.finish_reason)
+    d.text = parsed.content
+    return parsed.tool_calls
 
 
 def _shift(logprobs: list[TokenLogprob], by: int) -> None:
@@ -214,6 +265,8 @@ def _params(
         p.prompt_logprobs = prompt_logprobs
     for token, bias in (body.logit_bias or {}).items():
         p.logit_bias[int(token)] = bias
+    if body.grammar is not None:
+        p.structured_output.CopyFrom(body.grammar.spec)
     if limit is not None and body.min_tokens > limit:
         raise errors.bad_request(
             f"min_tokens ({body.min_tokens}) > max_tokens ({limit})", "min_tokens"

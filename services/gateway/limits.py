@@ -5,8 +5,11 @@ is sent to a worker; each refusal is a 400 naming the field.
 What they bound: a request's work that the body-size limit alone would let grow large — every
 prompt is prefilled (``max_prompts`` × ``n`` requests reach the workers), every stop string is
 scanned on every token, every message is rendered by the chat template, every bad word is
-matched on every token and the allowed token ids become a mask at every step.
+matched on every token and the allowed token ids become a mask at every step; a grammar is
+compiled by the engine (its size), and every tool is rendered into the prompt.
 """
+
+import json
 
 from services.gateway import errors
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -32,6 +35,14 @@ def check_limits(limits: InputLimits, body: CompletionRequest | ChatCompletionRe
     _at_most("allowed_token_ids", "allowed token ids", allowed, limits.max_allowed_token_ids)
     biased = len(body.logit_bias or ())
     _at_most("logit_bias", "logit_bias entries", biased, limits.max_logit_bias)
+    if body.grammar is not None:
+        size = body.grammar.chars
+        _at_most(body.grammar.param, "characters of grammar", size, limits.max_grammar_chars)
+    if isinstance(body, ChatCompletionRequest) and body.tools:
+        _at_most("tools", "tools", len(body.tools), limits.max_tools)
+        size = sum(len(json.dumps(t.function.parameters or {}, separators=(",", ":")))
+                   for t in body.tools)  # fmt: skip
+        _at_most("tools", "characters of tool parameter schemas", size, limits.max_grammar_chars)
 
 
 def _at_most(param: str, what: str, count: int, limit: int) -> None:

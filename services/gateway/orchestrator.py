@@ -187,7 +187,7 @@ class Orchestrator:
             if state.prompt_logprobs is not None and params.HasField("prompt_logprobs"):
                 params = _without_prompt_logprobs(params)  # the prefill leg sent them
             responses = self.workers.generate(route.decode.address).generate(
-                _generate_request(job, index, params, state.generated, handoff),
+                generate_request(job, index, params, state.generated, handoff),
                 timeout=max(job.deadline - time.monotonic(), 0.001),
                 trace_id=job.trace_id,
             )
@@ -247,7 +247,7 @@ class Orchestrator:
         return resp
 
 
-def _generate_request(
+def generate_request(
     job: Job,
     index: int,
     params: common_pb2.SamplingParams,
@@ -285,6 +285,9 @@ def _without_prompt_logprobs(params: common_pb2.SamplingParams) -> common_pb2.Sa
 
 
 def _remaining(params: common_pb2.SamplingParams, done: int) -> common_pb2.SamplingParams:
+    """The params of a request resumed after ``done`` generated tokens, which it re-sends as
+    the prompt's last tokens. (Not for the decode leg of a P/D hand-off: its engine takes the
+    first token as an output.)"""
     rest = common_pb2.SamplingParams()
     rest.CopyFrom(params)
     if rest.HasField("max_tokens"):
@@ -292,4 +295,6 @@ def _remaining(params: common_pb2.SamplingParams, done: int) -> common_pb2.Sampl
     rest.min_tokens = max(rest.min_tokens - done, 0)
     if rest.HasField("seed"):  # its token count starts again at 0 there: keep its draws
         rest.seed = continued_seed(rest.seed, done)
+    if rest.HasField("structured_output"):  # the grammar goes on from where they left it
+        rest.structured_output.replay_tokens = done
     return rest

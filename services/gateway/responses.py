@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.choice import ChoiceDelta, TokenLogprob
+from services.gateway.tool_parsers import ToolCall, ToolCallDelta
 from shared.text.tokenizer import TextTokenizer
 
 _UTF8_DECODER = codecs.getincrementaldecoder("utf-8")
@@ -27,6 +28,7 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # when asked for (prompt token 1 on)
+    tool_calls: list[ToolCall] = field(default_factory=list)  # read from the text (tools.py)
 
     def add(self, d: ChoiceDelta) -> None:
         self.text += d.text
@@ -97,14 +99,25 @@ class Formatter:
     def _entry(self, token_id: int, logprob: float | None, rank: int) -> dict[str, Any]:
         return {"logprob": logprob, "rank": rank, "decoded_token": self.tok.token_text(token_id)}
 
-    def chunk(self, index: int, d: ChoiceDelta, first: bool, want_logprobs: bool) -> dict:
+    def chunk(
+        self,
+        index: int,
+        d: ChoiceDelta,
+        first: bool,
+        want_logprobs: bool,
+        tool_calls: list[ToolCallDelta] | None = None,
+    ) -> dict:
+        """One chunk of choice ``index``; a chat's may carry tool-call deltas (OpenAI's: the
+        first of a call has its index, id, type and name, the next ones argument text)."""
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
         lps = _content(d.logprobs) if self.chat and d.finish_reason else d.logprobs
         logprobs = self._logprobs(lps) if want_logprobs else None
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if d.text or first:
-                delta["content"] = d.text
+                delta["content"] = d.text if d.text or not tool_calls else None
+            if tool_calls:
+                delta["tool_calls"] = _tool_call_deltas(tool_calls)
             choice = {"index": index, "delta": delta, "logprobs": logprobs}
         else:
             choice = {"index": index, "text": d.text, "logprobs": logprobs}
@@ -121,7 +134,14 @@ class Formatter:
         lps = _content(c.logprobs) if self.chat else c.logprobs
         logprobs = self._logprobs(lps) if lps else None
         if self.chat:
-            message = {"role": "assistant", "content": c.text}
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            if c.tool_calls:  # OpenAI's: no content beside the calls is null
+                message["content"] = c.text if c.text.strip() else None
+                message["tool_calls"] = [
+                    {"id": t.id, "type": "function",
+                     "function": {"name": t.name, "arguments": t.arguments}}
+                    for t in c.tool_calls
+                ]  # fmt: skip
             return {"index": c.index, "message": message, "logprobs": logprobs,
                     "finish_reason": c.finish_reason}  # fmt: skip
         return {"index": c.index, "text": c.text, "logprobs": logprobs,
@@ -218,6 +238,24 @@ def _is_utf8(data: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+def _tool_call_deltas(deltas: list[ToolCallDelta]) -> list[dict[str, Any]]:
+    """OpenAI's ``delta.tool_calls``: one entry per call and chunk (the arguments a call's
+    pieces carry joined)."""
+    out: list[dict[str, Any]] = []
+    for t in deltas:
+        if out and out[-1]["index"] == t.index and t.id is None:
+            out[-1]["function"]["arguments"] += t.arguments
+            continue
+        entry: dict[str, Any] = {"index": t.index}
+        if t.id is not None:
+            entry.update(id=t.id, type="function")
+            entry["function"] = {"name": t.name, "arguments": t.arguments}
+        else:
+            entry["function"] = {"arguments": t.arguments}
+        out.append(entry)
+    return out
 
 
 def _content(lps: list[TokenLogprob]) -> list[TokenLogprob]:

@@ -10,32 +10,45 @@ ignored:
   ``truncate_prompt_tokens``, ``add_special_tokens``, ``prompt_logprobs`` (not streamed), for
   completions ``echo`` (with ``logprobs``: the prompt's too) and ``max_tokens: 0``, and for chat
   ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``;
+- structured outputs (structured.py; a JSON schema checked by json_schema_check.py): OpenAI's
+  ``response_format`` (``text``, ``json_object``, ``json_schema``: enforced whatever its
+  ``strict``), vLLM's ``structured_outputs`` (one of ``json``, ``regex``, ``choice``,
+  ``grammar``, ``json_object``; ``disable_fallback`` ignored, any other key refused) and its
+  ``guided_json``/``guided_regex``/``guided_choice``/``guided_grammar``; one per request;
+- tool calling on chat (tools.py): ``tools`` (functions), ``tool_choice`` (``none``, ``auto``
+  with the gateway's ``--tool-call-parser``, ``required``, a named function: the last two
+  constrained by their schemas), ``parallel_tool_calls``, assistant ``tool_calls`` and ``tool``
+  messages (through the chat template). A tool's ``strict`` is enforced under ``required`` and
+  a named function, and not under ``auto`` (the reply is parsed, not constrained, as vLLM);
 - refused (``REFUSED`` below, and the checks in the validators): ``suffix``,
-  tools and functions, non-text ``response_format``, structured outputs, beam search, non-text
-  modalities and content parts, and the other vLLM and OpenAI fields Baton cannot honour;
+  legacy ``functions``/``function_call``, ``guided_whitespace_pattern``, ``structural_tag``,
+  beam search, non-text modalities and content parts, and the other vLLM and OpenAI fields
+  Baton cannot honour;
 - accepted and ignored, because they change nothing in the output: ``user``, ``metadata``,
-  ``store``, ``service_tier``, ``parallel_tool_calls`` (no tools), ``prediction`` (a latency
-  hint), ``safety_identifier``, ``prompt_cache_key``, ``priority``, ``request_id``,
-  ``length_penalty`` (beam search only), ``spaces_between_special_tokens`` (no effect with fast
-  tokenizers), ``include_reasoning`` (no reasoning parser), ``guided_decoding_backend`` and
-  ``guided_whitespace_pattern`` (nothing to guide), ``mm_processor_kwargs`` (no media), and
-  any field neither OpenAI nor vLLM defines.
+  ``store``, ``service_tier``, ``prediction`` (a latency hint), ``safety_identifier``,
+  ``prompt_cache_key``, ``priority``, ``request_id``, ``length_penalty`` (beam search only),
+  ``spaces_between_special_tokens`` (no effect with fast tokenizers), ``include_reasoning`` (no
+  reasoning parser), ``guided_decoding_backend`` (one grammar engine: xgrammar),
+  ``mm_processor_kwargs`` (no media), and any field neither OpenAI nor vLLM defines.
 
 Every number is bounded by what the wire to the workers can carry (the protobuf field's type:
 ``max_tokens``, ``min_tokens``, token ids are uint32, ``top_k`` int32, ``seed`` int64) and
 every float is finite, so a value never fails while the request is built; counts (prompts,
-stop strings, messages, stop token ids, bad words, allowed token ids) are bounded by the
-gateway's ``InputLimits`` (``limits.py``), checked before any work is done, and the model's own
-limits (context length, vocabulary) by the handler. A refusal raised here carries its field's
-path (``errors.refuse``).
+stop strings, messages, stop token ids, bad words, allowed token ids, tools, a grammar's
+characters) are bounded by the gateway's ``InputLimits`` (``limits.py``), checked before any
+work is done, and the model's own limits (context length, vocabulary) by the handler. A
+refusal raised here carries its field's path (``errors.refuse``).
 """
 
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from services.gateway import structured, tools
 from services.gateway.errors import refuse
+from services.gateway.structured import Grammar
+from services.gateway.tools import ToolPlan
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -45,7 +58,7 @@ TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 MAX_TEMPLATE_KWARGS = 32  # keys in chat_template_kwargs
 MAX_TEMPLATE_KWARGS_CHARS = 16384  # chat_template_kwargs as JSON: what the template may walk
 # the chat template's own inputs, which chat_template_kwargs may not replace (vLLM refuses
-# chat_template and tokenize; tools and documents are refused as fields of their own)
+# chat_template and tokenize; tools come in their own field, documents are refused)
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "messages", "add_generation_prompt", "continue_final_message", "tools", "documents",
     "chat_template", "tokenize", "raise_exception", "bos_token", "eos_token", "unk_token",
@@ -53,14 +66,11 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 })  # fmt: skip
 
 # Fields whose presence (anything but null, false or empty) asks for what Baton cannot do.
-STRUCTURED = "structured outputs are not supported"
 REFUSED_COMMON = {
     "use_beam_search": "beam search is not supported",
-    "structured_outputs": STRUCTURED,
-    "guided_json": STRUCTURED,
-    "guided_regex": STRUCTURED,
-    "guided_choice": STRUCTURED,
-    "guided_grammar": STRUCTURED,
+    "guided_whitespace_pattern": "guided_whitespace_pattern is not supported (the grammar "
+    "engine picks the whitespace)",
+    "structural_tag": "structural tags are not supported",
     "logits_processors": "custom logits processors are not supported",
     "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
     "return_token_ids": "return_token_ids is not supported",
@@ -72,7 +82,6 @@ REFUSED_COMPLETION = {
     "prompt_embeds": "prompt_embeds are not supported",
 }
 REFUSED_CHAT = {
-    "tools": "tools are not supported",
     "functions": "functions (legacy function calling) are not supported",
     "audio": "audio output is not supported",
     "echo": "echo is not supported on chat completions",
@@ -100,8 +109,18 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    """OpenAI's ``response_format.json_schema`` (``strict`` or not, the schema is enforced)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: Any = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Body):
-    type: str
+    type: str  # text | json_object | json_schema (structured.py)
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingFields(_Body):
@@ -135,24 +154,29 @@ class _SamplingFields(_Body):
     user: str | None = None
     # OpenAI's: token id (as a string) → a bias in [-100, 100] added to its logit
     logit_bias: dict[str, float] | None = None
-    # refused when set (REFUSED_COMMON): declared so that their presence is seen
-    use_beam_search: bool = False
-    structured_outputs: Any = None
+    # a grammar the output follows (structured.py): vLLM's structured outputs and its older
+    # guided_* fields (guided_json: a schema or its JSON text; guided_regex, guided_grammar:
+    # strings; guided_choice: strings); checked by ``structured.resolve``
+    structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    # refused when set (REFUSED_COMMON): declared so that their presence is seen
+    use_beam_search: bool = False
+    guided_whitespace_pattern: str | None = None
+    structural_tag: Any = None
     logits_processors: Any = None
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool | None = None
     vllm_xargs: Any = None
     thinking_token_budget: Any = None
+    _grammar: Grammar | None = PrivateAttr(None)  # set by the validators
 
     @model_validator(mode="after")
     def _check_common(self) -> "_SamplingFields":
         _refuse_set(self, REFUSED_COMMON)
-        if self.response_format is not None and self.response_format.type != "text":
-            raise refuse("response_format", "response_format other than 'text' is not supported")
+        self._grammar = structured.resolve(self)
         if self.best_of is not None and self.best_of != self.n:
             raise refuse("best_of", "best_of must equal n (no server-side best-of selection)")
         if self.prompt_logprobs is not None and self.stream:
@@ -184,6 +208,11 @@ class _SamplingFields(_Body):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def grammar(self) -> Grammar | None:
+        """The one grammar the output follows, checked (structured.py), or None."""
+        return self._grammar
 
 
 Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
@@ -223,21 +252,62 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionDefinition(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (an object's)
+    strict: bool | None = None  # enforced under tool_choice required/named, not under auto
+
+
+class FunctionTool(_Body):
+    type: str  # "function" (tools.py refuses others)
+    function: FunctionDefinition
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text of an object
+
+
+class MessageToolCall(_Body):
+    """A call an earlier assistant message made (it goes back through the chat template)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None  # refused: the template would never see them
-    function_call: Any = None  # refused, as tool_calls
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool's reply: the call it answers
+    function_call: Any = None  # refused (legacy function calling)
 
     def as_template_input(self) -> dict[str, Any]:
+        """The message as Hugging Face chat templates take it: a call's arguments as an
+        object (as vLLM passes them; templates write ``arguments | tojson``)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text or "" for part in content)
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": _arguments(c)}}
+                for c in self.tool_calls
+            ]  # fmt: skip
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+def _arguments(call: MessageToolCall) -> Any:
+    """A call's arguments as an object ("" is none); validated by ``_check_message``."""
+    return json.loads(call.function.arguments) if call.function.arguments.strip() else {}
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -246,7 +316,11 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # tool calling (tools.py): function tools, which one to call ("none", "auto", "required" or
+    # {"type": "function", "function": {"name": ...}}), more than one call per reply
+    tools: list[FunctionTool] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     function_call: str | dict[str, Any] | None = None
     modalities: list[str] | None = None
     add_generation_prompt: bool = True
@@ -254,7 +328,6 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: bool = False  # the template writes its own special tokens, as vLLM
     chat_template_kwargs: dict[str, Any] | None = None
     # refused when set (REFUSED_CHAT)
-    tools: list[dict[str, Any]] | None = None
     functions: list[Any] | None = None
     audio: Any = None
     echo: bool = False
@@ -263,15 +336,22 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: Any = None
     verbosity: Any = None
     web_search_options: Any = None
+    _tools: ToolPlan | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _check(self) -> "ChatCompletionRequest":
         _refuse_set(self, REFUSED_CHAT)
         if self.web_search_options is not None:  # {} asks for search with its defaults
             raise refuse("web_search_options", "web search is not supported")
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none", "auto"):  # no tools: "auto" calls none
-                raise refuse(name, f"{name} is not supported")
+        if self.function_call not in (None, "none", "auto"):  # no functions: "auto" calls none
+            raise refuse("function_call", "function_call is not supported")
+        self._tools = tools.plan(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if self._tools is not None:
+            if self._tools.mode == "auto" and self._grammar is not None:
+                raise refuse(self._grammar.source, f"{self._grammar.source} with tools and "
+                             "tool_choice 'auto' would keep the model from calling them: use "
+                             "tool_choice 'none' or 'required'")  # fmt: skip
+            self._grammar = structured.only(self._grammar, self._tools.grammar())
         if any(m != "text" for m in self.modalities or ()):
             raise refuse("modalities", "only the text modality is supported")
         if self.top_logprobs is not None and not self.logprobs:
@@ -289,14 +369,29 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
     @property
+    def tool_plan(self) -> ToolPlan | None:
+        """The request's tool calling (tools.py), or None: no tools."""
+        return self._tools
+
+    @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def _check_message(i: int, message: ChatMessage) -> None:
-    for name in ("tool_calls", "function_call"):
-        if getattr(message, name):
-            raise refuse(f"messages.{i}.{name}", f"{name} in messages are not supported")
+    if message.function_call:
+        raise refuse(f"messages.{i}.function_call", "function_call in messages is not "
+                     "supported (use tool_calls)")  # fmt: skip
+    if message.tool_calls and message.role != "assistant":
+        raise refuse(f"messages.{i}.tool_calls", "only an assistant's message has tool_calls")
+    for j, call in enumerate(message.tool_calls or ()):
+        try:
+            args = _arguments(call)
+        except (ValueError, RecursionError):
+            args = None
+        if not isinstance(args, dict):
+            raise refuse(f"messages.{i}.tool_calls.{j}.function.arguments", "a call's "
+                         "arguments are the JSON text of an object")  # fmt: skip
     for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
         where = f"messages.{i}.content.{j}"
         if part.type != "text":

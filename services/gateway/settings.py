@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, field
 
+from services.gateway.tool_parsers import PARSERS
+
 
 @dataclass(frozen=True)
 class InputLimits:
@@ -17,6 +19,10 @@ class InputLimits:
     max_bad_word_chars: int = 256  # characters in one bad word
     max_allowed_token_ids: int = 4096  # allowed_token_ids (a mask built every step)
     max_logit_bias: int = 1024  # logit_bias entries (added to the logits every step)
+    # characters of a grammar (a JSON schema as JSON text, a regex, an EBNF grammar, all of a
+    # choice's strings), and of all the tools' parameter schemas: the engine compiles them
+    max_grammar_chars: int = 65536
+    max_tools: int = 128  # tools in one chat request (each rendered into the prompt)
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -37,8 +43,15 @@ class GatewaySettings:
     log_level: str = "info"
     cpus: tuple[int, ...] = ()  # pin every thread here once serving (shared/affinity.py)
     limits: InputLimits = field(default_factory=InputLimits)  # counts per request (limits.py)
+    # how tool_choice "auto" replies are read into tool calls (tool_parsers.PARSERS); None:
+    # "auto" is refused, as vLLM without --tool-call-parser ("required" and a named function
+    # need no parser)
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"unknown tool call parser {self.tool_call_parser!r}; known: "
+                             f"{', '.join(sorted(PARSERS))}")  # fmt: skip
         if not self.models:
             raise ValueError("the gateway needs at least one model (name → tokenizer dir)")
         if self.max_body_bytes <= 0 or self.request_timeout_s <= 0:

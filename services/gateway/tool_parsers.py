@@ -8,16 +8,21 @@ streamed, its first deltas went out already).
   any number of them among the content.
 - ``Llama3JsonParser``: Llama 3.1's JSON tool calls, a reply that is ``{"name": …,
   "parameters": {…}}`` (after an optional ``<|python_tag|>``), several separated by ``;``.
+- ``JsonArrayParser``: the reply of ``tool_choice: "required"``, which its grammar makes a JSON
+  array of ``{"name": …, "parameters": {…}}`` (vLLM's shape; tools.py).
+- ``ArgumentsParser``: the reply of a named ``tool_choice``, which is one call's arguments.
 
 Both read a call as JSON, character by character (``_JsonScanner``): a call ends where its object
 closes, so a closing tag inside an argument's string does not end it. Text inside a reasoning
-block (``<think>…</think>``) is content: a call is never made of it. Not wired to the chat
-endpoint yet (``tools`` is still refused): the parsers stand alone, tested on adversarial text.
+block (``<think>…</think>``) is content: a call is never made of it. The chat endpoint reads a
+reply with the parser ``baton gateway --tool-call-parser`` names (``PARSERS``) under
+``tool_choice: "auto"`` (tools.ToolReader).
 """
 
 import json
 import uuid
 from dataclasses import dataclass, field
+from typing import Protocol
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -49,6 +54,22 @@ class ToolCall:
     id: str
     name: str
     arguments: str  # JSON text of an object
+
+
+class CallParser(Protocol):
+    """What every parser here is: ``feed`` the reply's text, ``finish`` at its end; ``calls``
+    holds the calls read whole so far."""
+
+    @property
+    def calls(self) -> list[ToolCall]: ...
+
+    def feed(self, text: str) -> ParsedDelta: ...
+
+    def finish(self) -> ParsedDelta: ...
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 class _JsonScanner:
@@ -143,7 +164,7 @@ class _CallReader:
         self.index = index
         self.scanner = _JsonScanner(argument_keys)
         self.argument_keys = argument_keys
-        self.id = f"call_{uuid.uuid4().hex[:24]}"
+        self.id = _call_id()
         self.name: str | None = None
         self.announced = False
         self.held = ""  # arguments read before the name
@@ -389,4 +410,105 @@ class Llama3JsonParser:
         return out
 
 
-PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+class JsonArrayParser:
+    """``[{"name": "f", "parameters": {...}}, ...]``: each call streamed as its object is read;
+    a reply that is not such an array (its grammar forbids it) is content."""
+
+    ARGUMENT_KEYS = ("parameters",)
+
+    def __init__(self) -> None:
+        self.calls: list[ToolCall] = []
+        self._buffer = ""
+        self._opened = False  # past the "["
+        self._content = False  # not an array: everything is content
+        self._reader: _CallReader | None = None
+
+    def feed(self, text: str) -> ParsedDelta:
+        self._buffer += text
+        out = ParsedDelta()
+        while self._buffer:
+            if self._content:
+                out.content, self._buffer = out.content + self._buffer, ""
+                break
+            if self._reader is None:
+                if not self._next_call():
+                    break
+                continue  # a call begins, or the rest is content
+            reader = self._reader
+            deltas, used = reader.feed_until_done(self._buffer)
+            out.tool_calls += deltas
+            self._buffer = self._buffer[used:]
+            if not reader.scanner.done:
+                break
+            self._reader = None
+            call = reader.call()
+            if call is not None:
+                self.calls.append(call)
+            elif not reader.announced:
+                out.content += reader.scanner.text
+        return out
+
+    def _next_call(self) -> bool:
+        """Skip to the next object; False: wait for more text (or the array ended)."""
+        stripped = self._buffer.lstrip()
+        if not self._opened:
+            if not stripped:
+                self._buffer = ""
+                return False
+            if not stripped.startswith("["):
+                self._content = True
+                return True
+            self._opened, stripped = True, stripped[1:]
+        stripped = stripped.lstrip().removeprefix(",").lstrip()
+        if not stripped or stripped.startswith("]"):
+            self._buffer = ""  # (after the "]": nothing the grammar allows)
+            return False
+        if not stripped.startswith("{"):
+            self._buffer, self._content = stripped, True
+            return True
+        self._buffer = stripped
+        self._reader = _CallReader(len(self.calls), self.ARGUMENT_KEYS)
+        return True
+
+    def finish(self) -> ParsedDelta:
+        """The reply ended: a call cut short is content (its text)."""
+        out = ParsedDelta()
+        if self._reader is not None:
+            out.content = self._reader.scanner.text + self._buffer
+        elif self._content:
+            out.content = self._buffer
+        self._reader, self._buffer = None, ""
+        return out
+
+
+class ArgumentsParser:
+    """The whole reply is one call's arguments (its grammar is the function's parameters):
+    streamed as they come, the first delta with the call's id and name."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.id = name, _call_id()
+        self._arguments = ""
+        self._announced = False
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return [ToolCall(self.id, self.name, self._arguments.strip() or "{}")]
+
+    def feed(self, text: str) -> ParsedDelta:
+        self._arguments += text
+        if not text and self._announced:
+            return ParsedDelta()
+        delta = ToolCallDelta(0, text)
+        if not self._announced:
+            delta.id, delta.name, self._announced = self.id, self.name, True
+        return ParsedDelta(tool_calls=[delta])
+
+    def finish(self) -> ParsedDelta:
+        """A reply with no text still makes its call (announced here)."""
+        return self.feed("")
+
+
+PARSERS: dict[str, type[HermesParser | Llama3JsonParser]] = {  # --tool-call-parser
+    "hermes": HermesParser,
+    "llama3_json": Llama3JsonParser,
+}

@@ -97,11 +97,12 @@ class TextTokenizer:
         continue_final_message: bool = False,
         template_kwargs: Mapping[str, Any] | None = None,
         add_special_tokens: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The token ids of ``render_chat_template``'s text (``add_special_tokens``: also the
         tokenizer's own, a BOS the template may already have written)."""
         text = self.render_chat_template(
-            messages, add_generation_prompt, continue_final_message, template_kwargs
+            messages, add_generation_prompt, continue_final_message, template_kwargs, tools
         )
         return self.encode(text, add_special_tokens=add_special_tokens)
 
@@ -111,18 +112,24 @@ class TextTokenizer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The prompt as ``transformers`` renders it: ``template_kwargs`` are extra template
         variables (they do not replace the messages or the generation-prompt flag);
         ``continue_final_message`` ends the text with the last message's content, so that the
-        model continues it (no end-of-turn after it)."""
+        model continues it (no end-of-turn after it). ``tools``: JSON schemas of functions,
+        ``[{"type": "function", "function": {"name", "description", "parameters"}}]``, the
+        ``tools`` variable (None as ``transformers`` passes it without tools); a message's
+        ``tool_calls`` and a ``tool`` message's ``tool_call_id`` are the template's to
+        render."""
         if not messages:
             raise ChatTemplateError("messages must not be empty")
         if self.chat_template is None:
             raise ChatTemplateError("this model's tokenizer has no chat template")
         variables: dict[str, Any] = {k: v for k, v in self.special_tokens.items() if v is not None}
         variables.update(template_kwargs or {})
-        variables.update(messages=messages, add_generation_prompt=add_generation_prompt)
+        variables.update(messages=messages, add_generation_prompt=add_generation_prompt,
+                         tools=tools)  # fmt: skip
         try:
             text = self._template.render(**variables)
         except jinja2.TemplateError as e:

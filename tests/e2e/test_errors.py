@@ -13,6 +13,7 @@ from tests.e2e.conftest import service_group
 MODEL = "qwen3"
 OK_PROMPT = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
 OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 # (endpoint, body, status, the field the error names or None)
 BAD_BODIES = [
@@ -68,9 +69,9 @@ BAD_BODIES = [
     ("chat/completions", {**OK_CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
     (
         "chat/completions",
-        {**OK_CHAT, "response_format": {"type": "json_object"}},
+        {**OK_CHAT, "response_format": {"type": "xml"}},
         400,
-        "response_format",
+        "response_format.type",
     ),
     ("chat/completions", {**OK_CHAT, "max_completion_tokens": -1}, 400, "max_completion_tokens"),
     ("chat/completions", {**OK_CHAT, "model": "unknown"}, 404, "model"),
@@ -98,13 +99,54 @@ BAD_BODIES = [
     ("chat/completions", {**OK_CHAT, "modalities": ["text", "audio"]}, 400, "modalities"),
     ("chat/completions", {**OK_CHAT, "audio": {"voice": "alloy", "format": "wav"}}, 400, "audio"),
     ("completions", {**OK_PROMPT, "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
+    # structured outputs and tools: what the grammar engine would not enforce, two grammars,
+    # an unknown key, a grammar too large, a tool_choice without its tool, "auto" on a gateway
+    # without a tool call parser
+    (
+        "chat/completions",
+        {
+            **OK_CHAT,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "code",
+                    "schema": {"type": "string", "pattern": "^[A-Z]+$", "minLength": 3},
+                },
+            },
+        },
+        400,
+        "response_format.json_schema.schema.minLength",
+    ),
     (
         "completions",
-        {**OK_PROMPT, "structured_outputs": {"regex": "a+"}},
+        {**OK_PROMPT, "structured_outputs": {"regex": "a+", "choices": ["a"]}},
         400,
-        "structured_outputs",
+        "structured_outputs.choices",
     ),
-    ("chat/completions", {**OK_CHAT, "guided_json": {"type": "object"}}, 400, "guided_json"),
+    (
+        "chat/completions",
+        {**OK_CHAT, "guided_json": {"type": "object"}, "guided_regex": "a+"},
+        400,
+        "guided_regex",
+    ),
+    (
+        "completions",
+        {**OK_PROMPT, "guided_choice": ["x" * 40000, "y" * 30000]},
+        400,
+        "guided_choice",
+    ),
+    ("chat/completions", {**OK_CHAT, "tool_choice": "required"}, 400, "tool_choice"),
+    (
+        "chat/completions",
+        {
+            **OK_CHAT,
+            "tools": [TOOL],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        400,
+        "tool_choice.function.name",
+    ),
+    ("chat/completions", {**OK_CHAT, "tools": [TOOL]}, 400, "tool_choice"),
     ("chat/completions", {**OK_CHAT, "reasoning_effort": "low"}, 400, "reasoning_effort"),
     (
         "chat/completions",

@@ -173,6 +173,18 @@ def test_input_limits_reach_the_gateway() -> None:
                                                 "x:1", "--max-stop", "0"]))  # fmt: skip
 
 
+def test_tool_call_parser_reaches_the_gateway() -> None:
+    from baton.service_cli import cluster_spec
+
+    argv = ["serve", "--model", "m", "--tool-call-parser", "hermes"]
+    assert cluster_spec(build_parser().parse_args(argv)).gateway_argv == (
+        "--tool-call-parser", "hermes",
+    )  # fmt: skip
+    assert cluster_spec(build_parser().parse_args(argv[:3])).gateway_argv == ()
+    with pytest.raises(SystemExit):  # argparse: not one of the parsers
+        build_parser().parse_args([*argv[:3], "--tool-call-parser", "mistral"])
+
+
 def test_restart_backoff_doubles_to_its_cap_and_gives_up_past_the_bound() -> None:
     from baton.launcher import RestartPolicy
 

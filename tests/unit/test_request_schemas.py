@@ -37,7 +37,7 @@ REFUSED: list[tuple[type[BaseModel], dict[str, Any], str]] = [
     (ChatCompletionRequest, {**C, "top_logprobs": 2}, "top_logprobs"),
     (ChatCompletionRequest, {**C, "tools": [{"type": "function"}]}, "tools"),
     (ChatCompletionRequest, {**C, "tool_choice": "required"}, "tool_choice"),
-    (ChatCompletionRequest, {**C, "response_format": {"type": "json_object"}}, "response_format"),
+    (ChatCompletionRequest, {**C, "response_format": {"type": "xml"}}, "response_format.type"),
     # fields that were silently ignored and would change the output
     (ChatCompletionRequest, {**C, "functions": [{"name": "f", "parameters": {}}]}, "functions"),
     (ChatCompletionRequest, {**C, "function_call": {"name": "f"}}, "function_call"),
@@ -53,10 +53,13 @@ REFUSED: list[tuple[type[BaseModel], dict[str, Any], str]] = [
     (CompletionRequest, {**P, "prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
     (ChatCompletionRequest, {**C, "prompt_logprobs": 21}, "prompt_logprobs"),
     (ChatCompletionRequest, {**C, "max_tokens": 0}, "max_tokens"),
-    (CompletionRequest, {**P, "response_format": {"type": "json_object"}}, "response_format"),
-    (CompletionRequest, {**P, "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
-    (CompletionRequest, {**P, "guided_json": {"type": "object"}}, "guided_json"),
-    (ChatCompletionRequest, {**C, "guided_choice": ["a", "b"]}, "guided_choice"),
+    (
+        CompletionRequest,
+        {**P, "structured_outputs": {"regex": "a+", "x": 1}},
+        "structured_outputs.x",
+    ),
+    (CompletionRequest, {**P, "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+    (ChatCompletionRequest, {**C, "structural_tag": "{}"}, "structural_tag"),
     (CompletionRequest, {**P, "return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
     (CompletionRequest, {**P, "prompt_embeds": "AAAA"}, "prompt_embeds"),
     (
@@ -67,7 +70,12 @@ REFUSED: list[tuple[type[BaseModel], dict[str, Any], str]] = [
     (
         ChatCompletionRequest,
         {**C, "messages": [{"role": "assistant", "tool_calls": [{"id": "1"}]}]},
-        "messages.0.tool_calls",
+        "messages",  # (pydantic's: "messages.0.tool_calls.0.function: Field required")
+    ),
+    (
+        ChatCompletionRequest,
+        {**C, "messages": [{"role": "assistant", "function_call": {"name": "f"}}]},
+        "messages.0.function_call",
     ),
     # the honoured fields' own bounds
     (CompletionRequest, {**P, "allowed_token_ids": []}, "allowed_token_ids"),
@@ -166,7 +174,7 @@ def test_field_errors_keep_their_location() -> None:
                 "tools": [],
                 "functions": [],
                 "function_call": "none",
-                "tool_choice": "auto",
+                "tool_choice": "none",
                 "response_format": {"type": "text"},
                 "use_beam_search": False,
                 "audio": None,

@@ -8,9 +8,14 @@ from typing import Any
 
 import pytest
 
-from services.gateway.tool_parsers import HermesParser, Llama3JsonParser, ParsedDelta
+from services.gateway.tool_parsers import (
+    HermesParser,
+    JsonArrayParser,
+    Llama3JsonParser,
+    ParsedDelta,
+)
 
-Parser = HermesParser | Llama3JsonParser
+Parser = HermesParser | Llama3JsonParser | JsonArrayParser
 
 
 def run(parser: Parser, text: str, step: int) -> tuple[str, list[tuple[str, Any]], ParsedDelta]:
@@ -135,3 +140,23 @@ def test_a_call_whose_json_is_not_a_call_is_none(parser: type[Parser]) -> None:
     for step in STEPS:
         content, calls, _ = run(parser(), text, step)
         assert calls == [] and content == text  # handed back as content, not lost
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_json_array_calls(step: int) -> None:
+    """tool_choice "required"'s reply: brackets and commas inside strings are no separators."""
+    text = (
+        '\n[ {"name": "say", "parameters": {"text": "a], [b, \\"c\\"}"}} ,'
+        '{"name": "get_time", "parameters": {}} ]'
+    )
+    content, calls, seen = run(JsonArrayParser(), text, step)
+    assert calls == [("say", {"text": 'a], [b, "c"}'}), ("get_time", {})]
+    assert content == "" and streamed_calls(seen) == calls
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_json_array_cut_short_and_not_an_array(step: int) -> None:
+    cut = '[{"name": "say", "parameters": {"text": "hel'
+    content, calls, _ = run(JsonArrayParser(), cut, step)
+    assert calls == [] and content == cut[1:]
+    assert run(JsonArrayParser(), "no calls here", step)[:2] == ("no calls here", [])

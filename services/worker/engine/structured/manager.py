@@ -128,7 +128,10 @@ class StructuredOutputManager:
                 assert params.grammar is not None
                 compiled = compiler.compile_grammar(params.grammar)
         except Exception as e:  # xgrammar's own errors are RuntimeError/ValueError subclasses
-            raise GrammarError(f"the {kind} grammar does not compile: {_first_line(e)}") from None
+            label = {"json": "JSON schema", "json_object": "JSON object", "grammar": "EBNF"}
+            raise GrammarError(
+                f"the {label.get(kind, kind)} grammar does not compile: {_first_line(e)}"
+            ) from None
         seconds = time.perf_counter() - start
         with self._lock:
             self.num_compiled += 1
