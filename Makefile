@@ -11,7 +11,7 @@ PORT    := 8000
 # the system as `make run` starts it: one prefill and one decode worker
 PD      := --prefill-workers 1 --decode-workers 1
 
-.PHONY: install run run-tiny demo protos test test-gpu test-images lint format bench bench-serving bench-prefix bench-soak clean
+.PHONY: install run run-tiny demo protos test test-gpu test-images lint format bench bench-serving bench-prefix bench-soak bench-structured clean
 
 install:  ## redis-server (apt) + .venv with Baton and its pinned dependencies
 	command -v redis-server >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
@@ -99,6 +99,9 @@ bench-prefix: bench-model/config.json  ## routing policies on chats over documen
 
 bench-soak: $(TINY)/config.json  ## baton serve (P/D, Redis) under a mixed load for 30 minutes: leaks
 	$(PY) benchmarks/soak.py --model $(TINY) --duration-s 1800 --out bench-results/soak
+
+bench-structured: $(SMOLLM)  ## JSON-schema decoding: step time vs none, compile's first-token cost
+	$(PY) benchmarks/structured.py --quick --out bench-results/structured.json
 
 clean:
 	rm -rf $(TINY) bench-model bench-results .pytest_cache .mypy_cache .ruff_cache

@@ -85,7 +85,8 @@ ENGINE_FLAGS = (
     "max_num_batched_tokens", "attention_backend", "device", "enable_prefix_caching",
     "enforce_eager", "async_scheduling", "kv_lease_seconds", "kv_recompute_on_failure",
     "tensor_parallel_size", "distributed_executor_backend", "quantization", "kv_cache_dtype",
-    "fp8_fast_accumulation", "piecewise_cuda_graph_tokens",
+    "fp8_fast_accumulation", "piecewise_cuda_graph_tokens", "grammar_compile_threads",
+    "grammar_compile_timeout_s", "grammar_max_whitespace",
 )  # fmt: skip
 ENGINE_HELP = {
     "served_model_name": "the model's name in the API: the model field of requests, "
@@ -137,6 +138,12 @@ ENGINE_HELP = {
     "checkpoint is read as it is, without this flag)",
     "tensor_parallel_size": "split the model over N ranks (GPUs), one process each "
     "(baton serve gives each worker N GPUs)",
+    "grammar_compile_threads": "threads compiling the grammars of structured outputs (JSON "
+    "schemas, regexes, tools)",
+    "grammar_compile_timeout_s": "seconds a request may wait for its grammar to compile "
+    "before it fails (a 400)",
+    "grammar_max_whitespace": "JSON output: whitespace characters allowed between two of its "
+    "tokens (0: compact JSON only); a bound, or a weak model may fill its answer with them",
     "distributed_executor_backend": "how the ranks run: uni (in the engine core, one rank), mp "
     "(a process per rank) or ray (a Ray actor per rank; RAY_ADDRESS names the cluster) "
     "(default: uni at one rank, else mp)",
@@ -178,6 +185,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         if name == "kv_cache_dtype":
             kw["choices"] = KV_CACHE_DTYPES
         p.add_argument(flag, **kw)
+    p.add_argument("--grammar-warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="read the tokenizer's vocabulary for the grammar compiler at start, in "
+                   "the background, so that the first request with a JSON schema, regex or "
+                   "tools does not wait for it (0.5-2 s)")  # fmt: skip
 
 
 LIMIT_FIELDS = [f.name for f in dataclasses.fields(InputLimits)]  # each a --max-… flag
@@ -203,6 +214,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
     return EngineArgs(
         model=args.model,
         kv_transfer=role in ("prefill", "decode") or getattr(args, "kv_transfer", False),
+        grammar_warmup=getattr(args, "grammar_warmup", True),
         **{name: getattr(args, name) for name in ENGINE_FLAGS},
     )
 
@@ -220,6 +232,8 @@ def engine_flags_argv(args: argparse.Namespace) -> list[str]:
             argv.append(flag if value else "--no-" + flag[2:])
         else:
             argv += [flag, str(value)]
+    if not getattr(args, "grammar_warmup", True):
+        argv.append("--no-grammar-warmup")
     return argv
 
 

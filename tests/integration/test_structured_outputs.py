@@ -176,3 +176,14 @@ def test_async_scheduling_preemption_and_chunks_change_nothing(tiny_model: Path)
 
 def _fields(spec: StructuredOutputParams) -> dict[str, object]:
     return {k: getattr(spec, k) for k in spec.__struct_fields__ if k != "replay_tokens"}
+
+
+def test_the_compiler_can_be_ready_before_the_first_grammar(tiny_model: Path) -> None:
+    """``grammar_warmup`` (``baton worker``'s default): the vocabulary is read at start, in the
+    background; without it, an engine that never sees a grammar never reads it."""
+    with LLM(model=str(tiny_model), grammar_warmup=True, **KW) as warm:  # type: ignore[arg-type]
+        manager = warm.client.core.structured  # type: ignore[attr-defined]
+        assert manager is not None and manager._compiler.result(timeout=60) is not None
+    with LLM(model=str(tiny_model), **KW) as cold:  # type: ignore[arg-type]
+        cold.generate(PROMPTS[0], SamplingParams(max_tokens=2))
+        assert cold.client.core.structured is None  # type: ignore[attr-defined]

@@ -102,6 +102,7 @@ class StructuredOutputConfig:
     # JSON: whitespace characters allowed between two of its tokens (a pretty-printed object's
     # newline and indentation); 0: none beyond the single spaces of ", " and ": "
     max_whitespace: int = 32
+    warmup: bool = False  # read the vocabulary for the compiler at start (off the step loop)
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,9 @@ class EngineArgs:
     # JSON output: whitespace characters allowed between two tokens (a bound: a weak model
     # otherwise may fill its answer with whitespace); 0: compact JSON only
     grammar_max_whitespace: int = 32
+    # prepare the grammar compiler (the tokenizer's vocabulary, ~0.5-2 s) in the background at
+    # start, not with the first request that has a grammar (``baton worker`` turns it on)
+    grammar_warmup: bool = False
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -270,7 +274,7 @@ class EngineArgs:
             raise ValueError("grammar_max_whitespace must be >= 0")
         return StructuredOutputConfig(
             self.grammar_compile_threads, self.grammar_compile_timeout_s, self.grammar_cache_bytes,
-            self.grammar_max_whitespace,
+            self.grammar_max_whitespace, self.grammar_warmup,
         )  # fmt: skip
 
     def _parallel_config(self, arch: ArchConfig, device: str) -> ParallelConfig:

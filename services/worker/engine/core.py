@@ -68,6 +68,8 @@ class EngineCore:
         self._kv_event_seq = 0
         self._model_seconds = 0.0
         self.structured: StructuredOutputManager | None = None  # made for the first grammar
+        if config.structured.warmup:  # (its pool reads the vocabulary meanwhile)
+            self._structured()
         logger.info(
             "engine core ready: %d KV blocks of %d tokens", self.num_blocks, config.cache.block_size
         )
