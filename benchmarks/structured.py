@@ -65,7 +65,7 @@ TINY = {
 DECODE_SCHEMA = json.dumps({
     "type": "array", "minItems": 5000,
     "items": {"type": "object", "required": ["id", "name"],
-              "properties": {"id": {"type": "integer"},
+              "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999999},
                              "name": {"type": "string", "maxLength": 8}}},
 })  # fmt: skip
 # the 50 fields of part 2 cycle through these (what extraction and tool schemas hold)

@@ -45,7 +45,12 @@ def _run(path: Path, **kw: object) -> list[tuple[str, list[int], str]]:
         for i, k in enumerate(kinds)
     ] + [SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)]  # fmt: skip
     with LLM(
-        model=str(path), show_progress=False, max_model_len=512, grammar_max_whitespace=0, **kw
+        model=str(path),
+        show_progress=False,
+        max_model_len=512,
+        grammar_max_whitespace=0,
+        dtype="float32",
+        **kw,
     ) as llm:  # type: ignore[arg-type]
         outs = llm.generate((PROMPTS * 4)[: len(params)], params)
     return [(k, list(o.outputs[0].token_ids), o.outputs[0].text)

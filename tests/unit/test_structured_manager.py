@@ -97,3 +97,19 @@ def test_bounded_json_strings_refuse_raw_control_characters(
     assert matcher.accept_string('{"s": "a')
     assert not matcher.accept_string("\x03")  # JSON: control characters only escaped
     assert matcher.accept_string('b"}')
+
+
+def test_a_padded_vocabulary_masks_the_padding(tiny_model: Path) -> None:
+    """A model whose vocabulary is wider than its tokenizer's (padded, as Qwen's and Llama's
+    are): the compiler knows the tokenizer's ids only (xgrammar takes the padding for special
+    tokens, which makes every accepted token cost ~16 times as much), and the padding ids are
+    never allowed."""
+    vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    padded = StructuredOutputManager(str(tiny_model), vocab + 100, (0,), 4, 2, 30.0, 1 << 24)
+    grammar = compiled(padded, regex="[a-z]+")
+    assert grammar.ready([])
+    bits = padded.fill(["x"], [grammar]).bits
+    assert bits.shape == (1, -(-(vocab + 100) // 32))
+    allowed = {t for t in range(vocab + 100) if bits[0, t // 32] >> (t % 32) & 1}
+    assert allowed and max(allowed) < vocab
+    padded.shutdown()

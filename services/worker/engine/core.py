@@ -242,6 +242,8 @@ class EngineCore:
                 cfg.tokenizer, cfg.arch.vocab_size, cfg.arch.eos_token_ids,
                 self.config.scheduler.max_num_seqs, s.compile_threads, s.compile_timeout_s,
                 s.cache_bytes, s.max_whitespace,
+                pin_memory=self.config.device.device == "cuda"
+                and self.config.parallel.distributed_executor_backend == "uni",
             )  # fmt: skip
         return self.structured
 

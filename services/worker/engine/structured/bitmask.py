@@ -41,9 +41,11 @@ def apply_bitmask(
     xgrammar's (Triton on a GPU, a CPU loop on the host)."""
     import xgrammar as xgr  # (only a step with a constrained row gets here)
 
-    full = torch.full(
-        (logits.shape[0], grammar.bits.shape[1]), -1, dtype=torch.int32, device=logits.device
-    )
+    bits = grammar.bits.to(logits.device, non_blocking=True)
+    if rows == list(range(logits.shape[0])):  # every row, in order (a fully constrained batch)
+        xgr.apply_token_bitmask_inplace(logits, bits, vocab_size=vocab_size)
+        return
+    full = torch.full((logits.shape[0], bits.shape[1]), -1, dtype=torch.int32, device=logits.device)
     index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
-    full.index_copy_(0, index, grammar.bits.to(logits.device, non_blocking=True))
+    full.index_copy_(0, index, bits)
     xgr.apply_token_bitmask_inplace(logits, full, vocab_size=vocab_size, indices=rows)
