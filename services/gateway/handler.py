@@ -118,6 +118,10 @@ class Handler:
         wanted = [n for n in (body.prompt_logprobs, num_logprobs if echo_logprobs else None)
                   if n is not None]  # fmt: skip
         params = _params(body, limit, num_logprobs, max(wanted, default=None))
+        if tool_plan is not None and self.tool_call_parser is not None:
+            strict = tool_plan.auto_grammar(self.tool_call_parser)
+            if strict is not None:  # (its schemas were checked with the request's)
+                params.structured_output.CopyFrom(strict.spec)
         biased = [int(k) for k in body.logit_bias or ()]
         fields = {"stop_token_ids": body.stop_token_ids,
                   "allowed_token_ids": body.allowed_token_ids, "logit_bias": biased}  # fmt: skip

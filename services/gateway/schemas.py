@@ -18,8 +18,9 @@ ignored:
 - tool calling on chat (tools.py): ``tools`` (functions), ``tool_choice`` (``none``, ``auto``
   with the gateway's ``--tool-call-parser``, ``required``, a named function: the last two
   constrained by their schemas), ``parallel_tool_calls``, assistant ``tool_calls`` and ``tool``
-  messages (through the chat template). A tool's ``strict`` is enforced under ``required`` and
-  a named function, and not under ``auto`` (the reply is parsed, not constrained, as vLLM);
+  messages (through the chat template). Under ``required`` and a named function the calls
+  follow every tool's schema; under ``auto`` the reply is free, but with a ``strict`` tool any
+  call the model starts (in the parser's format) follows its schema;
 - refused (``REFUSED`` below, and the checks in the validators): ``suffix``,
   legacy ``functions``/``function_call``, ``guided_whitespace_pattern``, ``structural_tag``,
   beam search, non-text modalities and content parts, and the other vLLM and OpenAI fields
@@ -256,7 +257,7 @@ class FunctionDefinition(_Body):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (an object's)
-    strict: bool | None = None  # enforced under tool_choice required/named, not under auto
+    strict: bool | None = None  # enforced: under auto, the calls the model starts (tools.py)
 
 
 class FunctionTool(_Body):

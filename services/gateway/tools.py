@@ -6,8 +6,9 @@ function constrain the reply with, and each reply read back as OpenAI's tool cal
     tool_choice "none"       the tools are rendered; the reply is content
                 "auto"       (the default with tools) the tools are rendered; the reply is read
                              by the gateway's ``--tool-call-parser`` into content and calls
-                             (none set: a 400, as vLLM); not constrained, so a tool's
-                             ``strict: true`` is not enforced here
+                             (none set: a 400, as vLLM); free, but with a ``strict: true``
+                             tool every call the model starts follows its tool's schema
+                             (``auto_grammar``: the parser's format as triggered tags)
                 "required"   the reply is a JSON array of one or more calls (one when
                              parallel_tool_calls is false), ``[{"name": …, "parameters": {…}}]``
                              (vLLM's shape), each call's parameters following its tool's schema;
@@ -37,6 +38,14 @@ from shared.protos.baton.v1 import common_pb2
 
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# a parser's call, as (trigger, begin with the name's JSON, end): the tags "auto" constrains a
+# strict tool's call with (the formats the parsers read, as Qwen's and Llama 3.1's templates
+# show them)
+CALL_TAGS = {
+    "hermes": ("<tool_call>", '<tool_call>\n{{"name": {name}, "arguments": ', "}\n</tool_call>"),
+    "llama3_json": ('{"name": ', '{{"name": {name}, "parameters": ', "}"),
+}
 # keys of a schema whose values are data, not schemas: a "$ref" in them is no reference
 DATA_KEYS = frozenset({"const", "enum", "default", "examples"})
 
@@ -48,6 +57,8 @@ class Function(Protocol):
     def description(self) -> str | None: ...
     @property
     def parameters(self) -> dict[str, Any] | None: ...
+    @property
+    def strict(self) -> bool | None: ...
 
 
 class Tool(Protocol):
@@ -88,8 +99,34 @@ class ToolPlan:
                 checked_schema_text(_parameters(tool), f"tools.{i}.function.parameters")
             text = json.dumps(required_schema(self.tools, self.parallel), separators=(",", ":"))
         else:
+            if self.mode == "auto":  # a strict tool's schema is enforced (``auto_grammar``)
+                for i, tool in enumerate(self.tools):
+                    if tool.function.strict:
+                        checked_schema_text(_parameters(tool), f"tools.{i}.function.parameters")
             return None
         return Grammar(common_pb2.StructuredOutput(json_schema=text), "tool_choice", len(text))
+
+    def auto_grammar(self, parser: str) -> Grammar | None:
+        """Under "auto" with a ``strict`` tool: the reply is free text, and from the parser's
+        trigger on (``<tool_call>`` for hermes, ``{"name": `` for llama3_json) a call of one of
+        the tools, a strict tool's arguments following its parameters schema, another's any
+        object (xgrammar's structural tag, triggered tags). None without a strict tool."""
+        if self.mode != "auto" or not any(t.function.strict for t in self.tools):
+            return None
+        trigger, begin, end = CALL_TAGS[parser]
+        tags = [
+            {"begin": begin.format(name=json.dumps(t.function.name)),
+             "content": {"type": "json_schema",
+                         "json_schema": _parameters(t) if t.function.strict else ANY_OBJECT},
+             "end": end}
+            for t in self.tools
+        ]  # fmt: skip
+        tag = {"type": "structural_tag", "format": {
+            "type": "triggered_tags", "triggers": [trigger], "tags": tags,
+            "at_least_one": False, "stop_after_first": not self.parallel,
+        }}  # fmt: skip
+        text = json.dumps(tag, separators=(",", ":"))
+        return Grammar(common_pb2.StructuredOutput(structural_tag=text), "tools", len(text))
 
 
 def plan(tools: Sequence[Tool] | None, choice: str | dict[str, Any] | None,

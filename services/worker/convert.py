@@ -64,6 +64,8 @@ def structured_output(s: common_pb2.StructuredOutput) -> StructuredOutputParams:
         return StructuredOutputParams(choice=list(s.choice.choices), replay_tokens=replay)
     if kind == "grammar":
         return StructuredOutputParams(grammar=s.grammar, replay_tokens=replay)
+    if kind == "structural_tag":
+        return StructuredOutputParams(structural_tag=s.structural_tag, replay_tokens=replay)
     raise ValueError("structured_output sets none of json_schema, json_object, regex, choice, "
                      "grammar")  # fmt: skip
 

@@ -1,6 +1,8 @@
 """The OpenAI API of a running cluster (gateway + scheduler + 2 workers as processes), driven
 with the official ``openai`` client; greedy output must equal the engine's offline output."""
 
+import json
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -349,3 +351,31 @@ def test_output_changing_fields_are_refused_not_ignored(client: openai.OpenAI) -
         client.chat.completions.create(**GREEDY, messages=parts, max_tokens=2)
     assert caught.value.param == "messages.0.content.1"
     assert "'image_url' are not supported" in caught.value.body["message"]  # type: ignore[index]
+
+
+def test_structured_outputs_and_tool_calls_colocated(client: openai.OpenAI) -> None:
+    """The colocated worker (one engine does the whole request) under each kind of grammar: the
+    random model's text follows it whatever it samples."""
+    email = r"[a-z]{2,8}@[a-z]{2,8}\.(com|org)"
+    out = client.completions.create(
+        model=MODEL, prompt="contact:", max_tokens=60, n=3, seed=4,
+        extra_body={"structured_outputs": {"regex": email}},
+    )  # fmt: skip
+    assert all(re.fullmatch(email, c.text) for c in out.choices), [c.text for c in out.choices]
+    colors = ["red", "green", "blue"]
+    chat = [{"role": "user", "content": "a color"}]
+    out2 = client.chat.completions.create(
+        model=MODEL, messages=chat, max_tokens=8, extra_body={"guided_choice": colors},  # type: ignore[arg-type]
+    )  # fmt: skip
+    assert out2.choices[0].message.content in colors
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"k": {"enum": ["a", "b"]}}, "required": ["k"],
+        "additionalProperties": False}}}  # fmt: skip
+    for choice in ("required", {"type": "function", "function": {"name": "pick"}}):
+        out3 = client.chat.completions.create(
+            model=MODEL, messages=chat, max_tokens=400, tools=[tool], tool_choice=choice,  # type: ignore[arg-type,list-item]
+            temperature=0,
+        )  # fmt: skip
+        [call, *_] = out3.choices[0].message.tool_calls or []
+        assert call.function.name == "pick"  # type: ignore[union-attr]
+        assert json.loads(call.function.arguments)["k"] in ("a", "b")  # type: ignore[union-attr]

@@ -113,3 +113,25 @@ def test_a_padded_vocabulary_masks_the_padding(tiny_model: Path) -> None:
     allowed = {t for t in range(vocab + 100) if bits[0, t // 32] >> (t % 32) & 1}
     assert allowed and max(allowed) < vocab
     padded.shutdown()
+
+
+def test_a_structural_tag_leaves_text_free_and_constrains_the_calls(
+    manager: StructuredOutputManager,
+) -> None:
+    """What the gateway sends under tool_choice "auto" with a strict tool (tools.py)."""
+    tag = {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<tool_call>"],
+        "tags": [{"begin": '<tool_call>\n{"name": "f", "arguments": ',
+                  "content": {"type": "json_schema", "json_schema": {
+                      "type": "object", "properties": {"n": {"type": "integer"}},
+                      "required": ["n"], "additionalProperties": False}},
+                  "end": "}\n</tool_call>"}],
+    }}  # fmt: skip
+    grammar = compiled(manager, structural_tag=json.dumps(tag))
+    assert grammar.ready([])
+    assert grammar.matcher.accept_string('Sure. <tool_call>\n{"name": "f", "arguments": {"n": 3')
+    assert not grammar.matcher.accept_string(".5")  # an integer
+    assert grammar.matcher.accept_string("}}\n</tool_call> done")
+    bad = manager.request_grammar(StructuredOutputParams(structural_tag="{}"), [1])
+    with pytest.raises(ValueError, match="the structural tag grammar does not compile"):
+        bad.future.result(timeout=30)

@@ -474,7 +474,8 @@ async def test_auto_reply_through_the_handler_and_the_sdk(qwen_tools_model: Path
     lines = await serve(h, {**body, "stream": True})
     prompt = tok.decode(orchestrator.jobs[0].prompt_ids, skip_special_tokens=False)
     assert '"name": "get_weather"' in prompt  # the tools reached the template
-    assert not orchestrator.jobs[0].params.HasField("structured_output")  # auto: unconstrained
+    # auto: free text, but the call of a strict tool follows its schema
+    assert orchestrator.jobs[0].params.structured_output.WhichOneof("kind") == "structural_tag"
     client = sdk([whole])
     message = client.chat.completions.create(model="m", messages=[]).choices[0].message
     assert message.content == "Let me check. "
@@ -529,3 +530,46 @@ async def test_auto_without_a_parser_is_a_400(qwen_tools_model: Path) -> None:
     assert (e.value.status, e.value.param) == (400, "tool_choice")
     assert "--tool-call-parser" in e.value.message
     assert (await serve(h, {**C, "tools": [WEATHER], "tool_choice": "none"}))["choices"]
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+async def test_auto_constrains_the_calls_of_strict_tools(
+    qwen_tools_model: Path, parser: str
+) -> None:
+    """Under auto, a strict tool's call follows its schema in the parser's format (a structural
+    tag: free text until the trigger), a tool that is not strict takes any object; without a
+    strict tool nothing is constrained."""
+    xgr = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string
+
+    tok = TextTokenizer(qwen_tools_model)
+    h, orchestrator = handler(tok, ["x"], parser=parser)
+    await serve(h, {**C, "tools": [COUNTER]})
+    assert not orchestrator.jobs[0].params.HasField("structured_output")
+    await serve(h, {**C, "tools": [WEATHER, COUNTER]})
+    spec = orchestrator.jobs[1].params.structured_output
+    grammar = xgr.Grammar.from_structural_tag(spec.structural_tag)
+
+    def call(name: str, args: dict[str, Any]) -> str:
+        if parser == "hermes":
+            return (
+                f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(args)}}}\n</tool_call>'
+            )
+        return f'{{"name": "{name}", "parameters": {json.dumps(args)}}}'
+
+    cases = [
+        ("Let me check. " + call("get_weather", {"city": "Rome"}), True),
+        ("No tool needed here.", True),
+        (call("get_weather", {"city": "Oslo"}), False),  # not in the strict tool's enum
+        (call("count", {"anything": [1, 2]}), True),  # not strict: any object
+        (call("other", {}), False),
+    ]
+    for text, accepted in cases:
+        assert _is_grammar_accept_string(grammar, text) == accepted, text
+    # the parser reads it back (Llama 3.1's calls are the whole reply)
+    reply = cases[0][0] if parser == "hermes" else call("get_weather", {"city": "Rome"})
+    h2, _ = handler(tok, [reply], parser=parser)
+    whole = await serve(h2, {**C, "tools": [WEATHER, COUNTER]})
+    [got] = whole["choices"][0]["message"]["tool_calls"]
+    assert got["function"]["name"] == "get_weather"
+    assert json.loads(got["function"]["arguments"]) == {"city": "Rome"}

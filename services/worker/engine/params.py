@@ -19,6 +19,7 @@ MAX_LOGIT_BIAS = 1 << 16  # tokens one request may bias
 LOGIT_BIAS_BOUND = 100.0  # OpenAI's: each bias in [-100, 100]
 MAX_GRAMMAR_CHARS = 1 << 20  # a schema, regex or EBNF grammar (the gateway's bound is lower)
 MAX_CHOICES = 4096  # strings of a choice constraint
+_TEXT_KINDS = ("json", "regex", "grammar", "structural_tag")  # a grammar given as one string
 
 
 class StructuredOutputParams(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
@@ -33,19 +34,22 @@ class StructuredOutputParams(msgspec.Struct, kw_only=True, omit_defaults=True, f
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    # xgrammar's structural tag (JSON text): free text, and after a trigger one of its tags
+    # (begin, a grammar for the content, end): tool calls that follow their tools' schemas
+    structural_tag: str | None = None
     # the prompt's last tokens that were generated under this grammar by an earlier worker (a
     # resumed request): accepted by the matcher before the first sample
     replay_tokens: int = 0
 
     def __post_init__(self) -> None:
-        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds = [k for k in (*_TEXT_KINDS, "choice") if getattr(self, k) is not None]
         kinds += ["json_object"] if self.json_object else []
         if len(kinds) != 1:
             raise ValueError(
                 "structured_outputs needs exactly one of json, json_object, regex, choice, "
-                f"grammar; got {', '.join(kinds) or 'none'}"
+                f"grammar, structural_tag; got {', '.join(kinds) or 'none'}"
             )
-        for name in ("json", "regex", "grammar"):
+        for name in _TEXT_KINDS:
             text = getattr(self, name)
             if text is not None and not (
                 isinstance(text, str) and 0 < len(text) <= MAX_GRAMMAR_CHARS
@@ -64,12 +68,10 @@ class StructuredOutputParams(msgspec.Struct, kw_only=True, omit_defaults=True, f
 
     @property
     def kind(self) -> str:
-        """json | json_object | regex | choice | grammar."""
+        """json | json_object | regex | choice | grammar | structural_tag."""
         if self.json_object:
             return "json_object"
-        return next(
-            k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None
-        )
+        return next(k for k in (*_TEXT_KINDS, "choice") if getattr(self, k) is not None)
 
     def key(self) -> tuple[str, str]:
         """What the grammar is, whatever the request (the compile cache's key)."""

@@ -134,6 +134,9 @@ class StructuredOutputManager:
             elif kind == "regex":
                 assert params.regex is not None
                 compiled = compiler.compile_regex(params.regex)
+            elif kind == "structural_tag":
+                assert params.structural_tag is not None
+                compiled = compiler.compile_structural_tag(params.structural_tag)
             elif kind == "choice":
                 assert params.choice is not None
                 compiled = compiler.compile_grammar(choice_grammar(params.choice))
@@ -141,7 +144,8 @@ class StructuredOutputManager:
                 assert params.grammar is not None
                 compiled = compiler.compile_grammar(params.grammar)
         except Exception as e:  # xgrammar's own errors are RuntimeError/ValueError subclasses
-            label = {"json": "JSON schema", "json_object": "JSON object", "grammar": "EBNF"}
+            label = {"json": "JSON schema", "json_object": "JSON object", "grammar": "EBNF",
+                     "structural_tag": "structural tag"}  # fmt: skip
             raise GrammarError(
                 f"the {label.get(kind, kind)} grammar does not compile: {_first_line(e)}"
             ) from None

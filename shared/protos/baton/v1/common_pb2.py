@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/common.proto\x12\x08\x62\x61ton.v1\"\x9c\x05\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x01H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\rH\x04\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x05\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\x0f \x03(\r\x12\x11\n\tbad_words\x18\x10 \x03(\t\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x06\x88\x01\x01\x12;\n\nlogit_bias\x18\x12 \x03(\x0b\x32\'.baton.v1.SamplingParams.LogitBiasEntry\x12\x35\n\x11structured_output\x18\x13 \x01(\x0b\x32\x1a.baton.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xab\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x14.baton.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x15\n\rreplay_tokens\x18\x06 \x01(\rB\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"J\n\rTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x14\n\x0csampled_rank\x18\x03 \x01(\r\"W\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x13\n\x06parent\x18\x02 \x01(\x0cH\x00\x88\x01\x01\x12\x12\n\nblock_size\x18\x03 \x01(\rB\t\n\x07_parent\"$\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"\x12\n\x10\x41llBlocksCleared\"\x95\x01\n\x07KVEvent\x12\'\n\x06stored\x18\x01 \x01(\x0b\x32\x15.baton.v1.BlockStoredH\x00\x12)\n\x07removed\x18\x02 \x01(\x0b\x32\x16.baton.v1.BlockRemovedH\x00\x12-\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x1a.baton.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\">\n\x0cKVEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12!\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x11.baton.v1.KVEvent\"\x88\x01\n\x08KVHandle\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x14\n\x0cside_channel\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x18\n\x10lease_expires_at\x18\x05 \x01(\x01\x12\x12\n\nrequest_id\x18\x06 \x01(\t*p\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x14\n\x10WORKER_ROLE_BOTH\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/common.proto\x12\x08\x62\x61ton.v1\"\x9c\x05\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x01H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\rH\x04\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x05\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\x0f \x03(\r\x12\x11\n\tbad_words\x18\x10 \x03(\t\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x06\x88\x01\x01\x12;\n\nlogit_bias\x18\x12 \x03(\x0b\x32\'.baton.v1.SamplingParams.LogitBiasEntry\x12\x35\n\x11structured_output\x18\x13 \x01(\x0b\x32\x1a.baton.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xc5\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x14.baton.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\x07 \x01(\tH\x00\x12\x15\n\rreplay_tokens\x18\x06 \x01(\rB\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"J\n\rTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x14\n\x0csampled_rank\x18\x03 \x01(\r\"W\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x13\n\x06parent\x18\x02 \x01(\x0cH\x00\x88\x01\x01\x12\x12\n\nblock_size\x18\x03 \x01(\rB\t\n\x07_parent\"$\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"\x12\n\x10\x41llBlocksCleared\"\x95\x01\n\x07KVEvent\x12\'\n\x06stored\x18\x01 \x01(\x0b\x32\x15.baton.v1.BlockStoredH\x00\x12)\n\x07removed\x18\x02 \x01(\x0b\x32\x16.baton.v1.BlockRemovedH\x00\x12-\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x1a.baton.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\">\n\x0cKVEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12!\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x11.baton.v1.KVEvent\"\x88\x01\n\x08KVHandle\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x14\n\x0cside_channel\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x18\n\x10lease_expires_at\x18\x05 \x01(\x01\x12\x12\n\nrequest_id\x18\x06 \x01(\t*p\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x14\n\x10WORKER_ROLE_BOTH\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,28 +33,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_WORKERROLE']._serialized_start=1489
-  _globals['_WORKERROLE']._serialized_end=1601
+  _globals['_WORKERROLE']._serialized_start=1515
+  _globals['_WORKERROLE']._serialized_end=1627
   _globals['_SAMPLINGPARAMS']._serialized_start=36
   _globals['_SAMPLINGPARAMS']._serialized_end=704
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=550
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=598
   _globals['_STRUCTUREDOUTPUT']._serialized_start=707
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=878
-  _globals['_CHOICELIST']._serialized_start=880
-  _globals['_CHOICELIST']._serialized_end=909
-  _globals['_TOKENLOGPROBS']._serialized_start=911
-  _globals['_TOKENLOGPROBS']._serialized_end=985
-  _globals['_BLOCKSTORED']._serialized_start=987
-  _globals['_BLOCKSTORED']._serialized_end=1074
-  _globals['_BLOCKREMOVED']._serialized_start=1076
-  _globals['_BLOCKREMOVED']._serialized_end=1112
-  _globals['_ALLBLOCKSCLEARED']._serialized_start=1114
-  _globals['_ALLBLOCKSCLEARED']._serialized_end=1132
-  _globals['_KVEVENT']._serialized_start=1135
-  _globals['_KVEVENT']._serialized_end=1284
-  _globals['_KVEVENTBATCH']._serialized_start=1286
-  _globals['_KVEVENTBATCH']._serialized_end=1348
-  _globals['_KVHANDLE']._serialized_start=1351
-  _globals['_KVHANDLE']._serialized_end=1487
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=904
+  _globals['_CHOICELIST']._serialized_start=906
+  _globals['_CHOICELIST']._serialized_end=935
+  _globals['_TOKENLOGPROBS']._serialized_start=937
+  _globals['_TOKENLOGPROBS']._serialized_end=1011
+  _globals['_BLOCKSTORED']._serialized_start=1013
+  _globals['_BLOCKSTORED']._serialized_end=1100
+  _globals['_BLOCKREMOVED']._serialized_start=1102
+  _globals['_BLOCKREMOVED']._serialized_end=1138
+  _globals['_ALLBLOCKSCLEARED']._serialized_start=1140
+  _globals['_ALLBLOCKSCLEARED']._serialized_end=1158
+  _globals['_KVEVENT']._serialized_start=1161
+  _globals['_KVEVENT']._serialized_end=1310
+  _globals['_KVEVENTBATCH']._serialized_start=1312
+  _globals['_KVEVENTBATCH']._serialized_end=1374
+  _globals['_KVHANDLE']._serialized_start=1377
+  _globals['_KVHANDLE']._serialized_end=1513
 # @@protoc_insertion_point(module_scope)
