@@ -385,18 +385,10 @@ class Llama3JsonParser:
                     break
                 self._buffer = stripped
                 self._reader = _CallReader(len(self.calls), self.ARGUMENT_KEYS)
-            reader = self._reader
-            deltas, used = reader.feed_until_done(self._buffer)
-            out.tool_calls += deltas
-            self._buffer = self._buffer[used:]
-            if not reader.scanner.done:
+            self._buffer, ended = _feed_call(self._reader, self._buffer, self.calls, out)
+            if not ended:
                 break
             self._reader = None
-            call = reader.call()
-            if call is not None:
-                self.calls.append(call)
-            elif not reader.announced:  # not a call: it was content
-                out.content += reader.scanner.text
         return out
 
     def finish(self) -> ParsedDelta:
@@ -408,6 +400,24 @@ class Llama3JsonParser:
             out.content = self._reader.scanner.text + self._buffer
         self._reader, self._buffer = None, ""
         return out
+
+
+def _feed_call(
+    reader: "_CallReader", buffer: str, calls: list[ToolCall], out: ParsedDelta
+) -> tuple[str, bool]:
+    """Feed ``buffer`` to the call being read: its deltas into ``out``, and once its JSON has
+    ended the call into ``calls`` (or its text into the content: it was no call). The rest of
+    the buffer, and whether the call ended."""
+    deltas, used = reader.feed_until_done(buffer)
+    out.tool_calls += deltas
+    if not reader.scanner.done:
+        return buffer[used:], False
+    call = reader.call()
+    if call is not None:
+        calls.append(call)
+    elif not reader.announced:  # not a call: it was content
+        out.content += reader.scanner.text
+    return buffer[used:], True
 
 
 class JsonArrayParser:
@@ -434,18 +444,10 @@ class JsonArrayParser:
                 if not self._next_call():
                     break
                 continue  # a call begins, or the rest is content
-            reader = self._reader
-            deltas, used = reader.feed_until_done(self._buffer)
-            out.tool_calls += deltas
-            self._buffer = self._buffer[used:]
-            if not reader.scanner.done:
+            self._buffer, ended = _feed_call(self._reader, self._buffer, self.calls, out)
+            if not ended:
                 break
             self._reader = None
-            call = reader.call()
-            if call is not None:
-                self.calls.append(call)
-            elif not reader.announced:
-                out.content += reader.scanner.text
         return out
 
     def _next_call(self) -> bool:

@@ -205,3 +205,33 @@ def test_async_scheduling_preempted_with_a_token_in_flight() -> None:
     assert reasons == {"a": FinishReason.LENGTH, "b": FinishReason.LENGTH}
     assert sched.stats().num_preemptions > 0
     assert sched.kv.num_free_blocks == 4
+
+
+class RefusingGrammar:
+    """A request's grammar (structured/manager.RequestGrammar) that refuses every token."""
+
+    def __init__(self, completed: bool):
+        self.matcher, self.error, self.completed, self.terminated = object(), None, completed, False
+        self.refused: list[int] = []
+
+    def ready(self, output_token_ids: list[int]) -> bool:
+        return True
+
+    def accept(self, token: int) -> bool:
+        self.refused.append(token)
+        return False
+
+
+@pytest.mark.parametrize(("completed", "reason"), [(True, "stop"), (False, "error")])
+def test_a_token_its_grammar_refuses_is_dropped(completed: bool, reason: str) -> None:
+    """Sampled from a row the mask left empty: a whole grammar whose stop token min_tokens bans
+    ends there (stop); any other refusal is an error. The token is never reported."""
+    sched = make_scheduler()
+    request = make_request("r", 10, max_tokens=8, min_tokens=4)
+    request.grammar = RefusingGrammar(completed)  # type: ignore[assignment]
+    sched.add_request(request)
+    so = sched.schedule()
+    [out] = sched.update_from_output(so, fake_run(sched, so))
+    assert out.finish_reason == reason and out.new_token_ids == [] and out.new_logprobs is None
+    assert request.output_token_ids == [] and not sched.has_requests()
+    assert (out.error is None) == completed

@@ -337,12 +337,19 @@ class Scheduler:
             status = None
             if request.max_tokens == 0:  # only its prompt was asked for: the sample is dropped
                 tokens, logprobs, status = [], None, RequestStatus.FINISHED_LENGTH_CAPPED
-            for token in tokens:
-                request.append_output_token(token)
-                if request.grammar is not None and not request.grammar.accept(token):
-                    status = RequestStatus.FINISHED_ERROR  # (its mask allowed it: a bug)
-                    request.error = f"the grammar does not allow the sampled token {token}"
+            for i, token in enumerate(tokens):
+                grammar = request.grammar
+                if grammar is not None and not grammar.accept(token):
+                    # the mask left nothing to sample: a whole grammar allows only its stop
+                    # token, which min_tokens bans (it ends there; the token is dropped), or
+                    # the grammar and allowed_token_ids/bad_words exclude each other
+                    tokens, logprobs = tokens[:i], None
+                    status = RequestStatus.FINISHED_STOPPED
+                    if not grammar.completed:
+                        status = RequestStatus.FINISHED_ERROR
+                        request.error = f"the grammar does not allow the sampled token {token}"
                     break
+                request.append_output_token(token)
                 status = request.check_stop()
                 if status is not None:
                     break

@@ -266,6 +266,11 @@ class RequestGrammar:
         return bool(self.matcher.accept_token(token))
 
     @property
+    def completed(self) -> bool:
+        """The text so far is a whole sentence of the grammar (its stop token may come)."""
+        return self.matcher is not None and bool(self.matcher.is_completed())
+
+    @property
     def terminated(self) -> bool:
         """The grammar is complete and has accepted a stop token: nothing may follow."""
         return self.matcher is not None and bool(self.matcher.is_terminated())
