@@ -11,6 +11,7 @@ and blocks last; a long prompt takes what budget is left and continues next step
 import time
 from collections import deque
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from services.worker.engine.config import CacheConfig, SchedulerConfig
 from services.worker.engine.kv_cache.manager import KVCacheBlocks, KVCacheManager
@@ -30,9 +31,11 @@ from services.worker.engine.sched.output import (
     NewRequestData,
     SchedulerOutput,
 )
-from services.worker.engine.structured.manager import RequestGrammar
 from shared.ids import RequestId
 from shared.kv_events import KVEvent
+
+if TYPE_CHECKING:  # (only the requests hold one; the scheduler asks it ready/accept)
+    from services.worker.engine.structured.manager import RequestGrammar
 
 _LEASABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 PULL_FAILED = "pulling the prompt's KV cache from the prefill worker failed"
@@ -208,7 +211,7 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(compiling))
 
-    def waiting_for_grammars(self) -> list[RequestGrammar]:
+    def waiting_for_grammars(self) -> "list[RequestGrammar]":
         """The grammars that requests wait for, when nothing else can run (empty otherwise)."""
         if self.running:
             return []
