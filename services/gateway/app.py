@@ -1,8 +1,11 @@
 """The gateway's HTTP face (FastAPI): routes translate HTTP ⇄ ``Handler`` and nothing more.
 
     POST /v1/completions, /v1/chat/completions   OpenAI, streamed (SSE) or not
-    GET  /v1/models, /v1/models/{id} (OpenAI's Model objects), /metrics, /openapi.json
+    GET  /v1/models, /v1/models/{id} (OpenAI's Model objects), /openapi.json
          (every request body described by the same pydantic models the routes validate with)
+    GET  /metrics Prometheus, behind the API keys when there are some; with ``metrics_port``
+                  it moves to that port (with /health and /ready, for probes and scrapers that
+                  carry no key) and the API port answers it 404
     GET  /health  liveness: the process serves (always 200 while it does)
     GET  /ready   readiness: the scheduler answers and a worker of a served model is
                   registered (200), else 503 JSON with Retry-After (a load balancer stops
@@ -42,6 +45,7 @@ from shared import hop_trace, rpc
 from shared.affinity import pin_threads
 from shared.lifecycle import TaskOwner, export_task_count
 from shared.logs import request_id_var
+from shared.probes import LoopTicker, start_probe_server
 from shared.protos.baton.v1 import scheduler_pb2_grpc
 from shared.text.tokenizer import TextTokenizer
 
@@ -49,6 +53,7 @@ logger = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.25
 RETRY_AFTER_S = 1  # a 503's Retry-After: a scheduler restart or a worker start takes seconds
+NOT_READY = "the scheduler does not answer, or no worker serves a model"
 B = TypeVar("B", bound=BaseModel)
 
 
@@ -69,6 +74,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         orchestrator = Orchestrator(scheduler, catalog, workers)
         state["handler"] = Handler(orchestrator, catalog, settings.request_timeout_s,
                                    settings.limits, settings.tool_call_parser)  # fmt: skip
+        if settings.metrics_port is not None:
+            app.state.metrics_port = _start_probes(settings.host, settings.metrics_port,
+                                                   catalog, owner)  # fmt: skip
         if settings.cpus:
             pin_threads(settings.cpus)
         yield
@@ -115,17 +123,43 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def ready() -> Response:
         catalog: ModelCatalog = state["catalog"]
         models = await catalog.readiness()
-        if any(models.values()):
+        ok, why = readiness_verdict(models)
+        if ok:
             return JSONResponse({"status": "ready", "models": models})
-        e = errors.not_ready("the scheduler does not answer, or no worker serves a model")
+        e = errors.not_ready(why)
         return JSONResponse({**e.body(), "models": models}, status_code=e.status,
                             headers={"retry-after": str(RETRY_AFTER_S)})  # fmt: skip
 
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+    if settings.metrics_port is None:  # else on that port only (_start_probes)
+
+        @app.get("/metrics")
+        async def prometheus() -> Response:
+            return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def readiness_verdict(models: dict[str, bool]) -> tuple[bool, str]:
+    """What ``/ready`` says, on either port, given each served model's readiness
+    (``ModelCatalog.ready``): ready while a live worker serves any of them."""
+    serving = [m for m, ok in models.items() if ok]
+    return (True, f"serving {', '.join(serving)}") if serving else (False, NOT_READY)
+
+
+def _start_probes(host: str, port: int, catalog: ModelCatalog, owner: TaskOwner) -> int:
+    """/health, /ready and /metrics on ``host:port`` (shared/probes.py, in a thread):
+    /health while the event loop ticks, /ready from the catalog's last worker list (kept
+    fresh by its refresh task; the API's /ready also refreshes it when a model is not ready,
+    which a thread may not do); the bound port."""
+    ticker = LoopTicker()
+    owner.spawn(ticker.run(), "loop-ticker")
+
+    def ready() -> tuple[bool, str]:
+        return readiness_verdict({m: catalog.ready(m) for m in catalog.served})
+
+    bound = start_probe_server(host, port, ready, ticker.check)
+    logger.info("/health, /ready and /metrics on %s:%d", host, bound)
+    return bound
 
 
 BODIES: dict[str, type[BaseModel]] = {

@@ -2,7 +2,8 @@
 millisecond per streamed request, a third of the control plane's latency budget):
 
 - ``RequestContext``: the request id (``x-request-id``, made if absent) into the logging
-  context and the response, the API key check on ``/v1/*`` (401), requests counted by status.
+  context and the response, the API key check on ``/v1/*`` and ``/metrics`` (401; probes,
+  ``/health`` and ``/ready``, carry no key), requests counted by status.
 - ``BodySizeLimit``: bodies over the limit get 413, whether the client declares the length or
   streams the body chunked.
 """
@@ -17,6 +18,7 @@ from shared import hop_trace
 from shared.logs import REQUEST_ID_HEADER, request_id_var
 
 _COUNTED = ("/v1/completions", "/v1/chat/completions")
+_KEYED = ("/metrics",)  # besides /v1/*: the API keys guard it too (it shows traffic and load)
 
 Scope = dict[str, Any]
 
@@ -95,7 +97,8 @@ class RequestContext:
         hop_trace.mark("gateway.asgi")
         rid_header = (REQUEST_ID_HEADER.encode(), rid.encode("latin-1"))
         path = scope.get("path", "")
-        if self.api_keys and path.startswith("/v1/") and not self._authorized(headers):
+        keyed = path.startswith("/v1/") or path in _KEYED
+        if self.api_keys and keyed and not self._authorized(headers):
             await reply(send, errors.unauthorized(), (rid_header,))
             return
 

@@ -36,6 +36,10 @@ class GatewaySettings:
     models: dict[str, str] = field(hash=False)  # served model name → checkpoint dir or .gguf
     host: str = "127.0.0.1"
     port: int = 8000
+    # /health, /ready and /metrics on this port of ``host`` as well (no key: kubelet probes and
+    # Prometheus carry none), and /metrics off the API port; None: /metrics on the API port,
+    # behind the API keys when there are some
+    metrics_port: int | None = None
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     max_body_bytes: int = 4 * 1024 * 1024
     request_timeout_s: float = 600.0  # no request runs longer than this

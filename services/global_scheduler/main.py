@@ -18,7 +18,7 @@ from services.global_scheduler.resilient import ResilientDirectory
 from services.global_scheduler.routing import RoutingPolicy
 from services.global_scheduler.scaling import ScaleActuator, plan_forever, publish_signals
 from services.global_scheduler.server import SchedulerServicer
-from services.global_scheduler.settings import SchedulerSettings, own_namespace
+from services.global_scheduler.settings import SchedulerSettings, own_namespace, redacted
 from shared import rpc
 from shared.affinity import pin_threads
 from shared.lifecycle import StopSignal, TaskOwner, export_task_count
@@ -35,6 +35,7 @@ async def serve(settings: SchedulerSettings, stop: StopSignal | None = None) -> 
     export_task_count()
     if settings.redis_url:
         inner = create_directory("redis", url=settings.redis_url)
+        logger.info("prefix directory in Redis at %s", redacted(settings.redis_url))
     else:
         inner = create_directory("memory")
     directory = ResilientDirectory(inner)
