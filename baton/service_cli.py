@@ -7,6 +7,7 @@ import dataclasses
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import uvloop  # the event loop of every service (gRPC p99 latency ~7× lower than asyncio's here)
 
@@ -17,6 +18,9 @@ from services.gateway.tool_parsers import PARSERS
 from shared.affinity import check_cpus, parse_cpus
 from shared.gguf_files import default_model_name
 from shared.internal_auth import TLS_DIR_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Security, is_unspecified
+
+if TYPE_CHECKING:
+    from services.global_scheduler.settings import SchedulerSettings
 
 # gRPC core's transport for every service: the poll-based I/O manager instead of EventEngine
 # endpoints. With EventEngine a received message goes from an EventEngine thread to grpc.aio's
@@ -102,36 +106,48 @@ def run_worker(args: argparse.Namespace) -> None:
         raise SystemExit("baton worker: listening on all interfaces, it needs --advertise-host "
                          "(the address its KV side channel and UCX listen on)")  # fmt: skip
     engine = dataclasses.replace(engine_args(args), kv_side_channel_host=kv_host)
-    settings = WorkerSettings(
-        engine=engine, role=args.role, host=args.host, port=args.port,
-        advertise_host=args.advertise_host,
-        scheduler_addresses=tuple(a for a in (args.scheduler or '').split(',') if a),
-        worker_id=args.worker_id or "", metrics_port=args.metrics_port,
-        drain_timeout_s=args.drain_timeout, ready_file=args.ready_file, cpus=args.cpus,
-        unregistered_exit_s=args.unregistered_exit_seconds,
-    )  # fmt: skip
+    try:
+        settings = WorkerSettings(
+            engine=engine, role=args.role, host=args.host, port=args.port,
+            advertise_host=args.advertise_host,
+            scheduler_addresses=tuple(a for a in (args.scheduler or '').split(',') if a),
+            scheduler_resolve_interval_s=args.scheduler_resolve_interval,
+            worker_id=args.worker_id or "", metrics_port=args.metrics_port,
+            drain_timeout_s=args.drain_timeout, ready_file=args.ready_file, cpus=args.cpus,
+            unregistered_exit_s=args.unregistered_exit_seconds,
+        )  # fmt: skip
+    except ValueError as e:  # a malformed --scheduler dns:NAME:PORT, say
+        raise SystemExit(f"baton worker: {e}") from None
     sys.exit(uvloop.run(serve(settings)))
 
 
 def run_scheduler(args: argparse.Namespace) -> None:
     from services.global_scheduler.main import serve
-    from services.global_scheduler.settings import SchedulerSettings, load_policy
     from shared.logs import setup_logging
 
     setup_logging("scheduler")
     _configure_security(args, "global-scheduler")
-    settings = SchedulerSettings(
+    uvloop.run(serve(scheduler_settings(args)))
+
+
+def scheduler_settings(args: argparse.Namespace) -> "SchedulerSettings":
+    from services.global_scheduler.settings import SchedulerSettings, load_policy, redis_url
+
+    try:
+        redis = redis_url(args.redis_url, args.redis_url_file)
+    except ValueError as e:
+        raise SystemExit(f"baton global-scheduler: {e}") from None
+    return SchedulerSettings(
         host=args.host, port=args.port, heartbeat_timeout_s=args.heartbeat_timeout,
         metrics_port=args.metrics_port, ready_file=args.ready_file,
         routing_policy=load_policy(args.routing_policy) if args.routing_policy else None,
-        redis_url=args.redis_url, cpus=args.cpus, discovery=args.discovery,
+        redis_url=redis, cpus=args.cpus, discovery=args.discovery,
         namespace=args.namespace, pod_selector=args.pod_selector,
         kubernetes_api=args.kubernetes_api, unregistered_after_s=args.unregistered_after,
         planner=load_policy(args.planner_config, "a planner config") if args.planner_config
         else None,
         scale_deployments=tuple(_pool_deployment(s) for s in args.scale_deployment or ()),
     )  # fmt: skip
-    uvloop.run(serve(settings))
 
 
 def _pool_deployment(spec: str) -> tuple[str, str]:
@@ -168,6 +184,7 @@ def run_gateway(args: argparse.Namespace) -> None:
         port=args.port, api_keys=_api_keys(args), max_body_bytes=args.max_body_bytes,
         request_timeout_s=args.request_timeout, generate_stream=not args.no_generate_stream,
         cpus=args.cpus, limits=input_limits(args), tool_call_parser=args.tool_call_parser,
+        metrics_port=args.metrics_port,
     )  # fmt: skip
     serve(settings)
 
@@ -313,8 +330,13 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--scheduler",
         default=None,
-        help="host:port of the global scheduler (comma-separated: one per replica)",
+        help="host:port of the global scheduler (comma-separated: one per replica), or "
+        "dns:NAME:PORT: every address NAME resolves to (A/AAAA; a Kubernetes headless "
+        "Service), looked up again every --scheduler-resolve-interval seconds, a replica "
+        "joining or leaving followed without a restart",
     )
+    p.add_argument("--scheduler-resolve-interval", type=float, default=5.0,
+                   help="with --scheduler dns:NAME:PORT, seconds between lookups")  # fmt: skip
     p.add_argument("--worker-id", default=None,
                    help="its name in the scheduler's registry (default: HOSTNAME-PID)")  # fmt: skip
     p.add_argument("--metrics-port", type=int, default=None, help=METRICS_PORT_HELP)
@@ -342,7 +364,15 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
                    help="seconds without a heartbeat after which a worker is dropped")  # fmt: skip
     p.add_argument("--metrics-port", type=int, default=None, help=METRICS_PORT_HELP)
     p.add_argument("--routing-policy", default=None, help=ROUTING_POLICY_HELP)
-    p.add_argument("--redis-url", default=None, help=REDIS_URL_HELP)
+    redis = p.add_mutually_exclusive_group()
+    redis.add_argument("--redis-url", default=None,
+                       help="redis://[USER:PASSWORD@]HOST:PORT/DB: keep the prefix directory in "
+                       "Redis, shared by scheduler replicas; it shows in the process list, "
+                       "--redis-url-file does not (default: $BATON_REDIS_URL, else in the "
+                       "scheduler's memory)")  # fmt: skip
+    redis.add_argument("--redis-url-file", default=None, metavar="FILE",
+                       help="a file holding the Redis URL (a Kubernetes Secret, say), instead "
+                       "of --redis-url")  # fmt: skip
     p.add_argument("--ready-file", default=None, help=READY_FILE_HELP)
     p.add_argument("--discovery", default="none", choices=["none", "kubernetes"],
                    help="watch the worker pods through the Kubernetes API")  # fmt: skip
@@ -369,6 +399,11 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
     _gateway_flags(p)
     p.add_argument("--scheduler", required=True, help="host:port of the global scheduler")
     p.add_argument("--served-model-name", default=None, help=ENGINE_HELP["served_model_name"])
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve /health, /ready and Prometheus /metrics on this port too, "
+                   "without a key (for probes and scrapers; 0: any free port), and take "
+                   "/metrics off the API port (default: /metrics on the API port, behind "
+                   "the API keys when there are some)")  # fmt: skip
     _add_cpus_flag(p)
     _add_security_flags(p)
     p.set_defaults(func=run_gateway)

@@ -4,7 +4,7 @@ kubelet probe carries none; what they say is not sensitive):
     GET /health   liveness: the service's event loop has ticked within ``stall_s`` (a worker
                   busy with a long prefill passes: its engine core runs in another process)
     GET /ready    readiness: the service says it can take work (a worker: its model loaded,
-                  registered with every scheduler, not draining)
+                  registered with a scheduler replica at least, not draining)
     GET /metrics  Prometheus
 
 The server runs in a thread, as prometheus-client's own does; the two callables only read

@@ -51,12 +51,17 @@ _OPTIONS = [
 ]
 
 
-def channel(address: str) -> aio.Channel:
+def channel(address: str, tls_name: str | None = None) -> aio.Channel:
+    """A channel to ``address``; with TLS, the server's certificate is checked against
+    ``tls_name`` when given (an address found through a DNS name: the certificate names the
+    service, not each pod's IP), else against the address's host."""
     if _security.tls_dir is None:
         return aio.insecure_channel(address, options=_OPTIONS)
     ca, key, cert = _security.files()
     creds = grpc.ssl_channel_credentials(ca, key, cert)
-    return aio.secure_channel(address, creds, options=_OPTIONS)
+    options = _OPTIONS if tls_name is None else [*_OPTIONS, ("grpc.ssl_target_name_override",
+                                                              tls_name)]  # fmt: skip
+    return aio.secure_channel(address, creds, options=options)
 
 
 def add_port(server: aio.Server, address: str) -> int:

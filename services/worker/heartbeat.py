@@ -10,7 +10,8 @@ and a reconnect with backoff when the stream breaks. On every (re)connection the
 asked to re-announce its prefix index (all-cleared, then every cached block), and the
 registration carries it, so a restarted scheduler has the exact picture as soon as a worker is
 back; a re-announce command is answered at once too (the engine core sends the events with its
-answer). A worker keeps one ``Heartbeat`` per scheduler replica; ``main`` fans the engine's KV
+answer). A worker keeps one ``Heartbeat`` per scheduler replica (``schedulers.SchedulerSet``,
+which retires the heartbeat of a replica that leaves the set); ``main`` fans the engine's KV
 events out to all of them.
 
 A heartbeat never waits on the engine's step: the load it reports is the engine's last pushed
@@ -54,8 +55,10 @@ class Heartbeat:
         load: Callable[[], scheduler_pb2.WorkerLoad],
         interval_s: float,
         on_kv_peers: Callable[[str, frozenset[str]], None] = lambda replica, peers: None,
+        tls_name: str | None = None,
     ):
         self.address = address
+        self.tls_name = tls_name  # what the scheduler's certificate names (a DNS-found address)
         self.registration = registration
         self.engine = engine
         self.load = load  # the worker's load now; must return at once (never await the engine)
@@ -103,12 +106,18 @@ class Heartbeat:
         self._stopped = True
         self._wake.set()
 
+    def retire(self) -> None:
+        """``stop``, for a replica that left the worker's set: the KV peers it named no longer
+        count (and no later word from it does)."""
+        self.stop()
+        self.on_kv_peers(self.address, frozenset())
+
     async def _stream(self) -> None:
         self._failure = None
-        async with channel(self.address) as ch:
+        async with channel(self.address, self.tls_name) as ch:
             stub = scheduler_pb2_grpc.GlobalSchedulerStub(ch)
             async for command in stub.Heartbeat(self._messages(), metadata=auth()):
-                if command.HasField("kv_peers"):
+                if command.HasField("kv_peers") and not self._stopped:
                     self.on_kv_peers(self.address, frozenset(command.kv_peers.side_channels))
                 if command.resync_kv_events:
                     logger.info("scheduler asks for the KV blocks: %s", command.reason)

@@ -1,22 +1,27 @@
 """``baton worker``: the engine behind the Worker gRPC service, registered with the global
-scheduler. Lifecycle (shared/lifecycle.py):
+scheduler's replicas (a fixed list, or a DNS name followed as it changes: schedulers.py).
+Lifecycle (shared/lifecycle.py):
 
     start the engine → serve gRPC → register + heartbeat → wait for SIGTERM
     → drain: refuse new requests, tell the scheduler, let in-flight ones finish (bounded)
-    → close the heartbeat (the scheduler drops us at once) → stop gRPC → stop the engine
+    → close the heartbeats (the scheduler drops us at once) → stop gRPC → stop the engine
+
+Ready (/ready) once the model is loaded and at least one replica has the registration.
 """
 
 import asyncio
 import json
 import logging
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from services.worker import convert, metrics
 from services.worker.engine.async_llm import AsyncLLM
 from services.worker.heartbeat import Heartbeat
+from services.worker.schedulers import SchedulerSet
 from services.worker.servicer import ROLES, WorkerServicer
-from services.worker.settings import WorkerSettings, new_incarnation
+from services.worker.settings import SchedulerDns, WorkerSettings, new_incarnation
 from shared import rpc
 from shared.affinity import pin_threads
 from shared.kv_events import KVEventBatch
@@ -35,6 +40,7 @@ logger = logging.getLogger(__name__)
 ENGINE_POLL_S = 0.5
 REGISTRATION_POLL_S = 0.5
 REGISTRATION_WARN_S = 10.0  # while unregistered, a warning this often
+REGISTRATION_WAIT_S = 10.0  # at start, how long serving waits for a first registration
 
 
 async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> int:
@@ -53,26 +59,6 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> int
         port = rpc.add_port(server, f"{settings.host}:{settings.port}")
         await server.start()
         address = f"{settings.advertise_host or settings.host}:{port}"
-        heartbeats: list[Heartbeat] = []
-        serving = asyncio.Event()
-        ticker = LoopTicker()
-        owner.spawn(ticker.run(), "loop-ticker")
-
-        def ready() -> tuple[bool, str]:
-            """/ready (and the startupProbe): model loaded, registered everywhere, not
-            draining."""
-            missing = [h.address for h in heartbeats if not h.connected.is_set()]
-            if servicer.draining or engine.dead:
-                return False, "draining" if servicer.draining else "the engine died"
-            if missing or not serving.is_set():
-                return False, f"not registered with {missing}" if missing else "starting"
-            return True, "serving"
-
-        metrics_port = None
-        if settings.metrics_port is not None:
-            metrics_port = start_probe_server(settings.host, settings.metrics_port, ready,
-                                              ticker.check)  # fmt: skip
-
         rate = ThroughputMeter()
         counters = metrics.EngineCounters()
 
@@ -90,43 +76,53 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> int
                 stats, servicer.in_flight, servicer.draining, tokens_per_s, servicer.num_received
             )
 
+        registration = await _registration(settings, engine, address)
+
+        dns = SchedulerDns.parse(settings.scheduler_addresses)
+
+        def heartbeat(replica: str) -> Heartbeat:
+            return Heartbeat(replica, registration, engine, load, settings.heartbeat_interval_s,
+                             servicer.set_kv_peers, dns.name if dns else None)  # fmt: skip
+
+        schedulers = SchedulerSet(heartbeat, owner)
+        serving = asyncio.Event()
+        ticker = LoopTicker()
+        owner.spawn(ticker.run(), "loop-ticker")
+
+        def ready() -> tuple[bool, str]:
+            """/ready (and the startupProbe): model loaded, registered with a scheduler
+            replica at least, not draining."""
+            if servicer.draining or engine.dead:
+                return False, "draining" if servicer.draining else "the engine died"
+            registered, why = schedulers.registration()
+            if not registered or not serving.is_set():
+                return False, why if not registered else "starting"
+            return True, f"serving; {why}"
+
+        metrics_port = None
+        if settings.metrics_port is not None:
+            metrics_port = start_probe_server(settings.host, settings.metrics_port, ready,
+                                              ticker.check)  # fmt: skip
+
         if settings.scheduler_addresses:
-            stats, info = await engine.get_stats(), await engine.get_model_info()
-            registration = scheduler_pb2.WorkerRegistration(
-                worker_id=settings.worker_id,
-                incarnation=new_incarnation(),
-                role=ROLES[settings.role],
-                address=address,
-                model=engine.model_name,
-                max_model_len=engine.config.model.max_model_len,
-                block_size=engine.config.cache.block_size,
-                num_kv_blocks=stats.num_blocks,
-                vocab_size=engine.config.model.arch.vocab_size,
-                kv_side_channel=info.kv_side_channel,
-                quantization=info.quantization,
-                kv_cache_dtype=info.kv_cache_dtype,
-                tensor_parallel_size=info.tensor_parallel_size,
-            )
-            for replica in settings.scheduler_addresses:  # one stream per scheduler replica
-                beat = Heartbeat(replica, registration, engine, load, settings.heartbeat_interval_s,
-                                 servicer.set_kv_peers)  # fmt: skip
-                heartbeats.append(beat)
-                owner.spawn(beat.run(), f"heartbeat-{replica}")
 
             def fan_out(batch: KVEventBatch) -> None:
-                for beat in heartbeats:
+                for beat in schedulers:
                     beat.on_kv_events(batch)
 
             engine.kv_event_listener = fan_out
 
             def ask_for_kv_peers() -> None:
-                for beat in heartbeats:
+                for beat in schedulers:
                     beat.wake()
 
             servicer.ask_for_kv_peers = ask_for_kv_peers
-            await _wait_registered(heartbeats)
+            # one stream per scheduler replica, a replica found later gets one too
+            await schedulers.start(settings.scheduler_addresses,
+                                   settings.scheduler_resolve_interval_s)  # fmt: skip
+            await _wait_registered(schedulers)
             if settings.unregistered_exit_s:
-                owner.spawn(watch_registration(heartbeats, stop, settings.unregistered_exit_s,
+                owner.spawn(watch_registration(schedulers, stop, settings.unregistered_exit_s,
                                                exit_code), "registration-watch")  # fmt: skip
         owner.spawn(_watch_engine(engine, stop, exit_code), "engine-watch")
         serving.set()
@@ -140,7 +136,7 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> int
         await stop.wait()
 
         servicer.draining = True
-        for beat in heartbeats:
+        for beat in schedulers:
             beat.wake()
         # in-flight requests finish, and KV still leased is pulled, within the drain timeout;
         # what is left then ends with the status the gateway resumes elsewhere
@@ -152,8 +148,7 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> int
                 await asyncio.wait_for(servicer.wait_idle(), 5.0)
             except TimeoutError:
                 logger.warning("drain: %d requests did not end", servicer.in_flight)
-        for beat in heartbeats:
-            beat.stop()
+        schedulers.stop()
         await asyncio.sleep(0)  # let the streams end cleanly before the channels close
     finally:
         await server.stop(grace=1.0)
@@ -183,12 +178,33 @@ class ThroughputMeter:
         return self.rate
 
 
-async def _wait_registered(heartbeats: list[Heartbeat]) -> None:
-    """Serve once every scheduler replica knows us (bounded, never fatal: they keep retrying)."""
-    try:
-        await asyncio.wait_for(asyncio.gather(*(h.connected.wait() for h in heartbeats)), 10.0)
-    except TimeoutError:
-        logger.warning("not registered with every scheduler yet; still trying")
+async def _registration(
+    settings: WorkerSettings, engine: AsyncLLM, address: str
+) -> scheduler_pb2.WorkerRegistration:
+    """What the heartbeats tell every scheduler replica when they (re)connect."""
+    stats, info = await engine.get_stats(), await engine.get_model_info()
+    return scheduler_pb2.WorkerRegistration(
+        worker_id=settings.worker_id,
+        incarnation=new_incarnation(),
+        role=ROLES[settings.role],
+        address=address,
+        model=engine.model_name,
+        max_model_len=engine.config.model.max_model_len,
+        block_size=engine.config.cache.block_size,
+        num_kv_blocks=stats.num_blocks,
+        vocab_size=engine.config.model.arch.vocab_size,
+        kv_side_channel=info.kv_side_channel,
+        quantization=info.quantization,
+        kv_cache_dtype=info.kv_cache_dtype,
+        tensor_parallel_size=info.tensor_parallel_size,
+    )
+
+
+async def _wait_registered(schedulers: SchedulerSet) -> None:
+    """Serve once a scheduler replica knows us (bounded, never fatal: they keep retrying)."""
+    if not await schedulers.wait_registered(REGISTRATION_WAIT_S):
+        logger.warning("%s after %.0f s; still trying", schedulers.registration()[1],
+                       REGISTRATION_WAIT_S)  # fmt: skip
 
 
 async def _watch_engine(engine: AsyncLLM, stop: StopSignal, exit_code: list[int]) -> None:
@@ -202,23 +218,29 @@ async def _watch_engine(engine: AsyncLLM, stop: StopSignal, exit_code: list[int]
 
 
 async def watch_registration(
-    heartbeats: list[Heartbeat], stop: StopSignal, bound_s: float, exit_code: list[int]
+    heartbeats: Iterable[Heartbeat], stop: StopSignal, bound_s: float, exit_code: list[int]
 ) -> None:
     """A worker no scheduler replica knows serves nobody: say so while it lasts, and past
     ``bound_s`` stop (draining what it still serves) with a failure code, so that the
-    supervisor (``baton serve``, Kubernetes) starts it again, instead of living on unseen."""
+    supervisor (``baton serve``, Kubernetes) starts it again, instead of living on unseen.
+    ``heartbeats`` is read anew at every poll (a ``SchedulerSet`` changes as DNS answers do);
+    a replica found while alone does not restart the clock, a registration does."""
     warned = 0.0
+    alone_since: float | None = None  # when the last registration was lost
     while True:
         await asyncio.sleep(REGISTRATION_POLL_S)
-        since = [h.disconnected_at for h in heartbeats]
-        if any(t is None for t in since):
-            warned = 0.0
+        beats = list(heartbeats)
+        since = [h.disconnected_at for h in beats]
+        if None in since:
+            warned, alone_since = 0.0, None
             continue
-        alone = time.monotonic() - max(t for t in since if t is not None)
+        if alone_since is None:
+            alone_since = max((t for t in since if t is not None), default=time.monotonic())
+        alone = time.monotonic() - alone_since
         if alone >= bound_s:
             logger.error("registered with no global scheduler for %.0f s (%s): stopping the "
                          "worker for its supervisor to restart it", alone,
-                         ", ".join(h.address for h in heartbeats))  # fmt: skip
+                         ", ".join(h.address for h in beats))  # fmt: skip
             exit_code[0] = 1
             stop.trigger()
             return

@@ -11,6 +11,31 @@ from services.worker.engine.config import EngineArgs
 
 Role = Literal["prefill", "decode", "both"]
 
+DNS_PREFIX = "dns:"
+
+
+@dataclass(frozen=True)
+class SchedulerDns:
+    """``--scheduler dns:NAME:PORT``: the global-scheduler replicas are every address NAME
+    resolves to (a Kubernetes headless Service), at PORT; so a worker's arguments do not
+    depend on how many replicas run."""
+
+    name: str
+    port: int
+
+    @staticmethod
+    def parse(addresses: tuple[str, ...]) -> "SchedulerDns | None":
+        """The name in ``scheduler_addresses`` (None: a fixed list); ValueError if malformed."""
+        entries = [a for a in addresses if a.startswith(DNS_PREFIX)]
+        if not entries:
+            return None
+        if len(addresses) > 1:
+            raise ValueError("a scheduler dns:NAME:PORT names every replica: give it alone")
+        name, _, port = entries[0].removeprefix(DNS_PREFIX).rpartition(":")
+        if not name or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"scheduler {entries[0]!r}: expected dns:NAME:PORT")
+        return SchedulerDns(name, int(port))
+
 
 @dataclass(frozen=True)
 class WorkerSettings:
@@ -19,7 +44,9 @@ class WorkerSettings:
     host: str = "127.0.0.1"  # where the gRPC server listens
     port: int = 0  # 0: a free port, chosen at start
     advertise_host: str | None = None  # what the scheduler tells the gateway; default host
-    scheduler_addresses: tuple[str, ...] = ()  # host:port of each replica; () runs alone
+    # host:port of each replica, or one dns:NAME:PORT (SchedulerDns); () runs alone
+    scheduler_addresses: tuple[str, ...] = ()
+    scheduler_resolve_interval_s: float = 5.0  # dns:NAME:PORT: how often NAME is looked up
     worker_id: str = ""  # default: hostname-pid
     metrics_port: int | None = None  # Prometheus /metrics; None: off
     heartbeat_interval_s: float = 0.5
@@ -39,6 +66,9 @@ class WorkerSettings:
             raise ValueError("heartbeat_interval_s must be > 0 and drain_timeout_s >= 0")
         if self.unregistered_exit_s < 0:
             raise ValueError("unregistered_exit_s must be >= 0 (0: never)")
+        if self.scheduler_resolve_interval_s <= 0:
+            raise ValueError("scheduler_resolve_interval_s must be > 0")
+        SchedulerDns.parse(self.scheduler_addresses)  # a malformed name fails here, at start
 
     def replace(self, **changes: object) -> "WorkerSettings":
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
