@@ -84,6 +84,15 @@ def _generate(args: argparse.Namespace) -> None:
     llm.shutdown()
 
 
+def _transports(args: argparse.Namespace) -> None:
+    import os
+    from pathlib import Path
+
+    from baton.transports import run
+
+    sys.exit(run(Path(args.sysfs), os.environ, as_json=args.json))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="baton", description=DESCRIPTION, formatter_class=HelpFormatter
@@ -151,6 +160,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="safetensors or gguf (auto: the model's own): its weights; dummy: "
                    "random ones")  # fmt: skip
     p.set_defaults(func=_generate)
+
+    p = sub.add_parser(
+        "transports", help="check which transport KV pulls between nodes take from this pod "
+        "(RDMA or TCP)", formatter_class=HelpFormatter,
+        description="Print this pod's RDMA ports (InfiniBand, RoCE, EFA) and their state, "
+        "whether the RDMA libraries load, the UCX and NIXL environment, and a verdict: the "
+        "transport UCX will use between nodes. Exits with 1 when UCX_TLS asks for an RDMA "
+        "transport that no active port gives. Imports neither torch nor NIXL.",
+    )  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--sysfs", default="/sys", help="where sysfs is mounted")
+    p.set_defaults(func=_transports)
 
     add_service_commands(sub)
     return parser

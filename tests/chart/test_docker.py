@@ -1,10 +1,12 @@
 """The images, checked statically (no container engine runs here: see docs/deploy.md): every
 COPY source exists and is not left out by .dockerignore, the user is the chart's non-root
-uid, the entrypoint is the `baton` command, the slim image's pins are pyproject's and hold no
+uid, the entrypoint is the `baton` command, both are on development's Python and no CUDA base,
+the worker has the RDMA libraries and Ray, the slim image's pins are pyproject's and hold no
 torch; and every command line the chart renders parses with Baton's own CLI."""
 
 import fnmatch
 import re
+import sys
 import tomllib
 from pathlib import Path
 
@@ -61,6 +63,52 @@ def test_non_root_and_the_baton_entrypoint(path: Path) -> None:
     assert scripts["baton"] == "baton.cli:main"  # what `pip install` puts on the PATH
     values = yaml.safe_load((ROOT / "charts" / "baton" / "values.yaml").read_text())
     assert values["podSecurityContext"]["runAsUser"] == 10001
+
+
+def build_args(path: Path) -> dict[str, str]:
+    """Each ``ARG NAME=default`` of a Dockerfile."""
+    return dict(rest.partition("=")[::2] for word, rest in instructions(path) if word == "ARG")
+
+
+def test_both_images_are_on_the_python_of_development() -> None:
+    """One base for both, a python image of the minor version development runs (the venv's,
+    pyproject's requires-python and mypy's), and neither on a CUDA base: torch's wheels bring
+    the CUDA libraries."""
+    bases = {build_args(path).get("BASE", "") for path in DOCKERFILES}
+    assert len(bases) == 1, bases
+    (base,) = bases
+    match = re.fullmatch(r"python:(\d+)\.(\d+)-slim-\w+", base)
+    assert match, base
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    minimum = re.fullmatch(r">=(\d+)\.(\d+)", project["project"]["requires-python"])
+    assert minimum, project["project"]["requires-python"]
+    version = (int(match[1]), int(match[2]))
+    assert version == sys.version_info[:2] == (int(minimum[1]), int(minimum[2]))
+    assert project["tool"]["mypy"]["python_version"] == f"{version[0]}.{version[1]}"
+    for path in DOCKERFILES:
+        froms = [rest for word, rest in instructions(path) if word == "FROM"]
+        assert froms == ["${BASE}"], f"{path.name}: FROM {froms}"
+        assert "nvidia/cuda" not in path.read_text(), f"{path.name} names a CUDA base"
+
+
+def test_the_worker_image_has_rdma_libraries_ray_and_the_gpu_runtime_settings() -> None:
+    """UCX (inside NIXL) reaches InfiniBand, RoCE and EFA through the RDMA user-space
+    libraries; a tensor-parallel engine over several pods needs Ray; the NVIDIA container
+    runtime mounts the driver's libcuda and NVML only for the capabilities named."""
+    steps = instructions(ROOT / "docker" / "worker.Dockerfile")
+    runs = [rest for word, rest in steps if word == "RUN"]
+    (apt,) = [run for run in runs if "apt-get install" in run]
+    assert "--no-install-recommends" in apt and "rm -rf /var/lib/apt/lists/*" in apt
+    packages = set(apt.partition("apt-get install")[2].partition("&&")[0].split())
+    assert {"ibverbs-providers", "librdmacm1", "ibverbs-utils"} <= packages, packages
+    assert {"rdma-core", "libibverbs1"} & packages, packages
+    assert any('pip install "/src[ray]"' in run for run in runs), runs
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert [d.split("==")[0] for d in project["optional-dependencies"]["ray"]] == ["ray"]
+    env = dict(item.partition("=")[::2] for word, rest in steps if word == "ENV"
+               for item in rest.split())  # fmt: skip
+    assert set(env["NVIDIA_DRIVER_CAPABILITIES"].split(",")) >= {"compute", "utility"}
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
 
 
 def test_the_slim_image_pins_what_pyproject_pins_and_no_torch() -> None:
