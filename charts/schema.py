@@ -10,32 +10,48 @@ from typing import Any
 import yaml
 
 HERE = Path(__file__).parent / "baton"
-FREE = {"resources", "requests", "limits", "nodeSelector", "affinity", "annotations",
-        "podAnnotations", "labels", "extraResources", "routingPolicy"}  # fmt: skip
+FREE = {"resources", "requests", "limits", "affinity", "extraResources", "routingPolicy",
+        "strategy"}  # fmt: skip
+# maps of strings operators extend (a non-string value fails here, not at the API server)
+STRING_MAPS = {"nodeSelector", "annotations", "podAnnotations", "podLabels", "labels"}
+# Kubernetes quantities ("" where the value may be unset): a typo such as 2GB fails here
+QUANTITY = r"^([0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?)?$"
+QUANTITIES = {"shmSizeLimit", "modelFilesSizeLimit", "cacheSizeLimit"}
 ENUMS = {
     "model.source": ["pvc", "hostPath", "image", "url", "tiny"],
     "autoscaling.kind": ["hpa", "keda"],
     "service.type": ["ClusterIP", "NodePort", "LoadBalancer"],
     "pullPolicy": ["Always", "IfNotPresent", "Never"],
+    "antiAffinity": ["soft", "hard", "none"],
+    "unhealthyPodEvictionPolicy": ["AlwaysAllow", "IfHealthyBudget"],
 }
+POOLS = ("prefill.", "decode.", "colocated.")
 NUMBERS = {"heartbeatTimeoutSeconds", "intervalSeconds", "prefillBacklogTargetSeconds",
            "decodeKvUsageTarget", "decodeRunningTarget", "tolerance", "minPrefillDecodeRatio",
            "maxPrefillDecodeRatio", "unregisteredAfterSeconds",
            "requestTimeoutSeconds"}  # fmt: skip
 INT_ENUMS = {"model.kvBlockSize": [16, 32, 64, 128]}
-PORTS = {"port", "metricsPort"}
+PORTS = {"port", "metricsPort", "rayPort"}
 COUNTS = {"replicas", "minReplicas", "maxReplicas", "pods", "gpus", "gpuBudget",
           "drainTimeoutSeconds", "preStopSeconds", "terminationGracePeriodSeconds",
           "periodSeconds", "failureThreshold", "stabilizationWindowSeconds",
-          "maxUnavailable"}  # fmt: skip
+          "maxUnavailable", "unregisteredExitSeconds"}  # fmt: skip
 
 
 def node(path: str, key: str, value: Any) -> dict[str, Any]:
     where = f"{path}.{key}" if path else key
     if key in FREE and isinstance(value, dict):
         return {"type": "object", "description": f"{where}: a free-form map"}
+    if key in STRING_MAPS and isinstance(value, dict):
+        return {"type": "object", "additionalProperties": {"type": "string"}}
+    if key in QUANTITIES:
+        return {"type": "string", "pattern": QUANTITY}
+    if where.endswith("leaderWorkerSet.size"):
+        return {"type": "integer", "minimum": 2}
     for suffix, values in ENUMS.items():
         if where.endswith(suffix):
+            if where.startswith(POOLS) and where.endswith("image.pullPolicy"):
+                values = ["", *values]  # "": image.worker's
             return {"type": "string", "enum": values}
     if where in INT_ENUMS:
         return {"type": "integer", "enum": INT_ENUMS[where]}
@@ -58,6 +74,7 @@ def node(path: str, key: str, value: Any) -> dict[str, Any]:
     if isinstance(value, list):
         if key in ("engineArgs", "extraArgs", "keys"):
             return {"type": "array", "items": {"type": "string"}}
+        # Kubernetes objects (EnvVar, Volume, Toleration, ...): the API server checks them
         return {"type": "array", "items": {"type": "object"}}
     if isinstance(value, dict):
         return obj(where, value)

@@ -132,7 +132,8 @@ def helm() -> str:
 
 
 def extra_args(name: str) -> list[str]:
-    return ["--api-versions", "monitoring.coreos.com/v1"] if name == "monitoring" else []
+    with_operator = name in ("monitoring", "production")
+    return ["--api-versions", "monitoring.coreos.com/v1"] if with_operator else []
 
 
 @functools.cache

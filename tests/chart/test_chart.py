@@ -1,7 +1,10 @@
 """The Helm chart, as far as a machine without a cluster allows: ``helm lint`` and
-``helm template | kubernetes-validate --strict`` (Kubernetes 1.33 schemas) for every value set
-in charts/baton/ci, the rendered manifests equal to the committed golden files, the negative
-value sets refused with a message naming the value, and assertions over the objects.
+``helm template | kubernetes-validate --strict`` (Kubernetes 1.30 and 1.33 schemas; the pod
+templates of a LeaderWorkerSet as PodTemplates, its spec against the CRD's schema) for every
+value set in charts/baton/ci, the rendered manifests equal to the committed golden files, the
+negative value sets refused with a message naming the value, and assertions over the objects.
+The defects an install on a real API server found each have a test here
+(tests/chart/test_operator.py holds the ones about operating the release).
 
 Golden files: ``BATON_UPDATE_GOLDEN=1 pytest tests/chart`` rewrites them (then read the diff).
 """
@@ -20,7 +23,8 @@ from tests.helpers import CHART, ROOT, SETS, TOKEN, helm, objects, rendered
 
 GOLDEN = Path(__file__).parent / "golden"
 NEGATIVE = Path(__file__).parent / "negative"
-CRDS = {"ServiceMonitor", "PodMonitor", "ScaledObject"}  # not in Kubernetes' own schemas
+CRDS = {"ServiceMonitor", "PodMonitor", "ScaledObject", "LeaderWorkerSet"}  # not in Kubernetes'
+KUBERNETES = ["1.30.0", "1.33.0"]  # the oldest the chart supports, and a current one
 
 
 def one(objs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
@@ -29,17 +33,25 @@ def one(objs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
     return found[0]
 
 
+def template(o: dict[str, Any]) -> dict[str, Any]:
+    """The pod template that serves: a Deployment's or StatefulSet's, a LeaderWorkerSet
+    leader's."""
+    if o["kind"] == "LeaderWorkerSet":
+        return o["spec"]["leaderWorkerTemplate"]["leaderTemplate"]  # type: ignore[no-any-return]
+    return o["spec"]["template"]  # type: ignore[no-any-return]
+
+
 def workers(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     def is_worker(o: dict[str, Any]) -> bool:
-        if o["kind"] != "Deployment":
+        if o["kind"] not in ("Deployment", "LeaderWorkerSet"):
             return False
-        return o["spec"]["template"]["metadata"]["labels"].get("baton.dev/worker") == "true"
+        return template(o)["metadata"]["labels"].get("baton.dev/worker") == "true"
 
     return [o for o in objs if is_worker(o)]
 
 
 def pod_spec(o: dict[str, Any]) -> dict[str, Any]:
-    return o["spec"]["template"]["spec"]  # type: ignore[no-any-return]
+    return template(o)["spec"]  # type: ignore[no-any-return]
 
 
 def arg(container: dict[str, Any], flag: str) -> str | None:
@@ -61,12 +73,29 @@ def test_helm_lint(name: str) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+def pod_templates(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A LeaderWorkerSet's two pod templates as PodTemplate objects, which Kubernetes' own
+    schemas check strictly."""
+    out = []
+    for o in objs:
+        if o["kind"] == "LeaderWorkerSet":
+            lwt = o["spec"]["leaderWorkerTemplate"]
+            for part in ("leaderTemplate", "workerTemplate"):
+                name = f"{o['metadata']['name']}-{part.lower()}"
+                out.append({"apiVersion": "v1", "kind": "PodTemplate",
+                            "metadata": {"name": name}, "template": lwt[part]})  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("version", KUBERNETES)
 @pytest.mark.parametrize("name", SETS)
-def test_manifests_validate_against_kubernetes_1_33(name: str, tmp_path: Path) -> None:
+def test_manifests_validate_against_kubernetes(name: str, version: str, tmp_path: Path) -> None:
     path = tmp_path / f"{name}.yaml"
-    path.write_text(rendered(name))
+    objs = objects(name)
+    path.write_text(rendered(name) + "".join("---\n" + yaml.safe_dump(t)
+                                             for t in pod_templates(objs)))  # fmt: skip
     validate = Path(sys.executable).parent / "kubernetes-validate"
-    out = subprocess.run([str(validate), "--strict", "-k", "1.33.0", str(path)],
+    out = subprocess.run([str(validate), "--strict", "-k", version, str(path)],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout + out.stderr
@@ -74,9 +103,36 @@ def test_manifests_validate_against_kubernetes_1_33(name: str, tmp_path: Path) -
         assert not line.startswith(("ERROR", "FAIL")), line
         if line.startswith("WARN"):
             assert any(f"kind {k} " in line for k in CRDS), line
-    kinds = {o["kind"] for o in objects(name)}
     passed = text.count(" passed for resource ")
-    assert passed == len([o for o in objects(name) if o["kind"] not in CRDS]) > 0, kinds
+    expected = [o for o in objs if o["kind"] not in CRDS] + pod_templates(objs)
+    assert passed == len(expected) > 0, {o["kind"] for o in objs}
+
+
+def strict(schema: Any) -> Any:
+    """A CRD's structural schema made strict: an object with properties takes no other key
+    (the API server would drop one silently)."""
+    if isinstance(schema, dict):
+        out = {k: strict(v) for k, v in schema.items()}
+        if "properties" in out and "additionalProperties" not in out:
+            out["additionalProperties"] = False
+        return out
+    return [strict(v) for v in schema] if isinstance(schema, list) else schema
+
+
+def test_leader_worker_sets_follow_the_crd_schema() -> None:
+    """The LeaderWorkerSet spec against the v1 CRD's schema (tests/chart/schemas: the lws
+    project's config/crd/bases, pod templates left to the test above)."""
+    import jsonschema
+
+    schema = strict(json.loads((Path(__file__).parent / "schemas" /
+                                "leaderworkerset-v1-spec.json").read_text()))  # fmt: skip
+    found = [o for name in SETS for o in objects(name) if o["kind"] == "LeaderWorkerSet"]
+    assert found
+    for o in found:
+        assert o["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+        jsonschema.validate(o["spec"], schema)
+    with pytest.raises(jsonschema.ValidationError):  # the schema does refuse a wrong spec
+        jsonschema.validate({**found[0]["spec"], "restartPolicy": "Always"}, schema)
 
 
 @pytest.mark.parametrize("name", SETS)
@@ -118,7 +174,8 @@ def test_workers_start_ready_only_when_serving_and_drain_in_their_grace(name: st
     for w in workers(objects(name)):
         spec = pod_spec(w)
         (c,) = spec["containers"]
-        assert c["startupProbe"]["httpGet"]["path"] == "/ready"
+        # started once the model is loaded, whatever the schedulers do (defect 4)
+        assert c["startupProbe"]["httpGet"]["path"] == "/health"
         assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 300
         assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
         assert c["livenessProbe"]["httpGet"]["path"] == "/health"  # the loop, not the engine
@@ -218,15 +275,18 @@ def test_discovery_selects_exactly_the_worker_pods() -> None:
         (c,) = pod_spec(one(objs, "StatefulSet", "rel-baton-scheduler"))["containers"]
         terms = parse_selector(arg(c, "--pod-selector") or "")
         for o in objs:
-            if o["kind"] not in ("Deployment", "StatefulSet"):
+            if o["kind"] not in ("Deployment", "StatefulSet", "LeaderWorkerSet"):
                 continue
-            labels = o["spec"]["template"]["metadata"]["labels"]
+            labels = template(o)["metadata"]["labels"]
             selected = all(labels.get(k) == v for k, v in terms.items())
             assert selected == (o in workers(objs)), o["metadata"]["name"]
-        replicas = one(objs, "StatefulSet", "rel-baton-scheduler")["spec"]["replicas"]
-        for w in workers(objs):  # each worker registers with every scheduler replica
+            if o["kind"] == "LeaderWorkerSet":  # a group's Ray workers are no Baton workers
+                ray = o["spec"]["leaderWorkerTemplate"]["workerTemplate"]["metadata"]["labels"]
+                assert not all(ray.get(k) == v for k, v in terms.items())
+        for w in workers(objs):  # every replica, through the headless Service's name
             (wc,) = pod_spec(w)["containers"]
-            assert len((arg(wc, "--scheduler") or "").split(",")) == replicas
+            assert arg(wc, "--scheduler") == "dns:rel-baton-scheduler-headless.serving.svc:50051"
+            one(objs, "Service", "rel-baton-scheduler-headless")
 
 
 def policy(objs: list[dict[str, Any]], component: str) -> dict[str, Any]:
@@ -242,10 +302,10 @@ def test_network_policy_isolates_redis_and_the_workers() -> None:
     (redis,) = policy(objs, "redis")["ingress"]
     assert redis["from"] == [{"podSelector": {"matchLabels": sched}}]
     grpc, kv, metrics = policy(objs, "workers")["ingress"]
-    assert grpc["ports"] == [{"port": "grpc"}]
+    assert grpc["ports"] == [{"port": "grpc", "protocol": "TCP"}]
     assert [f["podSelector"]["matchLabels"] for f in grpc["from"]] == [gateway, sched]
     assert kv == {"from": [{"podSelector": {"matchLabels": peers}}]}  # KV pulls: peers only
-    assert metrics["ports"] == [{"port": "metrics"}]
+    assert metrics["ports"] == [{"port": "metrics", "protocol": "TCP"}]
     assert all(p["policyTypes"] == ["Ingress"] for p in
                (policy(objs, c) for c in ("redis", "workers", "scheduler", "gateway")))  # fmt: skip
     # every pod of the release is under a policy, the gateway alone open to the outside
@@ -265,7 +325,7 @@ def test_network_policy_isolates_redis_and_the_workers() -> None:
                 "from" not in rule
                 for p in covered
                 for rule in p["spec"]["ingress"]
-                if rule.get("ports") != [{"port": "metrics"}] and "ports" in rule
+                if rule.get("ports") != [{"port": "metrics", "protocol": "TCP"}] and "ports" in rule
             )
             assert open_to_all == o["metadata"]["name"].endswith("-gateway"), o["metadata"]["name"]
 
@@ -274,11 +334,11 @@ def test_monitoring_objects_only_with_the_operator_api() -> None:
     kinds = {o["kind"] for o in objects("monitoring")}
     assert {"ServiceMonitor", "PodMonitor"} <= kinds
     for name in SETS:
-        if name != "monitoring":
+        if name not in ("monitoring", "production"):
             objs = objects(name)
             assert not {"ServiceMonitor", "PodMonitor"} & {o["kind"] for o in objs}
             for w in workers(objs):
-                assert w["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scrape"]
+                assert template(w)["metadata"]["annotations"]["prometheus.io/scrape"]
     board_map = one(objects("default"), "ConfigMap", "rel-baton-dashboard")
     board = json.loads(board_map["data"]["baton.json"])
     exprs = " ".join(t["expr"] for p in board["panels"] for t in p["targets"])
@@ -298,14 +358,14 @@ def test_api_keys_come_from_a_secret_and_redis_can_be_external() -> None:
     ext = objects("external-redis")
     assert not [o for o in ext if o["metadata"]["name"] == "rel-baton-redis"]
     (s,) = pod_spec(one(ext, "StatefulSet", "rel-baton-scheduler"))["containers"]
-    assert arg(s, "--redis-url") == "redis://redis.shared.svc:6379/3"
     assert arg(s, "--scale-deployment") is None  # two replicas: publish only
 
 
 @pytest.mark.parametrize("name", SETS)
 def test_the_scheduler_accepts_the_configs_the_chart_writes(name: str) -> None:
     """planner.json and routing-policy.json load as the scheduler loads them, and the planner
-    gets each pool's bounds and GPUs from the pool's values."""
+    gets each pool's bounds and GPUs from the pool's values (a LeaderWorkerSet replica: the
+    GPUs of all its pods)."""
     from services.global_scheduler.planner import PlannerConfig
     from services.global_scheduler.routing import RoutingPolicy
 
@@ -322,7 +382,9 @@ def test_the_scheduler_accepts_the_configs_the_chart_writes(name: str) -> None:
         bounds = config.bounds(pool)
         assert (bounds.min_replicas, bounds.max_replicas) == (auto["minReplicas"],
                                                               auto["maxReplicas"])  # fmt: skip
-        assert bounds.gpus_per_replica == values_set.get(key, {}).get("gpus", 1)
+        group = values_set.get(key, {}).get("leaderWorkerSet", {})
+        pods = group.get("size", 1) if group.get("enabled") else 1  # every pod of a group
+        assert bounds.gpus_per_replica == values_set.get(key, {}).get("gpus", 1) * pods
 
 
 def test_every_pool_gets_the_one_kv_page_size() -> None:
