@@ -46,7 +46,7 @@ def load(msg: scheduler_pb2.WorkerLoad) -> WorkerLoad:
     return WorkerLoad(
         msg.num_running, msg.num_waiting, msg.kv_usage, msg.num_in_flight, msg.draining,
         msg.pending_prefill_tokens, msg.prefill_tokens_per_s, msg.num_received,
-        msg.prefix_hit_tokens,
+        msg.prefix_hit_tokens, msg.engine_stalled_s,
     )  # fmt: skip
 
 
@@ -81,4 +81,5 @@ def load_msg(load: WorkerLoad) -> scheduler_pb2.WorkerLoad:
         num_in_flight=load.num_in_flight, draining=load.draining,
         pending_prefill_tokens=load.pending_prefill_tokens, prefill_tokens_per_s=load.tokens_per_s,
         num_received=load.num_received, prefix_hit_tokens=load.prefix_hit_tokens,
+        engine_stalled_s=load.engine_stalled_s,
     )  # fmt: skip

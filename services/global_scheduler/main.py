@@ -39,8 +39,10 @@ async def serve(settings: SchedulerSettings, stop: StopSignal | None = None) -> 
     else:
         inner = create_directory("memory")
     directory = ResilientDirectory(inner)
+    # a sweep later than this means the scheduler itself stalled (one on time never is)
+    stall_s = max(settings.heartbeat_timeout_s / 2, 3 * settings.sweep_interval_s)
     servicer = SchedulerServicer(
-        WorkerRegistry(settings.heartbeat_timeout_s),
+        WorkerRegistry(settings.heartbeat_timeout_s, stall_s),
         directory,
         RoutingPolicy(settings.routing_policy),
     )

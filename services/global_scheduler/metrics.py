@@ -30,6 +30,17 @@ WORKER_EVENTS = Counter(
     "baton_scheduler_worker_events", "Worker registrations and removals", ["event"]
 )
 KV_EVENTS = Counter("baton_scheduler_kv_events", "KV events applied to the directory")
+LOST_NOTICES = Counter(
+    "baton_scheduler_lost_worker_notices",
+    "WorkersLost notices for the gateways' RouteStreams: queued, or dropped (MAX_NOTICES "
+    "already waiting on a stream its gateway does not read)",
+    ["outcome"],
+)
+STALLS = Counter(
+    "baton_scheduler_stalls",
+    "Sweeps that came so late that the scheduler itself had stalled (stopped, or its loop "
+    "blocked): nobody expired on them",
+)
 DIRECTORY_DEGRADED = Gauge(
     "baton_scheduler_directory_degraded",
     "1 while the prefix directory's backend is unreachable (routing on load alone)",

@@ -4,6 +4,11 @@ calls it, the routing pipeline reads ``candidates``.
 A worker is identified by ``worker_id``; each process start brings a new ``incarnation``. A
 registration with a new incarnation replaces the old entry (the old process is gone), and the
 end of an old stream cannot remove its successor.
+
+A worker silent past ``heartbeat_timeout_s`` is expired, but only for silence the scheduler
+was there to hear: a sweep that comes long after the previous one (the scheduler itself was
+SIGSTOPped, or its loop blocked) expires nobody and credits every worker with the gap; the
+heartbeats queued meanwhile arrive once it runs again.
 """
 
 import time
@@ -24,6 +29,7 @@ class WorkerLoad:
     tokens_per_s: float = 0.0  # measured model throughput; 0 until measured
     num_received: int = 0  # Prefill/Generate calls the worker has received since it started
     prefix_hit_tokens: int = 0  # prompt tokens its engine served from its prefix cache, ditto
+    engine_stalled_s: float = 0.0  # its engine has had work and finished no step this long
 
 
 # A route the worker has not reported receiving after this long was never sent (the client
@@ -61,6 +67,7 @@ class WorkerState:
     # Requests routed here that the worker had not received at its last heartbeat, oldest
     # first: its reported load cannot show them yet.
     routes: OrderedDict[str, Route] = field(default_factory=OrderedDict)
+    dropped: str = ""  # why ``expire`` dropped it, e.g. "missed heartbeats for 1.6 s"
     _unfinished: int = 0  # routes not marked finished (queue_depth runs for every candidate)
 
     @property
@@ -110,9 +117,24 @@ class WorkerState:
         self._unfinished -= not route.finished
 
 
+@dataclass
+class Expiry:
+    """What one ``WorkerRegistry.expire`` did."""
+
+    expired: list[WorkerState]  # dropped: silent past the heartbeat timeout
+    # > 0: the scheduler itself was stalled (this many seconds since the previous sweep), so
+    # the silence was its own: nobody expired and every worker was credited with the gap
+    stalled_s: float = 0.0
+
+
 class WorkerRegistry:
-    def __init__(self, heartbeat_timeout_s: float):
+    def __init__(self, heartbeat_timeout_s: float, stall_s: float | None = None):
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        # a gap between two sweeps longer than this: the scheduler stalled, not its workers
+        # (default half the timeout: a worker heard just before such a stall is not dropped
+        # when its heartbeats, queued meanwhile, are read only after the sweep)
+        self.stall_s = heartbeat_timeout_s / 2 if stall_s is None else stall_s
+        self._last_sweep: float | None = None
         self._workers: dict[WorkerId, WorkerState] = {}
         # worker id → why it takes no new routes; kept across re-registrations (a pod being
         # deleted whose worker reconnects is still being deleted)
@@ -159,13 +181,22 @@ class WorkerRegistry:
             del self._workers[worker_id]
         return state
 
-    def expire(self, now: float | None = None) -> list[WorkerState]:
-        """Remove and return the workers whose last heartbeat is older than the timeout."""
+    def expire(self, now: float | None = None) -> Expiry:
+        """Remove the workers whose last heartbeat is older than the timeout; called once per
+        sweep. After a stall (longer than ``stall_s`` since the previous call) nobody expires
+        and every worker is credited with the gap."""
         now = time.monotonic() if now is None else now
+        gap = 0.0 if self._last_sweep is None else now - self._last_sweep
+        self._last_sweep = now
+        if gap > self.stall_s:
+            for w in self._workers.values():
+                w.last_seen = min(w.last_seen + gap, now)
+            return Expiry([], stalled_s=gap)
         dead = [w for w in self._workers.values() if now - w.last_seen > self.heartbeat_timeout_s]
         for w in dead:
             del self._workers[w.worker_id]
-        return dead
+            w.dropped = f"missed heartbeats for {now - w.last_seen:.1f} s"
+        return Expiry(dead)
 
     def get(self, worker_id: WorkerId, incarnation: str | None = None) -> WorkerState | None:
         state = self._workers.get(worker_id)

@@ -12,6 +12,10 @@ Plugins live in registries keyed by name; a policy is data:
 Filters
     role       the worker can run the request's leg (decode leg: role decode or both)
     healthy    not draining, not cordoned (its pod is being deleted, or the planner empties it)
+    responsive its engine not stalled: with work and no step finished for over
+               ``max_stalled_s`` (default 2; a hung engine core answers heartbeats still).
+               Soft: when it would leave no candidate, it leaves them all (every worker in
+               one long step is slow, not lost)
     capacity   queue depth (running + waiting + just routed) below ``max_queue``
 Scorers
     prefix     fraction of the prompt's full blocks the worker already holds, or is about to
@@ -59,7 +63,7 @@ import xxhash
 from services.global_scheduler.registry import WorkerState
 
 DEFAULT_POLICY: dict[str, Any] = {
-    "filters": ["role", "healthy", {"name": "capacity", "max_queue": 1024}],
+    "filters": ["role", "healthy", "responsive", {"name": "capacity", "max_queue": 1024}],
     "scorers": [
         {"name": "prefix", "weight": 2.0},
         {"name": "queue", "weight": 1.0},
@@ -114,6 +118,13 @@ def _healthy(**_: Any) -> Filter:
     )
 
 
+SOFT_FILTERS = {"responsive"}  # when one would leave no candidate, it leaves them all
+
+
+def _responsive(max_stalled_s: float = 2.0, **_: Any) -> Filter:
+    return lambda q, c: c.worker.load.engine_stalled_s <= max_stalled_s
+
+
 def _capacity(max_queue: int = 1024, **_: Any) -> Filter:
     return lambda q, c: c.worker.queue_depth < max_queue
 
@@ -160,6 +171,7 @@ def _ttft(default_tokens_per_s: float = 10_000.0, **_: Any) -> Scorer:
 FILTERS: dict[str, Callable[..., Filter]] = {
     "role": _role,
     "healthy": _healthy,
+    "responsive": _responsive,
     "capacity": _capacity,
 }
 SCORERS: dict[str, Callable[..., Scorer]] = {
@@ -217,6 +229,8 @@ class RoutingPolicy:
     def filter(self, query: RouteQuery, candidates: list[Candidate]) -> list[Candidate]:
         for name, keep in self.filters:
             kept = [c for c in candidates if keep(query, c)]
+            if not kept and name in SOFT_FILTERS:
+                continue
             if not kept:
                 raise NoWorkerError(
                     f"no worker for model {query.model!r} passes the {name!r} filter "

@@ -1,6 +1,13 @@
 """The GlobalScheduler gRPC service: translation only; the registry, the directory and the
 routing policy do the work. Workers leave the registry when their heartbeat stream ends (at
-once) or goes silent (``sweep``, within ``heartbeat_timeout_s`` + one sweep interval)."""
+once) or goes silent (``sweep``, within ``heartbeat_timeout_s`` + one sweep interval).
+
+A worker dropped for silence is hung or cut off, and what streams from it will not finish:
+``sweep`` tells every gateway at once, with a ``WorkersLost`` notice on each open RouteStream
+(at most ``MAX_NOTICES`` waiting on one: a gateway that does not read loses notices rather
+than grow the scheduler's memory), and a heartbeat that still arrives from it is answered
+``dropped`` (it registers again under a new incarnation). A worker that leaves cleanly ends
+its own requests and is not announced."""
 
 import asyncio
 import logging
@@ -29,6 +36,8 @@ from shared.rpc import adopt_request_id
 
 logger = logging.getLogger(__name__)
 
+MAX_NOTICES = 8  # notices waiting on one RouteStream; beyond, new ones are dropped
+
 
 class RouteFailed(Exception):
     """No route: the status a unary Route ends with, or a RouteStream call's failure."""
@@ -44,6 +53,33 @@ def _ref(c: Candidate) -> scheduler_pb2.WorkerRef:
     )
 
 
+class _RouteReplies:
+    """What one RouteStream sends: its calls' replies (one per call the gateway made) and the
+    scheduler's notices, of which at most MAX_NOTICES wait."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[scheduler_pb2.RouteReply | None] = asyncio.Queue()
+        self._notices = 0  # notices in the queue
+
+    def put(self, reply: scheduler_pb2.RouteReply | None) -> None:
+        """A call's reply, or None: the stream ends after what is queued."""
+        self._queue.put_nowait(reply)
+
+    def notice(self, reply: scheduler_pb2.RouteReply) -> bool:
+        """Queue a notice; False (dropped) when MAX_NOTICES already wait."""
+        if self._notices >= MAX_NOTICES:
+            return False
+        self._notices += 1
+        self._queue.put_nowait(reply)
+        return True
+
+    async def get(self) -> scheduler_pb2.RouteReply | None:
+        reply = await self._queue.get()
+        if reply is not None and reply.HasField("lost"):
+            self._notices -= 1
+        return reply
+
+
 class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
     def __init__(self, registry: WorkerRegistry, directory: PrefixDirectory, policy: RoutingPolicy):
         self.registry = registry
@@ -53,6 +89,7 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
         # the side channels of the registered prefill-capable workers (a new tuple whenever
         # the registry changes): each decode-capable worker is sent it when it changes
         self._kv_peers: tuple[str, ...] = ()
+        self._route_streams: set[_RouteReplies] = set()  # the open RouteStreams
 
     async def Heartbeat(
         self,
@@ -68,7 +105,11 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
                 else:
                     load, hits = convert.load(msg.load), worker.load.prefix_hit_tokens
                     if not self.registry.heartbeat(worker.worker_id, worker.incarnation, load):
-                        return  # expired meanwhile: the worker reconnects and registers again
+                        # expired meanwhile: its work was moved; it must start afresh
+                        why = worker.dropped or "no longer registered"
+                        yield scheduler_pb2.SchedulerCommand(dropped=True, reason=(
+                            f"{why}: dropped; register again under a new incarnation"))  # fmt: skip
+                        return
                     metrics.ENGINE_HIT_TOKENS.inc(max(load.prefix_hit_tokens - hits, 0))
                 for batch in msg.kv_events:
                     await self.directory.apply(
@@ -108,7 +149,7 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
     ) -> AsyncIterator[scheduler_pb2.RouteReply]:
         """Route each call as it arrives (concurrently: a Redis directory lookup must not hold
         up the calls behind it) and reply in completion order; a failure answers its call."""
-        replies: asyncio.Queue[scheduler_pb2.RouteReply | None] = asyncio.Queue()
+        replies = _RouteReplies()
         routing: set[asyncio.Task[None]] = set()
 
         async def one(call: scheduler_pb2.RouteCall) -> None:
@@ -122,7 +163,7 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
                 logger.exception("routing %s failed", call.request.request_id)
                 reply.failure.code = grpc.StatusCode.INTERNAL.value[0]
                 reply.failure.message = f"routing failed: {e}"
-            replies.put_nowait(reply)
+            replies.put(reply)
 
         async def read() -> None:
             try:
@@ -132,13 +173,15 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
                     task.add_done_callback(routing.discard)
                 await asyncio.gather(*routing)  # the gateway closed its side: finish what it asked
             finally:
-                replies.put_nowait(None)
+                replies.put(None)
 
         reader = asyncio.get_running_loop().create_task(read())
+        self._route_streams.add(replies)
         try:
             while (reply := await replies.get()) is not None:
                 yield reply
         finally:
+            self._route_streams.discard(replies)
             reader.cancel()
             for task in list(routing):
                 task.cancel()
@@ -223,12 +266,30 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
         )
 
     async def sweep(self) -> None:
-        """Drop workers whose heartbeat went silent (called every sweep interval)."""
-        for w in self.registry.expire():
-            logger.warning("worker %s missed its heartbeats: removed", w.worker_id)
+        """Drop workers whose heartbeat went silent and tell the gateways (called every sweep
+        interval)."""
+        expiry = self.registry.expire()
+        if expiry.stalled_s:
+            logger.warning("the scheduler itself stalled for %.1f s (stopped, or its loop "
+                           "blocked): no worker expires this round", expiry.stalled_s)  # fmt: skip
+            metrics.STALLS.inc()
+        if expiry.expired:
+            self._tell_gateways(expiry.expired)
+        for w in expiry.expired:
+            logger.warning("worker %s %s: removed", w.worker_id, w.dropped)
             await self.directory.forget(w.worker_id, w.incarnation)
             metrics.WORKER_EVENTS.labels("expired").inc()
         self._update_alive()
+
+    def _tell_gateways(self, lost: list[WorkerState]) -> None:
+        """One WorkersLost notice on every open RouteStream."""
+        notice = scheduler_pb2.RouteReply(call_id=0, lost=scheduler_pb2.WorkersLost(workers=[
+            scheduler_pb2.LostWorker(worker_id=w.worker_id, address=w.address,
+                                     incarnation=w.incarnation, reason=w.dropped)
+            for w in lost
+        ]))  # fmt: skip
+        for stream in self._route_streams:
+            metrics.LOST_NOTICES.labels("queued" if stream.notice(notice) else "dropped").inc()
 
     async def _register(
         self, msg: scheduler_pb2.WorkerHeartbeat, context: aio.ServicerContext

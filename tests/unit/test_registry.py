@@ -40,8 +40,45 @@ def test_expire_drops_only_silent_workers() -> None:
     reg.register(a)
     reg.register(b)
     a.last_seen, b.last_seen = 100.0, 101.0
-    assert [w.worker_id for w in reg.expire(now=102.0)] == ["a"]
+    assert [w.worker_id for w in reg.expire(now=102.0).expired] == ["a"]
     assert [w.worker_id for w in reg.workers()] == ["b"]
+    assert a.dropped == "missed heartbeats for 2.0 s" and b.dropped == ""
+
+
+# (what happens, the worker's last heartbeat, the sweeps: (now, expired?, stalled?)); the
+# timeout is 1.5 s, so a sweep more than 0.75 s after the previous one finds the scheduler
+# itself stalled; the first sweep has no previous one
+STALLS = [
+    ("on time: the silent worker goes", 99.0,
+     [(100.0, False, False), (100.25, False, False), (100.75, True, False)]),
+    ("a gap just under the stall bound is an ordinary sweep", 99.0,
+     [(100.0, False, False), (100.7, True, False)]),
+    ("stopped 10 s: a worker heard just before stays, and goes once silent as long again",
+     99.9, [(100.0, False, False), (110.0, False, True), (110.5, False, False),
+            (111.0, False, False), (111.5, True, False)]),
+    ("stopped 10 s: a worker already silent 1 s goes 0.75 s after the stall, not at once",
+     99.0, [(100.0, False, False), (110.0, False, True), (110.25, False, False),
+            (110.5, False, False), (110.75, True, False)]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("last_seen", "sweeps"), [c[1:] for c in STALLS], ids=[c[0] for c in STALLS]
+)
+def test_a_scheduler_that_stalled_expires_nobody_on_its_late_sweep(
+    last_seen: float, sweeps: list[tuple[float, bool, bool]]
+) -> None:
+    reg = WorkerRegistry(heartbeat_timeout_s=1.5)
+    w = state("w")
+    reg.register(w)
+    w.last_seen = last_seen
+    previous = 0.0
+    for now, expired, stalled in sweeps:
+        expiry = reg.expire(now=now)
+        assert [x.worker_id for x in expiry.expired] == (["w"] if expired else []), now
+        assert expiry.stalled_s == (pytest.approx(now - previous) if stalled else 0.0), now
+        previous = now
+    assert reg.workers() == []
 
 
 def test_queue_depth_counts_what_was_just_routed() -> None:

@@ -38,7 +38,7 @@ class WorkerRegistration(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_side_channel: _Optional[str] = ..., quantization: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_usage", "num_in_flight", "draining", "pending_prefill_tokens", "prefill_tokens_per_s", "num_received", "prefix_hit_tokens")
+    __slots__ = ("num_running", "num_waiting", "kv_usage", "num_in_flight", "draining", "pending_prefill_tokens", "prefill_tokens_per_s", "num_received", "prefix_hit_tokens", "engine_stalled_s")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class WorkerLoad(_message.Message):
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     NUM_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STALLED_S_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_usage: float
@@ -57,7 +58,8 @@ class WorkerLoad(_message.Message):
     prefill_tokens_per_s: float
     num_received: int
     prefix_hit_tokens: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_in_flight: _Optional[int] = ..., draining: _Optional[bool] = ..., pending_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., num_received: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
+    engine_stalled_s: float
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_in_flight: _Optional[int] = ..., draining: _Optional[bool] = ..., pending_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., num_received: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., engine_stalled_s: _Optional[float] = ...) -> None: ...
 
 class WorkerHeartbeat(_message.Message):
     __slots__ = ("registration", "load", "kv_events")
@@ -70,14 +72,16 @@ class WorkerHeartbeat(_message.Message):
     def __init__(self, registration: _Optional[_Union[WorkerRegistration, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., kv_events: _Optional[_Iterable[_Union[_common_pb2.KVEventBatch, _Mapping]]] = ...) -> None: ...
 
 class SchedulerCommand(_message.Message):
-    __slots__ = ("resync_kv_events", "reason", "kv_peers")
+    __slots__ = ("resync_kv_events", "reason", "kv_peers", "dropped")
     RESYNC_KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     KV_PEERS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     resync_kv_events: bool
     reason: str
     kv_peers: KVPeers
-    def __init__(self, resync_kv_events: _Optional[bool] = ..., reason: _Optional[str] = ..., kv_peers: _Optional[_Union[KVPeers, _Mapping]] = ...) -> None: ...
+    dropped: bool
+    def __init__(self, resync_kv_events: _Optional[bool] = ..., reason: _Optional[str] = ..., kv_peers: _Optional[_Union[KVPeers, _Mapping]] = ..., dropped: _Optional[bool] = ...) -> None: ...
 
 class KVPeers(_message.Message):
     __slots__ = ("side_channels",)
@@ -134,14 +138,34 @@ class RouteCall(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., request: _Optional[_Union[RouteRequest, _Mapping]] = ..., trace_id: _Optional[str] = ...) -> None: ...
 
 class RouteReply(_message.Message):
-    __slots__ = ("call_id", "route", "failure")
+    __slots__ = ("call_id", "route", "failure", "lost")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     route: RouteResponse
     failure: RouteFailure
-    def __init__(self, call_id: _Optional[int] = ..., route: _Optional[_Union[RouteResponse, _Mapping]] = ..., failure: _Optional[_Union[RouteFailure, _Mapping]] = ...) -> None: ...
+    lost: WorkersLost
+    def __init__(self, call_id: _Optional[int] = ..., route: _Optional[_Union[RouteResponse, _Mapping]] = ..., failure: _Optional[_Union[RouteFailure, _Mapping]] = ..., lost: _Optional[_Union[WorkersLost, _Mapping]] = ...) -> None: ...
+
+class WorkersLost(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[LostWorker]
+    def __init__(self, workers: _Optional[_Iterable[_Union[LostWorker, _Mapping]]] = ...) -> None: ...
+
+class LostWorker(_message.Message):
+    __slots__ = ("worker_id", "address", "incarnation", "reason")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    incarnation: str
+    reason: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class RouteFailure(_message.Message):
     __slots__ = ("code", "message")
