@@ -114,8 +114,9 @@ def _delta(c: CompletionOutput) -> worker_pb2.CompletionDelta:
 
 
 def load(
-    stats: EngineStats, in_flight: int, draining: bool, tokens_per_s: float, received: int
-) -> scheduler_pb2.WorkerLoad:
+    stats: EngineStats, in_flight: int, draining: bool, tokens_per_s: float, received: int,
+    engine_stalled_s: float = 0.0,
+) -> scheduler_pb2.WorkerLoad:  # fmt: skip
     return scheduler_pb2.WorkerLoad(
         num_running=stats.num_running,
         num_waiting=stats.num_waiting,
@@ -126,6 +127,7 @@ def load(
         prefill_tokens_per_s=tokens_per_s,
         num_received=received,
         prefix_hit_tokens=stats.prefix_hit_tokens,
+        engine_stalled_s=engine_stalled_s,
     )
 
 

@@ -4,7 +4,8 @@ connection,
     worker → registration (+ load + every cached block), then every ``heartbeat_interval_s``:
              load + KV events
     scheduler → commands (re-announce the KV blocks: its directory lost events; the KV side
-                channels of the registered prefill workers, whenever they change)
+                channels of the registered prefill workers, whenever they change; dropped:
+                this worker had gone silent past its timeout, its work was moved)
 
 and a reconnect with backoff when the stream breaks. On every (re)connection the engine is
 asked to re-announce its prefix index (all-cleared, then every cached block), and the
@@ -19,13 +20,17 @@ stats (``load`` returns at once), and a re-announcement waits at most ``RESYNC_W
 engine answers between steps only; a late answer's blocks follow on a later heartbeat). Any
 failure ends the stream and starts a new one: a worker busy in one long step, or hit by an
 unexpected error, stays registered.
+
+``dropped`` goes to ``on_dropped`` (the worker ends its requests and takes a new incarnation:
+watchdog.Reincarnation), and the stream starts again; ``reregister`` gives every heartbeat the
+new registration, each ending its stream to register it on a new one.
 """
 
 import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
 import grpc
@@ -39,6 +44,14 @@ logger = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 1.0  # a restarted scheduler hears from every worker within about a second
 RESYNC_WAIT_S = 1.0  # how long a (re)registration waits for the engine's blocks
+
+
+# (this replica's address, the registration of the stream it answered ``dropped`` on)
+OnDropped = Callable[[str, scheduler_pb2.WorkerRegistration], Awaitable[None]]
+
+
+async def _register_again(replica: str, registered: scheduler_pb2.WorkerRegistration) -> None:
+    """By default a dropped worker registers again as it was."""
 
 
 class KVResync(Protocol):
@@ -67,6 +80,9 @@ class Heartbeat:
         self._events: list[common_pb2.KVEventBatch] = []
         self._wake = asyncio.Event()
         self._stopped = False
+        self._reregister = False  # end the stream: the next one registers anew
+        # a replica said it had dropped this worker (main: a new incarnation for all replicas)
+        self.on_dropped: OnDropped = _register_again
         self._failure: BaseException | None = None  # why our side ended the last stream
         self.connected = asyncio.Event()  # set once the scheduler has our registration
         self.disconnected_at: float | None = time.monotonic()  # None while connected
@@ -106,6 +122,13 @@ class Heartbeat:
         self._stopped = True
         self._wake.set()
 
+    def reregister(self, registration: scheduler_pb2.WorkerRegistration) -> None:
+        """Register ``registration`` (a new incarnation): the stream ends at once, with no
+        further message, and the next one starts with it."""
+        self.registration = registration
+        self._reregister = True
+        self._wake.set()
+
     def retire(self) -> None:
         """``stop``, for a replica that left the worker's set: the KV peers it named no longer
         count (and no later word from it does)."""
@@ -113,10 +136,15 @@ class Heartbeat:
         self.on_kv_peers(self.address, frozenset())
 
     async def _stream(self) -> None:
-        self._failure = None
+        self._failure, self._reregister = None, False
+        registration = self.registration
         async with channel(self.address, self.tls_name) as ch:
             stub = scheduler_pb2_grpc.GlobalSchedulerStub(ch)
-            async for command in stub.Heartbeat(self._messages(), metadata=auth()):
+            async for command in stub.Heartbeat(self._messages(registration), metadata=auth()):
+                if command.dropped:
+                    logger.warning("the scheduler at %s: %s", self.address, command.reason)
+                    await self.on_dropped(self.address, registration)
+                    return  # (it ends the stream too) the next one registers again
                 if command.HasField("kv_peers") and not self._stopped:
                     self.on_kv_peers(self.address, frozenset(command.kv_peers.side_channels))
                 if command.resync_kv_events:
@@ -125,6 +153,9 @@ class Heartbeat:
                     self._wake.set()  # the blocks leave now, not a heartbeat later
         if self._failure is not None:
             logger.error("heartbeat to %s failed: %r; reconnecting", self.address, self._failure)
+        elif self._reregister:
+            logger.info("registering again with %s as incarnation %s", self.address,
+                        self.registration.incarnation)  # fmt: skip
         elif not self._stopped:
             logger.info("the scheduler at %s ended the heartbeat stream", self.address)
 
@@ -140,15 +171,18 @@ class Heartbeat:
         except TimeoutError:
             logger.info("the engine is in a step: its KV blocks follow when the step ends")
 
-    async def _messages(self) -> AsyncIterator[scheduler_pb2.WorkerHeartbeat]:
-        """The stream's messages. Never raises (grpc would cancel the call without a word):
-        a failure is kept in ``_failure`` and ends the stream, and ``run`` starts another."""
+    async def _messages(
+        self, registration: scheduler_pb2.WorkerRegistration
+    ) -> AsyncIterator[scheduler_pb2.WorkerHeartbeat]:
+        """The stream's messages, the first registering ``registration``. Never raises (grpc
+        would cancel the call without a word): a failure is kept in ``_failure`` and ends the
+        stream, and ``run`` starts another."""
         try:
             self._events.clear()  # superseded by the re-announcement below
             await self._resync()  # (its events are in self._events when it returns in time)
             events, self._events = self._events, []
             yield scheduler_pb2.WorkerHeartbeat(
-                registration=self.registration, load=self.load(), kv_events=events
+                registration=registration, load=self.load(), kv_events=events
             )
             self.connected.set()
             self.disconnected_at = None
@@ -157,6 +191,8 @@ class Heartbeat:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self.interval_s)
                 self._wake.clear()
+                if self._reregister:
+                    return
                 events, self._events = self._events, []
                 yield scheduler_pb2.WorkerHeartbeat(load=self.load(), kv_events=events)
         except Exception as e:

@@ -6,7 +6,9 @@ Lifecycle (shared/lifecycle.py):
     → drain: refuse new requests, tell the scheduler, let in-flight ones finish (bounded)
     → close the heartbeats (the scheduler drops us at once) → stop gRPC → stop the engine
 
-Ready (/ready) once the model is loaded and at least one replica has the registration.
+Ready (/ready) once the model is loaded and at least one replica has the registration. Live
+(/health) while its event loop ticks and its engine, when it has work, progresses (a hang:
+watchdog.py, which stops the worker with exit code 1 past ``step_timeout_s``).
 """
 
 import asyncio
@@ -22,6 +24,7 @@ from services.worker.heartbeat import Heartbeat
 from services.worker.schedulers import SchedulerSet
 from services.worker.servicer import ROLES, WorkerServicer
 from services.worker.settings import SchedulerDns, WorkerSettings, new_incarnation
+from services.worker.watchdog import END_REQUESTS_S, Activity, Reincarnation, Trip, Watchdog
 from shared import rpc
 from shared.affinity import pin_threads
 from shared.kv_events import KVEventBatch
@@ -53,6 +56,7 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> int
     export_task_count()
     engine = await asyncio.to_thread(AsyncLLM.from_engine_args, settings.engine)
     server = rpc.server()
+    watchdog: Watchdog | None = None
     try:
         servicer = WorkerServicer(settings, engine)
         worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
@@ -72,26 +76,37 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> int
             metrics.KV_LEASES_HELD.set(stats.kv_leases_held)
             counters.update(stats)
             tokens_per_s = rate.update(stats.computed_tokens, stats.model_seconds)
-            return convert.load(
-                stats, servicer.in_flight, servicer.draining, tokens_per_s, servicer.num_received
-            )
-
-        registration = await _registration(settings, engine, address)
+            stalled = watchdog.stalled_s if watchdog is not None else 0.0
+            return convert.load(stats, servicer.in_flight, servicer.draining, tokens_per_s,
+                                servicer.num_received, stalled)  # fmt: skip
 
         dns = SchedulerDns.parse(settings.scheduler_addresses)
 
         def heartbeat(replica: str) -> Heartbeat:
-            return Heartbeat(replica, registration, engine, load, settings.heartbeat_interval_s,
-                             servicer.set_kv_peers, dns.name if dns else None)  # fmt: skip
+            beat = Heartbeat(replica, incarnations.registration, engine, load,
+                             settings.heartbeat_interval_s, servicer.set_kv_peers,
+                             dns.name if dns else None)  # fmt: skip
+            beat.on_dropped = incarnations.dropped
+            return beat
 
         schedulers = SchedulerSet(heartbeat, owner)
+        incarnations = Reincarnation(await _registration(settings, engine, address),
+                                     servicer.end_the_rest, schedulers)  # fmt: skip
         serving = asyncio.Event()
         ticker = LoopTicker()
         owner.spawn(ticker.run(), "loop-ticker")
+        watchdog = Watchdog(lambda: _activity(engine), settings.step_timeout_s)
+
+        def alive() -> tuple[bool, str]:
+            """/health (the livenessProbe): the event loop ticks, the engine is not hung."""
+            (loop_ok, loop), (engine_ok, hung) = ticker.check(), watchdog.check()
+            return loop_ok and engine_ok, f"{loop}; {hung}"
 
         def ready() -> tuple[bool, str]:
             """/ready (and the startupProbe): model loaded, registered with a scheduler
-            replica at least, not draining."""
+            replica at least, not draining, the engine not hung."""
+            if watchdog.tripped:
+                return False, "the engine is hung"
             if servicer.draining or engine.dead:
                 return False, "draining" if servicer.draining else "the engine died"
             registered, why = schedulers.registration()
@@ -102,7 +117,7 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> int
         metrics_port = None
         if settings.metrics_port is not None:
             metrics_port = start_probe_server(settings.host, settings.metrics_port, ready,
-                                              ticker.check)  # fmt: skip
+                                              alive)  # fmt: skip
 
         if settings.scheduler_addresses:
 
@@ -125,6 +140,20 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> int
                 owner.spawn(watch_registration(schedulers, stop, settings.unregistered_exit_s,
                                                exit_code), "registration-watch")  # fmt: skip
         owner.spawn(_watch_engine(engine, stop, exit_code), "engine-watch")
+
+        async def leave(trip: Trip) -> None:
+            """The engine is hung: refuse new calls, leave every scheduler replica now (no
+            more routing here), end what runs here resumably (the gateways resume it)."""
+            servicer.draining = True
+            schedulers.stop()
+            await _end_requests(servicer)
+
+        def exit_hung(trip: Trip) -> None:
+            exit_code[0] = 1
+            stop.trigger()
+            stop.trigger()  # no drain: nothing can finish (the engine core is killed at stop)
+
+        owner.spawn(watchdog.run(leave, exit_hung), "watchdog")
         serving.set()
         freeze_startup_heap()
         logger.info("worker %s (%s) serving %s on %s", settings.worker_id, settings.role,
@@ -153,7 +182,7 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> int
     finally:
         await server.stop(grace=1.0)
         await owner.cancel_all()
-        engine.shutdown()
+        engine.shutdown(kill=watchdog is not None and watchdog.tripped is not None)
         logger.info("worker stopped")
     return exit_code[0]
 
@@ -198,6 +227,20 @@ async def _registration(
         kv_cache_dtype=info.kv_cache_dtype,
         tensor_parallel_size=info.tensor_parallel_size,
     )
+
+
+def _activity(engine: AsyncLLM) -> Activity:
+    stats = engine.latest_stats
+    return Activity(engine.progress, stats.num_running, stats.num_waiting, engine.num_in_flight)
+
+
+async def _end_requests(servicer: WorkerServicer) -> None:
+    """End every request still here, resumably (bounded: the engine may be hung)."""
+    try:
+        await asyncio.wait_for(servicer.end_the_rest(), END_REQUESTS_S)
+    except TimeoutError:
+        logger.warning("%d requests did not end within %.0f s", servicer.in_flight,
+                       END_REQUESTS_S)  # fmt: skip
 
 
 async def _wait_registered(schedulers: SchedulerSet) -> None:

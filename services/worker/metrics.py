@@ -31,6 +31,23 @@ KV_LEASES_HELD = Gauge(
 )
 IN_FLIGHT = Gauge("baton_worker_in_flight_requests", "Requests the worker service is serving")
 
+# the watchdog (watchdog.py)
+LIVE = Gauge("baton_worker_live", "1 while the engine progresses whenever it has work; 0 once "
+             "the watchdog found it hung (the worker then exits)")  # fmt: skip
+ENGINE_STALLED = Gauge(
+    "baton_worker_engine_stalled_seconds",
+    "How long the engine has had work and shown no progress (0 while it progresses or idles)",
+)
+WATCHDOG_TRIPS = Counter(
+    "baton_worker_watchdog_trips", "Times the engine was found hung, by what it was doing",
+    ["reason"],
+)  # fmt: skip
+REINCARNATIONS = Counter(
+    "baton_worker_reincarnations",
+    "Times a scheduler had dropped this worker (its heartbeats had stopped) and it registered "
+    "again as a new incarnation",
+)
+
 # KV transfer (disaggregated prefill/decode), mirrored from the engine's counters
 KV_PULLS = Counter("baton_worker_kv_pulls", "KV pulls completed (decode side)")
 KV_PULL_FAILURES = Counter("baton_worker_kv_pull_failures", "KV pulls that failed")

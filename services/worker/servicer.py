@@ -363,11 +363,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await self.wait_idle()
 
     async def end_the_rest(self) -> None:
-        """The drain timed out: every request still running ends with UNAVAILABLE, the
-        status the gateway resumes on another worker (with the tokens streamed so far)."""
+        """The drain timed out (or the worker must let go of its requests: its engine hung,
+        or the schedulers had dropped it): every request still running ends with UNAVAILABLE,
+        the status the gateway resumes on another worker (with the tokens streamed so far)."""
         self._evicted.update(self._running)
         for request_id in list(self._running):
-            await self.engine.abort(request_id)
+            with contextlib.suppress(EngineDeadError):  # (then it fails on its own)
+                await self.engine.abort(request_id)
 
     def _admit(self, p: "common_pb2.SamplingParams") -> SamplingParams:
         if self.draining:

@@ -54,6 +54,11 @@ class WorkerSettings:
     # registered with no scheduler replica for this long: stop, for the supervisor to restart
     # the worker (0: never); long enough to ride out a scheduler restart
     unregistered_exit_s: float = 300.0
+    # the engine has work and shows no progress (no output, no step) for this long: it is hung
+    # (watchdog.py); the worker turns not live, leaves the schedulers and exits. 0: never. Above
+    # every bound of its own that a wait in a step has (a KV pull's 35 s, a grammar's 30 s),
+    # below the collectives' 120 s (see watchdog.py)
+    step_timeout_s: float = 60.0
     ready_file: str | None = None  # written with the bound address once serving (for launchers)
     cpus: tuple[int, ...] = ()  # pin the front's threads here once serving; not the engine core
 
@@ -66,6 +71,8 @@ class WorkerSettings:
             raise ValueError("heartbeat_interval_s must be > 0 and drain_timeout_s >= 0")
         if self.unregistered_exit_s < 0:
             raise ValueError("unregistered_exit_s must be >= 0 (0: never)")
+        if self.step_timeout_s < 0:
+            raise ValueError("step_timeout_s must be >= 0 (0: never)")
         if self.scheduler_resolve_interval_s <= 0:
             raise ValueError("scheduler_resolve_interval_s must be > 0")
         SchedulerDns.parse(self.scheduler_addresses)  # a malformed name fails here, at start
@@ -75,5 +82,9 @@ class WorkerSettings:
 
 
 def new_incarnation() -> str:
-    """A fresh id for one process start: KV-event sequence numbers restart with it."""
+    """A fresh id for one process start, or for a worker that comes back after the schedulers
+    dropped it (watchdog.Reincarnation). The directory counts KV-event sequence numbers per
+    incarnation from the first batch it sees of one, so the engine's numbering need not restart
+    with it: a registration's first message carries the engine's re-announcement (all
+    cleared, then every cached block), the picture the later batches change."""
     return uuid.uuid4().hex

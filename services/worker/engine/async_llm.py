@@ -45,6 +45,10 @@ class AsyncLLM:
         # The core's stats as last seen (pushed with its steps, or a get_stats answer): what a
         # load report reads, never waiting on a step (see latest_stats).
         self._stats = self.client.core.ready_stats
+        # How many of the core's messages showed it moved (outputs, or stats it pushed because
+        # they changed): a count that stands still while the core has work means it is hung
+        # (the worker's watchdog reads it).
+        self.progress = 0
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "AsyncLLM":
@@ -127,9 +131,19 @@ class AsyncLLM:
     def dead(self) -> bool:
         return self._dead is not None
 
-    def shutdown(self) -> None:
+    @property
+    def num_in_flight(self) -> int:
+        """Requests given to the core whose end this front has not seen yet (work the core has
+        even when its last pushed stats, from before they came, say it is idle)."""
+        return len(self._queues)
+
+    def shutdown(self, kill: bool = False) -> None:
+        """Stop the core: asked to, or with ``kill`` at once (SIGKILL: a hung core, even a
+        stopped one)."""
         if self._output_task is not None:
             self._output_task.cancel()
+        if kill:
+            self.client.core.proc.kill()
         self.client.shutdown()
 
     async def _abort_quietly(self, request_id: str) -> None:
@@ -151,6 +165,8 @@ class AsyncLLM:
                 outs = await self.client.get_output_async()
                 if outs.stats is not None:
                     self._stats = outs.stats
+                if outs.outputs or outs.stats is not None:
+                    self.progress += 1
                 if outs.kv_events is not None and self.kv_event_listener is not None:
                     self.kv_event_listener(outs.kv_events)
                 result = self.output_processor.process_outputs(outs.outputs)
