@@ -126,6 +126,7 @@ class ClusterSpec:
     decode_workers: int = 0
     worker_metrics: bool = False  # give each worker /metrics
     drain_timeout_s: float = 30.0  # a worker's SIGTERM: how long in-flight requests may finish
+    step_timeout_s: float = 60.0  # a worker's engine with work and no progress: hung (watchdog)
     log_dir: str | None = None  # each service's output to DIR/<name>.log
     redis_url: str | None = None
     routing_policy: str | None = None  # a YAML/JSON file
@@ -226,7 +227,8 @@ class Cluster:
         first_gpu = 0
         for (name, role), tp in zip(roles, sizes, strict=True):
             argv = ["worker", "--model", a.model, "--scheduler", sched_addr, "--worker-id", name,
-                    "--role", role, "--drain-timeout", str(a.drain_timeout_s)]  # fmt: skip
+                    "--role", role, "--drain-timeout", str(a.drain_timeout_s),
+                    "--step-timeout", str(a.step_timeout_s)]  # fmt: skip
             if a.worker_metrics:
                 argv += ["--metrics-port", "0"]
             argv += cpus[name]

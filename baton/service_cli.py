@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,7 +14,7 @@ import uvloop  # the event loop of every service (gRPC p99 latency ~7× lower th
 
 from baton.engine_flags import ENGINE_HELP, add_engine_flags, engine_args, engine_flags_argv
 from baton.launcher import Cluster, ClusterSpec, RestartPolicy  # (no grpc, no torch: see below)
-from services.gateway.settings import InputLimits
+from services.gateway.settings import EdgeLimits, InputLimits
 from services.gateway.tool_parsers import PARSERS
 from shared.affinity import check_cpus, parse_cpus
 from shared.gguf_files import default_model_name
@@ -74,20 +75,53 @@ def shows_default(action: argparse.Action) -> bool:
 
 
 LIMIT_FIELDS = [f.name for f in dataclasses.fields(InputLimits)]  # each a --max-… flag
+PROGRESS_TIMEOUT_S = 10.0  # the gateway's progress bound (GatewaySettings.progress_timeout_s)
+PREFILL_PROGRESS_MS_PER_TOKEN = 1.0
 
 
 def input_limits(args: argparse.Namespace) -> InputLimits:
     return InputLimits(**{name: getattr(args, name) for name in LIMIT_FIELDS})
 
 
+# EdgeLimits' fields as flags (docs/security.md, "Hostile clients"): field → (flag, type, help)
+EDGE_FLAGS: dict[str, tuple[str, type, str]] = {
+    "header_timeout_s": ("--header-timeout", float, "seconds a connection may take to send a "
+                         "request's line and headers, from its accept (a later request on it: "
+                         "from its first byte); past it the connection is closed"),
+    "body_timeout_s": ("--body-timeout", float, "seconds a request's body may take to "
+                       "arrive; past it a 408, and the connection is closed"),
+    "max_connections": ("--max-connections", int, "client connections open at once; a "
+                        "connection past it is answered 503 with Retry-After and closed "
+                        "(lowered to fit the process's descriptor limit)"),
+    "stream_write_timeout_s": ("--stream-write-timeout", float, "seconds a client may read "
+                               "nothing of a response while its write buffer is full; past "
+                               "it the response is dropped and its request aborted"),
+}  # fmt: skip
+
+
+def edge_limits(args: argparse.Namespace) -> EdgeLimits:
+    return EdgeLimits(**{name: getattr(args, name) for name in EDGE_FLAGS})
+
+
 def gateway_flags_argv(args: argparse.Namespace) -> list[str]:
-    """The input-limit flags off their defaults and the tool call parser, for a child
-    ``baton gateway``."""
+    """The input-limit and edge flags off their defaults and the tool call parser, for a
+    child ``baton gateway``."""
     default = InputLimits()
     argv = [item for name in LIMIT_FIELDS if getattr(args, name) != getattr(default, name)
             for item in ("--" + name.replace("_", "-"), str(getattr(args, name)))]  # fmt: skip
     if args.tool_call_parser is not None:
         argv += ["--tool-call-parser", args.tool_call_parser]
+    edge = EdgeLimits()
+    argv += [item for name, (flag, _, _) in EDGE_FLAGS.items()
+             if getattr(args, name) != getattr(edge, name)
+             for item in (flag, str(getattr(args, name)))]  # fmt: skip
+    for flag, value, unset in (
+        ("--progress-timeout", args.progress_timeout, PROGRESS_TIMEOUT_S),
+        ("--prefill-progress-ms-per-token", args.prefill_progress_ms_per_token,
+         PREFILL_PROGRESS_MS_PER_TOKEN),
+    ):  # fmt: skip
+        if value != unset:
+            argv += [flag, str(value)]
     return argv
 
 
@@ -114,7 +148,7 @@ def run_worker(args: argparse.Namespace) -> None:
             scheduler_resolve_interval_s=args.scheduler_resolve_interval,
             worker_id=args.worker_id or "", metrics_port=args.metrics_port,
             drain_timeout_s=args.drain_timeout, ready_file=args.ready_file, cpus=args.cpus,
-            unregistered_exit_s=args.unregistered_exit_seconds,
+            unregistered_exit_s=args.unregistered_exit_seconds, step_timeout_s=args.step_timeout,
         )  # fmt: skip
     except ValueError as e:  # a malformed --scheduler dns:NAME:PORT, say
         raise SystemExit(f"baton worker: {e}") from None
@@ -184,7 +218,9 @@ def run_gateway(args: argparse.Namespace) -> None:
         port=args.port, api_keys=_api_keys(args), max_body_bytes=args.max_body_bytes,
         request_timeout_s=args.request_timeout, generate_stream=not args.no_generate_stream,
         cpus=args.cpus, limits=input_limits(args), tool_call_parser=args.tool_call_parser,
-        metrics_port=args.metrics_port,
+        edge=edge_limits(args),
+        metrics_port=args.metrics_port, progress_timeout_s=args.progress_timeout,
+        prefill_progress_s_per_token=args.prefill_progress_ms_per_token / 1000,
     )  # fmt: skip
     serve(settings)
 
@@ -213,6 +249,21 @@ def _add_security_flags(p: argparse.ArgumentParser) -> None:
         help="a directory with tls.crt, tls.key and ca.crt (a Kubernetes TLS Secret): TLS "
         f"with mutual authentication on every internal connection (default: ${TLS_DIR_ENV})",
     )  # fmt: skip
+
+
+def _positive(kind: type) -> Callable[[str], float]:
+    """An argparse type: a number of ``kind`` above 0."""
+
+    def parse(text: str) -> float:
+        try:
+            value: float = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
 
 
 def _cpu_list(spec: str) -> tuple[int, ...]:
@@ -259,7 +310,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         request_timeout=args.request_timeout, generate_stream=not args.no_generate_stream,
         workers=args.workers, prefill_workers=args.prefill_workers,
         decode_workers=args.decode_workers, worker_metrics=args.worker_metrics,
-        drain_timeout_s=args.drain_timeout,
+        drain_timeout_s=args.drain_timeout, step_timeout_s=args.step_timeout,
         log_dir=args.log_dir, redis_url=args.redis_url, routing_policy=args.routing_policy,
         gpus=args.gpus, pin_cpus=args.pin_cpus, device=args.device,
         kv_sized=bool(args.num_kv_blocks or args.kv_cache_memory_bytes),
@@ -346,6 +397,13 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
         "--unregistered-exit-seconds", type=float, default=300.0,
         help="stop (exit code 1, for the supervisor to restart the worker) after this many "
         "seconds registered with no global scheduler replica; 0: never",
+    )  # fmt: skip
+    p.add_argument(
+        "--step-timeout", type=float, default=60.0,
+        help="seconds its engine may have work and make no progress (no step ends: the engine "
+        "core stopped, its GPU wedged, a collective stuck); past it the worker is hung: /health "
+        "fails, it leaves the schedulers (its streams resume elsewhere) and exits with code 1 "
+        "soon after; longer than any step and than a KV pull's bound (35 s); 0: never",
     )  # fmt: skip
     p.add_argument("--ready-file", default=None, help=READY_FILE_HELP)
     p.add_argument("--kv-transfer", action="store_true",
@@ -441,6 +499,10 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on stop, seconds a worker's running requests may take to "
                    "finish")  # fmt: skip
+    p.add_argument("--step-timeout", type=float, default=60.0,
+                   help="seconds a worker's engine may have work and make no progress before "
+                   "the worker counts as hung: it leaves the schedulers (its streams resume "
+                   "elsewhere) and exits, and is started again; 0: never")  # fmt: skip
     p.add_argument("--log-dir", default=None, metavar="DIR",
                    help="write each service's log to DIR/<name>.log (default: this "
                    "terminal)")  # fmt: skip
@@ -485,6 +547,19 @@ def _gateway_flags(p: argparse.ArgumentParser) -> None:
                    help="the largest request body, in bytes (413 above it)")  # fmt: skip
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request may take in all before it fails with a 504")  # fmt: skip
+    p.add_argument("--progress-timeout", type=float, default=PROGRESS_TIMEOUT_S,
+                   help="seconds a worker may send a stream no token before it counts as "
+                   "failed and the stream resumes on another worker (the default is twenty "
+                   "times the longest engine step, a chunked prefill's)")  # fmt: skip
+    p.add_argument("--prefill-progress-ms-per-token", type=float,
+                   default=PREFILL_PROGRESS_MS_PER_TOKEN,
+                   help="milliseconds the wait for a stream's first token (and for a prefill "
+                   "leg's answer) adds per prompt token the worker must compute (1: a floor "
+                   "of 1,000 prefill tokens/s)")  # fmt: skip
+    edge = EdgeLimits()
+    for name, (flag, kind, text) in EDGE_FLAGS.items():
+        p.add_argument(flag, dest=name, type=_positive(kind), default=getattr(edge, name),
+                       metavar="N" if kind is int else "SECONDS", help=text)  # fmt: skip
     defaults = InputLimits()
     for name in LIMIT_FIELDS:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name),

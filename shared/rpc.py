@@ -39,9 +39,14 @@ def security() -> Security:
 _OPTIONS = [
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
+    # a peer that stops answering (stopped, hung, a dead host whose TCP never closes) is
+    # noticed within ~8 s on an idle channel: a ping every 5 s, unanswered for 3 s
+    ("grpc.keepalive_time_ms", 5_000),
+    ("grpc.keepalive_timeout_ms", 3_000),
     ("grpc.http2.max_pings_without_data", 0),
+    # gRPC core gives a ping 60 s for its answer (grpc.http2.ping_timeout_ms), whatever
+    # keepalive_timeout says: a stopped peer held every stream on it for a minute
+    ("grpc.http2.ping_timeout_ms", 3_000),
     ("grpc.keepalive_permit_without_calls", 1),
     # a peer that restarts (the scheduler, under ``baton serve`` or Kubernetes) is reconnected
     # to within ~1 s of serving again, not after gRPC's default backoff (1 s growing to 120 s).
@@ -114,14 +119,15 @@ def _denied(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 def server() -> aio.Server:
     # gRPC sets SO_REUSEPORT by default, so a second service could bind a port that is already
     # serving and the kernel would split connections between the two: refuse instead.
-    # Our channels ping every 10 s even between calls (a dead peer is noticed); a server at
+    # Our channels ping every 5 s even between calls (a dead peer is noticed); a server at
     # gRPC's default (pings without data at most every 5 min) counts those as strikes and
-    # sends GOAWAY "too_many_pings" (seen in a gateway's log), dropping the connection.
+    # sends GOAWAY "too_many_pings" (seen in a gateway's log), dropping the connection. (4 s
+    # here: a ping a little early is no strike.)
     return aio.server(
         options=[
             *_OPTIONS,
             ("grpc.so_reuseport", 0),
-            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 4_000),
         ],
         interceptors=[_TokenCheck(_security.token)] if _security.token else None,
     )

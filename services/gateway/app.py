@@ -12,9 +12,9 @@
                   sending traffic here until it is ready again)
 
 Every error leaves as OpenAI's error JSON with its status (errors.py): 400 bad input (pydantic's
-422 included), 401 bad key, 404 unknown model or path, 413 body too large, 503 no worker,
-504 deadline. An unexpected exception is a logged 500, never a crash. A client that goes away
-cancels its request, which aborts it on the workers.
+422 included), 401 bad key, 404 unknown model or path, 408 body late (``--body-timeout``),
+413 body too large, 503 no worker, 504 deadline. An unexpected exception is a logged 500,
+never a crash. A client that goes away cancels its request, which aborts it on the workers.
 """
 
 import asyncio
@@ -71,7 +71,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         owner = TaskOwner("gateway")
         export_task_count()
         owner.spawn(catalog.refresh_forever(), "catalog-refresh")
-        orchestrator = Orchestrator(scheduler, catalog, workers)
+        orchestrator = Orchestrator(scheduler, catalog, workers, settings.progress_timeout_s,
+                                    settings.prefill_progress_s_per_token)  # fmt: skip
         state["handler"] = Handler(orchestrator, catalog, settings.request_timeout_s,
                                    settings.limits, settings.tool_call_parser)  # fmt: skip
         if settings.metrics_port is not None:
@@ -93,12 +94,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await _parse(request, CompletionRequest)
+        body = await _parse(request, CompletionRequest, settings.edge.body_timeout_s)
         return await _serve(state["handler"], body, request, body.stream and body.include_usage)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await _parse(request, ChatCompletionRequest)
+        body = await _parse(request, ChatCompletionRequest, settings.edge.body_timeout_s)
         return await _serve(state["handler"], body, request, body.stream and body.include_usage)
 
     @app.get("/v1/models")
@@ -190,13 +191,20 @@ def _describe_bodies(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-async def _parse(request: Request, schema: type[B]) -> B:
+async def _parse(request: Request, schema: type[B], timeout_s: float) -> B:
     """The body, parsed and validated in one pass by pydantic's JSON parser. (As a FastAPI
     body parameter it went through FastAPI's dependency solving, ``json.loads`` and then
     validation of the Python objects: about a seventh of the gateway's Python calls per
-    request.) Errors take the same path as FastAPI's: a 400 naming the field."""
+    request.) Errors take the same path as FastAPI's: a 400 naming the field. A body that
+    has not arrived within ``timeout_s`` is a 408 (and the connection closes)."""
     try:
-        return schema.model_validate_json(await request.body())
+        async with asyncio.timeout(timeout_s):
+            raw = await request.body()
+    except TimeoutError:
+        metrics.EDGE.labels("body_timeout").inc()
+        raise errors.request_timeout(timeout_s) from None
+    try:
+        return schema.model_validate_json(raw)
     except ValidationError as e:
         # the context carries a refusal's field (errors.refuse) and a ValueError's own message
         raise RequestValidationError(e.errors(include_url=False)) from None
@@ -255,8 +263,10 @@ async def _watch_disconnect(request: Request) -> None:
 
 
 def _error(e: errors.APIError) -> JSONResponse:
-    """OpenAI's error JSON; a 503 also says when to retry (the system is healing or scaling)."""
+    """OpenAI's error JSON; a 503 also says when to retry (the system is healing or scaling);
+    after a 408 the connection closes (the rest of its body would arrive to nobody)."""
     headers = {"retry-after": str(RETRY_AFTER_S)} if e.status == 503 else None
+    headers = {"connection": "close"} if e.status == 408 else headers
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 

@@ -69,6 +69,11 @@ class CallStream(Generic[Send, Recv]):
             self._on_end(self, error)
             self.close()
 
+    def fail(self, error: BaseException) -> None:
+        """End the stream now, as if the call had failed with ``error``: the owner hears it
+        (every request waiting on it ends), then the call is torn down."""
+        self._end(error)
+
     def close(self) -> None:
         self.call.cancel()
         current = asyncio.current_task()

@@ -99,6 +99,22 @@ def timeout(what: str) -> APIError:
     return APIError(504, f"Timed out: {what}", type="server_error", code="timeout")
 
 
+# the HTTP edge's refusals (http_edge.py, app.py ``_parse``): the client's fault, or the load's
+def request_timeout(seconds: float) -> APIError:
+    return APIError(408, f"The request body did not arrive within {seconds:g} s",
+                    code="request_timeout")  # fmt: skip
+
+
+def head_too_large(limit: int) -> APIError:
+    return APIError(431, f"The request line and headers exceed {limit} bytes",
+                    code="request_header_too_large")  # fmt: skip
+
+
+def too_many_connections(limit: int) -> APIError:
+    return APIError(503, f"This gateway holds its most connections ({limit}); retry",
+                    type="server_error", code="too_many_connections")  # fmt: skip
+
+
 def from_engine(code: worker_pb2.ErrorCode, message: str) -> APIError:
     """A request the worker's engine ended in error, by the kind the protos give it."""
     if code == worker_pb2.ERROR_CODE_INVALID_REQUEST:

@@ -1,6 +1,6 @@
 """The gateway's Prometheus metrics (``baton_gateway_*``), served on its own ``/metrics``."""
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
@@ -33,6 +33,20 @@ RESUMES = Counter(
     "(before that worker produced a token, e.g. it was draining) or mid_stream (cut short)",
     ["stage"],
 )
+STALLS = Counter(
+    "baton_gateway_stalls",
+    "Legs whose worker sent nothing within the progress bound (a hung worker), by leg: "
+    "decode (resumed on another worker) or prefill (prefilled on the decode worker)",
+    ["leg"],
+)
+EDGE = Counter(
+    "baton_gateway_edge_refusals",
+    "Connections and requests the HTTP edge cut short (http_edge.py), by reason: "
+    "over_capacity (503 at accept), header_timeout, header_too_large (431), body_timeout "
+    "(408), slow_reader (a response the client stopped reading, its request aborted)",
+    ["reason"],
+)
+CONNECTIONS = Gauge("baton_gateway_open_connections", "Client connections open (HTTP edge)")
 PREFILL_SECONDS = Histogram(
     "baton_gateway_prefill_seconds", "Prefill leg of disaggregated requests (to the KV handle)",
     buckets=_LATENCY,

@@ -9,6 +9,13 @@ during a stream (UNAVAILABLE: it died or is draining), the choice is resumed on 
 with the prompt plus the tokens generated so far (the prefix cache makes that cheap), so the
 client's stream continues. Greedy output is unchanged by a resume; seeded sampling continues
 with a fresh generator state.
+
+A worker that hangs is a failed worker too, found two ways: each leg has a progress bound (no
+token within ``progress_timeout_s``, or for the first token that plus
+``prefill_progress_s_per_token`` per prompt token the worker must compute: ``_progress``), and
+the scheduler's notice that a worker missed its heartbeats (``WorkerChannels.lost``) ends
+what waits on it at once. A stalled decode leg resumes like a failed one; a stalled prefill
+leg falls back to a local prefill on the decode worker.
 """
 
 import asyncio
@@ -17,6 +24,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -24,6 +32,7 @@ from services.gateway import errors, metrics
 from services.gateway.call_stream import CallFailed, status_of
 from services.gateway.catalog import ModelCatalog
 from services.gateway.choice import ChoiceDelta, ChoiceState
+from services.gateway.generate_client import Progress, Stalled
 from services.gateway.merge import merge
 from services.gateway.route_client import RouteClient
 from services.gateway.worker_pool import WorkerChannels
@@ -70,11 +79,28 @@ class Orchestrator:
         scheduler: scheduler_pb2_grpc.GlobalSchedulerStub,
         catalog: ModelCatalog,
         workers: WorkerChannels,
+        progress_timeout_s: float = 10.0,
+        prefill_progress_s_per_token: float = 0.001,
     ):
-        self.routes = RouteClient(scheduler)
+        self.routes = RouteClient(scheduler, self._lost)
         self.catalog = catalog
         self.workers = workers
+        self.progress_timeout_s = progress_timeout_s
+        self.prefill_progress_s_per_token = prefill_progress_s_per_token
         self._background: set[asyncio.Task[None]] = set()  # lease releases in flight
+
+    def _lost(self, workers: list[scheduler_pb2.LostWorker]) -> None:
+        """The scheduler dropped these workers for missed heartbeats: what waits on them
+        resumes elsewhere now, not at its progress bound."""
+        for w in workers:
+            self.workers.lost(w.address, f"{w.worker_id}: {w.reason or 'missed heartbeats'}")
+
+    def _progress(self, uncached_tokens: int) -> Progress:
+        """The progress bound of a leg whose worker must compute ``uncached_tokens`` before
+        its first token."""
+        per_token = self.prefill_progress_s_per_token
+        return Progress(self.progress_timeout_s + max(uncached_tokens, 0) * per_token,
+                        self.progress_timeout_s)  # fmt: skip
 
     async def close(self) -> None:
         await self.routes.close()
@@ -186,10 +212,13 @@ class Orchestrator:
             at_start = len(state.generated)  # tokens before this worker (P/D: the first)
             if state.prompt_logprobs is not None and params.HasField("prompt_logprobs"):
                 params = _without_prompt_logprobs(params)  # the prefill leg sent them
+            request = generate_request(job, index, params, state.generated, handoff)
+            computed = len(request.prompt_token_ids) - route.decode.matched_blocks * job.block_size
             responses = self.workers.generate(route.decode.address).generate(
-                generate_request(job, index, params, state.generated, handoff),
+                request,
                 timeout=max(job.deadline - time.monotonic(), 0.001),
                 trace_id=job.trace_id,
+                progress=self._progress(0 if handoff is not None else computed),
             )
             try:
                 hop_trace.mark("gateway.generate_call")
@@ -202,6 +231,8 @@ class Orchestrator:
                 return
             except (CallFailed, grpc.aio.AioRpcError) as e:
                 code, details = status_of(e)
+                if isinstance(e, Stalled):
+                    metrics.STALLS.labels("decode").inc()
                 if code != grpc.StatusCode.UNAVAILABLE or len(failed) >= job.max_resumes:
                     raise errors.from_status(code, details, "generation") from None
                 failed.append(route.decode.worker_id)
@@ -232,19 +263,48 @@ class Orchestrator:
         if job.cache_salt:
             req.cache_salt = job.cache_salt
         start = time.perf_counter()
+        left = max(job.deadline - time.monotonic(), 0.001)
+        bound = self._progress(len(job.prompt_ids) - worker.matched_blocks * job.block_size)
+        lost = self.workers.lost_signal(worker.address)
+        call = self.workers.stub(worker.address).Prefill(
+            req, timeout=min(left, bound.first_s), metadata=metadata(job.trace_id)
+        )
         try:
-            resp: worker_pb2.PrefillResponse = await self.workers.stub(worker.address).Prefill(
-                req, timeout=max(job.deadline - time.monotonic(), 0.001),
-                metadata=metadata(job.trace_id),
-            )  # fmt: skip
+            resp = await _unless(call, lost)
         except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.UNAVAILABLE:
+            stalled = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and bound.first_s < left
+            if e.code() != grpc.StatusCode.UNAVAILABLE and not stalled:
                 raise errors.from_grpc(e, "prefill") from None
+            if stalled:
+                metrics.STALLS.labels("prefill").inc()
             logger.warning("prefill worker %s failed (%s): prefilling locally",
                            worker.worker_id, e.details())  # fmt: skip
             return None
+        except _Lost:
+            logger.warning("prefill worker %s lost (missed its heartbeats): prefilling locally",
+                           worker.worker_id)  # fmt: skip
+            return None
         metrics.PREFILL_SECONDS.observe(time.perf_counter() - start)
         return resp
+
+
+class _Lost(Exception):
+    """The worker was declared lost while a call to it waited."""
+
+
+async def _unless(call: "grpc.aio.UnaryUnaryCall[Any, Any]", lost: asyncio.Event) -> Any:
+    """``call``'s answer, unless ``lost`` is set first (then the call is cancelled: _Lost)."""
+    answer = asyncio.ensure_future(call)
+    signal = asyncio.ensure_future(lost.wait())
+    try:
+        await asyncio.wait((answer, signal), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        signal.cancel()
+    if not answer.done():
+        call.cancel()
+        answer.cancel()
+        raise _Lost
+    return answer.result()
 
 
 def generate_request(

@@ -11,10 +11,17 @@ When the stream breaks (the scheduler restarted, or a connection dropped), the c
 on it are sent again as unary ``Route`` calls within their own deadlines, and the next call
 opens a new stream; a scheduler without ``RouteStream`` (an older version during a rolling
 upgrade) is used through unary calls from then on.
+
+The scheduler also sends notices on the stream (``call_id`` 0, matched to no call): a
+``WorkersLost`` names the workers it dropped for missed heartbeats, handed to
+``on_workers_lost`` so the gateway moves what streams from them at once. Only a gateway with
+a stream open hears them (one that routed nothing yet has nothing on those workers).
 """
 
 import asyncio
 import itertools
+import logging
+from collections.abc import Callable
 
 import grpc
 
@@ -22,6 +29,8 @@ from services.gateway import metrics
 from services.gateway.call_stream import CallFailed, CallStream, StreamClient
 from shared.protos.baton.v1 import scheduler_pb2, scheduler_pb2_grpc
 from shared.rpc import auth, metadata
+
+logger = logging.getLogger(__name__)
 
 
 class RouteFailed(CallFailed):
@@ -36,12 +45,20 @@ MAX_FINISHED = 4096  # beyond this between two routes, the heartbeats catch up i
 
 
 _RouteStream = CallStream[scheduler_pb2.RouteCall, scheduler_pb2.RouteReply]
+WorkersLostHook = Callable[[list[scheduler_pb2.LostWorker]], None]
 
 
 class RouteClient(StreamClient[scheduler_pb2.RouteCall, scheduler_pb2.RouteReply]):
-    def __init__(self, stub: scheduler_pb2_grpc.GlobalSchedulerStub):
+    def __init__(
+        self,
+        stub: scheduler_pb2_grpc.GlobalSchedulerStub,
+        on_workers_lost: WorkersLostHook | None = None,
+    ):
         super().__init__("RouteStream", "the scheduler")
         self.stub = stub
+        # called (on the stream's reader: it must not block) with the workers the scheduler
+        # dropped for missed heartbeats
+        self.on_workers_lost = on_workers_lost
         self._ids = itertools.count(1)
         self._finished: list[str] = []  # told to the scheduler with the next call
 
@@ -107,9 +124,22 @@ class RouteClient(StreamClient[scheduler_pb2.RouteCall, scheduler_pb2.RouteReply
         return self.stub.RouteStream(metadata=auth())
 
     def _on_message(self, stream: _RouteStream, reply: scheduler_pb2.RouteReply) -> None:
+        if reply.HasField("lost"):  # a notice (call_id 0), on no call
+            self._workers_lost(list(reply.lost.workers))
+            return
         future = stream.pending.get(reply.call_id)
         if future is not None and not future.done():
             future.set_result(reply)
+
+    def _workers_lost(self, workers: list[scheduler_pb2.LostWorker]) -> None:
+        names = ", ".join(f"{w.worker_id} at {w.address} ({w.reason})" for w in workers)
+        logger.warning("the scheduler lost %s", names)
+        if self.on_workers_lost is None:
+            return
+        try:
+            self.on_workers_lost(workers)
+        except Exception:  # the stream carries every route call: it must stay open
+            logger.exception("on_workers_lost failed")
 
     def _end_pending(self, stream: _RouteStream) -> None:
         """Its waiting calls go unary."""

@@ -31,6 +31,30 @@ class InputLimits:
 
 
 @dataclass(frozen=True)
+class EdgeLimits:
+    """What one client may hold at the gateway's HTTP edge (enforced by http_edge.py and the
+    app's body read; each a ``baton gateway`` flag; docs/security.md, "Hostile clients")."""
+
+    # a request head (request line and headers) must be complete this long after the
+    # connection was accepted (a later request on it: after its first byte), else it is closed
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0  # a request body must be read within this: else a 408
+    # open connections at once; past it a new one is answered 503 and closed. Each holds a file
+    # descriptor and, streaming, up to a 64 KiB write buffer and its kernel socket buffers:
+    # 4096 of them stay well inside the chart's 4 GiB (http_edge.connection_cap fits it to
+    # the process's descriptor limit)
+    max_connections: int = 4096
+    # a response the client has not read from for this long (its write buffer full all that
+    # time) is abandoned, which aborts its request on the workers
+    stream_write_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+
+
+@dataclass(frozen=True)
 class GatewaySettings:
     scheduler_address: str
     models: dict[str, str] = field(hash=False)  # served model name → checkpoint dir or .gguf
@@ -43,10 +67,16 @@ class GatewaySettings:
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     max_body_bytes: int = 4 * 1024 * 1024
     request_timeout_s: float = 600.0  # no request runs longer than this
+    # a worker that sends a stream nothing for this long is treated as failed (the stream
+    # resumes elsewhere); the wait for a first token adds prefill_progress_s_per_token per
+    # prompt token the worker must compute (orchestrator.Progress)
+    progress_timeout_s: float = 10.0
+    prefill_progress_s_per_token: float = 0.001
     generate_stream: bool = True  # Generate over one long-lived stream per worker (else unary)
     log_level: str = "info"
     cpus: tuple[int, ...] = ()  # pin every thread here once serving (shared/affinity.py)
     limits: InputLimits = field(default_factory=InputLimits)  # counts per request (limits.py)
+    edge: EdgeLimits = field(default_factory=EdgeLimits)  # time and connection bounds per client
     # how tool_choice "auto" replies are read into tool calls (tool_parsers.PARSERS); None:
     # "auto" is refused, as vLLM without --tool-call-parser ("required" and a named function
     # need no parser)
@@ -60,3 +90,5 @@ class GatewaySettings:
             raise ValueError("the gateway needs at least one model (name → tokenizer dir)")
         if self.max_body_bytes <= 0 or self.request_timeout_s <= 0:
             raise ValueError("max_body_bytes and request_timeout_s must be > 0")
+        if self.progress_timeout_s <= 0 or self.prefill_progress_s_per_token < 0:
+            raise ValueError("progress_timeout_s must be > 0, prefill_progress_s_per_token >= 0")

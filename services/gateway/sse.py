@@ -10,7 +10,9 @@ time goes": the SSE response in the request's own task, 0.06 ms).
 Here the body streams in the task that already serves the request. One plain future waits for
 ``http.disconnect``; when the client leaves mid-stream, its callback cancels that task, which
 closes the line iterator where it waits (so the orchestrator aborts the request on its
-workers), as Starlette's cancel scope did.
+workers), as Starlette's cancel scope did. A client that stops reading is disconnected the
+same way, by the HTTP edge (http_edge.py) once its buffers stay full past
+``--stream-write-timeout``.
 """
 
 import asyncio

@@ -187,6 +187,13 @@ class Outcome:
     text: str = ""
     error: str = ""  # the error JSON's message (a non-200, or an error event in the stream)
     retry_after: str | None = None
+    max_gap: float = 0.0  # the longest wait for a chunk (the first: from the start)
+    last: float = 0.0  # when the last chunk (or the request) was sent
+
+    def chunk(self) -> None:
+        now = time.monotonic()
+        self.max_gap = max(self.max_gap, now - (self.last or self.start))
+        self.last = now
 
 
 class StreamLoad:
@@ -269,6 +276,7 @@ class StreamLoad:
                         out.error = event["error"]["message"]
                     else:
                         out.first = out.first or time.monotonic()
+                        out.chunk()
                         out.text += event["choices"][0]["text"]
         except (httpx.HTTPError, ValueError, KeyError) as e:
             out.error = f"{type(e).__name__}: {e}"

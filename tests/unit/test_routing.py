@@ -74,6 +74,22 @@ def test_filters_role_draining_capacity_and_exclusions() -> None:
     assert policy.pick(q, cands).worker.worker_id == "ok"
 
 
+def test_a_stalled_engine_gets_nothing_new() -> None:
+    """A worker whose engine has had work and finished no step for over ``max_stalled_s``
+    (a hung engine core: its service still answers heartbeats) is left out, even when it
+    holds the prompt's blocks; one stalled for less is not."""
+    hung, other = worker("hung"), worker("other", running=3)
+    hung.load.engine_stalled_s = 2.5
+    policy = RoutingPolicy()
+    assert policy.pick(Q, [Candidate(hung, 10), Candidate(other, 0)]).worker.worker_id == "other"
+    hung.load.engine_stalled_s = 1.0
+    assert policy.pick(Q, [Candidate(hung, 10), Candidate(other, 0)]).worker.worker_id == "hung"
+    strict = RoutingPolicy({"filters": ["role", {"name": "responsive", "max_stalled_s": 0.5}]})
+    assert strict.pick(Q, [Candidate(hung, 10), Candidate(other, 0)]).worker.worker_id == "other"
+    other.load.engine_stalled_s = 3.0  # every worker in a long step: slow, not lost
+    assert policy.pick(Q, [Candidate(hung, 10), Candidate(other, 0)]).worker.worker_id == "hung"
+
+
 def test_no_candidate_names_the_filter() -> None:
     policy = RoutingPolicy()
     with pytest.raises(NoWorkerError, match="'healthy'"):
@@ -94,7 +110,10 @@ def test_weights_are_data() -> None:
 @pytest.mark.parametrize(
     ("policy", "match"),
     [
-        ({"filters": ["nope"]}, "unknown filter 'nope'; known: capacity, healthy, role"),
+        (
+            {"filters": ["nope"]},
+            "unknown filter 'nope'; known: capacity, healthy, responsive, role",
+        ),
         ({"picker": "random"}, "known: max, round_robin"),
         ({"scorers": [{"name": "magic"}]}, "unknown scorer"),
         ({"picker": "random"}, "unknown picker"),
