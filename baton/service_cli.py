@@ -76,7 +76,7 @@ def shows_default(action: argparse.Action) -> bool:
 
 LIMIT_FIELDS = [f.name for f in dataclasses.fields(InputLimits)]  # each a --max-… flag
 PROGRESS_TIMEOUT_S = 10.0  # the gateway's progress bound (GatewaySettings.progress_timeout_s)
-PREFILL_PROGRESS_MS_PER_TOKEN = 1.0
+PREFILL_PROGRESS_MS_PER_TOKEN = 10.0
 
 
 def input_limits(args: argparse.Namespace) -> InputLimits:
@@ -554,8 +554,8 @@ def _gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-progress-ms-per-token", type=float,
                    default=PREFILL_PROGRESS_MS_PER_TOKEN,
                    help="milliseconds the wait for a stream's first token (and for a prefill "
-                   "leg's answer) adds per prompt token the worker must compute (1: a floor "
-                   "of 1,000 prefill tokens/s)")  # fmt: skip
+                   "leg's answer) adds per prompt token the worker must compute (10: a floor "
+                   "of 100 prefill tokens/s, a large model on CPU)")  # fmt: skip
     edge = EdgeLimits()
     for name, (flag, kind, text) in EDGE_FLAGS.items():
         p.add_argument(flag, dest=name, type=_positive(kind), default=getattr(edge, name),

@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from shared.protos.baton.v1 import scheduler_pb2, scheduler_pb2_grpc
+from shared.protos.baton.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from shared.rpc import auth
 from shared.text.tokenizer import TextTokenizer
 
@@ -27,6 +27,7 @@ class ModelLimits:
     vocab_size: int = 0  # the smallest its workers report (0: none reported)
     quantization: str = ""  # what its workers say they serve ("a, b" when they differ)
     kv_cache_dtype: str = ""
+    num_decode_workers: int = 0  # of role decode or both: where a decode leg can run
 
 
 class ModelCatalog:
@@ -115,7 +116,11 @@ class ModelCatalog:
                 vocab = min(vocabs, default=0)
                 quant = _joined(old.quantization if old else None, reg.quantization)
                 kv = _joined(old.kv_cache_dtype if old else None, reg.kv_cache_dtype)
-                limits[reg.model] = ModelLimits(max_len, reg.block_size, count, vocab, quant, kv)
+                decoders = (old.num_decode_workers if old else 0) + (
+                    reg.role != common_pb2.WORKER_ROLE_PREFILL
+                )
+                limits[reg.model] = ModelLimits(max_len, reg.block_size, count, vocab, quant, kv,
+                                                decoders)  # fmt: skip
             self._limits, self._fetched_at = limits, self.clock()
 
 

@@ -25,7 +25,7 @@ said the worker missed its heartbeats).
 
 import asyncio
 import math
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -57,6 +57,9 @@ class Progress:
 
     first_s: float
     next_s: float
+    # asked when the bound passes: True waits another bound instead of ending Stalled (there
+    # is no other worker to resume on: a long step, not a hang, is then the likelier cause)
+    keep_waiting: Callable[[], bool] = lambda: False
 
     def bound(self, loop: asyncio.AbstractEventLoop, started: bool) -> float:
         return loop.time() + (self.next_s if started else self.first_s)
@@ -120,6 +123,8 @@ class GenerateClient(StreamClient[worker_pb2.GenerateCall, worker_pb2.GenerateEv
                 except StopAsyncIteration:
                     return
                 except TimeoutError:
+                    if progress.keep_waiting():
+                        continue
                     raise Stalled(loop.time() - waited, not started) from None
                 started = True
                 yield response
@@ -148,6 +153,8 @@ class GenerateClient(StreamClient[worker_pb2.GenerateCall, worker_pb2.GenerateEv
                     async with asyncio.timeout_at(min(deadline, bound)):  # (no task per token)
                         event = await inbox.get()
                 except TimeoutError:
+                    if bound < deadline and progress.keep_waiting():
+                        continue
                     if bound < deadline:
                         raise Stalled(loop.time() - waited, not started) from None
                     raise GenerateFailed(

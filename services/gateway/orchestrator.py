@@ -22,8 +22,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import grpc
@@ -80,7 +81,7 @@ class Orchestrator:
         catalog: ModelCatalog,
         workers: WorkerChannels,
         progress_timeout_s: float = 10.0,
-        prefill_progress_s_per_token: float = 0.001,
+        prefill_progress_s_per_token: float = 0.01,
     ):
         self.routes = RouteClient(scheduler, self._lost)
         self.catalog = catalog
@@ -95,12 +96,21 @@ class Orchestrator:
         for w in workers:
             self.workers.lost(w.address, f"{w.worker_id}: {w.reason or 'missed heartbeats'}")
 
-    def _progress(self, uncached_tokens: int) -> Progress:
+    def _progress(
+        self, uncached_tokens: int, keep_waiting: Callable[[], bool] = lambda: False
+    ) -> Progress:
         """The progress bound of a leg whose worker must compute ``uncached_tokens`` before
         its first token."""
         per_token = self.prefill_progress_s_per_token
         return Progress(self.progress_timeout_s + max(uncached_tokens, 0) * per_token,
-                        self.progress_timeout_s)  # fmt: skip
+                        self.progress_timeout_s, keep_waiting)  # fmt: skip
+
+    def _nowhere_else(self, model: str, excluded: set[str]) -> bool:
+        """No other live worker could take a decode leg off the ``excluded`` ones: a silent
+        worker is then waited for (a long step is likelier than a hang, which its heartbeats
+        and its watchdog catch) rather than the request failed."""
+        known = self.catalog.known(model)
+        return known is None or known.num_decode_workers <= len(excluded)
 
     async def close(self) -> None:
         await self.routes.close()
@@ -218,7 +228,10 @@ class Orchestrator:
                 request,
                 timeout=max(job.deadline - time.monotonic(), 0.001),
                 trace_id=job.trace_id,
-                progress=self._progress(0 if handoff is not None else computed),
+                progress=self._progress(
+                    0 if handoff is not None else computed,
+                    partial(self._nowhere_else, job.model, {*failed, route.decode.worker_id}),
+                ),
             )
             try:
                 hop_trace.mark("gateway.generate_call")

@@ -71,7 +71,7 @@ class GatewaySettings:
     # resumes elsewhere); the wait for a first token adds prefill_progress_s_per_token per
     # prompt token the worker must compute (orchestrator.Progress)
     progress_timeout_s: float = 10.0
-    prefill_progress_s_per_token: float = 0.001
+    prefill_progress_s_per_token: float = 0.01
     generate_stream: bool = True  # Generate over one long-lived stream per worker (else unary)
     log_level: str = "info"
     cpus: tuple[int, ...] = ()  # pin every thread here once serving (shared/affinity.py)

@@ -71,7 +71,8 @@ def pd(tiny_model: Path, tmp_path: Path) -> Iterator["Cluster"]:
     policy.write_text(json.dumps({"decider": {"min_uncached_tokens": 32}}))
     with running_cluster(tiny_model, 0, "--prefill-workers", "1", "--decode-workers", "2",
                          "--routing-policy", str(policy),
-                         "--progress-timeout", str(PROGRESS_S)) as cluster:  # fmt: skip
+                         "--progress-timeout", str(PROGRESS_S),
+                         "--prefill-progress-ms-per-token", "1") as cluster:  # fmt: skip
         yield cluster
 
 

@@ -100,6 +100,26 @@ async def test_a_hung_worker_ends_the_request_stalled_within_the_bound(
         await client.close()
 
 
+async def test_with_nowhere_else_to_go_a_silent_worker_is_waited_for(tiny_model: Path) -> None:
+    """``keep_waiting`` (no other worker could take the request) turns the bound into a
+    look: the request waits on and gets its tokens once the worker answers."""
+    async with HangingWorker(tiny_model, 1) as w:
+        client = GenerateClient(w.stub)
+        looks: list[float] = []
+
+        def keep_waiting() -> bool:
+            looks.append(time.monotonic())
+            if len(looks) == 3:
+                w.release.set()  # the long step ends
+            return True
+
+        got = await drain(
+            client.generate(request("r"), 30.0, "t", Progress(0.2, 0.2, keep_waiting))
+        )
+        assert got == [0, 99] and len(looks) >= 3 and "r" in w.closed
+        await client.close()
+
+
 async def test_progress_does_not_cut_a_slow_but_moving_stream(tiny_model: Path) -> None:
     async with HangingWorker(tiny_model, 0) as w:
         w.release.set()
