@@ -98,7 +98,7 @@ bench-prefix: bench-model/config.json  ## routing policies on chats over documen
 	$(PREFIX) --think-ms 0 --burst 4 --name burst-4 # and each turn 4 requests at once
 
 bench-soak: $(TINY)/config.json  ## baton serve (P/D, Redis) under a mixed load for 30 minutes: leaks
-	$(PY) benchmarks/soak.py --model $(TINY) --duration-s 1800 --out bench-results/soak
+	$(PY) benchmarks/soak.py --model $(TINY) --duration-s 1800 --fill-caches --out bench-results/soak
 
 bench-structured: $(SMOLLM)  ## JSON-schema decoding: step time vs none, compile's first-token cost
 	$(PY) benchmarks/structured.py --quick --out bench-results/structured.json

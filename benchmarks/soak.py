@@ -13,14 +13,30 @@ load stops and the workers must hold no KV block within ``--idle-s``.
 Targets (issue 20): RSS growth < 5 % after warm-up (the first ``--warmup-frac`` of the run),
 file descriptors and tasks flat, KV blocks back to zero when idle, zero 5xx.
 
+For the gateway's memory (issue 50): ``--memory-s N`` records the gateway's memory by kind
+(RSS, malloc in use and free, pymalloc) every N seconds from inside it into ``OUT/memory``, and
+with ``--tracemalloc`` snapshots of its Python heap from the end of the warm-up
+(``benchmarks/gateway_memory.py`` says what grew); ``--malloc-arena-max N`` sets glibc's
+``MALLOC_ARENA_MAX`` in every service. Each prompt carries a number, so two caches in the
+gateway fill up over a long run: its tokenizer's (``tokenizers``' BPE model keeps up to 10,000
+distinct words, ~0.3 KiB each for these, in Rust memory) and pydantic-core's JSON string cache
+(16,384 strings shorter than 64 bytes, Python objects). ``--unique-numbers`` gives every
+request a number of its own (by default each client counts from 1, so the numbers repeat across
+clients); ``--fill-caches`` first sends two requests that fill both caches and are refused
+(``fill_caches``), so that a leak is not hidden behind them. Each sample also splits RSS into
+anonymous and file-backed memory.
+
     python benchmarks/soak.py --model tiny-model --duration-s 1800 \
         --out docs/results/cpu-2026-12-01b/soak
+    python benchmarks/soak.py --duration-s 1200 --clients 4 --memory-s 20 --fill-caches \
+        --out /tmp/soak && python benchmarks/gateway_memory.py /tmp/soak/memory
 """
 
 import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import shutil
 import socket
@@ -39,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from baton.launcher import Cluster, free_port
 from baton.serving import serving
+from benchmarks import gateway_memory
 
 MIX = [  # (kind, weight)
     ("stream", 40), ("long-stream", 20), ("abandon-after-first", 10),
@@ -105,8 +122,9 @@ class Sampler:
                 top = psutil.Process(p.pid)
                 for i, proc in enumerate([top, *top.children(recursive=True)]):
                     key = name if i == 0 else f"{name}/core"
-                    procs[key] = {"rss_mb": proc.memory_info().rss / 2**20,
-                                  "fds": proc.num_fds()}  # fmt: skip
+                    mem = proc.memory_info()
+                    procs[key] = {"rss_mb": mem.rss / 2**20, "fds": proc.num_fds(),
+                                  "anon_mb": (mem.rss - mem.shared) / 2**20}  # fmt: skip
         tasks, kv = {}, {}
         for name, url in self._metrics_urls().items():
             try:
@@ -128,10 +146,11 @@ class Sampler:
 
 async def client(
     http: httpx.AsyncClient, url: str, model: str, rng: random.Random, long_text: str,
-    stop_at: float, think_s: float, counts: dict[str, dict[str, int]],
+    stop_at: float, think_s: float, counts: dict[str, dict[str, int]], first: int = 0,
 ) -> None:  # fmt: skip
+    """Requests one after another; the i-th one's prompt carries the number ``first + i``."""
     kinds, weights = zip(*MIX, strict=True)
-    i = 0
+    i = first
     while time.monotonic() < stop_at:
         kind = rng.choices(kinds, weights)[0]
         i += 1
@@ -191,10 +210,22 @@ async def drive(
     async with httpx.AsyncClient(timeout=120, limits=limits) as http:
         await asyncio.gather(*(
             client(http, url, model, random.Random(args.seed + c), long_text, stop_at,
-                   args.think_ms / 1000, counts)
+                   args.think_ms / 1000, counts, c * 10**6 if args.unique_numbers else 0)
             for c in range(args.clients)
         ))  # fmt: skip
     return counts
+
+
+def fill_caches(url: str, model: str) -> list[int]:
+    """The gateway's two caches of distinct strings filled, by two requests it refuses (the
+    statuses): a prompt of the numbers 0-9899, each a word of its own as in the soak's prompts
+    (tokenized, then too long), and 20,000 distinct short strings as ``logit_bias`` keys
+    (parsed, then not token ids)."""
+    numbers = {"model": model, "prompt": " ".join(str(n) for n in range(9900)), "max_tokens": 1}
+    keys = {f"soak request {n}: tell me": 0 for n in range(10**7, 10**7 + 20_000)}
+    strings = {"model": model, "prompt": "x", "logit_bias": keys}
+    return [httpx.post(f"{url}/completions", json=body, timeout=60).status_code
+            for body in (numbers, strings)]  # fmt: skip
 
 
 def summarize(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, Any]:
@@ -242,6 +273,22 @@ def plot(samples: list[dict[str, Any]], path: Path, warmup_s: float) -> None:
     fig.savefig(path, dpi=110)
 
 
+def instrument(args: argparse.Namespace, out: Path) -> None:
+    """The environment ``baton serve``'s children inherit, for the memory options."""
+    if args.malloc_arena_max:
+        os.environ["MALLOC_ARENA_MAX"] = str(args.malloc_arena_max)
+    if args.memory_s:
+        hook = gateway_memory.hook_dir(Path(tempfile.mkdtemp(prefix="baton-soak-hook-")))
+        root = str(Path(__file__).resolve().parent.parent)
+        paths = [str(hook), root, os.environ.get("PYTHONPATH", "")]
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+        os.environ[gateway_memory.DIR_ENV] = str((out / "memory").resolve())
+        os.environ[gateway_memory.EVERY_ENV] = str(args.memory_s)
+        if args.tracemalloc:
+            warmup_s = args.duration_s * args.warmup_frac
+            os.environ[gateway_memory.TRACE_AFTER_ENV] = str(warmup_s)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="tiny-model")
@@ -253,9 +300,37 @@ def main() -> None:
     p.add_argument("--idle-s", type=float, default=30)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="a directory for soak.json and soak.png")
+    p.add_argument(
+        "--memory-s",
+        type=float,
+        default=0,
+        help="record the gateway's memory this often into OUT/memory (0: off)",
+    )
+    p.add_argument(
+        "--tracemalloc",
+        action="store_true",
+        help="with --memory-s: tracemalloc snapshots from the end of the warm-up",
+    )
+    p.add_argument(
+        "--unique-numbers",
+        action="store_true",
+        help="no two requests' prompts carry the same number (default: per client)",
+    )
+    p.add_argument(
+        "--fill-caches",
+        action="store_true",
+        help="fill the gateway's caches of distinct strings before the load",
+    )
+    p.add_argument(
+        "--malloc-arena-max",
+        type=int,
+        default=0,
+        help="MALLOC_ARENA_MAX for every service (0: glibc's default)",
+    )
     args = p.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="baton-soak-"))
     out.mkdir(parents=True, exist_ok=True)
+    instrument(args, out)
     redis, redis_url = start_redis()
     policy = out / "policy.json"
     policy.write_text(json.dumps({"decider": {"min_uncached_tokens": 32}}))
@@ -266,6 +341,8 @@ def main() -> None:
     long_text = " ".join(f"word{i}" for i in range(120))  # ~500 tokens: disaggregated
     try:
         with serving(*flags) as cluster, Sampler(cluster, args.sample_s) as sampler:
+            if args.fill_caches:
+                print("caches filled:", fill_caches(cluster.url or "", cluster.model_name))
             counts = asyncio.run(drive(cluster.url or "", cluster.model_name, args, long_text))
             loaded_s = time.monotonic() - sampler.start
             deadline = time.monotonic() + args.idle_s
