@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
+import psutil
 import pytest
 
 from tests.e2e.conftest import (
@@ -77,10 +78,12 @@ def _starting(cluster) -> set[str]:  # type: ignore[no-untyped-def]
 def test_client_leaving_before_its_first_chunk_aborts_the_prefill(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    """The prefill worker is held (SIGSTOP) so the prefill leg cannot answer; the client leaves.
-    The gateway gives up on the request while the worker is still held (it no longer waits for
-    a first chunk nobody will read), and once the worker runs again it ends the request: no
-    request left running, no lease held, and the decode worker never got it."""
+    """The prefill worker's engine core is held (SIGSTOP) so the prefill leg cannot answer,
+    while the worker itself answers heartbeats (so nobody declares it lost, and the leg waits
+    on its progress bound, longer than this client); the client leaves. The gateway gives up on
+    the request while the core is still held (it no longer waits for a first chunk nobody will
+    read), and once the core runs again the worker ends the request: no request left running,
+    no lease held, and the decode worker never got it."""
     import json
 
     policy = tmp_path / "policy.json"
@@ -92,7 +95,7 @@ def test_client_leaving_before_its_first_chunk_aborts_the_prefill(
                 "max_tokens": 400, "ignore_eos": True, "stream": True}  # fmt: skip
         warm = {**body, "prompt": long_prompt(tiny_model, 300, "warm"), "max_tokens": 2}
         assert httpx.post(f"{cluster.url}/completions", json=warm, timeout=30).status_code == 200
-        prefill = cluster.procs["prefill-0"]
+        (prefill,) = psutil.Process(cluster.procs["prefill-0"].pid).children(recursive=True)
         received = worker_health(cluster, "decode-0")
         prefill.send_signal(signal.SIGSTOP)
         try:

@@ -156,7 +156,7 @@ def test_a_stopped_prefill_worker_costs_seconds(
     worker = psutil.Process(pd.procs["prefill-0"].pid)
     routed = disaggregated_routes(pd)
     under_load(pd, fresh, refs, lambda: held([worker, engine_core(pd, "prefill-0")], HELD_S))
-    assert disaggregated_routes(pd) - routed >= 32  # the prompts did go to the prefill worker
+    assert disaggregated_routes(pd) - routed >= 16  # the prompts did go to the prefill worker
 
 
 def test_a_stopped_scheduler_leaves_streams_running(
