@@ -23,7 +23,7 @@ from services.worker.engine.async_llm import AsyncLLM
 from services.worker.heartbeat import Heartbeat
 from services.worker.schedulers import SchedulerSet
 from services.worker.servicer import ROLES, WorkerServicer
-from services.worker.settings import SchedulerDns, WorkerSettings, new_incarnation
+from services.worker.settings import WorkerSettings, new_incarnation
 from services.worker.watchdog import END_REQUESTS_S, Activity, Reincarnation, Trip, Watchdog
 from shared import rpc
 from shared.affinity import pin_threads
@@ -80,12 +80,10 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> int
             return convert.load(stats, servicer.in_flight, servicer.draining, tokens_per_s,
                                 servicer.num_received, stalled)  # fmt: skip
 
-        dns = SchedulerDns.parse(settings.scheduler_addresses)
-
-        def heartbeat(replica: str) -> Heartbeat:
+        def heartbeat(replica: str, tls_name: str | None) -> Heartbeat:
             beat = Heartbeat(replica, incarnations.registration, engine, load,
                              settings.heartbeat_interval_s, servicer.set_kv_peers,
-                             dns.name if dns else None)  # fmt: skip
+                             tls_name)  # fmt: skip
             beat.on_dropped = incarnations.dropped
             return beat
 

@@ -53,17 +53,20 @@ class SchedulerSet:
     """The heartbeats, one per replica address; iterating yields the current ones (callers
     iterate anew each time: the set changes while a DNS name is followed).
 
-    ``new_heartbeat`` makes the heartbeat for an address; its ``run`` is spawned in ``owner``,
-    which cancels it at the worker's stop. The event loop's only, but for ``registration``,
-    which the probe server's thread calls too (it reads one snapshot of the set)."""
+    ``new_heartbeat(address, tls_name)`` makes the heartbeat for an address (``tls_name``: the
+    DNS name followed, which the replica's certificate names; None for a fixed list); its ``run``
+    is spawned in ``owner``, which cancels it at the worker's stop. The event loop's only, but
+    for ``registration``, which the probe server's thread calls too (it reads one snapshot of
+    the set)."""
 
     def __init__(
         self,
-        new_heartbeat: Callable[[str], Heartbeat],
+        new_heartbeat: Callable[[str, str | None], Heartbeat],
         owner: TaskOwner,
         resolve: Resolve = resolve_dns,
     ):
         self._new_heartbeat = new_heartbeat
+        self._tls_name: str | None = None  # the DNS name followed: what TLS checks (start)
         self._owner = owner
         self._resolve = resolve
         self._beats: dict[str, Heartbeat] = {}  # address → its heartbeat
@@ -85,6 +88,7 @@ class SchedulerSet:
         the owner's)."""
         self._configured = bool(addresses)
         dns = SchedulerDns.parse(addresses)
+        self._tls_name = dns.name if dns else None
         if dns is None:
             self.update(addresses)
             return
@@ -101,7 +105,7 @@ class SchedulerSet:
             self._retire(self._beats.pop(address), self._tasks.pop(address))
         for address in wanted:
             if address not in self._beats:
-                beat = self._beats[address] = self._new_heartbeat(address)
+                beat = self._beats[address] = self._new_heartbeat(address, self._tls_name)
                 self._tasks[address] = self._owner.spawn(beat.run(), f"heartbeat-{address}")
 
     async def refresh(self, dns: SchedulerDns) -> None:

@@ -92,7 +92,7 @@ class World:
     def __post_init__(self) -> None:
         self.schedulers = SchedulerSet(self._beat, self.owner, self.resolver)
 
-    def _beat(self, address: str) -> Beat:
+    def _beat(self, address: str, tls_name: str | None = None) -> Beat:
         beat = self.beats[address] = Beat(address, self.peers)
         return beat
 
