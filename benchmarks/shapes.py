@@ -25,6 +25,34 @@ SHAPES = {
         "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
         "rope_theta": 1000000.0, "torch_dtype": "bfloat16", "eos_token_id": 0,
     },
+    # 128 experts, 8 active: 30.5 B parameters, 3.3 B of them multiply a token
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "rope_theta": 1000000.0, "torch_dtype": "bfloat16", "eos_token_id": 0,
+    },
+    # MLA (a 512-wide latent + a 64-wide rotary key per token and layer), 64 routed experts
+    # (6 active) and 2 shared, the first layer dense: 15.7 B parameters
+    "deepseek-v2-lite": {
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+        "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
+        "moe_intermediate_size": 1408, "n_routed_experts": 64, "n_shared_experts": 2,
+        "num_experts_per_tok": 6, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+        "topk_method": "greedy", "n_group": 1, "topk_group": 1, "norm_topk_prob": False,
+        "routed_scaling_factor": 1.0, "scoring_func": "softmax", "num_hidden_layers": 27,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "kv_lora_rank": 512,
+        "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
+                         "mscale_all_dim": 0.707},
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "eos_token_id": 0,
+    },
 }  # fmt: skip
 
 

@@ -21,6 +21,62 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    # YaRN (rope_type "yarn": DeepSeek-V2/V3): the ramp between interpolated and extrapolated
+    # frequencies, and the attention scale's correction (``mscale``, ``mscale_all_dim``)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts decoder's feed-forward layers (Qwen3-MoE, Mixtral, DeepSeek-V2/V3).
+
+    Routing: ``scoring`` (softmax | sigmoid) of the router's logits, plus a learned per-expert
+    ``correction_bias`` for the choice only (DeepSeek-V3's ``noaux_tc``); the experts split in
+    ``num_groups`` groups of which the best ``topk_groups`` are eligible (group-limited top-k;
+    a group's score is its best expert's, or with a correction bias the sum of its best two);
+    the top ``top_k`` eligible experts are taken, their weights (the scores, without bias)
+    renormalized to sum 1 when ``norm_topk_prob``, then multiplied by
+    ``routed_scaling_factor``."""
+
+    num_experts: int  # routed experts
+    top_k: int
+    intermediate_size: int  # one expert's (moe_intermediate_size)
+    scoring: str = "softmax"  # softmax | sigmoid
+    norm_topk_prob: bool = True
+    num_groups: int = 1
+    topk_groups: int = 1
+    correction_bias: bool = False  # e_score_correction_bias (DeepSeek-V3)
+    routed_scaling_factor: float = 1.0
+    # shared experts beside the routed ones, as one dense MLP of this intermediate size
+    # (DeepSeek: n_shared_experts × moe_intermediate_size); 0: none
+    shared_intermediate_size: int = 0
+    # which decoder layers are MoE (the others are dense MLPs of ``ArchConfig.intermediate_size``)
+    sparse_layers: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): the cache holds one latent vector of
+    ``kv_lora_rank`` plus the shared rotary key of ``qk_rope_head_dim`` per token and layer."""
+
+    kv_lora_rank: int
+    q_lora_rank: int | None  # None: q is one projection (DeepSeek-V2-Lite)
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # the rotary pairs are adjacent (DeepSeek's checkpoints)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_dim(self) -> int:
+        """One token's cache entry per layer: the latent and the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -46,6 +102,16 @@ class ArchConfig:
     sliding_window: int | None
     eos_token_ids: tuple[int, ...] = field(default=())
     bos_token_id: int | None = None
+    moe: MoEConfig | None = None  # a mixture-of-experts decoder's
+    mla: MLAConfig | None = None  # multi-head latent attention's (then the KV cache is latent)
+
+    def kv_cache_entry(self) -> tuple[int, int, int]:
+        """(parts, heads, dim) of one token's KV cache entry per layer over all ranks: K and V
+        of every KV head (2, num_kv_heads, head_dim), or MLA's one latent vector (1, 1,
+        kv_lora_rank + qk_rope_head_dim), which every tensor-parallel rank holds whole."""
+        if self.mla is not None:
+            return 1, 1, self.mla.cache_dim
+        return 2, self.num_kv_heads, self.head_dim
 
 
 def _rope(cfg: dict[str, Any]) -> RopeConfig:
@@ -60,6 +126,10 @@ def _rope(cfg: dict[str, Any]) -> RopeConfig:
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(orig) if orig is not None else None,
+        beta_fast=float(params.get("beta_fast", 32.0)),
+        beta_slow=float(params.get("beta_slow", 1.0)),
+        mscale=float(params.get("mscale", 1.0)),
+        mscale_all_dim=float(params.get("mscale_all_dim", 0.0)),
     )
 
 
@@ -77,6 +147,60 @@ def _sliding_window(cfg: dict[str, Any]) -> int | None:
     if window is None or cfg.get("use_sliding_window") is False:
         return None
     return int(window)
+
+
+def _moe(cfg: dict[str, Any], num_layers: int) -> MoEConfig | None:
+    """The MoE fields of a Qwen3-MoE, Mixtral or DeepSeek-V2/V3 config; None for a dense one."""
+    experts = cfg.get("num_experts", cfg.get("num_local_experts", cfg.get("n_routed_experts")))
+    if not experts:
+        return None
+    model_type = str(cfg.get("model_type", ""))
+    top_k = int(cfg["num_experts_per_tok"])
+    if model_type.startswith("deepseek"):
+        first_dense = int(cfg.get("first_k_dense_replace") or 0)
+        freq = int(cfg.get("moe_layer_freq") or 1)
+        sparse = tuple(i for i in range(first_dense, num_layers) if i % freq == 0)
+        method = cfg.get("topk_method") or ("noaux_tc" if model_type == "deepseek_v3" else "greedy")
+        if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+            raise ValueError(f"unsupported DeepSeek topk_method {method!r}")
+        grouped = method != "greedy"
+        inter = int(cfg["moe_intermediate_size"])
+        scoring = cfg.get("scoring_func") or ("sigmoid" if method == "noaux_tc" else "softmax")
+        return MoEConfig(
+            num_experts=int(experts), top_k=top_k, intermediate_size=inter,
+            scoring=str(scoring), norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            num_groups=int(cfg.get("n_group") or 1) if grouped else 1,
+            topk_groups=int(cfg.get("topk_group") or 1) if grouped else 1,
+            correction_bias=method == "noaux_tc",
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+            shared_intermediate_size=inter * int(cfg.get("n_shared_experts") or 0),
+            sparse_layers=sparse,
+        )  # fmt: skip
+    if model_type == "mixtral":
+        return MoEConfig(int(experts), top_k, int(cfg["intermediate_size"]),
+                         sparse_layers=tuple(range(num_layers)))  # fmt: skip
+    if model_type == "qwen3_moe":
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        dense = set(cfg.get("mlp_only_layers") or [])
+        sparse = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+        return MoEConfig(int(experts), top_k, int(cfg["moe_intermediate_size"]),
+                         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                         sparse_layers=sparse)  # fmt: skip
+    raise ValueError(f"unsupported mixture-of-experts model_type {model_type!r}")
+
+
+def _mla(cfg: dict[str, Any]) -> MLAConfig | None:
+    if cfg.get("kv_lora_rank") is None:
+        return None
+    q_lora = cfg.get("q_lora_rank")
+    return MLAConfig(
+        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        q_lora_rank=int(q_lora) if q_lora else None,
+        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+        v_head_dim=int(cfg["v_head_dim"]),
+        rope_interleave=bool(cfg.get("rope_interleave", True)),
+    )
 
 
 def load_hf_config(model: str | Path) -> dict[str, Any]:
@@ -136,4 +260,6 @@ def load_arch_config(model_dir: str | Path, cfg: dict[str, Any] | None = None) -
         sliding_window=_sliding_window(cfg),
         eos_token_ids=tuple(eos),
         bos_token_id=cfg.get("bos_token_id"),
+        moe=_moe(cfg, int(cfg["num_hidden_layers"])),
+        mla=_mla(cfg),
     )

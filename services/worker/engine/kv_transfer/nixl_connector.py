@@ -398,8 +398,9 @@ class NixlConnector(KVConnector):
         info = msgspec.msgpack.decode(answer.info, type=PeerInfo)
         if info.compat_hash != self.compat_hash:
             raise IncompatiblePeer(
-                f"peer {engine_id} is incompatible (model, KV cache dtype, block size or "
-                f"layout differ: {info.compat_hash} vs {self.compat_hash})"
+                f"peer {engine_id}'s KV cache is not this engine's (model, dtype, block size, "
+                f"layout or FP8 scales differ): theirs {info.compat_hash[:200]!r}, ours "
+                f"{self.compat_hash!r}"
             )
         _check_rank(channel, info, index, count)
         name = self.agent.add_remote_agent(info.agent_metadata)

@@ -115,9 +115,10 @@ class ModelRunner:
         arch = config.model.arch
         self.tp = get_tp_group()  # this rank's group (a world of one without tensor parallelism)
         fp8_kv = config.cache.kv_cache_dtype == "fp8"  # e4m3 with unit scales
+        parts, heads, dim = arch.kv_cache_entry()
         self.layout = KVCacheLayout(
-            arch.num_layers, kv_heads_per_rank(arch.num_kv_heads, self.tp.world_size),
-            arch.head_dim, self.block_size, torch.float8_e4m3fn if fp8_kv else self.dtype,
+            arch.num_layers, kv_heads_per_rank(heads, self.tp.world_size), dim,
+            self.block_size, torch.float8_e4m3fn if fp8_kv else self.dtype, parts,
         )  # fmt: skip
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()

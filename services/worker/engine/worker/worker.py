@@ -85,13 +85,13 @@ class Worker:
             model, arch = self.config.model, self.config.model.arch
             kv_dtype = str(self.runner.kv_cache.dtype).removeprefix("torch.")
             fp8_kv = self.runner.kv_cache.dtype == torch.float8_e4m3fn  # (its scales matter)
+            parts, heads, dim = arch.kv_cache_entry()
             compat = compat_hash(
                 model.served_model_name, kv_dtype, self.config.cache.block_size,
-                arch.num_layers, arch.num_kv_heads, arch.head_dim,
-                self.runner.kv_scales() if fp8_kv else (),
+                arch.num_layers, heads, dim, self.runner.kv_scales() if fp8_kv else (), parts,
             )  # fmt: skip
             tp = self.runner.tp
-            placement = RankPlacement(tp.rank, tp.world_size, arch.num_kv_heads)
+            placement = RankPlacement(tp.rank, tp.world_size, heads)
             self.connector = make_connector(
                 transfer.connector, transfer.engine_id, self.runner.kv_cache, compat,
                 transfer.side_channel_host, placement,

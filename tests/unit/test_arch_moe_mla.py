@@ -1,0 +1,107 @@
+"""Mixture-of-experts and MLA configs read from the real models' config.json (the benchmark
+shapes hold them), the KV cache entry each gives, and the layout and compatibility string that
+follow from it."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.shapes import SHAPES
+from services.worker.engine.kv_cache.layout import KVCacheLayout, layer_views
+from services.worker.engine.kv_transfer.connector import compat_hash
+from services.worker.engine.model_config import ArchConfig, load_arch_config
+
+
+def _arch(tmp_path: Path, cfg: dict) -> ArchConfig:
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return load_arch_config(tmp_path)
+
+
+def test_qwen3_moe_shape(tmp_path: Path) -> None:
+    arch = _arch(tmp_path, SHAPES["qwen3-30b-a3b"])
+    assert arch.mla is None and arch.moe is not None
+    moe = arch.moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size) == (128, 8, 768)
+    assert moe.scoring == "softmax" and moe.norm_topk_prob and not moe.correction_bias
+    assert moe.shared_intermediate_size == 0 and moe.sparse_layers == tuple(range(48))
+    assert arch.kv_cache_entry() == (2, 4, 128)
+
+
+def test_qwen3_moe_dense_layers_and_sparse_step(tmp_path: Path) -> None:
+    cfg = dict(SHAPES["qwen3-30b-a3b"], num_hidden_layers=6, decoder_sparse_step=2,
+               mlp_only_layers=[3])  # fmt: skip
+    moe = _arch(tmp_path, cfg).moe
+    assert moe is not None and moe.sparse_layers == (1, 5)  # (i + 1) % 2 == 0, not 3
+
+
+def test_deepseek_v2_lite_shape(tmp_path: Path) -> None:
+    arch = _arch(tmp_path, SHAPES["deepseek-v2-lite"])
+    assert arch.moe is not None and arch.mla is not None
+    moe, mla = arch.moe, arch.mla
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size) == (64, 6, 1408)
+    assert moe.shared_intermediate_size == 2 * 1408
+    assert moe.sparse_layers == tuple(range(1, 27))  # the first layer dense
+    assert moe.num_groups == 1 and moe.scoring == "softmax" and not moe.norm_topk_prob
+    assert mla.q_lora_rank is None and mla.cache_dim == 576 and mla.qk_head_dim == 192
+    assert arch.kv_cache_entry() == (1, 1, 576)
+    assert arch.rope.rope_type == "yarn" and arch.rope.factor == 40
+    assert arch.rope.mscale_all_dim == pytest.approx(0.707)
+
+
+def test_deepseek_v3_routing(tmp_path: Path) -> None:
+    cfg = dict(SHAPES["deepseek-v2-lite"], model_type="deepseek_v3",
+               architectures=["DeepseekV3ForCausalLM"], n_routed_experts=256, n_shared_experts=1,
+               num_experts_per_tok=8, n_group=8, topk_group=4, first_k_dense_replace=3,
+               routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=1536,
+               topk_method="noaux_tc", num_hidden_layers=61)  # fmt: skip
+    del cfg["scoring_func"]
+    arch = _arch(tmp_path, cfg)
+    moe = arch.moe
+    assert moe is not None and arch.mla is not None and arch.mla.q_lora_rank == 1536
+    assert moe.scoring == "sigmoid" and moe.correction_bias
+    assert (moe.num_groups, moe.topk_groups, moe.routed_scaling_factor) == (8, 4, 2.5)
+    assert moe.sparse_layers[0] == 3 and len(moe.sparse_layers) == 58
+
+
+def test_mixtral_every_layer_sparse(tmp_path: Path) -> None:
+    cfg = dict(SHAPES["llama-3.1-8b"], architectures=["MixtralForCausalLM"],
+               model_type="mixtral", num_local_experts=8, num_experts_per_tok=2)  # fmt: skip
+    moe = _arch(tmp_path, cfg).moe
+    assert moe is not None and (moe.num_experts, moe.top_k, moe.intermediate_size) == (8, 2, 14336)
+    assert moe.sparse_layers == tuple(range(32)) and moe.norm_topk_prob
+
+
+def test_unknown_deepseek_topk_method_is_refused(tmp_path: Path) -> None:
+    cfg = dict(SHAPES["deepseek-v2-lite"], topk_method="random")
+    with pytest.raises(ValueError, match="topk_method"):
+        _arch(tmp_path, cfg)
+
+
+def test_dense_models_have_neither(tmp_path: Path) -> None:
+    arch = _arch(tmp_path, SHAPES["llama-3.1-8b"])
+    assert arch.moe is None and arch.mla is None and arch.kv_cache_entry() == (2, 8, 128)
+
+
+def test_latent_layout_is_one_part_and_both_views_are_the_latent() -> None:
+    dense = KVCacheLayout(27, 16, 128, 16, torch.bfloat16)
+    latent = KVCacheLayout(27, 1, 576, 16, torch.bfloat16, parts=1)
+    assert latent.shape(3) == (3, 27, 1, 16, 1, 576)
+    # DeepSeek-V2-Lite's cache: 576 values a token and layer against 2 × 16 × 128 dense
+    assert latent.bytes_per_block * 4096 // 576 == dense.bytes_per_block
+    kv = latent.allocate(3, "cpu")
+    view = layer_views(kv, 5)
+    view.key[1, 2, 0, 7] = 3.0
+    assert view.value[1, 2, 0, 7] == 3.0 and kv[1, 5, 0, 2, 0, 7] == 3.0
+    dense_views = layer_views(dense.allocate(2, "cpu"), 0)
+    assert dense_views.key.data_ptr() != dense_views.value.data_ptr()
+
+
+def test_compat_string_names_the_layout() -> None:
+    mla = compat_hash("m", "bfloat16", 16, 27, 1, 576, (), parts=1)
+    dense = compat_hash("m", "bfloat16", 16, 27, 16, 128)
+    assert mla != dense
+    assert mla.startswith("latent 1x576, bfloat16, 27 layers, blocks of 16 #")
+    assert dense.startswith("K|V 16x128")
+    assert compat_hash("m", "bfloat16", 16, 27, 1, 576, (), parts=1) == mla
