@@ -8,6 +8,11 @@
     fp8_linear.py      FP8 linear products: GEMV for one token, tensor cores (cuBLASLt or our
                        GEMM) for more rows, the row quantization
     fp8_block.py       the same for 128×128 block checkpoints (cuBLASLt's block scaling)
+    fused_moe.py       mixture of experts: tokens sorted by expert, gate/up with SiLU·mul and
+                       down over each expert's tokens, combined with the routing weights (bf16,
+                       FP8 per channel or 128×128 blocks)
+    mla_decode.py      multi-head latent attention's decode over the paged latent cache, the
+                       key and value up-projections absorbed (split over the context)
     gumbel.py          sampling: the Gumbel-max race and greedy argmax in slices
     dependent_launch.py  programmatic dependent launch, for every kernel above at one token
     tuned_configs.py, gemv_configs.py, configs/<table>/<GPU>.json   the measured launch tables
