@@ -53,6 +53,11 @@ def _make_tiny_model(args: argparse.Namespace) -> None:
     print(f"wrote a tiny {args.arch}{fp8} checkpoint to {path}")
 
 
+# ``baton make-tiny-model --arch``: the architectures of baton/tiny_model.py's ARCHS (a test
+# keeps the two lists equal; the CLI does not import transformers to print its help)
+TINY_ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
+              "deepseek_v2", "deepseek_v3"]  # fmt: skip
+
 DEMO_PROMPTS = ["The quick brown fox", "Return a new list containing", "This module provides"]
 DEMO_CHAT = "What does the json module do?"
 
@@ -109,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("dir", help="the directory to write (its name is the served model name)")
     p.add_argument(
-        "--arch", default="llama", choices=["llama", "llama3", "mistral", "qwen2", "qwen3"],
+        "--arch", default="llama", choices=TINY_ARCHS,
         help="the architecture (and tokenizer) of the model",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="the random weights' seed")

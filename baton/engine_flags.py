@@ -22,9 +22,9 @@ ENGINE_FLAGS = (
     "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization", "max_num_seqs",
     "max_num_batched_tokens", "attention_backend", "device", "enable_prefix_caching",
     "enforce_eager", "async_scheduling", "kv_lease_seconds", "kv_recompute_on_failure",
-    "tensor_parallel_size", "distributed_executor_backend", "quantization", "kv_cache_dtype",
-    "fp8_fast_accumulation", "piecewise_cuda_graph_tokens", "grammar_compile_threads",
-    "grammar_compile_timeout_s", "grammar_max_whitespace",
+    "tensor_parallel_size", "distributed_executor_backend", "enable_expert_parallel",
+    "quantization", "kv_cache_dtype", "fp8_fast_accumulation", "piecewise_cuda_graph_tokens",
+    "grammar_compile_threads", "grammar_compile_timeout_s", "grammar_max_whitespace",
 )  # fmt: skip
 ENGINE_HELP = {
     "served_model_name": "the model's name in the API: the model field of requests, "
@@ -76,6 +76,8 @@ ENGINE_HELP = {
     "checkpoint is read as it is, without this flag)",
     "tensor_parallel_size": "split the model over N ranks (GPUs), one process each "
     "(baton serve gives each worker N GPUs)",
+    "enable_expert_parallel": "mixture-of-experts models: each of the --tensor-parallel-size "
+    "ranks holds a 1/N share of the experts, whole, instead of a 1/N slice of every expert",
     "grammar_compile_threads": "threads compiling the grammars of structured outputs (JSON "
     "schemas, regexes, tools)",
     "grammar_compile_timeout_s": "seconds a request may wait for its grammar to compile "

@@ -16,15 +16,26 @@ e4m3's range instead of its subnormals.
 The float model's weights get a heavier tail first (a few output channels ×6): with uniform
 weights every scale layout would quantize alike, and a wrong layout would pass unnoticed. That
 float model is kept beside it, in ``DIR/unquantized``, to compare FP8 against.
+
+Mixture-of-experts models (Qwen3-MoE, Mixtral) quantize every expert's projections as their
+own tensors (``experts.<e>.gate_proj``, ``w1``, ...: the names real checkpoints have, which
+``save_pretrained`` writes too); the router stays float (compressed-tensors lists it in
+``ignore``). Their activations are dynamic (fp8-channel, fp8-block).
 """
 
 import contextlib
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 FORMATS = ("fp8-tensor", "fp8-channel", "fp8-block")
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the checkpoint's quantized tensors: the linear layers', and each expert's (Mixtral's w1 gate,
+# w3 up, w2 down)
+_QUANTIZED = (*LINEARS, "w1", "w2", "w3")
+# one expert's weight in a checkpoint → (layer prefix, expert, projection)
+_EXPERT = re.compile(r"^(.+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
 BLOCK = 128
 _SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # one fused matmul
 _CALIBRATION = "The quick brown fox jumps over the lazy dog. import os, sys; return a sorted list."
@@ -32,6 +43,12 @@ _CALIBRATION = "The quick brown fox jumps over the lazy dog. import os, sys; ret
 
 def _linears(model: Any) -> dict[str, Any]:
     return {n: m for n, m in model.named_modules() if n.rpartition(".")[2] in LINEARS}
+
+
+def _experts(model: Any) -> dict[str, Any]:
+    """A ``transformers`` MoE model's expert modules (each layer's experts as two 3-D
+    parameters, ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I])."""
+    return {n: m for n, m in model.named_modules() if n.endswith(".experts")}
 
 
 @contextlib.contextmanager
@@ -112,7 +129,7 @@ def quantize_checkpoint(
     import json
 
     import torch
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
 
     from services.worker.engine.quantization.fp8_math import FP8, FP8_MAX, quantize_blocks
 
@@ -121,12 +138,20 @@ def quantize_checkpoint(
     if kv_scales and fmt == "fp8-block":
         raise ValueError("KV cache scales are written for the compressed-tensors formats "
                          "(fp8-tensor, fp8-channel)")  # fmt: skip
+    experts = _experts(model)
+    if experts and fmt == "fp8-tensor":
+        raise ValueError("MoE checkpoints are written with dynamic activations (fp8-channel, "
+                         "fp8-block)")  # fmt: skip
     gen = torch.Generator().manual_seed(seed + 1)
     linears = _linears(model)
     with torch.no_grad():
         for lin in linears.values():  # outlier channels
             rows = torch.randperm(lin.weight.shape[0], generator=gen)[:2]
             lin.weight[rows] *= 6.0
+        for module in experts.values():  # each expert's too
+            for w in (module.gate_up_proj, module.down_proj):
+                for e in range(w.shape[0]):
+                    w[e, torch.randperm(w.shape[1], generator=gen)[:2]] *= 6.0
     amax: dict[str, float] = {}
     if fmt == "fp8-tensor":  # calibrate static activation scales on a text
         hooks = [
@@ -144,11 +169,14 @@ def quantize_checkpoint(
     kv_amax = _kv_amax(model, tokenizer) if kv_scales else {}
     model.save_pretrained(out / "unquantized")  # the float model it comes from, to compare
     tokenizer.save_pretrained(out / "unquantized")
-    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    # the checkpoint's names, as save_pretrained wrote them (an expert's projections apart)
+    tensors = load_file(out / "unquantized" / "model.safetensors")
     if model.config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    for name, lin in linears.items():
-        w = lin.weight.detach().float()
+    quantized = [k.removesuffix(".weight") for k in tensors
+                 if k.endswith(".weight") and k.rsplit(".", 2)[1] in _QUANTIZED]  # fmt: skip
+    for name in quantized:
+        w = tensors[f"{name}.weight"].float()
         if fmt == "fp8-tensor":
             scale = (w.abs().max() / FP8_MAX).reshape(1)
             tensors[f"{name}.weight"] = (w / scale).to(FP8)
@@ -171,6 +199,8 @@ def quantize_checkpoint(
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((out / "config.json").read_text())
     config["quantization_config"] = _quantization_config(fmt)
+    if experts and fmt != "fp8-block":  # (compressed-tensors: the routers are left float)
+        config["quantization_config"]["ignore"].append("re:.*mlp.gate$")
     if kv_scales:
         config["quantization_config"]["kv_cache_scheme"] = {
             "num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
@@ -202,7 +232,8 @@ def _quantization_config(fmt: str) -> dict[str, Any]:
 def dequantized_reference(path: str | Path, quantize_activations: bool = True) -> Any:
     """A ``transformers`` model of an FP8 checkpoint with every linear weight dequantized
     (``w_fp8 · scale``, in float32) and, with ``quantize_activations``, each linear input rounded
-    through e4m3 the way the checkpoint says: the engine's FP8 layers must agree with it."""
+    through e4m3 the way the checkpoint says: the engine's FP8 layers must agree with it. An
+    expert's two inputs are rounded the same way (``_rounding_experts``)."""
     import json
 
     import torch
@@ -239,7 +270,8 @@ def dequantized_reference(path: str | Path, quantize_activations: bool = True) -
             else:
                 t = t.float() * scale.float().reshape(-1, 1)
         state[k] = t.float()
-    model.load_state_dict(state, strict=False)
+    missing, unexpected = model.load_state_dict(_fused_experts(state), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     if config.get("tie_word_embeddings"):
         model.tie_weights()
     if quantize_activations:
@@ -257,4 +289,55 @@ def dequantized_reference(path: str | Path, quantize_activations: bool = True) -
                         .reshape(x.shape),)  # fmt: skip
 
             lin.register_forward_pre_hook(hook)
+        for experts in _experts(model).values():
+            _rounding_experts(experts, quant.activations, quant.block)
     return model.train(False)  # inference mode
+
+
+def _fused_experts(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with each layer's per-expert weights stacked as ``transformers`` keeps them
+    (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]; Mixtral's
+    ``block_sparse_moe`` is its ``mlp``)."""
+    import torch
+
+    fused: dict[str, Any] = {}
+    parts: dict[str, dict[int, dict[str, Any]]] = {}
+    for k, t in state.items():
+        m = _EXPERT.match(k)
+        if m is None:
+            fused[k.replace(".block_sparse_moe.", ".mlp.")] = t
+            continue
+        proj = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}.get(m[3], m[3])
+        parts.setdefault(m[1], {}).setdefault(int(m[2]), {})[proj] = t
+    for layer, experts in parts.items():
+        ordered = [experts[e] for e in sorted(experts)]
+        fused[f"{layer}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([p["gate_proj"], p["up_proj"]]) for p in ordered]
+        )
+        fused[f"{layer}.mlp.experts.down_proj"] = torch.stack([p["down_proj"] for p in ordered])
+    return fused
+
+
+def _rounding_experts(experts: Any, scheme: str, block: int) -> None:
+    """``transformers``' expert loop with each expert's input and its down projection's input
+    rounded through e4m3 (``scheme``: per token, or per token and ``block`` columns), as the
+    engine's FP8 experts round them."""
+    import torch
+    import torch.nn.functional as F
+
+    from services.worker.engine.quantization.fp8_math import quantize_activations
+
+    def forward(hidden: Any, top_k_index: Any, top_k_weights: Any) -> Any:
+        out = torch.zeros_like(hidden)
+        for e in range(experts.gate_up_proj.shape[0]):
+            token, slot = torch.where(top_k_index == e)
+            if token.numel() == 0:
+                continue
+            x = quantize_activations(hidden[token], scheme, block, None)
+            gate, up = F.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
+            h = quantize_activations(experts.act_fn(gate) * up, scheme, block, None)
+            y = F.linear(h, experts.down_proj[e]) * top_k_weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+    experts.forward = forward

@@ -21,6 +21,33 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# multi-head latent attention's sizes (DeepSeek): a latent of 32 and a rotary key of 8 a token
+_MLA = {"kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16}
+# MLA with one q projection; softmax greedy routing over 8 experts, 2 shared experts; layer 0
+# dense
+_DEEPSEEK_V2 = {
+    **_MLA, "q_lora_rank": None, "n_routed_experts": 8, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "n_shared_experts": 2, "first_k_dense_replace": 1,
+    "topk_method": "greedy",
+}  # fmt: skip
+# MLA with a low-rank q; sigmoid scores with a (random) correction bias, 4 groups of which the
+# best 2 are eligible, weights scaled by 2.5; YaRN (both its table scale and its softmax
+# correction: mscale ≠ mscale_all_dim); layer 0 dense
+_DEEPSEEK_V3 = {
+    **_MLA, "q_lora_rank": 32, "n_routed_experts": 8, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
+    "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
+    "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0,
+        "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+        "mscale": 1.0, "mscale_all_dim": 0.707,
+    },
+}  # fmt: skip
+
+# Qwen3-MoE: 16 experts, 4 a token; layer 1 a dense MLP among the MoE ones (mlp_only_layers)
+_QWEN3_MOE = {"head_dim": 32, "num_experts": 16, "num_experts_per_tok": 4, "norm_topk_prob": True,
+              "moe_intermediate_size": 32, "mlp_only_layers": [1]}  # fmt: skip
+
 # Architecture → (transformers config class, extra config fields). Sizes are shared below.
 ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {}),
@@ -40,6 +67,10 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 32}),  # head_dim ≠ hidden / heads, as in real Qwen3
+    "qwen3_moe": ("Qwen3MoeConfig", _QWEN3_MOE),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2}),
+    "deepseek_v2": ("DeepseekV2Config", _DEEPSEEK_V2),
+    "deepseek_v3": ("DeepseekV3Config", _DEEPSEEK_V3),
 }
 
 
@@ -97,6 +128,7 @@ def make_tiny_model(
     quantize: str | None = None,  # fp8-tensor | fp8-channel | fp8-block (baton/tiny_fp8.py)
     kv_scales: bool = False,  # with quantize: KV cache scales per layer too
     initializer_range: float | None = None,  # None: 0.1, or 0.03 for an FP8 checkpoint
+    moe_intermediate_size: int | None = None,  # Qwen3-MoE, DeepSeek: one expert's (None: 32)
 ) -> Path:
     import torch
     import transformers
@@ -108,6 +140,10 @@ def make_tiny_model(
     vocab = train_tokenizer(out)
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     cls_name, extra = ARCHS[arch]
+    if moe_intermediate_size is not None:
+        extra = {**extra, "moe_intermediate_size": moe_intermediate_size}
+    if cls_name.startswith("Deepseek"):  # MLA: every head reads the one latent
+        num_kv_heads = num_heads
     config = getattr(transformers, cls_name)(
         vocab_size=vocab,
         hidden_size=hidden_size,
@@ -131,6 +167,10 @@ def make_tiny_model(
         config.use_sliding_window = False
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch in ROUTER_SCALE:
+        _spread_routers(model, ROUTER_SCALE[arch])
+    if arch == "deepseek_v3":
+        _random_correction_bias(model)
     if arch == "qwen2":  # random q/k/v biases, so loading them is really tested
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
@@ -150,6 +190,34 @@ def make_tiny_model(
     gen["eos_token_id"] = [config.eos_token_id, im_end]
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
     return out
+
+
+# MoE archs: their routers' weights × this. At the initializer's scale a random router's
+# logits are close together: near-ties between experts that float noise (another batch's
+# summation order, two ranks) could flip; scaled, each token's choice is clear and its tokens
+# still spread over most experts (tests/integration/test_moe_models.py counts them)
+ROUTER_SCALE = {"qwen3_moe": 4.0, "mixtral": 4.0, "deepseek_v2": 4.0, "deepseek_v3": 4.0}
+
+
+def _spread_routers(model: Any, scale: float) -> None:
+    import torch
+
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith(".mlp.gate"):
+                module.weight.mul_(scale)
+
+
+def _random_correction_bias(model: Any) -> None:
+    """DeepSeek-V3's routers' ``e_score_correction_bias`` starts at zero: random, it steers the
+    choice of experts (not their weights), so that loading and applying it is tested."""
+    import torch
+
+    with torch.no_grad():
+        for module in model.modules():
+            bias = getattr(module, "e_score_correction_bias", None)
+            if isinstance(bias, torch.Tensor):
+                bias.copy_(torch.randn_like(bias) * 0.1)
 
 
 def _param_bytes(model: Any) -> int:

@@ -111,13 +111,23 @@ class ModelCost:
         elsize = torch.empty((), dtype=getattr(torch, info.dtype)).element_size()
         self.weight_bytes = info.weight_bytes  # every parameter: the issues' "weight bytes"
         # what a step reads: an untied input-embedding table only by the rows of its tokens
+        # and of a mixture of experts' routed experts, the ones a token chose (top_k of them:
+        # a batch-1 step's reads; batches of many tokens read more of them)
+        idle = 1.0 - getattr(info, "active_expert_fraction", 1.0)
+        idle_bytes = int(getattr(info, "routed_expert_bytes", 0) * idle)
         self.read_weight_bytes = info.weight_bytes - info.untied_embedding_params * elsize
+        self.read_weight_bytes -= idle_bytes
         self.kv_bytes_per_token = info.kv_bytes_per_token
-        # parameters that multiply every token; the LM head multiplies only sampled rows
+        # parameters that multiply every token (of the routed experts, the chosen ones); the
+        # LM head multiplies only sampled rows
         self.body_params = info.num_params - info.lm_head_params - info.untied_embedding_params
+        self.body_params -= int(getattr(info, "routed_expert_params", 0) * idle)
         self.lm_head_params = info.lm_head_params
-        # QKᵀ and PV: 2 FLOPs per multiply-add, each over head_dim, per head and layer
-        self.flops_per_pair = 4 * arch.num_layers * arch.num_heads * arch.head_dim
+        # QKᵀ and PV: 2 FLOPs per multiply-add, each over head_dim, per head and layer (MLA's
+        # prefill: the decompressed keys' qk_head_dim and values' v_head_dim)
+        mla = getattr(arch, "mla", None)
+        per_head = 2 * arch.head_dim if mla is None else mla.qk_head_dim + mla.v_head_dim
+        self.flops_per_pair = 2 * arch.num_layers * arch.num_heads * per_head
 
     def flops(self, tokens: int, sampled_rows: int, query_key_pairs: int) -> int:
         return self.linear_flops(tokens, sampled_rows) + self.flops_per_pair * query_key_pairs

@@ -105,3 +105,10 @@ def test_compat_string_names_the_layout() -> None:
     assert mla.startswith("latent 1x576, bfloat16, 27 layers, blocks of 16 #")
     assert dense.startswith("K|V 16x128")
     assert compat_hash("m", "bfloat16", 16, 27, 1, 576, (), parts=1) == mla
+
+
+def test_make_tiny_model_offers_every_tiny_architecture() -> None:
+    from baton.cli import TINY_ARCHS
+    from baton.tiny_model import ARCHS
+
+    assert sorted(TINY_ARCHS) == sorted(ARCHS)

@@ -68,6 +68,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     # uni: the one rank in the core's process | mp: a process per rank | ray: a Ray actor per rank
     distributed_executor_backend: str = "uni"
+    # a mixture-of-experts model's experts split whole over the ranks (each rank E/tp of them),
+    # not each expert's intermediate dimension (models/layers/moe.py); no effect on a dense one
+    enable_expert_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,8 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None: uni at tp=1, else mp
+    # MoE models: each rank holds E/tp whole experts instead of 1/tp of every expert
+    enable_expert_parallel: bool = False
     attention_backend: str = "auto"
     fused_ops: bool | None = None  # None: on for CUDA, off for CPU
     enforce_eager: bool = False  # no CUDA graphs
@@ -215,6 +220,11 @@ class EngineArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")  # fmt: skip
+        if self.kv_cache_dtype == "fp8" and arch.mla is not None:
+            raise ValueError(
+                f"kv_cache_dtype='fp8' is not supported for {arch.architecture}: its multi-head "
+                "latent attention caches latents, kept in the model's dtype (use 'auto')"
+            )
 
         return EngineConfig(
             model=ModelConfig(
@@ -286,15 +296,12 @@ class EngineArgs:
                 f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
                 f"got {backend!r}"
             )
+        ep = self.enable_expert_parallel
         if tp == 1:
-            return ParallelConfig(1, backend)
+            return ParallelConfig(1, backend, ep)
         if backend == "uni":
             raise ValueError("tensor_parallel_size > 1 needs the mp or ray executor, not uni")
-        splits = {
-            "num_attention_heads": arch.num_heads,
-            "intermediate_size": arch.intermediate_size,
-        }
-        for name, size in splits.items():
+        for name, size in self._splits(arch).items():
             if size % tp:
                 raise ValueError(f"{name}={size} does not split over tensor_parallel_size={tp}")
         kv = arch.num_kv_heads
@@ -313,7 +320,25 @@ class EngineArgs:
                 )
         if self.kv_transfer and self.kv_connector == "fake":
             raise ValueError("the fake KV connector copies within one process: tp=1 only")
-        return ParallelConfig(tp, backend)
+        return ParallelConfig(tp, backend, ep)
+
+    def _splits(self, arch: ArchConfig) -> dict[str, int]:
+        """The sizes tensor parallelism divides by its ranks: heads, the dense MLPs'
+        intermediate dimension, and a mixture of experts' experts (with expert parallelism)
+        or one expert's intermediate dimension (without), and the shared experts'."""
+        splits = {"num_attention_heads": arch.num_heads}
+        moe = arch.moe
+        if moe is None or len(moe.sparse_layers) < arch.num_layers:  # (some layer is dense)
+            splits["intermediate_size"] = arch.intermediate_size
+        if moe is None:
+            return splits
+        if self.enable_expert_parallel:
+            splits["num_experts (enable_expert_parallel)"] = moe.num_experts
+        else:
+            splits["moe_intermediate_size"] = moe.intermediate_size
+        if moe.shared_intermediate_size:
+            splits["the shared experts' intermediate size"] = moe.shared_intermediate_size
+        return splits
 
     def piecewise_graph_sizes(self, device: str, budget: int, tp: int) -> tuple[int, ...]:
         """Token counts of the piecewise graphs (``piecewise_sizes``), up to the budget."""

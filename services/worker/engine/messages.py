@@ -121,6 +121,12 @@ class ModelInfo(msgspec.Struct):
     tensor_parallel_size: int = 1
     quantization: str = ""  # "" or what its FP8 linear layers are (quantization/config.py)
     kv_cache_dtype: str = ""  # the KV cache's element type, e.g. bfloat16 or float8_e4m3fn
+    # a mixture-of-experts model's routed experts (this rank's, scales included): a token
+    # multiplies ``active_expert_fraction`` of them (top_k / num_experts), so a batch-1 step
+    # reads that fraction of these bytes
+    routed_expert_params: int = 0
+    routed_expert_bytes: int = 0
+    active_expert_fraction: float = 1.0
 
 
 class UtilityResult(msgspec.Struct):

@@ -22,10 +22,11 @@ class RopeConfig:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
     # YaRN (rope_type "yarn": DeepSeek-V2/V3): the ramp between interpolated and extrapolated
-    # frequencies, and the attention scale's correction (``mscale``, ``mscale_all_dim``)
+    # frequencies, and the attention scale's correction (``mscale``, ``mscale_all_dim``; 0 where
+    # the config gives none: the tables' scale is then YaRN's own, from the factor alone)
     beta_fast: float = 32.0
     beta_slow: float = 1.0
-    mscale: float = 1.0
+    mscale: float = 0.0
     mscale_all_dim: float = 0.0
 
 
@@ -128,8 +129,8 @@ def _rope(cfg: dict[str, Any]) -> RopeConfig:
         original_max_position_embeddings=int(orig) if orig is not None else None,
         beta_fast=float(params.get("beta_fast", 32.0)),
         beta_slow=float(params.get("beta_slow", 1.0)),
-        mscale=float(params.get("mscale", 1.0)),
-        mscale_all_dim=float(params.get("mscale_all_dim", 0.0)),
+        mscale=float(params.get("mscale") or 0.0),
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
     )
 
 
@@ -253,7 +254,7 @@ def load_arch_config(model_dir: str | Path, cfg: dict[str, Any] | None = None) -
         rope=_rope(cfg),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         hidden_act=str(cfg.get("hidden_act", "silu")),
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),

@@ -1,4 +1,5 @@
-"""The Llama-family dense decoder: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm).
+"""The Llama-family decoder: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm), and
+with mixture-of-experts feed-forward layers (``layers/moe.py``) Qwen3-MoE and Mixtral.
 
 It runs on a flattened batch (``input_ids``/``positions`` of shape [num_tokens]) and reads the
 paged KV cache through the attention backend; ``compute_logits`` runs only on the rows the
@@ -22,9 +23,10 @@ from services.worker.engine.models.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from services.worker.engine.models.layers.moe import MoEBlock, expert_target
 from services.worker.engine.models.layers.norm import RMSNorm
 from services.worker.engine.models.layers.rotary import RotaryEmbedding
-from services.worker.engine.models.weights import Loaded
+from services.worker.engine.models.weights import CheckpointTarget, Loaded
 from services.worker.engine.quantization.fp8_math import Codes
 
 # (the layer, q, k, v, the step's metadata) → the attention's output, [tokens, heads, head_dim]
@@ -111,14 +113,21 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, ctx: ModelContext):
+    def __init__(self, arch: ArchConfig, ctx: ModelContext, index: int):
         super().__init__()
         self.self_attn = LlamaAttention(arch, ctx)
-        self.mlp = LlamaMLP(arch, ctx)
-        # each norm hands the projection after it its input as that projection takes it
+        self.mlp: LlamaMLP | MoEBlock
+        # each norm hands the projection after it its input as that projection takes it (the
+        # experts' router takes the norm itself)
+        feeds: MergedColumnParallelLinear | None = None
+        if arch.moe is not None and index in arch.moe.sparse_layers:
+            self.mlp = MoEBlock(arch, ctx)
+        else:
+            self.mlp = LlamaMLP(arch, ctx)
+            feeds = self.mlp.gate_up_proj
         size, eps = arch.hidden_size, arch.rms_norm_eps
         self.input_layernorm = RMSNorm(size, eps, ctx.kernels, feeds=self.self_attn.qkv_proj)
-        self.post_attention_layernorm = RMSNorm(size, eps, ctx.kernels, feeds=self.mlp.gate_up_proj)
+        self.post_attention_layernorm = RMSNorm(size, eps, ctx.kernels, feeds=feeds)
 
     def forward(
         self,
@@ -141,7 +150,7 @@ class LlamaModel(nn.Module):
     def __init__(self, arch: ArchConfig, ctx: ModelContext):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, ctx) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, ctx, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ctx.kernels)
 
     def forward(
@@ -174,6 +183,15 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def checkpoint_target(self, name: str) -> CheckpointTarget | None:
+        """One expert's tensor (``layers/moe.expert_target``); Mixtral's ``block_sparse_moe``
+        is our ``mlp``. None: the packed-module table maps it (models/loader.py)."""
+        renamed = name.replace(".block_sparse_moe.", ".mlp.")
+        target = expert_target(renamed)
+        if target is None and renamed != name:
+            return CheckpointTarget(renamed, None)
+        return target
 
     def attention_layers(self) -> list[LlamaAttention]:
         return [layer.self_attn for layer in self.model.layers]  # type: ignore[misc]

@@ -8,7 +8,7 @@ read from the file.
 """
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -17,6 +17,7 @@ from torch import nn
 from tqdm import tqdm
 
 from services.worker.engine.models.weights import (
+    CheckpointTarget,
     CheckpointTensor,
     GGUFSlices,
     ReadCounter,
@@ -86,16 +87,29 @@ def _load(
     model: nn.Module, tensors: Iterable[tuple[str, CheckpointTensor, str]], source: str | Path
 ) -> None:
     """Load (our name, tensor, the checkpoint's name for it) triples; refuses a tensor without
-    a parameter, and a checkpoint that leaves a parameter unloaded."""
+    a parameter, and a checkpoint that leaves a parameter (or an expert's weight) unloaded.
+
+    A name maps through the model's ``checkpoint_target(name)`` when it has one and answers
+    (``CheckpointTarget``: one expert's projection, a family's own spelling), else through its
+    ``packed_modules`` table (q/k/v into qkv_proj, gate/up into gate_up_proj)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     packed: dict[str, tuple[str, str | int]] = getattr(model, "packed_modules", {})
+    hook: Callable[[str], CheckpointTarget | None] | None = getattr(
+        model, "checkpoint_target", None
+    )
     tied = bool(getattr(getattr(model, "arch", None), "tie_word_embeddings", False))
+    # what a model does not run (DeepSeek-V3's multi-token-prediction layers)
+    unused: Callable[[str], bool] = getattr(model, "unused_checkpoint_tensor", lambda _: False)
     loaded: set[str] = set()
     for name, tensor, label in tensors:
         if name.endswith(_SKIPPED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
-        target, shard = _map_name(checkpoint_name(name), packed)
+        if unused(name):
+            continue
+        ours = checkpoint_name(name)
+        found = hook(ours) if hook is not None else None
+        target, shard = found if found is not None else _map_name(ours, packed)
         if target not in params:
             raise ValueError(f"checkpoint tensor {label!r} has no matching parameter")
         param = params[target]
@@ -116,6 +130,9 @@ def _load(
         for name in derived() if derived is not None else ():
             loaded.add(f"{prefix}.{name}")
     missing = sorted(set(params) - loaded)
+    for prefix, module in modules.items():  # parts of a parameter (one expert's weights)
+        unloaded = getattr(module, "unloaded_weights", None)
+        missing += [f"{prefix}.{name}" for name in (unloaded() if unloaded is not None else ())]
     if missing:
         raise ValueError(f"checkpoint {source} lacks weights for: {', '.join(missing[:8])}")
 

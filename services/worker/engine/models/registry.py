@@ -1,8 +1,9 @@
 """Maps a checkpoint's ``architectures`` name to a model class, imported lazily.
 
 The names are checked at config time without importing torch; the class is imported when the
-worker builds the model. One dense decoder class covers the Llama family: the differences
-(q/k/v bias, q/k norm, tied embeddings, RoPE scaling) are read from ``ArchConfig``.
+worker builds the model. One decoder class covers the Llama family: the differences (q/k/v
+bias, q/k norm, tied embeddings, RoPE scaling, mixture-of-experts layers) are read from
+``ArchConfig``.
 """
 
 import importlib
@@ -12,6 +13,10 @@ _MODELS: dict[str, str] = {
     "MistralForCausalLM": "services.worker.engine.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "services.worker.engine.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "services.worker.engine.models.llama:LlamaForCausalLM",
+    "DeepseekV2ForCausalLM": "services.worker.engine.models.deepseek_v2:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "services.worker.engine.models.deepseek_v2:DeepseekV2ForCausalLM",
+    "Qwen3MoeForCausalLM": "services.worker.engine.models.llama:LlamaForCausalLM",
+    "MixtralForCausalLM": "services.worker.engine.models.llama:LlamaForCausalLM",
 }
 
 

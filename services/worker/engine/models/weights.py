@@ -7,7 +7,7 @@ never holds the whole matrix, and a worker never materialises the whole model in
 """
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -77,6 +77,15 @@ class GGUFSlices:
 
 
 Loaded = torch.Tensor | CheckpointTensor
+
+
+class CheckpointTarget(NamedTuple):
+    """Where a checkpoint tensor loads, as a model's ``checkpoint_target(name)`` answers for
+    the names its packed-module table cannot map (models/loader.py): one expert's projection
+    of a mixture-of-experts layer, a name another model family spells differently."""
+
+    param: str  # our parameter's full name
+    shard: object  # what the owning module's ``weight_loader`` takes as its shard id
 
 
 def full(t: Loaded) -> torch.Tensor:

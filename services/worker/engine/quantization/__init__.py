@@ -9,12 +9,15 @@ model file.
 
     config.py        what a checkpoint's ``quantization_config`` (or ``EngineArgs.quantization``)
                      asks for: ``QuantConfig``, ``parse_quantization`` (torch-free)
-    base.py          ``LinearMethod``, ``KVCacheMethod``: the seams
+    base.py          ``LinearMethod``, ``MoEMethod``, ``KVCacheMethod``: the seams
     unquantized.py   the model's dtype: ``F.linear``, or the Triton GEMV for one token
     fp8.py           FP8 linear layers (per-tensor, per-channel, 128×128 blocks; quantized at
                      load) and a checkpoint's FP8 KV cache scales
+    moe.py           mixture-of-experts layers' experts: the model's dtype, FP8 (per channel,
+                     128×128 blocks); ``ops/fused_moe.py`` on a GPU
     fp8_math.py      the e4m3 arithmetic in plain PyTorch, the kernels' reference
-    registry.py      ``linear_method(quant, kernels)``, ``kv_cache_method(quant)``
+    registry.py      ``linear_method(quant, kernels)``, ``moe_method(quant, kernels)``,
+                     ``kv_cache_method(quant)``
 
 FP8, as Baton runs it:
 
@@ -23,7 +26,7 @@ FP8, as Baton runs it:
                  per output row ([out, 1]) or one per block column ([out, in/128])
     activations  quantized at each linear input: dynamic per token, dynamic per token and
                  128-column group (block checkpoints), or a static per-tensor scale
-    kept bf16    embeddings, norms and the LM head
+    kept bf16    embeddings, norms, the LM head and the MoE routers (those in float32)
 
 Formats read (``config.parse_quantization``):
     compressed-tensors  ``format: float-quantized`` (``weight_scale``, and ``input_scale`` when

@@ -9,6 +9,10 @@ quantized (``fp8_math.Codes``), so that the kernel before the layer can write it
 The layer (``models/layers/linear.py``) keeps only tensor-parallel sharding: which rows and
 columns of a checkpoint tensor are this rank's (``Shard``, ``rank_slice``).
 
+A ``MoEMethod`` does the same for a mixture-of-experts layer's experts (``Experts``: every
+expert's gate and up projections stacked in ``w13_weight`` [E, 2I, H], the down projections in
+``w2_weight`` [E, H, I]); its implementations are in ``moe.py``.
+
 A ``KVCacheMethod`` does the same for an attention layer's KV cache scales.
 
 One method object serves every layer of its kind in a model: what differs between layers
@@ -17,7 +21,7 @@ One method object serves every layer of its kind in a model: what differs betwee
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 from torch import nn
@@ -111,6 +115,70 @@ class LinearMethod(ABC):
         self, layer: Linear, x: torch.Tensor | Codes, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """``x Wᵀ (+ bias)`` for this rank, in x's dtype."""
+
+
+# an expert's projections: ``w13`` holds gate (its first half of rows) and up, ``w2`` down
+Proj = Literal["gate", "up", "down"]
+
+
+class Experts(Protocol):
+    """What a method sees of a fused mixture-of-experts layer (``models/layers/moe.py``)."""
+
+    num_experts: int  # this rank's experts (w13/w2's first dimension)
+    hidden_size: int
+    intermediate_size: int  # this rank's share of one expert's intermediate dimension
+    intermediate_total: int  # one expert's in the checkpoint
+    intermediate_start: int  # where this rank's share starts in it (0 with EP)
+    # int32 [every expert]: a checkpoint expert's index in w13/w2, -1 where another rank has
+    # it (expert parallelism); None: this rank has every expert
+    expert_map: torch.Tensor | None
+
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None: ...
+
+    def rank_slice(self, loaded: Loaded, proj: Proj) -> Loaded: ...
+
+
+def expert_part(param: torch.Tensor, expert: int, proj: Proj) -> torch.Tensor:
+    """One expert's ``proj`` in a w13- or w2-shaped tensor (weights or scales): gate the first
+    half of w13's rows, up the second half, down the whole of w2's."""
+    rows = param.data[expert]
+    if proj == "down":
+        return rows
+    half = rows.shape[0] // 2
+    return rows[:half] if proj == "gate" else rows[half:]
+
+
+class MoEMethod(ABC):
+    """How a mixture-of-experts layer keeps its experts' weights and runs them."""
+
+    description: str = ""
+    derived_parameters: tuple[str, ...] = ()  # computed at load, not read
+
+    @abstractmethod
+    def create_weights(self, layer: Experts) -> None:
+        """Register ``w13_weight`` [E, 2I, H], ``w2_weight`` [E, H, I] (this rank's E and I)
+        and whatever ``apply`` needs."""
+
+    def load(
+        self, layer: Experts, param: nn.Parameter, loaded: Loaded, expert: int, proj: Proj
+    ) -> bool:
+        """Load one checkpoint expert's tensor (``expert``: its index on this rank) that this
+        method owns into ``param``; False leaves it to the layer, which copies this rank's
+        slice into ``expert_part(param, expert, proj)`` as it is."""
+        return False
+
+    def process_weights_after_loading(self, layer: Experts) -> None:
+        """Derive what the kernels want from the loaded values (once, on the device)."""
+        return None
+
+    @abstractmethod
+    def apply(
+        self, layer: Experts, x: torch.Tensor, topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """``Σ_j topk_weights[t, j] · expert_{topk_ids[t, j]}(x[t])`` over this rank's experts
+        (ids are the checkpoint's; the others' contribute nothing), [T, H] in x's dtype, not
+        yet summed over ranks. ``expert(x) = down(silu(gate x) · up x)``."""
 
 
 class KVCacheMethod:

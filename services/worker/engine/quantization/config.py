@@ -77,10 +77,10 @@ def _compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
     if qc.get("format") != "float-quantized":
         raise ValueError(f"compressed-tensors format {qc.get('format')!r} is not supported "
                          "(float-quantized only)")  # fmt: skip
-    ignored = [name for name in qc.get("ignore", []) if name != "lm_head"]
+    ignored = [name for name in qc.get("ignore", []) if not _kept_float(name)]
     if ignored:
-        raise ValueError(f"compressed-tensors ignore lists other than lm_head are not supported: "
-                         f"{ignored[:4]}")  # fmt: skip
+        raise ValueError(f"compressed-tensors ignore lists other than lm_head and the MoE "
+                         f"routers are not supported: {ignored[:4]}")  # fmt: skip
     groups = list(qc.get("config_groups", {}).values())
     if len(groups) != 1:
         raise ValueError(f"one compressed-tensors config group is supported, got {len(groups)}")
@@ -101,6 +101,14 @@ def _compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
     kv_scales = _kv_cache_scheme(qc.get("kv_cache_scheme"))
     method = f"fp8 ({w['strategy']} weights, {acts} acts{', KV scales' if kv_scales else ''})"
     return QuantConfig(w["strategy"], acts, method=method, kv_scales=kv_scales)
+
+
+def _kept_float(ignored: str) -> bool:
+    """An ``ignore`` entry (a name, or ``re:`` and a pattern) naming what Baton keeps float
+    anyway: the LM head, and a mixture of experts' routers (``mlp.gate``, Mixtral's
+    ``block_sparse_moe.gate``: models/layers/moe.py keeps them in float32)."""
+    name = ignored.removeprefix("re:").removesuffix("$")
+    return name == "lm_head" or name.endswith(("mlp.gate", "block_sparse_moe.gate"))
 
 
 def _kv_cache_scheme(kv: dict[str, Any] | None) -> bool:

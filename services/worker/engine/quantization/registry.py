@@ -1,19 +1,27 @@
 """The methods a model's layers are built with, chosen once from its quantization config.
 
-A new method is a class (``base.LinearMethod`` or ``base.KVCacheMethod``) and an entry in
-``LINEAR_METHODS`` keyed by the weights' layout that ``config.parse_quantization`` reports; no model
-or layer changes.
+A new method is a class (``base.LinearMethod``, ``base.MoEMethod`` or ``base.KVCacheMethod``)
+and an entry in ``LINEAR_METHODS`` (``MOE_METHODS``) keyed by the weights' layout that
+``config.parse_quantization`` reports; no model or layer changes.
 """
 
 from collections.abc import Callable
 
-from services.worker.engine.quantization.base import KVCacheMethod, LinearMethod
+import torch
+
+from services.worker.engine.quantization.base import (
+    Experts,
+    KVCacheMethod,
+    LinearMethod,
+    MoEMethod,
+)
 from services.worker.engine.quantization.config import QuantConfig
 from services.worker.engine.quantization.fp8 import (
     CheckpointKVScales,
     Fp8BlockLinearMethod,
     Fp8LinearMethod,
 )
+from services.worker.engine.quantization.moe import Fp8MoEMethod, UnquantizedMoEMethod
 from services.worker.engine.quantization.unquantized import UnquantizedLinearMethod
 
 # QuantConfig.weights → the linear method (quant, kernels) → method
@@ -30,6 +38,38 @@ def linear_method(quant: QuantConfig | None, kernels: bool) -> LinearMethod:
     if quant is None:
         return UnquantizedLinearMethod(kernels)
     return LINEAR_METHODS[quant.weights](quant, kernels)
+
+
+# QuantConfig.weights → the mixture-of-experts layers' method (quant, kernels) → method
+MOE_METHODS: dict[str, Callable[[QuantConfig, bool], MoEMethod]] = {
+    "tensor": Fp8MoEMethod,
+    "channel": Fp8MoEMethod,
+    "block": Fp8MoEMethod,
+}
+
+
+class _NoMoEMethod(MoEMethod):
+    """A layout with linear methods but no MoE one: a dense model runs, an MoE layer refuses."""
+
+    def __init__(self, quant: QuantConfig):
+        self.quant = quant
+
+    def create_weights(self, layer: Experts) -> None:
+        known = ", ".join(MOE_METHODS)
+        raise ValueError(f"{self.quant.method}: no mixture-of-experts method for "
+                         f"{self.quant.weights!r} weights; known: {known}")  # fmt: skip
+
+    def apply(self, layer: Experts, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        raise AssertionError("never created")
+
+
+def moe_method(quant: QuantConfig | None, kernels: bool) -> MoEMethod:
+    """The method of every mixture-of-experts layer's experts (the router stays float)."""
+    if quant is None:
+        return UnquantizedMoEMethod(kernels)
+    make = MOE_METHODS.get(quant.weights)
+    return make(quant, kernels) if make is not None else _NoMoEMethod(quant)
 
 
 def kv_cache_method(quant: QuantConfig | None) -> KVCacheMethod:

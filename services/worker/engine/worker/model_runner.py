@@ -140,8 +140,9 @@ class ModelRunner:
         self.backend = get_backend(self.config.attention.backend)
         with torch.device(self.device), _default_dtype(self.dtype):
             ctx = ModelContext.build(
-                cfg.max_model_len, self.backend, cfg.fused_ops, cfg.quantization
-            )
+                cfg.max_model_len, self.backend, cfg.fused_ops, cfg.quantization,
+                expert_parallel=self.config.parallel.enable_expert_parallel,
+            )  # fmt: skip
             self.model = cls(cfg.arch, ctx)
         if cfg.load_format == "dummy":
             load_dummy(self.model, cfg.seed)
@@ -265,7 +266,12 @@ class ModelRunner:
         params = list(self.model.parameters())  # tied weights appear once
         embed = self.model.model.embed_tokens.weight
         lm_head = self.model.lm_head.weight
+        moe = self.config.model.arch.moe
+        experts = [p for n, p in self.model.named_parameters() if ".experts." in n]
         return ModelInfo(
+            routed_expert_params=sum(p.numel() for p in experts),
+            routed_expert_bytes=sum(p.numel() * p.element_size() for p in experts),
+            active_expert_fraction=moe.top_k / moe.num_experts if moe else 1.0,
             lm_head_params=lm_head.numel(),
             untied_embedding_params=0 if embed is lm_head else embed.numel(),
             num_params=sum(p.numel() for p in params),

@@ -1,5 +1,6 @@
 """Rotary position embedding (NeoX / Llama "rotate half" style) with the scaling types the
-supported checkpoints use: default, linear and llama3. Computed in float32 like Hugging Face.
+supported checkpoints use: default, linear, llama3 and yarn (DeepSeek-V2/V3). Computed in
+float32 like Hugging Face.
 """
 
 import math
@@ -11,7 +12,7 @@ from services.worker.engine.attention.backend import LayerKVCache, write_kv
 from services.worker.engine.model_config import RopeConfig
 from services.worker.engine.models.layers.norm import RMSNorm
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def _inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -22,6 +23,8 @@ def _inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
         return _llama3_scale(inv_freq, rope)
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(rope, head_dim)
     return inv_freq
 
 
@@ -46,6 +49,49 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
+    """YaRN: the fast-turning dimensions keep their trained frequencies, the slow ones are
+    interpolated (÷ ``factor``), a linear ramp between the dimensions that turn ``beta_fast``
+    and ``beta_slow`` times over the original context (Hugging Face's arithmetic, step by step,
+    so that the tables agree bit for bit).
+
+        pair i:   0 ........ low | ramp | high ........ dim/2
+        freq:     as trained     | blend | ÷ factor
+    """
+    if rope.original_max_position_embeddings is None:
+        raise ValueError("yarn rope scaling needs original_max_position_embeddings")
+    base, orig = rope.theta, rope.original_max_position_embeddings
+
+    def pair(rotations: float) -> float:  # the dimension that turns ``rotations`` times
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low = max(math.floor(pair(rope.beta_fast)), 0)
+    high: float = min(math.ceil(pair(rope.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # (no zero-width ramp)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    interpolated, trained = 1.0 / (rope.factor * pos_freqs), 1.0 / pos_freqs
+    keep = 1 - ramp  # each pair's share of its trained frequency
+    return interpolated * (1 - keep) + trained * keep
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention correction for a context ``factor`` times the trained one."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rotary_scale(rope: RopeConfig) -> float:
+    """What YaRN multiplies the cos/sin tables by (1 for every other type): DeepSeek's configs
+    give ``mscale`` = ``mscale_all_dim``, which makes it 1 and moves the whole correction to
+    the softmax scale (``models/layers/mla.py``)."""
+    if rope.rope_type != "yarn":
+        return 1.0
+    if rope.mscale and rope.mscale_all_dim:
+        return yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
+    return yarn_mscale(rope.factor)
+
+
 class RotaryEmbedding(nn.Module):
     """Caches cos/sin for every position up to ``max_positions``; applied per token by position."""
 
@@ -59,10 +105,14 @@ class RotaryEmbedding(nn.Module):
             )
         freqs = torch.outer(torch.arange(max_positions).float(), _inv_freq(rope, head_dim))
         emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        scale = rotary_scale(rope)
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
         self.cos_cache: torch.Tensor
         self.sin_cache: torch.Tensor
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
 
     def forward(
         self,

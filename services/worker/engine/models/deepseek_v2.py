@@ -1,0 +1,119 @@
+"""DeepSeek-V2 and DeepSeek-V3 (``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``): multi-head
+latent attention (``layers/mla.py``: a KV cache of one latent a token and layer) and, in the
+layers ``MoEConfig.sparse_layers`` names, a mixture of experts with shared experts beside the
+routed ones (``layers/moe.py``); the first ``first_k_dense_replace`` layers are dense MLPs.
+What differs between the two versions (a low-rank q, the routing, YaRN) is read from
+``ArchConfig``.
+
+The surface is ``LlamaForCausalLM``'s: ``forward`` over a flattened batch, ``compute_logits``
+on the rows the runner samples, ``attention_layers`` for the runner to bind each layer's cache.
+"""
+
+import re
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from services.worker.engine.attention.backend import AttentionMetadata
+from services.worker.engine.model_config import ArchConfig
+from services.worker.engine.models.context import ModelContext
+from services.worker.engine.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from services.worker.engine.models.layers.mla import MLAAttention
+from services.worker.engine.models.layers.moe import MoEBlock, expert_target
+from services.worker.engine.models.layers.norm import RMSNorm
+from services.worker.engine.models.llama import LlamaMLP
+from services.worker.engine.models.weights import CheckpointTarget
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig, ctx: ModelContext, index: int):
+        super().__init__()
+        self.self_attn = MLAAttention(arch, ctx)
+        size, eps = arch.hidden_size, arch.rms_norm_eps
+        self.mlp: MoEBlock | LlamaMLP
+        if arch.moe is not None and index in arch.moe.sparse_layers:
+            self.mlp = MoEBlock(arch, ctx)
+            feeds = None  # the router and the experts read the norm's output as it is
+        else:
+            self.mlp = LlamaMLP(arch, ctx)
+            feeds = self.mlp.gate_up_proj
+        # the input norm feeds two projections (q's and the latent's): no codes
+        self.input_layernorm = RMSNorm(size, eps, ctx.kernels)
+        self.post_attention_layernorm = RMSNorm(size, eps, ctx.kernels, feeds=feeds)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.forward_residual(x, residual)
+        x = self.self_attn(positions, h, meta)
+        h, residual = self.post_attention_layernorm.forward_residual(x, residual)
+        return self.mlp(h), residual  # (codes only where the norm feeds a dense MLP)
+
+
+class DeepseekV2Model(nn.Module):
+    def __init__(self, arch: ArchConfig, ctx: ModelContext):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(
+            DeepseekDecoderLayer(arch, ctx, i) for i in range(arch.num_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ctx.kernels)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        assert residual is not None
+        out, _ = self.norm.forward_residual(x, residual)
+        assert isinstance(out, torch.Tensor)  # (it feeds no layer: no codes)
+        return out
+
+
+class DeepseekV2ForCausalLM(nn.Module):
+    # the dense MLPs' and the shared experts' gate and up projections, stacked
+    packed_modules: ClassVar[dict[str, tuple[str, str | int]]] = {
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, arch: ArchConfig, ctx: ModelContext):
+        super().__init__()
+        self.arch = arch
+        self.model = DeepseekV2Model(arch, ctx)
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def checkpoint_target(self, name: str) -> CheckpointTarget | None:
+        """One routed expert's projection (``models/loader.py`` asks before its table)."""
+        return expert_target(name)
+
+    def unused_checkpoint_tensor(self, name: str) -> bool:
+        """DeepSeek-V3's multi-token-prediction layers, ``model.layers.<n>.*`` past the
+        decoder's (a draft model for speculative decoding, which this engine does not run)."""
+        m = _LAYER.match(name)
+        return m is not None and int(m[1]) >= self.arch.num_layers
+
+    def attention_layers(self) -> list[MLAAttention]:
+        return [layer.self_attn for layer in self.model.layers]  # type: ignore[misc]
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

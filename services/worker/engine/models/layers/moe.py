@@ -1,0 +1,240 @@
+"""Mixture-of-experts feed-forward layers (Qwen3-MoE, Mixtral, DeepSeek-V2/V3).
+
+    MoEBlock(x) = all_reduce( FusedMoE(x, select_experts(gate(x)))  +  shared_experts(x) )
+
+``select_experts`` is the routing of every supported family (``MoEConfig`` says which), the
+router kept in float32 as Hugging Face computes it. ``FusedMoE`` holds every expert's gate and
+up projections stacked in ``w13_weight`` [E, 2I, H] and the down projections in ``w2_weight``
+[E, H, I]; how they are kept and multiplied is its method's (``quantization/moe.py``: the
+model's dtype or FP8; ``ops/fused_moe.py`` on a GPU). The shared experts are one dense MLP.
+
+Tensor parallelism. Attention stays tensor-parallel, so every rank holds every token's hidden
+state after it: that replicated input is the dispatch, and the one all-reduce at the end of
+the block is the combine (an all-to-all dispatch is what expert parallelism across nodes would
+add). What a rank holds of the experts:
+
+    without expert parallelism          with it (``enable_expert_parallel``)
+    every expert, 1/tp of its I         E/tp whole experts
+      w13 [E, 2I/tp, H]: its rows of      w13 [E/tp, 2I, H]: experts
+        gate and of up                      [rank·E/tp, (rank+1)·E/tp)
+      w2  [E, H, I/tp]: its columns       w2  [E/tp, H, I]; ``expert_map`` sends the
+                                            others' ids to -1
+
+Either way a rank's output is a partial sum, the shared experts' row-parallel product too: the
+block adds them and all-reduces once.
+"""
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.engine.distributed import all_reduce, tp_rank, tp_size
+from services.worker.engine.model_config import ArchConfig, MoEConfig
+from services.worker.engine.models.context import ModelContext
+from services.worker.engine.models.layers.activation import SiluAndMul
+from services.worker.engine.models.layers.linear import (
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
+from services.worker.engine.models.weights import CheckpointTarget, Loaded, copy_weight
+from services.worker.engine.quantization.base import MoEMethod, Proj, expert_part
+from services.worker.engine.quantization.fp8_math import Codes
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertShard:
+    """The shard id of one expert's checkpoint tensor (``FusedMoE.weight_loader``)."""
+
+    expert: int  # the checkpoint's expert index (over every rank)
+    proj: Proj
+
+
+_EXPERT = re.compile(
+    r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\."
+    r"(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.(?P<suffix>\w+)$"
+)
+# Qwen3-MoE and DeepSeek's names, and Mixtral's (w1 gate, w3 up, w2 down)
+_PROJ: dict[str, Proj] = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                          "down_proj": "down", "w2": "down"}  # fmt: skip
+
+
+def expert_target(name: str) -> CheckpointTarget | None:
+    """``<prefix>.experts.<e>.<proj>.<suffix>`` → ``<prefix>.experts.w13_<suffix>`` (gate,
+    up) or ``w2_<suffix>`` (down), shard ``ExpertShard(e, proj)``; None for another name."""
+    m = _EXPERT.match(name)
+    if m is None:
+        return None
+    proj = _PROJ[m["proj"]]
+    param = f"{m['prefix']}.{'w2' if proj == 'down' else 'w13'}_{m['suffix']}"
+    return CheckpointTarget(param, ExpertShard(int(m["expert"]), proj))
+
+
+def select_experts(
+    router_logits: torch.Tensor, moe: MoEConfig, correction_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights float32 [T, k], topk_ids int64 [T, k]) from the router's logits [T, E],
+    as Hugging Face's routers of Qwen3-MoE, Mixtral and DeepSeek-V2/V3 compute them
+    (``MoEConfig`` describes the steps); the bias steers the choice, never the weights."""
+    logits = router_logits.float()
+    scores = logits.softmax(dim=-1) if moe.scoring == "softmax" else logits.sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if moe.num_groups > 1:
+        choice = _eligible(choice, moe, by_top2=correction_bias is not None)
+    ids = torch.topk(choice, moe.top_k, dim=-1)[1]
+    weights = scores.gather(1, ids)
+    if moe.norm_topk_prob:  # (+1e-20 as DeepSeek-V3; a no-op on any other sum in float32)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if moe.routed_scaling_factor != 1.0:
+        weights = weights * moe.routed_scaling_factor
+    return weights, ids
+
+
+def _eligible(choice: torch.Tensor, moe: MoEConfig, by_top2: bool) -> torch.Tensor:
+    """Group-limited top-k: ``choice`` with the experts outside the best ``topk_groups``
+    groups at -inf. A group's score is its best expert's, or (with a correction bias,
+    DeepSeek-V3) the sum of its best two."""
+    groups = choice.view(choice.shape[0], moe.num_groups, -1)  # [T, groups, experts/group]
+    if by_top2:
+        group_scores = groups.topk(2, dim=-1)[0].sum(dim=-1)
+    else:
+        group_scores = groups.max(dim=-1).values
+    best = torch.topk(group_scores, moe.topk_groups, dim=-1)[1]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return groups.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
+
+
+class Router(nn.Module):
+    """The gate: logits [T, E] = x Wᵀ in float32 (``weight`` kept in float32, replicated on
+    every rank), and DeepSeek-V3's ``e_score_correction_bias``."""
+
+    def __init__(self, hidden: int, moe: MoEConfig):
+        super().__init__()
+        e = moe.num_experts
+        self.weight = nn.Parameter(torch.empty(e, hidden, dtype=torch.float32),
+                                   requires_grad=False)  # fmt: skip
+        self.e_score_correction_bias: nn.Parameter | None = None
+        if moe.correction_bias:
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(e, dtype=torch.float32), requires_grad=False
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight)
+
+
+class FusedMoE(nn.Module):
+    """The routed experts of one layer: this rank's share of them (the module docstring
+    draws it), kept and run by ``method``."""
+
+    def __init__(self, moe: MoEConfig, hidden: int, method: MoEMethod, expert_parallel: bool):
+        super().__init__()
+        tp, rank = tp_size(), tp_rank()
+        self.hidden_size = hidden
+        self.intermediate_total = moe.intermediate_size
+        expert_map: torch.Tensor | None = None
+        if expert_parallel:
+            self.num_experts = moe.num_experts // tp
+            self.first_expert = rank * self.num_experts
+            self.intermediate_size, self.intermediate_start = moe.intermediate_size, 0
+            expert_map = torch.full((moe.num_experts,), -1, dtype=torch.int32)
+            mine = slice(self.first_expert, self.first_expert + self.num_experts)
+            expert_map[mine] = torch.arange(self.num_experts, dtype=torch.int32)
+        else:
+            self.num_experts, self.first_expert = moe.num_experts, 0
+            self.intermediate_size = moe.intermediate_size // tp
+            self.intermediate_start = rank * self.intermediate_size
+        self.expert_map: torch.Tensor | None
+        self.register_buffer("expert_map", expert_map, persistent=False)
+        self.method = method
+        self.method.create_weights(self)
+        self._loaded: set[tuple[int, Proj]] = set()  # (expert, proj) weights read
+
+    def rank_slice(self, loaded: Loaded, proj: Proj) -> Loaded:
+        """This rank's share of one expert's weight: its rows of gate or up ([I, H]), its
+        columns of down ([H, I])."""
+        dim = 1 if proj == "down" else 0
+        return loaded.narrow(dim, self.intermediate_start, self.intermediate_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: object) -> None:
+        assert isinstance(shard_id, ExpertShard)  # (the model's checkpoint_target is ours)
+        expert = shard_id.expert - self.first_expert
+        if not 0 <= expert < self.num_experts:
+            return  # another rank's expert: nothing read
+        if param is getattr(self, "w2_weight" if shard_id.proj == "down" else "w13_weight"):
+            self._loaded.add((expert, shard_id.proj))
+        if self.method.load(self, param, loaded, expert, shard_id.proj):
+            return
+        copy_weight(expert_part(param, expert, shard_id.proj),
+                    self.rank_slice(loaded, shard_id.proj))  # fmt: skip
+
+    def unloaded_weights(self) -> list[str]:
+        """The experts' weights no checkpoint tensor reached (models/loader.py refuses them)."""
+        projs: tuple[Proj, ...] = ("gate", "up", "down")
+        return [f"experts.{self.first_expert + e}.{p}_proj" for e in range(self.num_experts)
+                for p in projs if (e, p) not in self._loaded]  # fmt: skip
+
+    def derived_parameters(self) -> tuple[str, ...]:
+        return self.method.derived_parameters
+
+    def after_load(self) -> None:
+        self.method.process_weights_after_loading(self)
+
+    def forward(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """This rank's experts' weighted sum, not yet summed over ranks."""
+        return self.method.apply(self, x, topk_weights, topk_ids)
+
+
+class _PartialRowLinear(RowParallelLinear):
+    """Row-parallel, without its all-reduce: the block adds this partial sum to the experts'
+    and reduces once."""
+
+    def forward(self, x: torch.Tensor | Codes) -> torch.Tensor:
+        return self.method.apply(self, x, self.bias if self.tp_rank == 0 else None)
+
+
+class SharedExperts(nn.Module):
+    """The shared experts as one dense MLP (gate ‖ up column-parallel, down row-parallel)."""
+
+    def __init__(self, hidden: int, intermediate: int, ctx: ModelContext):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden, [intermediate, intermediate], False, ctx.linear
+        )
+        self.down_proj = _PartialRowLinear(intermediate, hidden, False, ctx.linear)
+        self.act = SiluAndMul(ctx.kernels, feeds=self.down_proj)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class MoEBlock(nn.Module):
+    """A decoder layer's feed-forward part when it is a mixture of experts: forward(x [T, H])
+    → [T, H], summed over the tensor-parallel ranks. Checkpoint names under it: ``gate.weight``,
+    ``gate.e_score_correction_bias``, ``experts.<e>.{gate,up,down}_proj.*`` (the model's
+    ``checkpoint_target`` maps them with ``expert_target``), ``shared_experts.*``."""
+
+    def __init__(self, arch: ArchConfig, ctx: ModelContext):
+        super().__init__()
+        moe = arch.moe
+        assert moe is not None, "an MoE block of a dense model"
+        if arch.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {arch.hidden_act!r}; supported: silu")
+        self.moe = moe
+        self.gate = Router(arch.hidden_size, moe)
+        self.experts = FusedMoE(moe, arch.hidden_size, ctx.moe, ctx.expert_parallel)
+        self.shared_experts: SharedExperts | None = None
+        if moe.shared_intermediate_size:
+            self.shared_experts = SharedExperts(arch.hidden_size, moe.shared_intermediate_size,
+                                                ctx)  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = select_experts(self.gate(x), self.moe, self.gate.e_score_correction_bias)
+        out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return all_reduce(out)

@@ -1,0 +1,254 @@
+"""DeepSeek-V2 and -V3 (multi-head latent attention, a mixture of experts beside shared experts,
+the first layer dense) against Hugging Face ``transformers`` in float32: greedy tokens equal
+token for token, with prefix caching (a prompt sharing a prefix that ends mid-block with an
+earlier one, an exact repeat), chunked prefill, and the piecewise split forward; two
+tensor-parallel ranks equal one; a disaggregated prefill → decode pair, the latent blocks pulled
+over NIXL, equals a colocated engine (each rank of a two-rank decode engine pulls the whole
+latent); an MLA engine refuses a dense engine as its KV peer.
+
+The V3 checkpoint carries a multi-token-prediction layer past its decoder, as DeepSeek-V3's
+does: the engine must skip it (Hugging Face ignores it too).
+"""
+
+import logging
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from baton import LLM, SamplingParams
+from baton.tiny_model import make_tiny_model
+from services.worker.engine.config import EngineArgs
+from services.worker.engine.kv_transfer.params import KVTransferParams
+from tests.helpers import disaggregated, wait_all_free
+
+ARCHS = ("deepseek_v2", "deepseek_v3")
+MAX_NEW = 16
+LOGPROB_ATOL = 1e-4
+_SHARED = [(7 * i) % 300 + 5 for i in range(37)]  # 2 blocks of 16 and 5 tokens into a third
+PROMPTS = [
+    [11, 12],  # shorter than a block
+    [*_SHARED, 40, 41, 42, 43],
+    [*_SHARED, 90, 91, 92],  # its hit: the 32 tokens of the shared prefix's whole blocks
+    [(5 * i) % 250 + 3 for i in range(32)],  # two whole blocks ...
+]
+PROMPTS.append(PROMPTS[-1])  # ... again: a hit of one block (the last token is computed)
+MODES: dict[str, dict[str, Any]] = {
+    "default": {},
+    "chunked-prefill": {"max_num_batched_tokens": 8, "max_num_seqs": 4},
+    "no-prefix-cache": {"enable_prefix_caching": False},
+}
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("deepseek")
+    paths = {arch: make_tiny_model(root / arch, arch=arch) for arch in ARCHS}
+    _add_mtp_layer(paths["deepseek_v3"])
+    return paths
+
+
+def _add_mtp_layer(path: Path) -> None:
+    """DeepSeek-V3 keeps its multi-token-prediction module as ``model.layers.<n>``, past the
+    decoder's layers (here n = 2)."""
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    for name in [n for n in tensors if n.startswith("model.layers.1.")]:
+        tensors[name.replace("model.layers.1.", "model.layers.2.")] = tensors[name].clone()
+    tensors["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+@cache
+def hf_greedy(path: str) -> list[list[int]]:
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    out = []
+    for ids in PROMPTS:
+        seq = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
+                             min_new_tokens=MAX_NEW)  # fmt: skip
+        out.append(seq[0, len(ids) :].tolist())
+    return out
+
+
+def _generate(llm: LLM) -> list[Any]:
+    """The first two prompts, then the rest (their prefixes cached by then)."""
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    first = llm.generate(prompts[:2], GREEDY, use_tqdm=False)
+    rest = llm.generate(prompts[2:4], GREEDY, use_tqdm=False)
+    again = llm.generate(prompts[4:], GREEDY, use_tqdm=False)
+    return [o.outputs[0] for o in first + rest + again]
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_hugging_face(models: dict[str, Path], arch: str, mode: str) -> None:
+    want = hf_greedy(str(models[arch]))
+    llm = LLM(model=str(models[arch]), show_progress=False, dtype="float32", **MODES[mode])
+    try:
+        got = [o.token_ids for o in _generate(llm)]
+        stats = llm.get_stats()
+    finally:
+        llm.shutdown()
+    assert got == want
+    if mode != "no-prefix-cache":
+        assert stats.prefix_hit_tokens == 32 + 16
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_piecewise_split_forward_matches_hugging_face(models: dict[str, Path]) -> None:
+    """The forward a piecewise CUDA graph runner splits at each layer's attention call, run
+    inline (CPU): the latent attention between the pieces, padding rows, mixed steps."""
+    path = models["deepseek_v3"]
+    llm = LLM(model=str(path), show_progress=False, dtype="float32",
+              max_num_batched_tokens=24, max_num_seqs=4)  # fmt: skip
+    try:
+        runner = llm.client.core.executor.worker.runner  # type: ignore[attr-defined]
+        runner.start_piecewise_graphs((8, 16, 24), capture=False)
+        run, padded = runner.pieces.run, []
+
+        def counted(inputs: Any, fill: Any = None) -> Any:
+            hidden, rows = run(inputs, fill)
+            padded.append(hidden.shape[0] > inputs.num_tokens)
+            return hidden, rows
+
+        runner.pieces.run = counted
+        got = [o.token_ids for o in _generate(llm)]
+    finally:
+        llm.shutdown()
+    assert got == hf_greedy(str(path))
+    assert any(padded) and len(padded) > 10  # every step ran split, some padded
+
+
+def test_the_latent_cache_is_one_vector_a_token_and_layer(models: dict[str, Path]) -> None:
+    llm = LLM(model=str(models["deepseek_v2"]), show_progress=False, dtype="float32")
+    try:
+        info = llm.client.call_utility("get_model_info")
+    finally:
+        llm.shutdown()
+    assert info.kv_bytes_per_token == 2 * (32 + 8) * 4  # layers × (latent + rotary key) × fp32
+
+
+def test_an_fp8_latent_cache_is_refused(models: dict[str, Path]) -> None:
+    args = EngineArgs(model=str(models["deepseek_v3"]), kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported for Deepseek"):
+        args.create_engine_config()
+
+
+def _logprobs_close(got: list[Any], want: list[Any]) -> None:
+    for a, b in zip(got, want, strict=True):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert x.keys() == y.keys()
+            assert all(abs(x[t].logprob - y[t].logprob) <= LOGPROB_ATOL for t in x)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tp2_equals_tp1(models: dict[str, Path], arch: str) -> None:
+    """Heads split over two ranks (gloo on CPU), the latent cached whole by each; the experts
+    split by their intermediate dimension; chunked prefill over cached prefixes."""
+    mode = {"max_num_batched_tokens": 8, "max_num_seqs": 4}
+    ref = LLM(model=str(models[arch]), show_progress=False, **mode)  # type: ignore[arg-type]
+    try:
+        want = _generate(ref)
+    finally:
+        ref.shutdown()
+    llm = LLM(model=str(models[arch]), tensor_parallel_size=2, show_progress=False,
+              **mode)  # type: ignore[arg-type]  # fmt: skip
+    try:
+        got = _generate(llm)
+        stats = llm.client.call_utility("get_stats")
+    finally:
+        llm.shutdown()
+    _logprobs_close(got, want)
+    assert stats.prefix_hit_tokens > 0
+
+
+KW = {"num_kv_blocks": 64, "max_model_len": 256, "show_progress": False}
+TEXT_IDS = [(3 * i) % 280 + 4 for i in range(70)]  # 4 whole blocks and 6 tokens
+
+
+@pytest.fixture(scope="module")
+def pd(models: dict[str, Path]) -> Iterator[tuple[LLM, LLM, LLM]]:
+    """A colocated reference, a prefill and a decode engine of the V3 model (NIXL over UCX)."""
+    path = str(models["deepseek_v3"])
+    ref = LLM(model=path, **KW)  # type: ignore[arg-type]
+    prefill = LLM(model=path, multiprocess=True, kv_transfer=True, **KW)  # type: ignore[arg-type]
+    decode = LLM(model=path, multiprocess=True, kv_transfer=True, **KW)  # type: ignore[arg-type]
+    yield ref, prefill, decode
+    for e in (ref, prefill, decode):
+        e.shutdown()
+
+
+def test_disaggregated_equals_colocated(pd: tuple[LLM, LLM, LLM]) -> None:
+    ref, prefill, decode = pd
+    want = ref.generate([{"prompt_token_ids": TEXT_IDS}], GREEDY, use_tqdm=False)[0].outputs[0]
+    first, rest = disaggregated(prefill, decode, TEXT_IDS, GREEDY)
+    got = first.outputs[0].token_ids + rest.outputs[0].token_ids
+    assert got == want.token_ids
+    lps = (first.outputs[0].logprobs or []) + (rest.outputs[0].logprobs or [])
+    for a, b in zip(lps, want.logprobs or [], strict=True):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t].logprob - b[t].logprob) <= LOGPROB_ATOL for t in a)
+    wait_all_free(prefill)
+    stats = decode.get_stats()
+    assert stats.kv_pulls == 1 and stats.kv_pull_failures == 0
+    assert first.kv_handle is not None
+    latent_block = 2 * 1 * 16 * (32 + 8) * 4  # layers × one part × tokens × (latent + k_pe) × fp32
+    assert stats.kv_pull_bytes == len(first.kv_handle.block_ids) * latent_block
+
+
+def test_a_decode_engine_of_two_ranks_pulls_the_whole_latent_to_each(
+    models: dict[str, Path], pd: tuple[LLM, LLM, LLM]
+) -> None:
+    """Every rank caches the whole latent: each of two decode ranks reads every block from
+    the one prefill rank."""
+    ref, prefill, _ = pd
+    decode = LLM(model=str(models["deepseek_v3"]), multiprocess=True, kv_transfer=True,
+                 tensor_parallel_size=2, **KW)  # type: ignore[arg-type]  # fmt: skip
+    try:
+        want = ref.generate([{"prompt_token_ids": TEXT_IDS}], GREEDY, use_tqdm=False)
+        first, rest = disaggregated(prefill, decode, TEXT_IDS, GREEDY)
+        wait_all_free(prefill)  # both ranks' notices ended the lease
+        stats = decode.get_stats()
+    finally:
+        decode.shutdown()
+    assert first.outputs[0].token_ids + rest.outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert first.kv_handle is not None
+    latent_block = 2 * 1 * 16 * (32 + 8) * 4
+    assert stats.kv_pulls == 1 and stats.kv_pull_failures == 0
+    assert stats.kv_pull_bytes == 2 * len(first.kv_handle.block_ids) * latent_block
+
+
+def test_a_dense_engine_is_refused_as_a_kv_peer(
+    models: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A decode leg whose KV handle names a dense (Llama) engine: the handshake refuses it,
+    naming both caches' layouts, and nothing is read (the prompt is recomputed)."""
+    dense = make_tiny_model(tmp_path / "llama", arch="llama")  # (the same tokenizer and vocab)
+    prefill = LLM(model=str(dense), multiprocess=True, kv_transfer=True, **KW)  # type: ignore[arg-type]
+    decode = LLM(model=str(models["deepseek_v3"]), kv_transfer=True, **KW)  # type: ignore[arg-type]
+    try:
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        lease = KVTransferParams(do_remote_decode=True)
+        first = prefill.generate([{"prompt_token_ids": TEXT_IDS, "kv_transfer": lease}],
+                                 params.clone(max_tokens=1), use_tqdm=False)[0]  # fmt: skip
+        assert first.kv_handle is not None
+        leg = KVTransferParams(remote=first.kv_handle, first_token_id=first.outputs[0].token_ids[0])
+        with caplog.at_level(logging.ERROR):
+            out = decode.generate([{"prompt_token_ids": TEXT_IDS, "kv_transfer": leg}], params,
+                                  use_tqdm=False)[0]  # fmt: skip
+        stats = decode.get_stats()
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+    assert stats.kv_pulls == 0 and stats.kv_pull_failures == 1
+    assert len(out.outputs[0].token_ids) == 3  # recomputed after the first (handed-over) token
+    refusal = "\n".join(r.getMessage() for r in caplog.records)
+    assert "'K|V 2x16, float32, 2 layers, blocks of 16" in refusal  # theirs
+    assert "'latent 1x40, float32, 2 layers, blocks of 16" in refusal  # ours

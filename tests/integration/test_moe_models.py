@@ -1,0 +1,183 @@
+"""Mixture-of-experts models on CPU against their oracles: Qwen3-MoE (16 experts, 4 a token,
+a dense layer among the MoE ones) and Mixtral (8 experts, 2 a token).
+
+- Greedy tokens identical to Hugging Face float32, logprobs within 1e-4, with whole prompts
+  (a prompt sharing a long prefix with another: a prefix hit) and with chunked prefill.
+- Two ranks over gloo, each holding a slice of every expert or (expert parallelism) half the
+  experts whole, give the same tokens and logprobs.
+- The tiny checkpoints' routers really spread a prompt's tokens over most experts.
+- FP8 experts (compressed-tensors per channel, ``fp8`` 128×128 blocks, a float checkpoint
+  quantized at load) against the plain-PyTorch reference that dequantizes the same weights and
+  rounds each expert's inputs the same way (``baton/tiny_fp8``). As for the dense FP8 layers
+  (tests/integration/test_fp8.py), greedy is checked teacher-forced: rounding to e4m3 turns the
+  float noise of another batch's summation order into a whole e4m3 step now and then, so a
+  near-tie may flip; nine in ten steps must be the reference's exact argmax.
+"""
+
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from baton import LLM, SamplingParams
+from baton.tiny_model import make_tiny_model
+from tests.helpers import FP8_GREEDY, FP8_PROMPTS, check_against_fp8_reference
+
+MAX_NEW = 16
+LOGPROB_ATOL = 1e-4
+_LONG = (
+    "Return a new list containing all items from the iterable in ascending order. A custom key "
+    "function can be supplied to customize the sort order, and the reverse flag can be set to "
+    "request the result in descending order."
+)
+PROMPTS = [
+    "Hi",
+    "The quick brown fox jumps over the lazy dog",
+    _LONG,
+    _LONG + " The sort is stable.",  # shares a long prefix with the previous prompt
+    "import os\nimport sys\n\ndef main():\n    return 0",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=3, ignore_eos=True)
+MODELS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {"arch": "qwen3_moe", "num_layers": 3},  # layers 0, 2 MoE; 1 dense
+    "mixtral": {"arch": "mixtral"},
+}
+MODES: dict[str, dict[str, Any]] = {
+    "whole-prompts": {"enable_chunked_prefill": False},
+    "chunked-prefill": {"max_num_batched_tokens": 8, "max_num_seqs": 4},
+}
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("moe")
+    return {name: make_tiny_model(root / name, **kw) for name, kw in MODELS.items()}
+
+
+@cache
+def hf_reference(path: Path) -> tuple[list[list[int]], list[list[list[float]]]]:
+    """Hugging Face's greedy tokens and log-softmax rows for each prompt."""
+    tok = AutoTokenizer.from_pretrained(path)
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tokens, rows = [], []
+    for prompt in PROMPTS:
+        ids = tok(prompt, return_tensors="pt")["input_ids"]
+        out = model.generate(ids, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
+                             do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)  # fmt: skip
+        tokens.append(out.sequences[0, ids.shape[1] :].tolist())
+        rows.append([step[0].float().log_softmax(-1).tolist() for step in out.logits])
+    return tokens, rows
+
+
+def _generate(path: Path, **kw: Any) -> tuple[list[Any], Any]:
+    llm = LLM(model=str(path), show_progress=False, dtype="float32", **kw)
+    try:
+        return llm.generate(PROMPTS, GREEDY, use_tqdm=False), llm.get_stats()
+    finally:
+        llm.shutdown()
+
+
+def _assert_hugging_faces(path: Path, outs: list[Any]) -> None:
+    tokens, rows = hf_reference(path)
+    assert [o.outputs[0].token_ids for o in outs] == tokens
+    for out, steps in zip(outs, rows, strict=True):
+        for position, row in zip(out.outputs[0].logprobs, steps, strict=True):
+            for token_id, lp in position.items():
+                assert abs(lp.logprob - row[token_id]) < LOGPROB_ATOL
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_greedy_matches_hugging_face(moe_models: dict[str, Path], name: str, mode: str) -> None:
+    outs, stats = _generate(moe_models[name], **MODES[mode])
+    _assert_hugging_faces(moe_models[name], outs)
+    assert stats.prefix_hit_tokens > 0  # the shared-prefix prompt read the cached blocks
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+# each rank a slice of every expert; half the experts whole (expert parallelism)
+TP_CASES = [("qwen3_moe", False), ("qwen3_moe", True), ("mixtral", True)]
+
+
+@pytest.mark.parametrize(("name", "ep"), TP_CASES)
+def test_two_ranks_equal_one(moe_models: dict[str, Path], name: str, ep: bool) -> None:
+    """Hugging Face's tokens and logprobs are one rank's (the test above)."""
+    outs, _ = _generate(moe_models[name], tensor_parallel_size=2, enable_expert_parallel=ep,
+                        **MODES["chunked-prefill"])  # fmt: skip
+    _assert_hugging_faces(moe_models[name], outs)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_prompts_tokens_spread_over_most_experts(moe_models: dict[str, Path], name: str) -> None:
+    """Routing that sent every token to the same few experts would leave most experts' weights
+    (their loading, their slicing over ranks) untested."""
+    path = moe_models[name]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    used: dict[int, set[int]] = {}
+    for i, layer in enumerate(model.model.layers):
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None:  # (a MoE layer: its router returns (logits, weights, ids))
+            gate.register_forward_hook(lambda mod, args, out, i=i: used.setdefault(i, set())
+                                       .update(out[2].flatten().tolist()))  # fmt: skip
+    ids = AutoTokenizer.from_pretrained(path)(_LONG, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        model(ids)
+    experts = model.config.num_local_experts if name == "mixtral" else model.config.num_experts
+    assert sorted(used) == ([0, 2] if name == "qwen3_moe" else [0, 1])  # (qwen3_moe: 1 dense)
+    assert all(len(chosen) >= 0.75 * experts for chosen in used.values()), used
+
+
+# qwen3_moe in FP8: per channel at the usual sizes; 128×128 blocks at 128-wide experts, with 8
+# heads of 32, so that o_proj's input splits over two ranks in whole 128-column groups (each
+# rank quantizes its own columns: a split group would round unlike one rank's, test_fp8.py)
+FP8_CASES: dict[str, dict[str, Any]] = {
+    "fp8-channel": {"quantize": "fp8-channel"},
+    "fp8-block": {"quantize": "fp8-block", "hidden_size": 128, "moe_intermediate_size": 128,
+                  "num_heads": 8},
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fp8_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("moe-fp8")
+    return {fmt: make_tiny_model(root / fmt, arch="qwen3_moe", num_layers=3, **kw)
+            for fmt, kw in FP8_CASES.items()}  # fmt: skip
+
+
+def _fp8_generate(path: Path, **kw: Any) -> list[Any]:
+    llm = LLM(model=str(path), show_progress=False, **kw)
+    try:
+        assert llm.config.model.quantization is not None
+        return llm.generate(FP8_PROMPTS, FP8_GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("fmt", sorted(FP8_CASES))
+def test_fp8_experts_match_their_dequantizing_reference(
+    fp8_models: dict[str, Path], fmt: str
+) -> None:
+    exact = check_against_fp8_reference(fp8_models[fmt], _fp8_generate(fp8_models[fmt]))
+    assert exact >= 0.9 * len(FP8_PROMPTS) * (FP8_GREEDY.max_tokens or 0)
+
+
+def test_fp8_block_experts_over_two_ranks(fp8_models: dict[str, Path]) -> None:
+    """Expert parallelism: each rank loads its experts' weights and block scales whole. (Two
+    ranks sum in another order than one: the median tolerance is test_fp8.py's for TP=2.)"""
+    path = fp8_models["fp8-block"]
+    outs = _fp8_generate(path, tensor_parallel_size=2, enable_expert_parallel=True)
+    exact = check_against_fp8_reference(path, outs, median_atol=5e-3)
+    assert exact >= 0.9 * len(FP8_PROMPTS) * (FP8_GREEDY.max_tokens or 0)
+
+
+def test_a_float_moe_checkpoint_quantized_at_load(fp8_models: dict[str, Path]) -> None:
+    """``quantization="fp8"`` on the float model gives exactly the per-channel checkpoint made
+    from it: every expert's weights and scales quantized as the checkpoint's were."""
+    path = fp8_models["fp8-channel"]
+    online = _fp8_generate(path / "unquantized", quantization="fp8")
+    stored = _fp8_generate(path)
+    assert [o.outputs[0].token_ids for o in online] == [o.outputs[0].token_ids for o in stored]
