@@ -1,0 +1,230 @@
+"""A mixture-of-experts layer's experts alone on a GPU: the fused Triton kernels
+(``ops/fused_moe.fused_moe``) against the same computation with one GEMM per expert
+(``fused_moe_reference``, the loop a layer without the kernels runs), at each token count of
+``--tokens``, bf16 and FP8 with 128 × 128 weight blocks, at Qwen3-30B-A3B's expert shape.
+
+Each call is timed by CUDA events with the L2 cleared before it (a step reads the weights from
+HBM: one token's 8 FP8 experts would fit in the L2), over ``--routings`` different random
+routings in turn; the median of ``--reps``. At one token the achieved bandwidth: the bytes of
+the k chosen experts' weights (and scales) over the time, and that as a fraction of the copy
+bandwidth measured in the same run (``roofline.copy_bandwidth``).
+
+    python benchmarks/moe_layer.py --out moe_layer.json
+
+``--sweep``: instead, every launch of ``SWEEP`` at each token count and format, the fastest
+named beside the table's (what ``fused_moe``'s tables should keep). ``--smoke``: tiny shapes,
+a few reps, on CPU in Triton's interpreter where there is no GPU (a check that it runs, not a
+timing).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if not torch.cuda.is_available():  # read when Triton's kernels are defined: before the imports
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.roofline import copy_bandwidth
+from benchmarks.shapes import SHAPES
+from services.worker.engine.ops.fused_moe import (
+    MoELaunch,
+    fused_moe,
+    fused_moe_reference,
+    launch_for,
+)
+from services.worker.engine.quantization.fp8_math import quantize_blocks
+
+SMOKE = {"num_experts": 4, "num_experts_per_tok": 2, "hidden_size": 64, "moe_intermediate_size": 64}
+BLOCK = 128  # FP8 block checkpoints' blocks
+SWEEP = [  # (weight rows a program: GEMM 1's half gate, half up; FP8 blocks: K tiles of 128)
+    MoELaunch(m, n, kk, w, s)
+    for m, n, kk, w, s in [
+        (16, 32, 128, 4, 4), (16, 64, 64, 4, 5), (16, 64, 128, 4, 3), (16, 128, 128, 4, 2),
+        (16, 128, 128, 4, 3), (16, 256, 128, 8, 2), (32, 128, 128, 4, 3), (32, 256, 128, 4, 2),
+        (64, 128, 64, 4, 3), (64, 128, 128, 4, 4), (64, 256, 128, 8, 3), (128, 128, 64, 4, 4),
+        (128, 256, 64, 8, 4),
+    ]
+]  # fmt: skip
+
+
+def model_dtype(dev: torch.device) -> torch.dtype:
+    """bf16 (the interpreter's ``tl.dot`` takes no bf16: float32 there)."""
+    return torch.bfloat16 if dev.type == "cuda" else torch.float32
+
+
+def experts(shape: dict[str, int], fp8: bool, dev: torch.device) -> dict[str, Any]:
+    """Random experts of ``shape`` ([E, 2I, H] and [E, H, I]), bf16 or in e4m3 blocks."""
+    e, h, i = shape["num_experts"], shape["hidden_size"], shape["moe_intermediate_size"]
+    dtype = model_dtype(dev)
+    w13 = (torch.randn(e, 2 * i, h, device=dev) * h**-0.5).to(dtype)
+    w2 = (torch.randn(e, h, i, device=dev) * i**-0.5).to(dtype)
+    if not fp8:
+        return {"w13": w13, "w2": w2}
+    block = min(BLOCK, h, i)
+    out: dict[str, Any] = {"block": block}
+    for name, w in (("w13", w13), ("w2", w2)):
+        parts = [quantize_blocks(we, block) for we in w]
+        out[name] = torch.stack([q for q, _ in parts])
+        out[f"{name}_scale"] = torch.stack([s for _, s in parts])
+    return out
+
+
+def chosen_bytes(w: dict[str, Any], k: int) -> int:
+    """The bytes of k experts' weights and scales: what one token must read."""
+    return k * sum(t[0].numel() * t.element_size() for t in w.values() if torch.is_tensor(t))
+
+
+class Inputs:
+    """Static tokens and routing, and ``routings`` random routings (softmax, top k) that
+    ``use`` copies into them in turn: what a captured graph reads."""
+
+    def __init__(self, shape: dict[str, int], t: int, routings: int, dev: torch.device) -> None:
+        self.x = torch.randn(t, shape["hidden_size"], device=dev).to(model_dtype(dev))
+        self.routes = []
+        for _ in range(routings):
+            logits = torch.randn(t, shape["num_experts"], device=dev)
+            weights, ids = logits.softmax(-1).topk(shape["num_experts_per_tok"], -1)
+            self.routes.append((weights, ids.int()))
+        self.weights, self.ids = (v.clone() for v in self.routes[0])
+
+    def use(self, r: int) -> None:
+        weights, ids = self.routes[r % len(self.routes)]
+        self.weights.copy_(weights)
+        self.ids.copy_(ids)
+
+
+def time_ms(run: Callable[[], object], inputs: Inputs, reps: int, graph: bool) -> float:
+    """Median ms of ``run()`` over ``reps`` calls, the routings in turn, the L2 cleared before
+    each (CUDA events; with ``graph`` the call captured once and replayed: the kernels' time
+    without their launches' host overhead, as the engine's decode steps run them); on CPU a
+    host clock."""
+    dev = inputs.x.device
+    run()  # compiles
+    if graph:
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            run()
+        run = captured.replay
+    flush = torch.empty(256 << 20, dtype=torch.int8, device=dev) if dev.type == "cuda" else None
+    times = []
+    for r in range(reps):
+        inputs.use(r)
+        if flush is None:
+            t0 = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - t0) * 1e3)
+            continue
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def case(shape: dict[str, int], fmt: str, t: int, args: argparse.Namespace,
+         dev: torch.device, w: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """One token count in one format: the fused kernels' medians (in a CUDA graph, and
+    launched from Python) and the per-expert loop's."""
+    inp = Inputs(shape, t, args.routings, dev)
+    out = torch.empty_like(inp.x)
+    extra = {n: v for n, v in w.items() if n not in ("w13", "w2")}  # scales, block
+    fused = lambda: fused_moe(inp.x, w["w13"], w["w2"], inp.weights, inp.ids, out=out, **extra)  # noqa: E731
+    loop = lambda: fused_moe_reference(inp.x, w["w13"], w["w2"], inp.weights, inp.ids, **extra)  # noqa: E731
+    cuda = dev.type == "cuda"
+    fused_ms = time_ms(fused, inp, args.reps, graph=cuda)
+    eager_ms = time_ms(fused, inp, args.reps, graph=False)
+    loop_ms = time_ms(loop, inp, max(3, args.reps // 10), graph=False)
+    row: dict[str, Any] = {"tokens": t, "format": fmt, "fused_ms": round(fused_ms, 4),
+                           "fused_eager_ms": round(eager_ms, 4),
+                           "per_expert_loop_ms": round(loop_ms, 4),
+                           "speedup": round(loop_ms / fused_ms, 2)}  # fmt: skip
+    if t == 1:
+        nbytes = chosen_bytes(w, shape["num_experts_per_tok"])
+        row["chosen_expert_bytes"] = nbytes
+        row["achieved_GBps"] = round(nbytes / fused_ms / 1e6, 1)
+    return row
+
+
+def sweep(shape: dict[str, int], fmt: str, t: int, args: argparse.Namespace,
+          dev: torch.device, w: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """Every launch of SWEEP at one token count (in a CUDA graph): each one's median, the
+    fastest named, beside the table's."""
+    inp = Inputs(shape, t, args.routings, dev)
+    extra = {n: v for n, v in w.items() if n not in ("w13", "w2")}
+    times = {}
+    for c in SWEEP:
+        if "block" in extra and c.block_k != extra["block"]:
+            continue
+        fn = lambda: fused_moe(inp.x, w["w13"], w["w2"], inp.weights, inp.ids, config=c, **extra)  # noqa: E731,B023
+        name = f"{c.block_m}x{c.block_n}x{c.block_k}/w{c.num_warps}s{c.num_stages}"
+        times[name] = round(time_ms(fn, inp, args.reps, graph=dev.type == "cuda"), 4)
+    table = launch_for(t, w["w13"], extra.get("block"))
+    return {"tokens": t, "format": fmt, "best": min(times, key=times.__getitem__),
+            "table": f"{table.block_m}x{table.block_n}x{table.block_k}", "ms": times}  # fmt: skip
+
+
+def expert_shape(name: str) -> dict[str, int]:
+    """A model's expert dims (``benchmarks/shapes.py``; DeepSeek's config names its experts
+    ``n_routed_experts``), under SMOKE's names."""
+    config = SHAPES[name]
+    dims = {n: config.get(n, config.get("n_routed_experts")) for n in SMOKE}
+    assert all(isinstance(v, int) for v in dims.values()), dims
+    return dims  # type: ignore[return-value]
+
+
+MOE_SHAPES = [n for n in SHAPES if "moe_intermediate_size" in SHAPES[n]]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="qwen3-30b-a3b", choices=MOE_SHAPES)
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 4096])
+    p.add_argument("--formats", nargs="+", default=["bf16", "fp8-block"],
+                   choices=["bf16", "fp8-block"])  # fmt: skip
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--routings", type=int, default=8, help="different routings, in turn")
+    p.add_argument("--sweep", action="store_true", help="time every launch of SWEEP instead")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, a few reps (CPU too)")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cpu" and not args.smoke:
+        p.error("no GPU: only --smoke runs on CPU")
+    shape = SMOKE if args.smoke else expert_shape(args.shape)
+    if args.smoke:
+        args.tokens, args.reps, args.routings = [t for t in args.tokens if t <= 64], 3, 2
+    rows = []
+    for fmt in args.formats:
+        w = experts(shape, fmt != "bf16", dev)
+        for t in args.tokens:
+            rows.append((sweep if args.sweep else case)(shape, fmt, t, args, dev, w))
+            print(json.dumps(rows[-1]), flush=True)
+    result: dict[str, Any] = {"shape": "smoke" if args.smoke else args.shape, **shape,
+                              "device": torch.cuda.get_device_name() if dev.type == "cuda"
+                              else "cpu (Triton interpreter)", "rows": rows}  # fmt: skip
+    if dev.type == "cuda" and not args.sweep:
+        bandwidth = copy_bandwidth(dev)
+        result["copy_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
+        for row in rows:
+            if "achieved_GBps" in row:
+                row["fraction_of_copy_bandwidth"] = round(row["achieved_GBps"] * 1e9 / bandwidth, 3)
+    print(json.dumps(result, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

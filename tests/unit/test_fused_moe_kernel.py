@@ -1,0 +1,167 @@
+"""The fused MoE kernels (ops/fused_moe.py) in Triton's interpreter on CPU, at tiny shapes (E 4,
+H and I 64): the align step's layout, and the experts against ``fused_moe_reference``.
+
+The interpreter's ``tl.dot`` multiplies bfloat16 as integers, so the 16-bit checks here run in
+float16 (the same rounding points); bf16 runs on the GPU (tests/gpu/test_fused_moe.py). Its
+float32 → e4m3 cast also rounds some codes differently from PyTorch's
+(tests/unit/test_fp8_kernels.py), so the FP8 experts are checked against the product of the
+codes the kernel's own quantizer writes (``quantize_input``); on the GPU, where that cast is
+right, against the reference's rounding."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.worker.engine.ops.fused_moe import (
+    MoELaunch,
+    align,
+    fused_moe,
+    fused_moe_reference,
+    quantize_input,
+    supported,
+)
+from services.worker.engine.quantization.fp8_math import Codes, quantize_blocks, quantize_rows
+
+E, H, INTER = 4, 64, 64  # local experts, hidden, intermediate
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # (the interpreter's CPU tensors)
+
+
+def _routing(
+    t: int, k: int, local_half: bool, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Routing weights, global expert ids [T, k] (int32) and the expert map: without
+    ``local_half`` the E experts are all local; with it 2E experts, the odd ones here (local
+    index id // 2), the even ones on another rank."""
+    g = torch.Generator().manual_seed(seed)
+    experts = 2 * E if local_half else E
+    weights, ids = torch.randn(t, experts, generator=g).softmax(-1).topk(k, -1)
+    if not local_half:
+        return weights.to(DEVICE), ids.int().to(DEVICE), None
+    emap = torch.full((experts,), -1, dtype=torch.int32)
+    emap[1::2] = torch.arange(E, dtype=torch.int32)
+    return weights.to(DEVICE), ids.int().to(DEVICE), emap.to(DEVICE)
+
+
+def _weights(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(E, 2 * INTER, H, generator=g).to(DEVICE) * H**-0.5,
+            torch.randn(E, H, INTER, generator=g).to(DEVICE) * INTER**-0.5)  # fmt: skip
+
+
+def _tokens(t: int, scale: torch.Tensor | float = 1.0) -> torch.Tensor:
+    return (torch.randn(t, H, generator=torch.Generator().manual_seed(t)) * scale).to(DEVICE)
+
+
+@pytest.mark.parametrize(("t", "k", "local_half"), [(1, 1, False), (5, 2, True), (33, 2, True),
+                                                    (40, 1, True), (9, 2, False)])  # fmt: skip
+def test_align_groups_the_local_pairs_in_padded_runs(t: int, k: int, local_half: bool) -> None:
+    """Every local pair exactly once, in an M-block of its expert; each expert's run the
+    fewest whole blocks that hold it, in expert order, padded with the sentinel T·k; no pair
+    of another rank's expert anywhere."""
+    _, ids, emap = _routing(t, k, local_half, seed=t * 10 + k)
+    al = align(ids, emap, E, block_m=16)
+    local = (emap.long()[ids.long()] if emap is not None else ids.long()).reshape(-1)
+    padded = int(al.num_padded)
+    counts = torch.bincount(local[local >= 0], minlength=E)
+    assert padded == int(((counts + 15) // 16 * 16).sum()) and padded <= al.max_blocks * 16
+    rows = al.sorted_ids[:padded].long().view(-1, 16)
+    experts = al.block_expert[: padded // 16].long()
+    runs = torch.repeat_interleave(torch.arange(E, device=DEVICE), (counts + 15) // 16)
+    assert torch.equal(experts, runs)
+    real = rows < t * k
+    assert torch.equal(local[rows[real]], experts[:, None].expand_as(rows)[real])
+    assert torch.equal(rows[real].sort().values, torch.nonzero(local >= 0).flatten())
+    assert (rows[~real] == t * k).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("t", [1, 5, 33])
+def test_fused_moe_is_the_reference(t: int, k: int, dtype: torch.dtype) -> None:
+    """Half the experts on this rank (k = 2) or all of them (k = 1): the reference's sums over
+    the local experts, rounded at the same points (one float16 step at most)."""
+    weights, ids, emap = _routing(t, k, local_half=k == 2, seed=t + k)
+    w13, w2 = (w.to(dtype) for w in _weights(seed=t))
+    x = _tokens(t).to(dtype)
+    got = fused_moe(x, w13, w2, weights, ids, expert_map=emap)
+    want = fused_moe_reference(x, w13, w2, weights, ids, expert_map=emap)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert got.dtype == dtype and got.shape == (t, H)
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    if emap is not None:  # the other rank's experts would have changed it
+        everything = fused_moe_reference(x, w13, w2, weights, emap.clamp(min=0)[ids.long()])
+        assert (everything - want).abs().max() > 100 * tol
+
+
+def test_fused_moe_writes_out_and_takes_int64_ids() -> None:
+    weights, ids, _ = _routing(6, 2, local_half=False, seed=3)
+    w13, w2 = _weights(seed=4)
+    x = _tokens(6)
+    out = torch.full((6, H), float("nan"), device=DEVICE)
+    got = fused_moe(x, w13, w2, weights, ids.long(), out=out)
+    assert got is out
+    torch.testing.assert_close(out, fused_moe_reference(x, w13, w2, weights, ids))
+
+
+def _fp8(w: torch.Tensor, block: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's weight in e4m3: (codes [E, rows, cols], per-channel scales [E, rows, 1] or
+    per-block [E, ⌈rows/b⌉, ⌈cols/b⌉])."""
+    parts = [quantize_rows(we) if block is None else quantize_blocks(we, block) for we in w]
+    return torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts])
+
+
+def _dequantize_codes(codes: Codes, block: int | None) -> torch.Tensor:
+    cols = torch.arange(codes.codes.shape[1], device=DEVICE) // (block or codes.codes.shape[1])
+    return codes.codes.double() * codes.scales.double()[:, cols]
+
+
+def _dequantize_weight(w: torch.Tensor, scale: torch.Tensor, block: int | None) -> torch.Tensor:
+    if block is None:
+        return w.double() * scale.double().reshape(-1, 1)
+    rows = scale.double().repeat_interleave(block, 0)[: w.shape[0]]
+    return w.double() * rows[:, torch.arange(w.shape[1], device=DEVICE) // block]
+
+
+def _product_of_codes(
+    x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+    weights: torch.Tensor, ids: torch.Tensor, emap: torch.Tensor | None, block: int | None,
+) -> torch.Tensor:  # fmt: skip
+    """The FP8 experts over the codes the kernel's quantizer writes, x's and h's, in float64
+    (h rounded to float32, x's dtype, before it is quantized, as the kernel rounds it)."""
+    local = emap.long()[ids.long()] if emap is not None else ids.long()
+    out = torch.zeros(x.shape, dtype=torch.float64, device=DEVICE)
+    for e in range(w13.shape[0]):
+        tokens, slots = torch.where(local == e)
+        xd = _dequantize_codes(quantize_input(x[tokens], block), block)
+        gate, up = (xd @ _dequantize_weight(w13[e], s13[e], block).T).float().chunk(2, -1)
+        hd = _dequantize_codes(quantize_input(F.silu(gate) * up, block), block)
+        y = (hd @ _dequantize_weight(w2[e], s2[e], block).T).float()
+        out.index_add_(0, tokens, (y * weights[tokens, slots, None]).double())
+    return out
+
+
+@pytest.mark.parametrize("block", [None, 32], ids=["channel", "block32"])
+@pytest.mark.parametrize("t", [1, 5, 33])
+def test_fp8_experts_are_the_product_of_their_codes(t: int, block: int | None) -> None:
+    """Per-channel and block (32 × 32 here: H and I of two blocks) e4m3 experts, half on this
+    rank: the product of the activations' codes and scales (x's per token or per token and
+    group, h's likewise) with the dequantized weights; and the reference's result to within
+    FP8's error plus the interpreter's cast (above: the same arithmetic, other codes)."""
+    weights, ids, emap = _routing(t, 2, local_half=True, seed=t)
+    w13, w2 = _weights(seed=t + 1)
+    (q13, s13), (q2, s2) = _fp8(w13, block), _fp8(w2, block)
+    x = _tokens(t, torch.linspace(0.1, 4, H))
+    kw = {"expert_map": emap, "w13_scale": s13, "w2_scale": s2, "block": block}
+    got = fused_moe(x, q13, q2, weights, ids, **kw)  # type: ignore[arg-type]
+    exact = _product_of_codes(x, q13, s13, q2, s2, weights, ids, emap, block)
+    torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5 * float(exact.abs().max()))
+    want = fused_moe_reference(x, q13, q2, weights, ids, **kw)  # type: ignore[arg-type]
+    assert (got - want).norm() < 0.2 * want.norm()
+    if block is not None:  # h's codes from a pass after GEMM 1, or its epilogue (a tile a group)
+        fused = MoELaunch(block_m=16, block_n=2 * block, block_k=block)
+        assert torch.equal(fused_moe(x, q13, q2, weights, ids, **kw, config=fused), got)  # type: ignore[arg-type]
+
+
+def test_the_kernels_take_cuda_tensors_only() -> None:
+    w13, _ = _weights(seed=0)
+    assert not supported(torch.randn(2, H), w13.cpu())
