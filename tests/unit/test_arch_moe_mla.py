@@ -112,3 +112,24 @@ def test_make_tiny_model_offers_every_tiny_architecture() -> None:
     from baton.tiny_model import ARCHS
 
     assert sorted(TINY_ARCHS) == sorted(ARCHS)
+
+
+def test_block_fp8_experts_that_straddle_ranks_are_refused_before_any_rank_starts(
+    tmp_path: Path,
+) -> None:
+    """Qwen3-30B-A3B in FP8 blocks: 768 / 2 = 384 = 3 blocks a rank splits; 768 / 4 = 192 does
+    not, unless each rank holds whole experts."""
+    from benchmarks.shapes import CHECKPOINT_FORMATS
+    from services.worker.engine.config import EngineArgs
+
+    cfg = dict(SHAPES["qwen3-30b-a3b"], quantization_config=CHECKPOINT_FORMATS["fp8-block"])
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+
+    def config(tp: int, ep: bool = False) -> object:
+        return EngineArgs(model=str(tmp_path), device="cpu", tensor_parallel_size=tp,
+                          enable_expert_parallel=ep).create_engine_config()  # fmt: skip
+
+    assert config(2)
+    with pytest.raises(ValueError, match=r"768 / 4 = 192\) to be a multiple of 128"):
+        config(4)
+    assert config(4, ep=True)

@@ -120,6 +120,23 @@ class EngineConfig:
     structured: StructuredOutputConfig = StructuredOutputConfig()
 
 
+def _check_block_experts(
+    arch: ArchConfig, quant: QuantConfig | None, parallel: ParallelConfig
+) -> None:
+    """FP8 experts in 128×128 blocks keep whole blocks on a rank: without expert parallelism
+    each rank's slice of an expert's intermediate dimension must be a multiple of the block
+    (refused here, before any rank starts, rather than in every rank's model build)."""
+    moe, tp = arch.moe, parallel.tensor_parallel_size
+    if moe is None or quant is None or quant.weights != "block" or parallel.enable_expert_parallel:
+        return
+    if (moe.intermediate_size // tp) % quant.block:
+        raise ValueError(
+            f"FP8 block experts need each rank's share of moe_intermediate_size "
+            f"({moe.intermediate_size} / {tp} = {moe.intermediate_size // tp}) to be a multiple "
+            f"of {quant.block}: fewer ranks, or --enable-expert-parallel"
+        )
+
+
 @dataclass
 class EngineArgs:
     """Keyword arguments of ``LLM(...)``/``AsyncLLM`` and flags of ``baton worker``."""
@@ -198,6 +215,7 @@ class EngineArgs:
         )
         parallel = self._parallel_config(arch, device)
         quantization = parse_quantization(hf_config, self.quantization, self.fp8_fast_accumulation)
+        _check_block_experts(arch, quantization, parallel)
         from services.worker.engine.kv_transfer.connector import CONNECTORS
 
         if self.kv_connector not in CONNECTORS:
