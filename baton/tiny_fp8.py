@@ -30,7 +30,9 @@ from pathlib import Path
 from typing import Any
 
 FORMATS = ("fp8-tensor", "fp8-channel", "fp8-block")
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           # DeepSeek's latent attention (its FP8 checkpoints quantize them all)
+           "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # fmt: skip
 # the checkpoint's quantized tensors: the linear layers', and each expert's (Mixtral's w1 gate,
 # w3 up, w2 down)
 _QUANTIZED = (*LINEARS, "w1", "w2", "w3")
@@ -276,6 +278,8 @@ def dequantized_reference(path: str | Path, quantize_activations: bool = True) -
         model.tie_weights()
     if quantize_activations:
         for name, lin in _linears(model).items():
+            if name.endswith("kv_b_proj"):  # the engine multiplies the latent by its weight
+                continue  # unrounded, in prefill as in decode (models/layers/mla.py)
             static = tensors.get(f"{name}.input_scale")
             if quant.activations == "static":  # the engine's q/k/v (gate/up) share the largest
                 prefix, _, own = name.rpartition(".")

@@ -234,8 +234,12 @@ class LatentAttention(nn.Module):
         mla, heads = self.mla, self.num_heads
         rows = gather_latents(cache, table, seq_len)  # [L, cache_dim]
         c, k_pe = rows.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
-        kv = self.decompress(c.to(q.dtype)).view(seq_len, heads, -1)
-        k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
+        # kv_b_proj's weight as ``after_load`` read it (an FP8 one dequantized), the latent
+        # unrounded: the product decode's absorbed form computes, so that a token attends alike
+        # in a prefill chunk and in a decode step (a resumed request equals one that was not)
+        c = c.to(q.dtype)
+        k_nope = torch.einsum("lr,hnr->lhn", c, self.w_uk)
+        v = torch.einsum("lr,hrv->lhv", c, self.w_uv)
         k_pe = k_pe.to(q.dtype).unsqueeze(1).expand(seq_len, heads, mla.qk_rope_head_dim)
         k = torch.cat((k_nope, k_pe), dim=-1)
         q_len = q.shape[0]
