@@ -71,10 +71,12 @@ def _decode(fp8: bool) -> Preset:
         attention_ops._decode,
         {"Q": "*bf16", "K": kv, "V": kv, "Out": "*bf16", "part_acc": "*bf16",
          "part_ml": "*bf16", "block_tables": "*i32", "query_start_loc": "*i32",
-         "seq_lens": "*i32", "order": "*i32", "qk_scale": "fp32", "v_scale": "fp32"},
+         "seq_lens": "*i32", "order": "*i32", "Sinks": "*fp32", "qk_scale": "fp32",
+         "v_scale": "fp32"},
         {"KV_BLOCK": 16, "GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "BLOCK_D": 128,
          "BLOCK_N": 64, "NUM_SPLITS": 1, "PRECISION": "tf32", "ORDERED": True,
-         "USE_PDL": False, "DOT_F16": fp8, "GPU": True, "LANES": 1, "PREFETCH": 0},
+         "USE_PDL": False, "DOT_F16": fp8, "GPU": True, "LANES": 1, "PREFETCH": 0,
+         "HAS_WINDOW": False, "HAS_SINKS": False},
         warps=4, stages=2,
     )  # fmt: skip
 

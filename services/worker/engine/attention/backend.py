@@ -9,6 +9,18 @@ The batch is flattened ("varlen"): the scheduled tokens of every request sit end
 
 Request *i*'s queries are the last ``q_len_i`` of its ``seq_lens[i]`` positions; each attends
 causally to every position before it, read from the paged cache through ``block_tables[i]``.
+
+A layer may narrow that (Hugging Face's semantics, ``masking_utils.sliding_window_overlay`` and
+gpt-oss's ``eager_attention_forward``):
+
+- a sliding window of W: the query at position p sees the keys in (p - W, p], W keys counting
+  its own (fewer near the start)
+
+      keys:    0 1 2 3 4 5 6 7 8 9
+      p = 8, W = 4:      . . . . . x x x x .     (keys 5..8)
+
+- sinks: one logit per query head that joins the softmax's denominator and has no value, so a
+  head can attend to "nothing": out = sum_k e^(s_k) v_k / (e^(sink_h) + sum_k e^(s_k)).
 """
 
 from abc import ABC, abstractmethod
@@ -85,7 +97,8 @@ class AttentionBackend(ABC):
     ``forward`` must (1) write this step's k/v into ``kv_cache`` at ``metadata.slot_mapping``
     (unless ``store_kv`` is False: a kernel before it stored them, the fused rotary of
     ``models/layers/rotary.py``, and k and v are then not read) and (2) return causal attention
-    of ``q`` over each request's whole context (cached + new), in ``out`` when given (the static
+    of ``q`` over each request's whole context (cached + new; only its window's keys with a
+    sliding window, with the sinks in the softmax), in ``out`` when given (the static
     buffer of a piecewise CUDA graph: worker/piecewise_graphs.py).
     Rows of ``q`` past ``metadata.query_start_loc[-1]`` are padding: their keys and values go
     to the slots ``slot_mapping`` names for them, and their output is left as it is. It must not
@@ -95,13 +108,37 @@ class AttentionBackend(ABC):
 
     name: str = "abstract"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        """``sliding_window``: W, the query at position p sees the keys in (p - W, p] (None:
+        all before it). ``sinks``: [num_heads] logits (this rank's heads), one extra term per
+        head in the softmax's denominator with no value (None: none). The backend keeps a
+        reference to ``sinks``, not a copy: pass the layer's parameter itself and load it in
+        place (``copy_``, or ``Module.to``, which keeps the parameter object); it is read at
+        every forward, in float32."""
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of kv heads {num_kv_heads}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+        if sinks is not None and tuple(sinks.shape) != (num_heads,):
+            raise ValueError(f"sinks must have shape ({num_heads},), got {tuple(sinks.shape)}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.sinks = sinks
+
+    def attended(self, seq_len: int) -> int:
+        """How many keys the last query of a ``seq_len``-token context sees."""
+        return seq_len if self.sliding_window is None else min(seq_len, self.sliding_window)
 
     @abstractmethod
     def forward(

@@ -10,7 +10,11 @@ a Hopper forward path) for the prefill rows of a step, the Triton kernels for th
 - K/V writes: the Triton backend's ``write_kv``; the cache layout (and what NIXL pulls) is
   unchanged.
 - float32 (which FlashAttention does not run), head dims its paged path does not take
-  (other than 64, 128, 256), and an FP8 cache go to the Triton prefill kernel.
+  (other than 64, 128, 256), an FP8 cache, and a layer with a sliding window or sinks go to the
+  Triton prefill kernel. (FlashAttention-4's forward has ``window_size_left`` and
+  ``learnable_sink``, bfloat16 only, upstream; until they are checked on a GPU against the
+  Triton kernels, such a layer takes the Triton path rather than an unchecked one, so "auto"
+  serves Gemma 3's and gpt-oss's windowed layers with Triton and the others with FlashAttention.)
 
 FlashAttention reads whole pages: rows past a sequence's end in its last page are masked but
 must be finite, which holds since the KV cache is allocated zeroed (kv_cache/layout.py) and
@@ -51,8 +55,16 @@ class FlashAttnBackend(TritonAttentionBackend):
     # ``flash_attn_copy`` variant (2k prompts ran 5.6 ms slower in the run that added it)
     WRITE_IN_PLACE = True
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window, sinks)
         with warnings.catch_warnings():  # its compiler's names it deprecated itself
             warnings.simplefilter("ignore", DeprecationWarning)
             from flash_attn.cute import (
@@ -66,8 +78,10 @@ class FlashAttnBackend(TritonAttentionBackend):
         fwd = getattr(interface, "_flash_attn_fwd", None)
         takes_out = fwd is not None and "out" in inspect.signature(fwd).parameters
         self._fwd: Any = fwd if takes_out else None
-        # its paged path needs a head dim that fills its tiles; others run the Triton prefill
-        self._paged_ok = head_dim in PAGED_HEAD_DIMS
+        # its paged path needs a head dim that fills its tiles, and this layer dense attention;
+        # others run the Triton prefill
+        dense = sliding_window is None and sinks is None
+        self._paged_ok = head_dim in PAGED_HEAD_DIMS and dense
 
     def _prefill(
         self,

@@ -4,6 +4,10 @@ Simple by design and easy to check: it is the oracle that faster backends are te
 it runs on both CPU and GPU. Prefill chunks are attended one request at a time; decode rows (one
 query each) go through one padded, masked call, since a per-request loop of tiny calls is what
 dominated CPU decode time (60 % of a step in a profile of the tiny model).
+
+A sliding window and sinks (backend.py) are masks and one more column of the same calls: the
+sinks as a key whose score is the head's sink logit (an additive mask on a zero key) and whose
+value is zero.
 """
 
 import torch
@@ -73,14 +77,13 @@ class TorchAttentionBackend(AttentionBackend):
         max_len = max(metadata.seq_lens_cpu[i] for i in rows)
         row_idx = torch.tensor(rows, device=q.device)
         keys, values = self._gather(kv_cache, metadata.block_tables[row_idx], max_len)
-        mask = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]
-        res = F.scaled_dot_product_attention(
+        k_pos = torch.arange(max_len, device=q.device)[None, :]
+        mask = self._visible(k_pos, lens[:, None] - 1)  # each row's query: its last position
+        res = self._sdpa(
             q[token_idx].float().unsqueeze(2),  # [B, H, 1, D]
             keys.float().transpose(1, 2),  # [B, H_kv, L, D]
             values.float().transpose(1, 2),
-            attn_mask=mask[:, None, None, :],
-            scale=self.scale,
-            enable_gqa=True,
+            mask[:, None, None, :],
         )
         out[token_idx] = res.squeeze(2).to(q.dtype)
 
@@ -88,16 +91,37 @@ class TorchAttentionBackend(AttentionBackend):
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_len: int
     ) -> torch.Tensor:
         q_len = q.shape[0]
-        # Query j sits at absolute position seq_len - q_len + j and sees keys 0..that position.
+        # Query j sits at absolute position seq_len - q_len + j and sees keys 0..that position
+        # (those of its window only, with a sliding window).
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         k_pos = torch.arange(seq_len, device=q.device)
-        mask = k_pos[None, :] <= q_pos[:, None]
-        out = F.scaled_dot_product_attention(
+        out = self._sdpa(
             q.float().transpose(0, 1),  # [H, q_len, D]
             keys.float().transpose(0, 1),
             values.float().transpose(0, 1),
-            attn_mask=mask,
-            scale=self.scale,
-            enable_gqa=True,
+            self._visible(k_pos[None, :], q_pos[:, None])[None],  # [1, q_len, seq_len]
         )
         return out.transpose(0, 1)
+
+    def _visible(self, k_pos: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+        """Which keys a query sees: causal, and inside its window (positions broadcast)."""
+        mask = k_pos <= q_pos
+        if self.sliding_window is not None:
+            mask &= k_pos > q_pos - self.sliding_window
+        return mask
+
+    def _sdpa(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention of q [..., H, n, D] over keys/values [..., H_kv, L, D] where ``mask``
+        [..., 1, n, L] allows; with sinks, over one more key of score sink_h and value 0."""
+        if self.sinks is not None:
+            zero = keys.new_zeros((*keys.shape[:-2], 1, keys.shape[-1]))
+            keys, values = torch.cat([keys, zero], -2), torch.cat([values, zero], -2)
+            bias = torch.zeros(mask.shape, device=q.device).masked_fill(~mask, float("-inf"))
+            sink = self.sinks.float().to(q.device)[:, None, None]  # [H, 1, 1]
+            rows = q.shape[:-1]  # [..., H, n]
+            mask = torch.cat([bias.expand(*rows, -1), sink.expand(*rows, 1)], -1)
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
+        )

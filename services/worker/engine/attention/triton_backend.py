@@ -2,7 +2,9 @@
 (prefill chunks) go through ``_prefill``; requests with one (decode rows: the whole batch of a
 decode step, the trailing rows of a mixed one) through ``_decode``, which reads each kv head's
 K/V once for its whole query group, split over the context when the rows are too few to fill
-the GPU, then ``_combine``.
+the GPU, then ``_combine``. A layer's sliding window and sinks reach the kernels as constexpr
+switches (ops/attention.py); with a window, the decode split rule and launch follow the keys a
+row reads (``attended``: at most W), not its context.
 
 It needs only device values from the metadata plus ``max_query_len`` and ``max_seq_len`` —
 which the CUDA-graph path pins to 1 and ``max_model_len`` — so decode can be captured.
@@ -97,8 +99,16 @@ class TritonAttentionBackend(AttentionBackend):
     PREFILL_WARPS = 4
     PREFILL_STAGES = 2
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window, sinks)
         self.group = num_heads // num_kv_heads
         self.block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
         self._num_sms: int | None = None
@@ -222,6 +232,11 @@ class TritonAttentionBackend(AttentionBackend):
             # directly (ops.attention._compute_dtype)
             "DOT_F16": kv.is_fp8 and q.dtype == torch.bfloat16,
             "GPU": q.is_cuda,  # PTX where the interpreter has none (ops.attention._widen_values)
+            # a layer's window and sinks; neither: the dense kernels (any tensor stands for
+            # absent sinks: the kernels do not read it)
+            "window": self.sliding_window or 0, "HAS_WINDOW": self.sliding_window is not None,
+            "Sinks": meta.seq_lens if self.sinks is None else self.sinks,
+            "HAS_SINKS": self.sinks is not None,
         }  # fmt: skip
 
     def _prefill(
@@ -256,12 +271,9 @@ class TritonAttentionBackend(AttentionBackend):
         if not self._tuned:
             self.tune(q.device)
         num_reqs = meta.seq_lens.shape[0] - first
+        attended = self.attended(meta.max_decode_seq_len)  # a window's keys at most
         splits = num_decode_splits(
-            num_reqs,
-            self.num_kv_heads,
-            meta.max_decode_seq_len,
-            self._sms(q.device),
-            **self._split_rule,
+            num_reqs, self.num_kv_heads, attended, self._sms(q.device), **self._split_rule
         )
         part_acc = part_ml = out  # unused placeholders when there is a single split
         if splits > 1:
@@ -278,15 +290,14 @@ class TritonAttentionBackend(AttentionBackend):
             meta.block_tables, meta.query_start_loc, meta.seq_lens, first,
             order if order is not None else meta.seq_lens, ORDERED=order is not None,
             GROUP_PAD=max(16, triton.next_power_of_2(self.group)),
-            NUM_SPLITS=splits, **common,
-            **self.decode_launch(q, splits, meta.max_decode_seq_len),
+            NUM_SPLITS=splits, **common, **self.decode_launch(q, splits, attended),
         )  # fmt: skip
         if splits > 1:
             _combine[(num_reqs, self.num_heads)](
-                out, part_acc, part_ml, meta.query_start_loc, first, out.stride(0),
-                out.stride(1),
+                out, part_acc, part_ml, meta.query_start_loc, first, common["Sinks"],
+                out.stride(0), out.stride(1),
                 HEAD_DIM=self.head_dim, BLOCK_D=self.block_d, NUM_SPLITS=splits,
-                **launch_options(q),
+                HAS_SINKS=self.sinks is not None, **launch_options(q),
             )  # fmt: skip
 
     def decode_launch(
@@ -331,11 +342,12 @@ class TritonAttentionBackend(AttentionBackend):
             self.tune(device)
         long = self.DECODE_LONG_CONTEXT
         one, split = self.decode_launches()
+        attended = self.attended(max_model_len)  # the launch follows the keys a row reads
         splits = num_decode_splits(
-            num_reqs, self.num_kv_heads, max_model_len, self._sms(device), **self._split_rule
+            num_reqs, self.num_kv_heads, attended, self._sms(device), **self._split_rule
         )
         same = one == split and self.decode_streams()[0] == self.decode_streams()[1]
-        if splits == 1 or long is None or long >= max_model_len or same:
+        if splits == 1 or long is None or long >= attended or same:
             return (max_model_len,)
         return (long, max_model_len)
 

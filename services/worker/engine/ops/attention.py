@@ -21,6 +21,13 @@ Two kernels and a combine step:
   group. The context is cut into NUM_SPLITS ranges processed in parallel (long contexts, small
   batches); ``_combine`` merges the partial results with their log-sum-exp.
 
+A layer's sliding window W (``HAS_WINDOW``, ``window``: the query at position p sees the keys
+in (p - W, p]) and sinks (``HAS_SINKS``, ``Sinks``: one logit per query head in the softmax's
+denominator, no value) are constexpr switches: without them the kernels are the dense ones.
+With a window, a prefill tile starts at its first query's window and decode at seq_len - W, so
+the keys before the window cost nothing; the sinks join the denominator once, after the last
+key (``_fold_sink``; a split decode's in ``_combine``).
+
 Softmax runs in base 2 with float32 statistics (the flash-attention recurrence). Both kernels
 read only device values (lengths, tables), so they can be captured in CUDA graphs.
 """
@@ -154,10 +161,37 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
+@triton.jit
+def _fold_sink(m_i, l_i, acc, Sinks, heads, ok):
+    """Add each head's sink to the softmax state: a term e^sink (base 2 here: the logit times
+    log2 e) in the sum, with no value, the running max and the accumulator rescaled to it."""
+    sink = tl.load(Sinks + heads, mask=ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.exp2(m_i - m_new)  # 0 where a row saw no key (m_i = -inf)
+    return l_i * alpha + tl.exp2(sink - m_new), acc * alpha[:, None]
+
+
+@triton.jit
+def _window_bounds(first_q, last_q, window, BLOCK_N: tl.constexpr):
+    """The key ranges of a query tile [first_q, last_q] under a sliding window W:
+
+        keys: 0 ......... lo .......... full_lo ............. seen_by_all ......... last_q
+              | skipped   | masked:     | whole BLOCK_N tiles | masked: the causal |
+              |           | window edge | every query sees    | edge (the caller's)|
+
+    ``lo`` = first_q - W + 1 is the first query's first key; from ``full_lo`` (the last
+    query's first key, last_q - W + 1, or later) every query of the tile sees each key up to
+    its first query. Without a window: lo = full_lo = 0."""
+    lo = tl.maximum(first_q - window + 1, 0)
+    full_lo = tl.minimum(tl.maximum(last_q - window + 1, lo), first_q + 1)
+    seen_by_all = full_lo + (first_q + 1 - full_lo) // BLOCK_N * BLOCK_N
+    return lo, full_lo, seen_by_all
+
+
 @triton.jit(do_not_specialize=PER_STEP)
 def _prefill(
     Q, K, V, Out,
-    block_tables, query_start_loc, seq_lens,
+    block_tables, query_start_loc, seq_lens, Sinks, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
     qk_scale, v_scale,
@@ -165,6 +199,7 @@ def _prefill(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, DOT_F16: tl.constexpr = False, GPU: tl.constexpr = False,
+    HAS_WINDOW: tl.constexpr = False, HAS_SINKS: tl.constexpr = False,
 ):  # fmt: skip
     # grid (q heads, query tiles, requests): the heads of one tile run side by side (those of
     # one kv head read the same keys, from L2), and the last tiles, which see the most keys,
@@ -199,8 +234,22 @@ def _prefill(
     table = block_tables + req.to(tl.int64) * stride_bt
     # keys up to the tile's first query are seen by every query of it: whole tiles of them
     # run unmasked; the rest, up to the last query's causal edge, masked
-    seen_by_all = (prefix + tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N
-    for start in range(0, seen_by_all, BLOCK_N):
+    first_q = prefix + tile * BLOCK_M
+    full_lo = 0
+    seen_by_all = (first_q + 1) // BLOCK_N * BLOCK_N
+    if HAS_WINDOW:  # ... and none before the first query's window (``_window_bounds``)
+        lo, full_lo, seen_by_all = _window_bounds(first_q, first_q + BLOCK_M - 1, window,
+                                                  BLOCK_N)  # fmt: skip
+        for start in range(lo, full_lo, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < full_lo
+            visible = n_ok[None, :] & (offs_n[None, :] > q_pos[:, None] - window)
+            m_i, l_i, acc = _attend_tile(
+                q, K, V, table, offs_n, n_ok, visible, offs_d, d_ok, kv_head,
+                stride_kb, stride_ks, stride_kh, qk_scale, m_i, l_i, acc, KV_BLOCK, PRECISION,
+                GPU=GPU,
+            )  # fmt: skip
+    for start in range(full_lo, seen_by_all, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         m_i, l_i, acc = _attend_tile(
             q, K, V, table, offs_n, offs_n, offs_n, offs_d, d_ok, kv_head,
@@ -212,11 +261,15 @@ def _prefill(
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
         visible = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:  # a window shorter than the tile ends inside it
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         m_i, l_i, acc = _attend_tile(
             q, K, V, table, offs_n, n_ok, visible, offs_d, d_ok, kv_head,
             stride_kb, stride_ks, stride_kh, qk_scale, m_i, l_i, acc, KV_BLOCK, PRECISION,
             GPU=GPU,
         )  # fmt: skip
+    if HAS_SINKS:
+        l_i, acc = _fold_sink(m_i, l_i, acc, Sinks, head + 0 * offs_m, m_ok)
     out = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         Out + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -286,7 +339,7 @@ def _attend_lanes(
 @triton.jit(do_not_specialize=DECODE_PER_STEP)
 def _decode(
     Q, K, V, Out, part_acc, part_ml,
-    block_tables, query_start_loc, seq_lens, first_req, order,
+    block_tables, query_start_loc, seq_lens, first_req, order, Sinks, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
     qk_scale, v_scale,
@@ -295,6 +348,7 @@ def _decode(
     NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, ORDERED: tl.constexpr = False,
     USE_PDL: tl.constexpr = False, DOT_F16: tl.constexpr = False, GPU: tl.constexpr = False,
     LANES: tl.constexpr = 1, PREFETCH: tl.constexpr = 0,
+    HAS_WINDOW: tl.constexpr = False, HAS_SINKS: tl.constexpr = False,
 ):  # fmt: skip
     await_inputs(USE_PDL)
     # ``local``: the request's offset from first_req, which also indexes the partials
@@ -310,8 +364,14 @@ def _decode(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + req)
     row = tl.load(query_start_loc + req).to(tl.int64)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), LANES * BLOCK_N) * LANES * BLOCK_N
-    lo = split * per_split
+    if HAS_WINDOW:  # the query, at seq_len - 1, sees [seq_len - W, seq_len): split those
+        first = tl.maximum(seq_len - window, 0)
+        per_split = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), LANES * BLOCK_N)
+        per_split = per_split * LANES * BLOCK_N
+        lo = first + split * per_split
+    else:
+        per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), LANES * BLOCK_N) * LANES * BLOCK_N
+        lo = split * per_split
     hi = tl.minimum(seq_len, lo + per_split)
 
     offs_g = tl.arange(0, GROUP_PAD)
@@ -349,6 +409,8 @@ def _decode(
         )  # fmt: skip
     out_mask = g_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
+        if HAS_SINKS:
+            l_i, acc = _fold_sink(m_i, l_i, acc, Sinks, heads, g_ok)
         out = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
             Out + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -367,9 +429,9 @@ def _decode(
 
 @triton.jit(do_not_specialize=["first_req"])
 def _combine(
-    Out, part_acc, part_ml, query_start_loc, first_req, stride_ot, stride_oh,
+    Out, part_acc, part_ml, query_start_loc, first_req, Sinks, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, HAS_SINKS: tl.constexpr = False,
 ):  # fmt: skip
     await_inputs(USE_PDL)
     local = tl.program_id(0)
@@ -382,9 +444,15 @@ def _combine(
     m = tl.load(part_ml + slot * 2)
     l_s = tl.load(part_ml + slot * 2 + 1)
     m_max = tl.max(m, 0)
+    if HAS_SINKS:  # the head's sink joins the denominator (base 2: its logit times log2 e)
+        sink = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634
+        m_max = tl.maximum(m_max, sink)
     w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
     acc = tl.load(part_acc + slot[:, None] * BLOCK_D + offs_d[None, :])
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
+    denominator = tl.sum(l_s * w, 0)
+    if HAS_SINKS:
+        denominator += tl.exp2(sink - m_max)
+    out = tl.sum(acc * w[:, None], 0) / denominator
     tl.store(
         Out + row * stride_ot + head * stride_oh + offs_d,
         out.to(Out.dtype.element_ty),
