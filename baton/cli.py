@@ -56,7 +56,7 @@ def _make_tiny_model(args: argparse.Namespace) -> None:
 # ``baton make-tiny-model --arch``: the architectures of baton/tiny_model.py's ARCHS (a test
 # keeps the two lists equal; the CLI does not import transformers to print its help)
 TINY_ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
-              "deepseek_v2", "deepseek_v3"]  # fmt: skip
+              "deepseek_v2", "deepseek_v3", "gemma3", "gpt_oss"]  # fmt: skip
 
 DEMO_PROMPTS = ["The quick brown fox", "Return a new list containing", "This module provides"]
 DEMO_CHAT = "What does the json module do?"
@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", type=int, default=1, help="safetensors files to split it into")
     p.add_argument("--tie", action="store_true", help="tie input and output embeddings")
     p.add_argument("--hidden-size", type=int, default=64, help="the hidden size")
-    p.add_argument("--layers", type=int, default=2, help="decoder layers")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers (default 2; gemma3: 6, gpt_oss: 4)")  # fmt: skip
     p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA)")
     p.add_argument("--max-position-embeddings", type=int, default=1024,

@@ -48,6 +48,30 @@ _DEEPSEEK_V3 = {
 _QWEN3_MOE = {"head_dim": 32, "num_experts": 16, "num_experts_per_tok": 4, "norm_topk_prob": True,
               "moe_intermediate_size": 32, "mlp_only_layers": [1]}  # fmt: skip
 
+# Gemma 3 (text): 2 sliding-window layers (8 tokens, local rotary base 10k) to every global
+# one (base 1M, linear scaling ×2); head_dim and query_pre_attn_scalar apart, so that the
+# softmax scale is checked; logits soft-capped (Gemma 2's; None in Gemma 3's checkpoints)
+_GEMMA3 = {
+    "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8,
+    "sliding_window_pattern": 3, "final_logit_softcapping": 15.0,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
+    },
+}  # fmt: skip
+
+# gpt-oss: sliding-window layers (8 tokens) alternating with full ones, sinks; 8 experts, 4 a
+# token, with biases and a SwiGLU clamped at 1 (gpt-oss's 7 would never bind at these sizes);
+# head_dim ≠ hidden / heads; YaRN without truncation (the ramp ends between pairs)
+_GPT_OSS = {
+    "head_dim": 32, "sliding_window": 8, "num_local_experts": 8, "num_experts_per_tok": 4,
+    "swiglu_limit": 1.0,
+    "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 150000.0, "factor": 16.0, "beta_fast": 32.0,
+        "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64,
+    },
+}  # fmt: skip
+
 # Architecture → (transformers config class, extra config fields). Sizes are shared below.
 ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {}),
@@ -71,7 +95,12 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2}),
     "deepseek_v2": ("DeepseekV2Config", _DEEPSEEK_V2),
     "deepseek_v3": ("DeepseekV3Config", _DEEPSEEK_V3),
+    "gemma3": ("Gemma3TextConfig", _GEMMA3),
+    "gpt_oss": ("GptOssConfig", _GPT_OSS),
 }
+# decoder layers where an arch needs more than make_tiny_model's default 2 (gemma3: two
+# rounds of its sliding, sliding, global pattern; gpt_oss: two of sliding, full)
+DEFAULT_LAYERS = {"gemma3": 6, "gpt_oss": 4}
 
 
 def corpus() -> list[str]:
@@ -122,7 +151,7 @@ def make_tiny_model(
     tie_word_embeddings: bool = False,
     max_position_embeddings: int = 1024,
     hidden_size: int = 64,
-    num_layers: int = 2,
+    num_layers: int | None = None,  # None: 2, or the arch's DEFAULT_LAYERS
     num_heads: int = 4,
     num_kv_heads: int = 2,
     quantize: str | None = None,  # fp8-tensor | fp8-channel | fp8-block (baton/tiny_fp8.py)
@@ -140,6 +169,7 @@ def make_tiny_model(
     vocab = train_tokenizer(out)
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     cls_name, extra = ARCHS[arch]
+    num_layers = num_layers or DEFAULT_LAYERS.get(arch, 2)
     if moe_intermediate_size is not None:
         extra = {**extra, "moe_intermediate_size": moe_intermediate_size}
     if cls_name.startswith("Deepseek"):  # MLA: every head reads the one latent
@@ -171,6 +201,10 @@ def make_tiny_model(
         _spread_routers(model, ROUTER_SCALE[arch])
     if arch == "deepseek_v3":
         _random_correction_bias(model)
+    if arch == "gemma3":  # Gemma's norms start at w = 0 (a scale of 1 + w = 1): random, tested
+        _random_norms(model)
+    if arch == "gpt_oss":
+        _random_expert_biases(model)
     if arch == "qwen2":  # random q/k/v biases, so loading them is really tested
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
@@ -196,7 +230,8 @@ def make_tiny_model(
 # logits are close together: near-ties between experts that float noise (another batch's
 # summation order, two ranks) could flip; scaled, each token's choice is clear and its tokens
 # still spread over most experts (tests/integration/test_moe_models.py counts them)
-ROUTER_SCALE = {"qwen3_moe": 4.0, "mixtral": 4.0, "deepseek_v2": 4.0, "deepseek_v3": 4.0}
+ROUTER_SCALE = {"qwen3_moe": 4.0, "mixtral": 4.0, "deepseek_v2": 4.0, "deepseek_v3": 4.0,
+                "gpt_oss": 4.0}  # fmt: skip
 
 
 def _spread_routers(model: Any, scale: float) -> None:
@@ -204,8 +239,19 @@ def _spread_routers(model: Any, scale: float) -> None:
 
     with torch.no_grad():
         for name, module in model.named_modules():
-            if name.endswith(".mlp.gate"):
+            if name.endswith((".mlp.gate", ".mlp.router")):  # (gpt-oss: router)
                 module.weight.mul_(scale)
+
+
+def _random_expert_biases(model: Any) -> None:
+    """gpt-oss's experts' biases start at zero: random, so that loading them (every expert's,
+    gate and up interleaved) and adding them is tested."""
+    import torch
+
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for bias in (layer.mlp.experts.gate_up_proj_bias, layer.mlp.experts.down_proj_bias):
+                bias.copy_(torch.randn_like(bias) * 0.1)
 
 
 def _random_correction_bias(model: Any) -> None:
@@ -218,6 +264,15 @@ def _random_correction_bias(model: Any) -> None:
             bias = getattr(module, "e_score_correction_bias", None)
             if isinstance(bias, torch.Tensor):
                 bias.copy_(torch.randn_like(bias) * 0.1)
+
+
+def _random_norms(model: Any) -> None:
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(0.0, 0.2)
 
 
 def _param_bytes(model: Any) -> int:

@@ -53,6 +53,38 @@ SHAPES = {
                          "mscale_all_dim": 0.707},
         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "eos_token_id": 0,
     },
+    # google/gemma-3-12b-it's text model (its text_config, with Gemma3TextConfig's defaults
+    # written out): five sliding-window layers (1024 tokens, local rotary base 10k) to every
+    # global one (base 1M, linear scaling ×8), embeddings tied
+    "gemma-3-12b": {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "vocab_size": 262208, "hidden_size": 3840, "intermediate_size": 15360,
+        "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 256, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "sliding_window": 1024,
+        "sliding_window_pattern": 6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "final_logit_softcapping": None, "attn_logit_softcapping": None,
+        "tie_word_embeddings": True, "torch_dtype": "bfloat16", "eos_token_id": 0,
+    },
+    # openai/gpt-oss-20b as its bfloat16 copy (the published experts are MXFP4): 24 layers
+    # alternating a 128-token sliding window and full attention, sinks in every head, 32
+    # experts (4 active, with biases, a clamped SwiGLU) in every layer, YaRN ×32 over 4096
+    "gpt-oss-20b": {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088,
+        "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+        "num_local_experts": 32, "num_experts_per_tok": 4, "experts_per_token": 4,
+        "swiglu_limit": 7.0, "attention_bias": True, "hidden_act": "silu",
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "max_position_embeddings": 131072, "initial_context_length": 4096,
+        "rms_norm_eps": 1e-5, "rope_theta": 150000.0,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "original_max_position_embeddings": 4096,
+                         "truncate": False},
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "eos_token_id": 0,
+    },
 }  # fmt: skip
 
 

@@ -293,3 +293,21 @@ def test_the_expert_parallel_flag_reaches_the_engine() -> None:
     assert engine_args(args).enable_expert_parallel
     plain = build_parser().parse_args(["worker", "--model", "m"])
     assert not engine_args(plain).enable_expert_parallel
+
+
+def test_an_fp8_expert_without_its_scale_is_named() -> None:
+    """A scale left at its fill would zero that expert's product: the loader must refuse it."""
+    moe = _moe()
+    fp8 = _fp8_checkpoint(_checkpoint(moe, H), None)
+    assert _build(moe, H, fp8, QuantConfig("channel", "token")).unloaded_weights() == []
+    del fp8["layer.experts.3.w2.weight_scale"]
+    missing = _build(moe, H, fp8, QuantConfig("channel", "token")).unloaded_weights()
+    assert missing == ["experts.3.down_proj weight scale"]
+
+
+def test_an_expert_past_the_configs_count_is_refused() -> None:
+    moe = _moe()
+    tensors = _checkpoint(moe, H)
+    tensors[f"layer.experts.{moe.num_experts}.gate_proj.weight"] = torch.zeros(16, H)
+    with pytest.raises(ValueError, match=f"expert {moe.num_experts} of a layer of"):
+        _build(moe, H, tensors)

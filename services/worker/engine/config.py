@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from services.worker.engine.model_config import ArchConfig, load_arch_config, load_hf_config
-from services.worker.engine.models.registry import check_architecture
+from services.worker.engine.models.registry import applies_sliding_window, check_architecture
 from services.worker.engine.quantization.config import QuantConfig, parse_quantization
 from shared.gguf_files import default_model_name, gguf_path
 
@@ -454,10 +454,13 @@ def _resolve_load_format(load_format: str, model: str) -> str:
 
 def _resolve_max_model_len(requested: int | None, arch: ArchConfig) -> int:
     limit = arch.max_position_embeddings
-    if arch.rope.rope_type in ("linear", "dynamic") and arch.rope.factor > 1:
+    # (Gemma 3 writes the context its scaling gives already: 128k, 32k × 8)
+    scaled = arch.rope.rope_type in ("linear", "dynamic") and arch.rope.factor > 1
+    if scaled and arch.model_type != "gemma3_text":
         limit = int(limit * arch.rope.factor)
-    if arch.sliding_window is not None:
-        # No sliding-window attention yet: full attention equals it only within the window.
+    if arch.sliding_window is not None and not applies_sliding_window(arch.architecture):
+        # A model without sliding-window attention: full attention equals it only within the
+        # window.
         limit = min(limit, arch.sliding_window)
     if requested is None:
         return limit

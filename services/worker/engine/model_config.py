@@ -28,6 +28,8 @@ class RopeConfig:
     beta_slow: float = 1.0
     mscale: float = 0.0
     mscale_all_dim: float = 0.0
+    truncate: bool = True  # the ramp's ends rounded to whole pairs (gpt-oss: False)
+    attention_factor: float = 0.0  # YaRN: the tables' scale as the config gives it (0: derived)
 
 
 @dataclass(frozen=True)
@@ -40,12 +42,13 @@ class MoEConfig:
     a group's score is its best expert's, or with a correction bias the sum of its best two);
     the top ``top_k`` eligible experts are taken, their weights (the scores, without bias)
     renormalized to sum 1 when ``norm_topk_prob``, then multiplied by
-    ``routed_scaling_factor``."""
+    ``routed_scaling_factor``. ``scoring`` "softmax_of_topk" (gpt-oss) takes the top ``top_k``
+    logits and weighs them by their softmax (no renormalization, no scaling)."""
 
     num_experts: int  # routed experts
     top_k: int
     intermediate_size: int  # one expert's (moe_intermediate_size)
-    scoring: str = "softmax"  # softmax | sigmoid
+    scoring: str = "softmax"  # softmax | sigmoid | softmax_of_topk
     norm_topk_prob: bool = True
     num_groups: int = 1
     topk_groups: int = 1
@@ -56,6 +59,14 @@ class MoEConfig:
     shared_intermediate_size: int = 0
     # which decoder layers are MoE (the others are dense MLPs of ``ArchConfig.intermediate_size``)
     sparse_layers: tuple[int, ...] = ()
+    # gpt-oss: a bias on the router's logits, and on every expert's gate, up and down
+    router_bias: bool = False
+    expert_bias: bool = False
+    # the experts' activation: "silu" (silu(gate) · up) or "swiglu_clamped" (gpt-oss: gate
+    # clamped above at ``swiglu_limit``, up at ±limit, then (up + 1) · gate · σ(alpha · gate))
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
 
 @dataclass(frozen=True)
@@ -105,6 +116,14 @@ class ArchConfig:
     bos_token_id: int | None = None
     moe: MoEConfig | None = None  # a mixture-of-experts decoder's
     mla: MLAConfig | None = None  # multi-head latent attention's (then the KV cache is latent)
+    # each decoder layer's attention: "sliding_attention" (a window of ``sliding_window``) or
+    # "full_attention" (Gemma 3, gpt-oss); () where the config names no kinds
+    layer_types: tuple[str, ...] = ()
+    # the sliding-window layers' own rotary (Gemma 3's local base); None: they take ``rope``
+    rope_local: RopeConfig | None = None
+    query_pre_attn_scalar: float | None = None  # Gemma: the softmax scale is its ** -0.5
+    final_logit_softcapping: float | None = None  # Gemma: logits → cap · tanh(logits / cap)
+    attn_logit_softcapping: float | None = None  # the same on the attention scores
 
     def kv_cache_entry(self) -> tuple[int, int, int]:
         """(parts, heads, dim) of one token's KV cache entry per layer over all ranks: K and V
@@ -115,9 +134,13 @@ class ArchConfig:
         return 2, self.num_kv_heads, self.head_dim
 
 
-def _rope(cfg: dict[str, Any]) -> RopeConfig:
+def _rope(cfg: dict[str, Any], default_theta: float = 10000.0) -> RopeConfig:
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    return _rope_from(params, cfg.get("rope_theta", default_theta))
+
+
+def _rope_from(params: dict[str, Any], default_theta: float) -> RopeConfig:
+    theta = params.get("rope_theta", default_theta)
     rope_type = params.get("rope_type", params.get("type", "default"))
     orig = params.get("original_max_position_embeddings")
     return RopeConfig(
@@ -131,6 +154,8 @@ def _rope(cfg: dict[str, Any]) -> RopeConfig:
         beta_slow=float(params.get("beta_slow", 1.0)),
         mscale=float(params.get("mscale") or 0.0),
         mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=float(params.get("attention_factor") or 0.0),
     )
 
 
@@ -151,7 +176,8 @@ def _sliding_window(cfg: dict[str, Any]) -> int | None:
 
 
 def _moe(cfg: dict[str, Any], num_layers: int) -> MoEConfig | None:
-    """The MoE fields of a Qwen3-MoE, Mixtral or DeepSeek-V2/V3 config; None for a dense one."""
+    """The MoE fields of a Qwen3-MoE, Mixtral, DeepSeek-V2/V3 or gpt-oss config; None for a
+    dense one."""
     experts = cfg.get("num_experts", cfg.get("num_local_experts", cfg.get("n_routed_experts")))
     if not experts:
         return None
@@ -187,7 +213,54 @@ def _moe(cfg: dict[str, Any], num_layers: int) -> MoEConfig | None:
         return MoEConfig(int(experts), top_k, int(cfg["moe_intermediate_size"]),
                          norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
                          sparse_layers=sparse)  # fmt: skip
+    if model_type == "gpt_oss":
+        return MoEConfig(int(experts), top_k, int(cfg["intermediate_size"]),
+                         scoring="softmax_of_topk", router_bias=True, expert_bias=True,
+                         activation="swiglu_clamped",
+                         swiglu_alpha=float(cfg.get("swiglu_alpha") or 1.702),
+                         swiglu_limit=float(cfg.get("swiglu_limit") or 7.0),
+                         sparse_layers=tuple(range(num_layers)))  # fmt: skip
     raise ValueError(f"unsupported mixture-of-experts model_type {model_type!r}")
+
+
+# Gemma 3's rotary bases where its config gives none (transformers' ``default_theta``)
+_GEMMA3_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
+
+
+def _layer_ropes(cfg: dict[str, Any]) -> tuple[RopeConfig, RopeConfig | None]:
+    """(the rotary of the full-attention layers, the sliding layers' own or None). Gemma 3
+    gives its sliding layers another base: transformers 5 nests ``rope_parameters`` by layer
+    type; older configs write ``rope_theta`` + ``rope_scaling`` for the global layers and
+    ``rope_local_base_freq`` for the local ones."""
+    params = cfg.get("rope_parameters") or {}
+    gemma3 = cfg.get("model_type") == "gemma3_text"
+    if "full_attention" in params or "sliding_attention" in params:
+        ropes = [
+            _rope_from(params.get(kind) or {}, _GEMMA3_THETA[kind])
+            for kind in ("full_attention", "sliding_attention")
+        ]
+        return ropes[0], ropes[1]
+    if not gemma3:
+        return _rope(cfg), None
+    local = float(cfg.get("rope_local_base_freq") or _GEMMA3_THETA["sliding_attention"])
+    return _rope(cfg, _GEMMA3_THETA["full_attention"]), RopeConfig(theta=local)
+
+
+def _layer_types(cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    """The config's ``layer_types``; an older Gemma 3 config's every ``sliding_window_pattern``
+    -th layer global (as transformers derives them)."""
+    kinds = cfg.get("layer_types")
+    if kinds is None and cfg.get("model_type") == "gemma3_text":
+        every = int(cfg.get("sliding_window_pattern") or 6)
+        kinds = ["sliding_attention" if (i + 1) % every else "full_attention"
+                 for i in range(num_layers)]  # fmt: skip
+    if kinds is not None and len(kinds) != num_layers:
+        raise ValueError(f"layer_types names {len(kinds)} layers, the model has {num_layers}")
+    return tuple(str(kind) for kind in kinds or ())
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _mla(cfg: dict[str, Any]) -> MLAConfig | None:
@@ -239,6 +312,7 @@ def load_arch_config(model_dir: str | Path, cfg: dict[str, Any] | None = None) -
             i for i in _ids(json.loads(gen_file.read_text()).get("eos_token_id")) if i not in eos
         ]
     model_type = str(cfg.get("model_type", ""))
+    rope, rope_local = _layer_ropes(cfg)
     return ArchConfig(
         architecture=str(archs[0]),
         model_type=model_type,
@@ -251,16 +325,22 @@ def load_arch_config(model_dir: str | Path, cfg: dict[str, Any] | None = None) -
         head_dim=int(cfg.get("head_dim") or hidden // num_heads),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        rope=_rope(cfg),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rope=rope,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "gemma3_text")),
         attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        hidden_act=str(cfg.get("hidden_act", "silu")),
+        # (Gemma's ``hidden_activation`` is the one it runs; its ``hidden_act`` is ignored)
+        hidden_act=str(cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")),
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
         sliding_window=_sliding_window(cfg),
         eos_token_ids=tuple(eos),
         bos_token_id=cfg.get("bos_token_id"),
         moe=_moe(cfg, int(cfg["num_hidden_layers"])),
         mla=_mla(cfg),
+        layer_types=_layer_types(cfg, int(cfg["num_hidden_layers"])),
+        rope_local=rope_local,
+        query_pre_attn_scalar=_optional_float(cfg.get("query_pre_attn_scalar")),
+        final_logit_softcapping=_optional_float(cfg.get("final_logit_softcapping")),
+        attn_logit_softcapping=_optional_float(cfg.get("attn_logit_softcapping")),
     )

@@ -17,7 +17,18 @@ _MODELS: dict[str, str] = {
     "DeepseekV3ForCausalLM": "services.worker.engine.models.deepseek_v2:DeepseekV2ForCausalLM",
     "Qwen3MoeForCausalLM": "services.worker.engine.models.llama:LlamaForCausalLM",
     "MixtralForCausalLM": "services.worker.engine.models.llama:LlamaForCausalLM",
+    "GptOssForCausalLM": "services.worker.engine.models.gpt_oss:GptOssForCausalLM",
+    "Gemma3ForCausalLM": "services.worker.engine.models.gemma3:Gemma3ForCausalLM",
 }
+
+
+# the architectures whose models apply the config's sliding window (on its ``layer_types``); the
+# others attend over every key, which equals the window's attention only inside it
+_WINDOWED = frozenset({"GptOssForCausalLM", "Gemma3ForCausalLM"})
+
+
+def applies_sliding_window(name: str) -> bool:
+    return name in _WINDOWED
 
 
 def supported_architectures() -> list[str]:

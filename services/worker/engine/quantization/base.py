@@ -132,10 +132,20 @@ class Experts(Protocol):
     # int32 [every expert]: a checkpoint expert's index in w13/w2, -1 where another rank has
     # it (expert parallelism); None: this rank has every expert
     expert_map: torch.Tensor | None
+    # the experts' biases (gpt-oss), in the model's dtype: w13_bias [E, 2I] added to the gate
+    # and up products, w2_bias [E, H] to the down product; None: none
+    w13_bias: torch.Tensor | None
+    w2_bias: torch.Tensor | None
+    # what ``activate`` computes: "silu" is silu(gate) · up (what ops/fused_moe fuses)
+    activation: str
 
     def register_parameter(self, name: str, param: nn.Parameter | None) -> None: ...
 
     def rank_slice(self, loaded: Loaded, proj: Proj) -> Loaded: ...
+
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] (gate ‖ up, this rank's) → [T, I], in gate_up's dtype."""
+        ...
 
 
 def expert_part(param: torch.Tensor, expert: int, proj: Proj) -> torch.Tensor:
@@ -178,7 +188,8 @@ class MoEMethod(ABC):
     ) -> torch.Tensor:  # fmt: skip
         """``Σ_j topk_weights[t, j] · expert_{topk_ids[t, j]}(x[t])`` over this rank's experts
         (ids are the checkpoint's; the others' contribute nothing), [T, H] in x's dtype, not
-        yet summed over ranks. ``expert(x) = down(silu(gate x) · up x)``."""
+        yet summed over ranks. ``expert(x) = down(activate(gate x ‖ up x))``, each product
+        with its bias where the layer has them."""
 
 
 class KVCacheMethod:

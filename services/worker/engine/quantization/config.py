@@ -69,6 +69,9 @@ def _parse(hf: dict[str, Any], requested: str | None) -> QuantConfig | None:
         if qc.get("fmt", "e4m3") != "e4m3":
             raise ValueError(f"unsupported fp8 format {qc.get('fmt')!r} (e4m3 only)")
         return QuantConfig("block", "token_group", method="fp8 (128x128 blocks)")
+    if method == "mxfp4":  # (openai/gpt-oss as published)
+        raise ValueError("MXFP4 checkpoints are not supported; load a bfloat16 copy of the "
+                         "model (its experts dequantized)")  # fmt: skip
     raise ValueError(f"unknown quantization method {method!r} (supported: compressed-tensors "
                      "float-quantized, fp8)")  # fmt: skip
 

@@ -7,10 +7,11 @@
   with blocks) at each expert's two products, as the dense FP8 layers quantize theirs.
 
 On a GPU with the engine's kernels both run ``ops/fused_moe.py`` (every expert in two grouped
-GEMMs, no host sync). Everywhere else, and as the kernel's reference, ``combine``: each
-expert's tokens gathered, one GEMM pair per expert, the products added back with their routing
-weights, expert by expert in order (Hugging Face's loop); FP8 rounds exactly as the kernel
-does (``fp8_math``) and multiplies dequantized.
+GEMMs, no host sync) unless the layer has biases or another activation than SiLU (gpt-oss's),
+which the kernel does not compute. Everywhere else, and as the kernel's reference,
+``combine``: each expert's tokens gathered, one GEMM pair per expert, the products added back
+with their routing weights, expert by expert in order (Hugging Face's loop); FP8 rounds
+exactly as the kernel does (``fp8_math``) and multiplies dequantized.
 
 Scales are kept as the kernel takes them: per channel ``w13_weight_scale`` [E, 2I, 1] and
 ``w2_weight_scale`` [E, H, 1]; in blocks [E, 2I/128, ⌈H/128⌉] and [E, ⌈H/128⌉, I/128].
@@ -74,8 +75,9 @@ def combine(
     return out.to(x.dtype)
 
 
-def _kernel_takes(x: torch.Tensor, w13: torch.Tensor) -> bool:
-    if not x.is_cuda:
+def _kernel_takes(layer: Experts, x: torch.Tensor, w13: torch.Tensor) -> bool:
+    """ops/fused_moe computes silu(gate) · up without biases, on CUDA tensors it supports."""
+    if not x.is_cuda or layer.activation != "silu" or layer.w13_bias is not None:
         return False
     from services.worker.engine.ops import fused_moe
 
@@ -103,16 +105,18 @@ class UnquantizedMoEMethod(MoEMethod):
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
         w13, w2 = tensor(layer, "w13_weight"), tensor(layer, "w2_weight")
-        if self.kernels and _kernel_takes(x, w13):
+        if self.kernels and _kernel_takes(layer, x, w13):
             from services.worker.engine.ops import fused_moe
 
             return fused_moe.fused_moe(x, w13, w2, topk_weights, topk_ids,
                                        expert_map=layer.expert_map, w13_scale=None,
                                        w2_scale=None, block=None)  # fmt: skip
 
+        b13, b2 = layer.w13_bias, layer.w2_bias
+
         def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
-            gate, up = F.linear(rows, w13[e]).chunk(2, dim=-1)
-            return F.linear(F.silu(gate) * up, w2[e])
+            gate_up = F.linear(rows, w13[e], None if b13 is None else b13[e])
+            return F.linear(layer.activate(gate_up), w2[e], None if b2 is None else b2[e])
 
         return combine(layer, x, topk_weights, topk_ids, expert)
 
@@ -194,18 +198,21 @@ class Fp8MoEMethod(MoEMethod):
     ) -> torch.Tensor:  # fmt: skip
         w13, w2 = tensor(layer, "w13_weight"), tensor(layer, "w2_weight")
         s13, s2 = tensor(layer, "w13_weight_scale"), tensor(layer, "w2_weight_scale")
-        if self.kernels and _kernel_takes(x, w13):
+        if self.kernels and _kernel_takes(layer, x, w13):
             from services.worker.engine.ops import fused_moe
 
             return fused_moe.fused_moe(x, w13, w2, topk_weights, topk_ids,
                                        expert_map=layer.expert_map, w13_scale=s13,
                                        w2_scale=s2, block=self.block)  # fmt: skip
         acts, b = self.quant.activations, self.quant.block
+        b13, b2 = layer.w13_bias, layer.w2_bias
 
         def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
-            gate, up = F.linear(rows, self._dequantize(w13[e], s13[e], x.dtype)).chunk(2, -1)
-            h = quantize_activations(F.silu(gate) * up, acts, b, None)
-            return F.linear(h, self._dequantize(w2[e], s2[e], x.dtype))
+            gate_up = F.linear(rows, self._dequantize(w13[e], s13[e], x.dtype),
+                               None if b13 is None else b13[e])  # fmt: skip
+            h = quantize_activations(layer.activate(gate_up), acts, b, None)
+            return F.linear(h, self._dequantize(w2[e], s2[e], x.dtype),
+                            None if b2 is None else b2[e])  # fmt: skip
 
         # (rounding per token, or per token and group: the same for every expert's rows)
         return combine(layer, quantize_activations(x, acts, b, None), topk_weights, topk_ids,

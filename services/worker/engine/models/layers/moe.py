@@ -1,4 +1,4 @@
-"""Mixture-of-experts feed-forward layers (Qwen3-MoE, Mixtral, DeepSeek-V2/V3).
+"""Mixture-of-experts feed-forward layers (Qwen3-MoE, Mixtral, DeepSeek-V2/V3, gpt-oss).
 
     MoEBlock(x) = all_reduce( FusedMoE(x, select_experts(gate(x)))  +  shared_experts(x) )
 
@@ -7,6 +7,8 @@ router kept in float32 as Hugging Face computes it. ``FusedMoE`` holds every exp
 up projections stacked in ``w13_weight`` [E, 2I, H] and the down projections in ``w2_weight``
 [E, H, I]; how they are kept and multiplied is its method's (``quantization/moe.py``: the
 model's dtype or FP8; ``ops/fused_moe.py`` on a GPU). The shared experts are one dense MLP.
+gpt-oss adds biases to the router and to every expert's projections, and a clamped SwiGLU
+(``MoEConfig.activation``): those layers run the methods' plain path, which applies them.
 
 Tensor parallelism. Attention stays tensor-parallel, so every rank holds every token's hidden
 state after it: that replicated input is the dispatch, and the one all-reduce at the end of
@@ -39,7 +41,7 @@ from services.worker.engine.models.layers.linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
 )
-from services.worker.engine.models.weights import CheckpointTarget, Loaded, copy_weight
+from services.worker.engine.models.weights import CheckpointTarget, Loaded, copy_weight, full
 from services.worker.engine.quantization.base import MoEMethod, Proj, expert_part
 from services.worker.engine.quantization.fp8_math import Codes
 
@@ -51,6 +53,22 @@ class ExpertShard:
     expert: int  # the checkpoint's expert index (over every rank)
     proj: Proj
 
+
+@dataclass(frozen=True, slots=True)
+class StackedExperts:
+    """The shard id of a checkpoint tensor that holds every expert's projection at once, as
+    gpt-oss's checkpoints keep them, each expert's weight transposed ([in, out]):
+
+        gate_up_proj       [E, H, 2I]   the last dim interleaved: g0 u0 g1 u1 ... (gate, up)
+        gate_up_proj_bias  [E, 2I]      the same interleaving
+        down_proj          [E, I, H]
+        down_proj_bias     [E, H]
+    """
+
+    gate_up: bool  # gate_up_proj(_bias); else down_proj(_bias)
+
+
+ACTIVATIONS = ("silu", "swiglu_clamped")  # MoEConfig.activation's values (FusedMoE.activate)
 
 _EXPERT = re.compile(
     r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\."
@@ -72,6 +90,23 @@ def expert_target(name: str) -> CheckpointTarget | None:
     return CheckpointTarget(param, ExpertShard(int(m["expert"]), proj))
 
 
+_STACKED = re.compile(
+    r"^(?P<prefix>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)(?P<bias>_bias)?$"
+)
+
+
+def stacked_expert_target(name: str) -> CheckpointTarget | None:
+    """``<prefix>.experts.gate_up_proj`` (``down_proj``, each ``_bias``) → ``w13_weight``
+    (``w2_weight``, ``w13_bias``, ``w2_bias``) with a ``StackedExperts`` shard; None for
+    another name. Only a model whose checkpoints use this layout asks (gpt-oss)."""
+    m = _STACKED.match(name)
+    if m is None:
+        return None
+    gate_up = m["proj"] == "gate_up_proj"
+    param = f"{m['prefix']}.{'w13' if gate_up else 'w2'}_{'bias' if m['bias'] else 'weight'}"
+    return CheckpointTarget(param, StackedExperts(gate_up))
+
+
 def select_experts(
     router_logits: torch.Tensor, moe: MoEConfig, correction_bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,6 +114,9 @@ def select_experts(
     as Hugging Face's routers of Qwen3-MoE, Mixtral and DeepSeek-V2/V3 compute them
     (``MoEConfig`` describes the steps); the bias steers the choice, never the weights."""
     logits = router_logits.float()
+    if moe.scoring == "softmax_of_topk":  # gpt-oss: the top logits, then their softmax
+        top, ids = torch.topk(logits, moe.top_k, dim=-1)
+        return top.softmax(dim=-1), ids
     scores = logits.softmax(dim=-1) if moe.scoring == "softmax" else logits.sigmoid()
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if moe.num_groups > 1:
@@ -107,14 +145,17 @@ def _eligible(choice: torch.Tensor, moe: MoEConfig, by_top2: bool) -> torch.Tens
 
 
 class Router(nn.Module):
-    """The gate: logits [T, E] = x Wᵀ in float32 (``weight`` kept in float32, replicated on
-    every rank), and DeepSeek-V3's ``e_score_correction_bias``."""
+    """The gate: logits [T, E] = x Wᵀ (+ gpt-oss's ``bias``) in float32 (kept in float32,
+    replicated on every rank), and DeepSeek-V3's ``e_score_correction_bias``."""
 
     def __init__(self, hidden: int, moe: MoEConfig):
         super().__init__()
         e = moe.num_experts
         self.weight = nn.Parameter(torch.empty(e, hidden, dtype=torch.float32),
                                    requires_grad=False)  # fmt: skip
+        self.bias: nn.Parameter | None = None
+        if moe.router_bias:
+            self.bias = nn.Parameter(torch.zeros(e, dtype=torch.float32), requires_grad=False)
         self.e_score_correction_bias: nn.Parameter | None = None
         if moe.correction_bias:
             self.e_score_correction_bias = nn.Parameter(
@@ -122,18 +163,22 @@ class Router(nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight)
+        return F.linear(x.float(), self.weight, self.bias)
 
 
 class FusedMoE(nn.Module):
     """The routed experts of one layer: this rank's share of them (the module docstring
-    draws it), kept and run by ``method``."""
+    draws it), kept and run by ``method``; with ``MoEConfig.expert_bias`` their biases,
+    ``w13_bias`` [E, 2I] (this rank's rows of gate and of up) and ``w2_bias`` [E, H], in the
+    model's dtype. The down bias is added once over the ranks: without expert parallelism every
+    rank computes a share of every expert, and only rank 0 holds it (the others hold zeros)."""
 
     def __init__(self, moe: MoEConfig, hidden: int, method: MoEMethod, expert_parallel: bool):
         super().__init__()
         tp, rank = tp_size(), tp_rank()
         self.hidden_size = hidden
         self.intermediate_total = moe.intermediate_size
+        self.total_experts = moe.num_experts  # over every rank
         expert_map: torch.Tensor | None = None
         if expert_parallel:
             self.num_experts = moe.num_experts // tp
@@ -148,9 +193,22 @@ class FusedMoE(nn.Module):
             self.intermediate_start = rank * self.intermediate_size
         self.expert_map: torch.Tensor | None
         self.register_buffer("expert_map", expert_map, persistent=False)
+        if moe.activation not in ACTIVATIONS:
+            raise ValueError(f"unsupported expert activation {moe.activation!r}; supported: "
+                             + ", ".join(ACTIVATIONS))  # fmt: skip
+        self.activation = moe.activation
+        self.alpha, self.limit = moe.swiglu_alpha, moe.swiglu_limit
+        self.w13_bias: torch.Tensor | None = None  # (parameters when set)
+        self.w2_bias: torch.Tensor | None = None
+        if moe.expert_bias:
+            e, i = self.num_experts, self.intermediate_size
+            self.w13_bias = nn.Parameter(torch.empty(e, 2 * i), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(e, hidden), requires_grad=False)
+        self.adds_down_bias = expert_parallel or rank == 0
         self.method = method
         self.method.create_weights(self)
         self._loaded: set[tuple[int, Proj]] = set()  # (expert, proj) weights read
+        self._scaled: set[tuple[int, Proj]] = set()  # (expert, proj) weight scales read
 
     def rank_slice(self, loaded: Loaded, proj: Proj) -> Loaded:
         """This rank's share of one expert's weight: its rows of gate or up ([I, H]), its
@@ -159,22 +217,70 @@ class FusedMoE(nn.Module):
         return loaded.narrow(dim, self.intermediate_start, self.intermediate_size)
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: object) -> None:
-        assert isinstance(shard_id, ExpertShard)  # (the model's checkpoint_target is ours)
-        expert = shard_id.expert - self.first_expert
-        if not 0 <= expert < self.num_experts:
-            return  # another rank's expert: nothing read
-        if param is getattr(self, "w2_weight" if shard_id.proj == "down" else "w13_weight"):
-            self._loaded.add((expert, shard_id.proj))
-        if self.method.load(self, param, loaded, expert, shard_id.proj):
+        if isinstance(shard_id, StackedExperts):
+            self._load_stacked(param, loaded, shard_id.gate_up)
             return
-        copy_weight(expert_part(param, expert, shard_id.proj),
-                    self.rank_slice(loaded, shard_id.proj))  # fmt: skip
+        assert isinstance(shard_id, ExpertShard)  # (the model's checkpoint_target is ours)
+        if not 0 <= shard_id.expert < self.total_experts:
+            raise ValueError(f"expert {shard_id.expert} of a layer of {self.total_experts} "
+                             "experts (the config's num_experts)")  # fmt: skip
+        expert = shard_id.expert - self.first_expert
+        if 0 <= expert < self.num_experts:  # (else another rank's expert: nothing read)
+            self._load_expert(param, loaded, expert, shard_id.proj)
+
+    def _load_expert(self, param: nn.Parameter, loaded: Loaded, expert: int, proj: Proj) -> None:
+        """One expert's ``proj`` (the checkpoint's [out, in] weight or [out] bias, whole) into
+        this rank's part of ``param``; ``expert``: its index on this rank."""
+        if param is self.w13_bias or param is self.w2_bias:
+            dst = expert_part(param, expert, proj)
+            if proj != "down":
+                copy_weight(dst, loaded.narrow(0, self.intermediate_start, self.intermediate_size))
+            elif self.adds_down_bias:
+                copy_weight(dst, loaded)
+            else:
+                dst.zero_()
+            return
+        if param is getattr(self, "w2_weight" if proj == "down" else "w13_weight"):
+            self._loaded.add((expert, proj))
+        if param is getattr(self, "w2_weight_scale" if proj == "down" else "w13_weight_scale",
+                            None):  # fmt: skip
+            self._scaled.add((expert, proj))
+        if self.method.load(self, param, loaded, expert, proj):
+            return
+        copy_weight(expert_part(param, expert, proj), self.rank_slice(loaded, proj))
+
+    def _load_stacked(self, param: nn.Parameter, loaded: Loaded, gate_up: bool) -> None:
+        """Every expert's weight or bias in one tensor (``StackedExperts`` draws the layout):
+        this rank's experts are read whole, then each loads as one expert's tensors do."""
+        mine = full(loaded.narrow(0, self.first_expert, self.num_experts))
+        for e, t in enumerate(mine):
+            if not gate_up:
+                self._load_expert(param, t.T if t.dim() == 2 else t, e, "down")
+                continue
+            halves: tuple[tuple[Proj, torch.Tensor], ...] = (("gate", t[..., 0::2]),
+                                                            ("up", t[..., 1::2]))  # fmt: skip
+            for proj, part in halves:
+                self._load_expert(param, part.T if part.dim() == 2 else part, e, proj)
+
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] (gate ‖ up) → [T, I]: silu(gate) · up, or gpt-oss's clamped SwiGLU."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        if self.activation == "silu":
+            return F.silu(gate) * up
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
     def unloaded_weights(self) -> list[str]:
         """The experts' weights no checkpoint tensor reached (models/loader.py refuses them)."""
         projs: tuple[Proj, ...] = ("gate", "up", "down")
-        return [f"experts.{self.first_expert + e}.{p}_proj" for e in range(self.num_experts)
-                for p in projs if (e, p) not in self._loaded]  # fmt: skip
+        # a quantized checkpoint's scales too, unless the method computes them at load (a
+        # scale left at its fill would zero that expert's output without a word)
+        scaled = hasattr(self, "w13_weight_scale") and not self.method.derived_parameters
+        return [f"experts.{self.first_expert + e}.{p}_proj{suffix}"
+                for e in range(self.num_experts) for p in projs
+                for suffix, done in (("", self._loaded), (" weight scale", self._scaled))
+                if (suffix == "" or scaled) and (e, p) not in done]  # fmt: skip
 
     def derived_parameters(self) -> tuple[str, ...]:
         return self.method.derived_parameters

@@ -1,6 +1,6 @@
 """Rotary position embedding (NeoX / Llama "rotate half" style) with the scaling types the
-supported checkpoints use: default, linear, llama3 and yarn (DeepSeek-V2/V3). Computed in
-float32 like Hugging Face.
+supported checkpoints use: default, linear, llama3 and yarn (DeepSeek-V2/V3, gpt-oss).
+Computed in float32 like Hugging Face.
 """
 
 import math
@@ -65,8 +65,11 @@ def _yarn_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
     def pair(rotations: float) -> float:  # the dimension that turns ``rotations`` times
         return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
 
-    low = max(math.floor(pair(rope.beta_fast)), 0)
-    high: float = min(math.ceil(pair(rope.beta_slow)), dim - 1)
+    low: float = pair(rope.beta_fast)
+    high: float = pair(rope.beta_slow)
+    if rope.truncate:  # (gpt-oss keeps the fractional ends)
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # (no zero-width ramp)
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
@@ -87,6 +90,8 @@ def rotary_scale(rope: RopeConfig) -> float:
     the softmax scale (``models/layers/mla.py``)."""
     if rope.rope_type != "yarn":
         return 1.0
+    if rope.attention_factor:  # (the config's own, as Hugging Face takes it first)
+        return rope.attention_factor
     if rope.mscale and rope.mscale_all_dim:
         return yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
     return yarn_mscale(rope.factor)

@@ -1,0 +1,252 @@
+"""Gemma 3's text decoder (``Gemma3ForCausalLM``, model_type ``gemma3_text``).
+
+What sets it apart from the Llama family (models/llama.py), after Hugging Face's
+``modeling_gemma3.py``:
+
+- its RMSNorm scales by (1 + w), in float32 (``GemmaRMSNorm``), and a layer has four: before and
+  after the attention, before and after the MLP. The "after" ones normalise a sublayer's output
+  before it joins the residual stream:
+
+      x ─┬─ norm ─ attention ─ norm ─(+)─┬─ norm ─ MLP ─ norm ─(+)─► next layer
+         └────────────────────────────────┘└─────────────────────────┘
+
+- q and k are normalised per head (Gemma norms) before the rotary;
+- ``layer_types``: sliding-window layers (the query at p sees the keys in (p - W, p]) with their
+  own rotary base, and global layers with the global rotary (linear scaling in the larger
+  checkpoints); each kind's cos/sin tables are built once and shared by its layers;
+- the embedding is multiplied by sqrt(hidden), rounded to the model's dtype; the softmax scale is
+  ``query_pre_attn_scalar ** -0.5``; the MLP is GELU (tanh) · up; the logits may be soft-capped.
+
+The engine's fused kernels cover SiLU and plain RMSNorm only: with ``ctx.kernels`` Gemma's
+norms and GELU still run in plain PyTorch (the rotary, the same as Llama's, stays fused). The KV
+cache is full length for every layer; a sliding layer's backend reads only its window of it.
+"""
+
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.engine.attention.backend import AttentionMetadata, LayerKVCache
+from services.worker.engine.model_config import ArchConfig
+from services.worker.engine.models.context import ModelContext
+from services.worker.engine.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from services.worker.engine.models.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from services.worker.engine.models.layers.rotary import RotaryEmbedding
+from services.worker.engine.models.weights import Loaded
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+# (the layer, q, k, v, the step's metadata) → the attention's output (as models/llama.py's)
+AttentionSplit = Callable[
+    ["Gemma3Attention", torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor
+]
+
+
+class GemmaRMSNorm(nn.Module):
+    """x / rms(x) · (1 + w) in float32, then cast back: the checkpoint's w is centred on 0, and
+    it multiplies before the cast (Llama's norm casts first)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+    def forward_residual(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual + x`` becomes the new residual; returns (its norm, it)."""
+        residual = residual + x
+        return self(residual), residual
+
+
+class Gemma3Attention(nn.Module):
+    """The attributes the worker and the piecewise graph runner use (``kv_cache``, ``split``,
+    ``stores_kv``, ``attn``, ``kv_scales``, the head counts) are ``LlamaAttention``'s."""
+
+    def __init__(self, arch: ArchConfig, ctx: ModelContext, rotary: RotaryEmbedding, kind: str):
+        super().__init__()
+        if arch.attn_logit_softcapping is not None:
+            raise ValueError(
+                "attn_logit_softcapping is not supported: no attention backend soft-caps scores"
+            )
+        d = arch.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            arch.hidden_size, d, arch.num_heads, arch.num_kv_heads, arch.attention_bias,
+            ctx.linear,
+        )  # fmt: skip
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.head_dim = d
+        self.o_proj = RowParallelLinear(
+            arch.num_heads * d, arch.hidden_size, arch.attention_bias, ctx.linear
+        )
+        self.rotary = rotary  # shared by the layers of this kind
+        self.stores_kv = ctx.kernels  # the fused rotary stores k and v (as Llama's)
+        self.q_norm = GemmaRMSNorm(d, arch.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(d, arch.rms_norm_eps)
+        scale = (arch.query_pre_attn_scalar or d) ** -0.5
+        window = arch.sliding_window if kind == SLIDING else None
+        self.attn = ctx.attention(
+            self.num_heads, self.num_kv_heads, d, scale=scale, sliding_window=window
+        )
+        self.kv_cache: LayerKVCache | None = None  # bound by the worker after cache allocation
+        self.split: AttentionSplit | None = None  # set by a piecewise CUDA graph runner
+        self.kv_method = ctx.kv_cache
+        self.kv_method.create_weights(self)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None
+    ) -> None:
+        """Its own parameters are the KV cache scales (the projections load their own)."""
+        self.kv_method.load(param, loaded)
+
+    def kv_scales(self) -> tuple[float, float]:
+        return self.kv_method.scales(self)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        assert self.kv_cache is not None, "KV cache not bound"
+        if self.stores_kv:
+            q = self.rotary.forward_and_store(positions, q, k, v, self.kv_cache, meta.slot_mapping)
+        else:
+            q, k = self.rotary(positions, q, k)
+        if self.split is not None:
+            out = self.split(self, q, k, v, meta)
+        else:
+            out = self.attn.forward(q, k, v, self.kv_cache, meta, store_kv=not self.stores_kv)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, arch: ArchConfig, ctx: ModelContext):
+        super().__init__()
+        if arch.hidden_act != "gelu_pytorch_tanh":
+            raise ValueError(
+                f"unsupported Gemma hidden_activation {arch.hidden_act!r}; supported: "
+                "gelu_pytorch_tanh"
+            )
+        inter = arch.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            arch.hidden_size, [inter, inter], False, ctx.linear
+        )
+        self.down_proj = RowParallelLinear(inter, arch.hidden_size, False, ctx.linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig, ctx: ModelContext, rotary: RotaryEmbedding, kind: str):
+        super().__init__()
+        self.self_attn = Gemma3Attention(arch, ctx, rotary, kind)
+        self.mlp = Gemma3MLP(arch, ctx)
+        size, eps = arch.hidden_size, arch.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``: the layer before's MLP output, normed, not yet added to ``residual`` (None:
+        the first layer, ``x`` the embedding). Returns its own (MLP output, residual)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.forward_residual(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(positions, h, meta))
+        h, residual = self.pre_feedforward_layernorm.forward_residual(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, arch: ArchConfig, ctx: ModelContext):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
+        # sqrt(hidden) in the model's dtype, as Hugging Face rounds it (55.4256 → 55.5 in bf16)
+        self.embed_scale: torch.Tensor
+        self.register_buffer("embed_scale", torch.tensor(arch.hidden_size**0.5), persistent=False)
+        kinds = arch.layer_types or (FULL,) * arch.num_layers
+        unknown = set(kinds) - {SLIDING, FULL}
+        if unknown:
+            raise ValueError(f"unsupported Gemma 3 layer_types {sorted(unknown)}")
+        if SLIDING in kinds and arch.sliding_window is None:
+            raise ValueError("Gemma 3 sliding_attention layers need a sliding_window")
+        ropes = {FULL: arch.rope, SLIDING: arch.rope_local or arch.rope}
+        rotary = {kind: RotaryEmbedding(arch.head_dim, ctx.max_positions, ropes[kind], ctx.kernels)
+                  for kind in sorted(set(kinds))}  # fmt: skip
+        self.rotary = nn.ModuleDict(rotary)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(arch, ctx, rotary[kind], kind) for kind in kinds
+        )
+        self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        x = x * self.embed_scale.to(x.dtype)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        assert residual is not None
+        out, _ = self.norm.forward_residual(x, residual)
+        return out
+
+
+class Gemma3ForCausalLM(nn.Module):
+    # Checkpoint names that we load into one stacked parameter: name → (our name, shard id).
+    packed_modules: ClassVar[dict[str, tuple[str, str | int]]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, arch: ArchConfig, ctx: ModelContext):
+        super().__init__()
+        self.arch = arch
+        self.model = Gemma3Model(arch, ctx)
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.softcap = arch.final_logit_softcapping
+
+    def attention_layers(self) -> list[Gemma3Attention]:
+        return [layer.self_attn for layer in self.model.layers]  # type: ignore[misc]
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        if self.softcap is not None:  # (a rank other than 0 holds no logits: nothing to cap)
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
