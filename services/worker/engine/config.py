@@ -16,7 +16,11 @@ from typing import Literal
 
 from services.worker.engine.model_config import ArchConfig, load_arch_config, load_hf_config
 from services.worker.engine.models.registry import applies_sliding_window, check_architecture
-from services.worker.engine.quantization.config import QuantConfig, parse_quantization
+from services.worker.engine.quantization.config import (
+    QuantConfig,
+    check_expert_slice,
+    parse_quantization,
+)
 from shared.gguf_files import default_model_name, gguf_path
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -123,18 +127,12 @@ class EngineConfig:
 def _check_block_experts(
     arch: ArchConfig, quant: QuantConfig | None, parallel: ParallelConfig
 ) -> None:
-    """FP8 experts in 128×128 blocks keep whole blocks on a rank: without expert parallelism
-    each rank's slice of an expert's intermediate dimension must be a multiple of the block
-    (refused here, before any rank starts, rather than in every rank's model build)."""
-    moe, tp = arch.moe, parallel.tensor_parallel_size
-    if moe is None or quant is None or quant.weights != "block" or parallel.enable_expert_parallel:
+    """Each rank's slice of every expert (no expert parallelism) must suit the experts' weight
+    format (``check_expert_slice``): refused here, before any rank starts."""
+    moe = arch.moe
+    if moe is None or parallel.enable_expert_parallel:
         return
-    if (moe.intermediate_size // tp) % quant.block:
-        raise ValueError(
-            f"FP8 block experts need each rank's share of moe_intermediate_size "
-            f"({moe.intermediate_size} / {tp} = {moe.intermediate_size // tp}) to be a multiple "
-            f"of {quant.block}: fewer ranks, or --enable-expert-parallel"
-        )
+    check_expert_slice(quant, moe.intermediate_size, parallel.tensor_parallel_size)
 
 
 @dataclass

@@ -40,6 +40,18 @@ def parse_quantization(
     return replace(quant, fast_accumulation=True, method=f"{quant.method}, fast accumulation")
 
 
+def check_expert_slice(quant: QuantConfig | None, intermediate: int, ranks: int) -> None:
+    """FP8 experts in blocks keep whole blocks on a rank: when ``ranks`` split each expert's
+    ``intermediate`` dimension, each rank's share must be a multiple of the block."""
+    if quant is None or quant.weights != "block" or (intermediate // ranks) % quant.block == 0:
+        return
+    raise ValueError(
+        f"FP8 block experts need each rank's share of moe_intermediate_size ({intermediate} / "
+        f"{ranks} = {intermediate // ranks}) to be a multiple of {quant.block}: fewer ranks, "
+        "or --enable-expert-parallel"
+    )
+
+
 def describe(quant: QuantConfig | None) -> str:
     """What a worker says its linear layers are ("" in the model's dtype)."""
     return "" if quant is None else quant.method
