@@ -1,7 +1,12 @@
-"""A mixture-of-experts model with latent attention (a tiny DeepSeek-V3: MLA, routed experts
-with sigmoid group-limited routing, shared experts, YaRN) served by the whole system with
-disaggregated prefill and decode: the decode worker pulls the latent blocks over NIXL/UCX from
-the prefill worker. What the client reads must equal the offline engine's, token for token."""
+"""The architectures beyond the dense Llama family, served by the whole system with
+disaggregated prefill and decode: what the client reads must equal the offline engine's, token
+for token.
+
+- a tiny DeepSeek-V3 (MLA, routed experts with sigmoid group-limited routing, shared experts,
+  YaRN): the decode worker pulls the latent blocks over NIXL/UCX;
+- a tiny gpt-oss (windows of 8 tokens with attention sinks on alternate layers, biased experts
+  with the clamped SwiGLU) and a tiny Gemma 3 (two sliding-window layers to each global one):
+  the decode worker decodes on past the window from the pulled blocks."""
 
 import json
 from collections.abc import Iterator
@@ -22,31 +27,31 @@ from tests.e2e.conftest import (
 )
 
 
-@pytest.fixture(scope="module")
-def deepseek(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("deepseek-v3"), arch="deepseek_v3")
+@pytest.fixture(scope="module", params=["deepseek_v3", "gpt_oss", "gemma3"])
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param)
 
 
 @pytest.fixture(scope="module")
-def pd_cluster(deepseek: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def pd_cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     policy = tmp_path_factory.mktemp("policy") / "policy.json"
     policy.write_text(json.dumps({"decider": {"min_uncached_tokens": 32}}))
-    with running_cluster(deepseek, 0, "--prefill-workers", "1", "--decode-workers", "1",
-                         "--routing-policy", str(policy), "--served-model-name", "ds3",
+    with running_cluster(model, 0, "--prefill-workers", "1", "--decode-workers", "1",
+                         "--routing-policy", str(policy), "--served-model-name", "m",
                          ) as c:  # fmt: skip
         yield c
 
 
-def test_disaggregated_latent_cache_equals_offline(pd_cluster: Cluster, deepseek: Path) -> None:
-    llm = LLM(model=str(deepseek), num_kv_blocks=512, max_model_len=1024)
+def test_disaggregated_equals_offline(pd_cluster: Cluster, model: Path) -> None:
+    llm = LLM(model=str(model), num_kv_blocks=512, max_model_len=1024)
     try:
         c = openai.OpenAI(base_url=pd_cluster.url, api_key="x", max_retries=0, timeout=60)
         before = disaggregated_routes(pd_cluster)
         for i in range(3):
-            prompt = long_prompt(deepseek, 90 + 37 * i, f"mla-{i}")  # (ends mid-block)
+            prompt = long_prompt(model, 90 + 37 * i, f"pd-{i}")  # (ends mid-block)
             params = SamplingParams(temperature=0, max_tokens=16, logprobs=1)
             want = llm.generate([prompt], params)[0].outputs[0]
-            out = c.completions.create(model="ds3", prompt=prompt, max_tokens=16,
+            out = c.completions.create(model="m", prompt=prompt, max_tokens=16,
                                        temperature=0, logprobs=1)  # fmt: skip
             assert out.choices[0].text == want.text
             got = out.choices[0].logprobs.token_logprobs  # type: ignore[union-attr]
