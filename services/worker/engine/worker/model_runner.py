@@ -176,14 +176,9 @@ class ModelRunner:
         if sizes and getattr(self.backend, "supports_cuda_graphs", False):
             max_len = self.config.model.max_model_len
             # every layer's bounds (a hybrid model's windowed and full layers launch apart)
-            attns = [layer.attn for layer in self.model.attention_layers()]
-
-            def contexts(size: int) -> tuple[int, ...]:
-                dev = self.device
-                seen = {c for a in attns for c in a.decode_graph_contexts(size, max_len, dev)}
-                return tuple(sorted(seen))
-
-            bounds = {s: contexts(s) for s in sizes}
+            attns, dev = [layer.attn for layer in self.model.attention_layers()], self.device
+            bounds = {s: tuple(sorted({c for a in attns for c in a.decode_graph_contexts(
+                s, max_len, dev)})) for s in sizes}  # fmt: skip
             self.graphs = CudaGraphRunner(
                 self.model, sizes, max_len, self.block_size, pad_block=self.pad_block,
                 device=self.device, contexts=bounds,
