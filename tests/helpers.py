@@ -197,3 +197,26 @@ def copy_checkpoint(src: Path, dst: Path) -> Path:
         if f.is_file():
             (dst / f.name).write_bytes(f.read_bytes())
     return dst
+
+
+def generate_in_three_batches(
+    llm: "LLM", prompts: list[list[int]], params: SamplingParams
+) -> list[Any]:
+    """The first two prompts, then the next two, then the rest (by then the earlier ones'
+    prefixes are cached, so the later ones' prompts hit them): each request's output."""
+    asks = [{"prompt_token_ids": p} for p in prompts]
+    outs = [o for part in (asks[:2], asks[2:4], asks[4:])
+            for o in llm.generate(part, params, use_tqdm=False)]  # fmt: skip
+    return [o.outputs[0] for o in outs]
+
+
+def assert_matches_reference(
+    outs: list[Any], tokens: list[list[int]], rows: list[list[list[float]]], atol: float
+) -> None:
+    """Greedy outputs equal a reference's tokens, and every logprob they carry is within
+    ``atol`` of the reference's log-softmax row at that step."""
+    assert [o.token_ids for o in outs] == tokens
+    for out, steps in zip(outs, rows, strict=True):
+        for position, row in zip(out.logprobs, steps, strict=True):
+            for token_id, lp in position.items():
+                assert abs(lp.logprob - row[token_id]) < atol

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from baton import LLM, SamplingParams
 from baton.tiny_model import make_tiny_model
+from tests.helpers import assert_matches_reference, generate_in_three_batches
 
 MAX_NEW = 12
 LOGPROB_ATOL = 1e-4
@@ -65,21 +66,11 @@ def hf_reference(path: str) -> tuple[list[list[int]], list[list[list[float]]]]:
 
 
 def _generate(llm: LLM) -> list[Any]:
-    """The first two prompts, then the rest (their prefixes cached by then)."""
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    first = llm.generate(prompts[:2], GREEDY, use_tqdm=False)
-    rest = llm.generate(prompts[2:4], GREEDY, use_tqdm=False)
-    again = llm.generate(prompts[4:], GREEDY, use_tqdm=False)
-    return [o.outputs[0] for o in first + rest + again]
+    return generate_in_three_batches(llm, PROMPTS, GREEDY)
 
 
 def _assert_hugging_faces(path: Path, outs: list[Any]) -> None:
-    tokens, rows = hf_reference(str(path))
-    assert [o.token_ids for o in outs] == tokens
-    for out, steps in zip(outs, rows, strict=True):
-        for position, row in zip(out.logprobs, steps, strict=True):
-            for token_id, lp in position.items():
-                assert abs(lp.logprob - row[token_id]) < LOGPROB_ATOL
+    assert_matches_reference(outs, *hf_reference(str(path)), LOGPROB_ATOL)
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))

@@ -18,11 +18,10 @@ from torch import nn
 from services.worker.engine.attention.backend import AttentionMetadata
 from services.worker.engine.model_config import ArchConfig
 from services.worker.engine.models.context import ModelContext
-from services.worker.engine.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from services.worker.engine.models.layers.mla import MLAAttention
 from services.worker.engine.models.layers.moe import MoEBlock, expert_target
 from services.worker.engine.models.layers.norm import RMSNorm
-from services.worker.engine.models.llama import LlamaMLP
+from services.worker.engine.models.llama import CausalLM, LlamaMLP
 from services.worker.engine.models.weights import CheckpointTarget
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -60,42 +59,13 @@ class DeepseekDecoderLayer(nn.Module):
         return self.mlp(h), residual  # (codes only where the norm feeds a dense MLP)
 
 
-class DeepseekV2Model(nn.Module):
-    def __init__(self, arch: ArchConfig, ctx: ModelContext):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(arch, ctx, i) for i in range(arch.num_layers)
-        )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ctx.kernels)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
-        assert residual is not None
-        out, _ = self.norm.forward_residual(x, residual)
-        assert isinstance(out, torch.Tensor)  # (it feeds no layer: no codes)
-        return out
-
-
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(CausalLM):
     # the dense MLPs' and the shared experts' gate and up projections, stacked
     packed_modules: ClassVar[dict[str, tuple[str, str | int]]] = {
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
-
-    def __init__(self, arch: ArchConfig, ctx: ModelContext):
-        super().__init__()
-        self.arch = arch
-        self.model = DeepseekV2Model(arch, ctx)
-        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size)
-        if arch.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+    decoder_layer = DeepseekDecoderLayer
 
     def checkpoint_target(self, name: str) -> CheckpointTarget | None:
         """One routed expert's projection (``models/loader.py`` asks before its table)."""
@@ -106,14 +76,3 @@ class DeepseekV2ForCausalLM(nn.Module):
         decoder's (a draft model for speculative decoding, which this engine does not run)."""
         m = _LAYER.match(name)
         return m is not None and int(m[1]) >= self.arch.num_layers
-
-    def attention_layers(self) -> list[MLAAttention]:
-        return [layer.self_attn for layer in self.model.layers]  # type: ignore[misc]
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)

@@ -23,7 +23,6 @@ cache is full length for every layer; a sliding layer's backend reads only its w
 """
 
 from collections.abc import Callable
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -32,13 +31,13 @@ from torch import nn
 from services.worker.engine.attention.backend import AttentionMetadata, LayerKVCache
 from services.worker.engine.model_config import ArchConfig
 from services.worker.engine.models.context import ModelContext
-from services.worker.engine.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from services.worker.engine.models.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
 from services.worker.engine.models.layers.rotary import RotaryEmbedding
+from services.worker.engine.models.llama import CausalLM, DecoderModel, LlamaForCausalLM
 from services.worker.engine.models.weights import Loaded
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -183,13 +182,11 @@ class Gemma3DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
-class Gemma3Model(nn.Module):
+class Gemma3Model(DecoderModel):
+    """The shared stack with Gemma's embedding scale, final norm, and one rotary table per
+    layer kind (local and global bases), shared by that kind's layers."""
+
     def __init__(self, arch: ArchConfig, ctx: ModelContext):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
-        # sqrt(hidden) in the model's dtype, as Hugging Face rounds it (55.4256 → 55.5 in bf16)
-        self.embed_scale: torch.Tensor
-        self.register_buffer("embed_scale", torch.tensor(arch.hidden_size**0.5), persistent=False)
         kinds = arch.layer_types or (FULL,) * arch.num_layers
         unknown = set(kinds) - {SLIDING, FULL}
         if unknown:
@@ -199,51 +196,31 @@ class Gemma3Model(nn.Module):
         ropes = {FULL: arch.rope, SLIDING: arch.rope_local or arch.rope}
         rotary = {kind: RotaryEmbedding(arch.head_dim, ctx.max_positions, ropes[kind], ctx.kernels)
                   for kind in sorted(set(kinds))}  # fmt: skip
+
+        def layer(arch: ArchConfig, ctx: ModelContext, i: int) -> nn.Module:
+            return Gemma3DecoderLayer(arch, ctx, rotary[kinds[i]], kinds[i])
+
+        super().__init__(arch, ctx, layer)
         self.rotary = nn.ModuleDict(rotary)
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(arch, ctx, rotary[kind], kind) for kind in kinds
-        )
-        self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)  # type: ignore[assignment]
+        # sqrt(hidden) in the model's dtype, as Hugging Face rounds it (55.4256 → 55.5 in bf16)
+        self.embed_scale: torch.Tensor
+        self.register_buffer("embed_scale", torch.tensor(arch.hidden_size**0.5), persistent=False)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        x = x * self.embed_scale.to(x.dtype)
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
-        assert residual is not None
-        out, _ = self.norm.forward_residual(x, residual)
-        return out
+        return x * self.embed_scale.to(x.dtype)
 
 
-class Gemma3ForCausalLM(nn.Module):
-    # Checkpoint names that we load into one stacked parameter: name → (our name, shard id).
-    packed_modules: ClassVar[dict[str, tuple[str, str | int]]] = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+class Gemma3ForCausalLM(CausalLM):
+    packed_modules = LlamaForCausalLM.packed_modules  # (q/k/v and gate/up stacked alike)
 
     def __init__(self, arch: ArchConfig, ctx: ModelContext):
-        super().__init__()
-        self.arch = arch
-        self.model = Gemma3Model(arch, ctx)
-        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size)
-        if arch.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(arch, ctx)
         self.softcap = arch.final_logit_softcapping
 
-    def attention_layers(self) -> list[Gemma3Attention]:
-        return [layer.self_attn for layer in self.model.layers]  # type: ignore[misc]
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+    def build_model(self, arch: ArchConfig, ctx: ModelContext) -> DecoderModel:
+        return Gemma3Model(arch, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)

@@ -25,11 +25,11 @@ from services.worker.engine.attention.backend import AttentionMetadata, LayerKVC
 from services.worker.engine.distributed import tp_rank
 from services.worker.engine.model_config import ArchConfig
 from services.worker.engine.models.context import ModelContext
-from services.worker.engine.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from services.worker.engine.models.layers.linear import QKVParallelLinear, RowParallelLinear
 from services.worker.engine.models.layers.moe import MoEBlock, stacked_expert_target
 from services.worker.engine.models.layers.norm import RMSNorm
 from services.worker.engine.models.layers.rotary import RotaryEmbedding
+from services.worker.engine.models.llama import CausalLM
 from services.worker.engine.models.weights import CheckpointTarget, Loaded, copy_weight
 from services.worker.engine.quantization.fp8_math import Codes
 
@@ -141,44 +141,18 @@ class GptOssDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class GptOssModel(nn.Module):
-    def __init__(self, arch: ArchConfig, ctx: ModelContext):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(
-            GptOssDecoderLayer(arch, ctx, i) for i in range(arch.num_layers)
-        )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ctx.kernels)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
-        assert residual is not None
-        out, _ = self.norm.forward_residual(x, residual)
-        assert isinstance(out, torch.Tensor)  # (it feeds no layer: no codes)
-        return out
-
-
-class GptOssForCausalLM(nn.Module):
+class GptOssForCausalLM(CausalLM):
     packed_modules: ClassVar[dict[str, tuple[str, str | int]]] = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
         "v_proj": ("qkv_proj", "v"),
     }
+    decoder_layer = GptOssDecoderLayer
 
     def __init__(self, arch: ArchConfig, ctx: ModelContext):
-        super().__init__()
         if arch.moe is None:
             raise ValueError("a gpt-oss config without experts (num_local_experts)")
-        self.arch = arch
-        self.model = GptOssModel(arch, ctx)
-        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size)
-        if arch.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(arch, ctx)
 
     def checkpoint_target(self, name: str) -> CheckpointTarget | None:
         """The stacked experts (``layers/moe.stacked_expert_target``) and the router, which
@@ -190,14 +164,3 @@ class GptOssForCausalLM(nn.Module):
         if target is None and ".mlp.router." in name:
             return CheckpointTarget(name.replace(".mlp.router.", ".mlp.gate."), None)
         return target
-
-    def attention_layers(self) -> list[GptOssAttention]:
-        return [layer.self_attn for layer in self.model.layers]  # type: ignore[misc]
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)

@@ -146,17 +146,27 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, arch: ArchConfig, ctx: ModelContext):
+# builds decoder layer ``index`` of a model: (arch, ctx, index) → the layer (a layer class)
+DecoderLayerFactory = Callable[..., nn.Module]
+
+
+class DecoderModel(nn.Module):
+    """The stack every decoder here shares: embedding → layers (each ``(positions, x, residual,
+    meta) → (x, residual)``) → the final norm with the last residual add."""
+
+    def __init__(self, arch: ArchConfig, ctx: ModelContext, layer: DecoderLayerFactory):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, ctx, i) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(layer(arch, ctx, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ctx.kernels)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         residual: torch.Tensor | None = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
@@ -166,8 +176,41 @@ class LlamaModel(nn.Module):
         return out
 
 
-class LlamaForCausalLM(nn.Module):
+class CausalLM(nn.Module):
+    """A decoder (``build_model``: a ``DecoderModel`` of ``decoder_layer``s unless a model says
+    otherwise) and its LM head, tied to the embedding where the config says: the surface the
+    model runner and the loader use (``attention_layers``, ``forward``, ``compute_logits``,
+    ``packed_modules``)."""
+
     # Checkpoint names that we load into one stacked parameter: name → (our name, shard id).
+    packed_modules: ClassVar[dict[str, tuple[str, str | int]]] = {}
+    decoder_layer: ClassVar[type[nn.Module]]
+
+    def __init__(self, arch: ArchConfig, ctx: ModelContext):
+        super().__init__()
+        self.arch = arch
+        self.model: DecoderModel = self.build_model(arch, ctx)
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def build_model(self, arch: ArchConfig, ctx: ModelContext) -> DecoderModel:
+        return DecoderModel(arch, ctx, type(self).decoder_layer)
+
+    def attention_layers(self) -> list[nn.Module]:
+        return [layer.self_attn for layer in self.model.layers]  # type: ignore[misc]
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        out: torch.Tensor = self.model(input_ids, positions, meta)
+        return out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+class LlamaForCausalLM(CausalLM):
     packed_modules: ClassVar[dict[str, tuple[str, str | int]]] = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -175,14 +218,7 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
-
-    def __init__(self, arch: ArchConfig, ctx: ModelContext):
-        super().__init__()
-        self.arch = arch
-        self.model = LlamaModel(arch, ctx)
-        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size)
-        if arch.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+    decoder_layer = LlamaDecoderLayer
 
     def checkpoint_target(self, name: str) -> CheckpointTarget | None:
         """One expert's tensor (``layers/moe.expert_target``); Mixtral's ``block_sparse_moe``
@@ -192,14 +228,3 @@ class LlamaForCausalLM(nn.Module):
         if target is None and renamed != name:
             return CheckpointTarget(renamed, None)
         return target
-
-    def attention_layers(self) -> list[LlamaAttention]:
-        return [layer.self_attn for layer in self.model.layers]  # type: ignore[misc]
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
