@@ -112,7 +112,13 @@ def select_experts(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_weights float32 [T, k], topk_ids int64 [T, k]) from the router's logits [T, E],
     as Hugging Face's routers of Qwen3-MoE, Mixtral and DeepSeek-V2/V3 compute them
-    (``MoEConfig`` describes the steps); the bias steers the choice, never the weights."""
+    (``MoEConfig`` describes the steps); the bias steers the choice, never the weights. On a
+    GPU the same steps run in one launch (``ops/moe_routing.py``) where it takes them."""
+    if router_logits.is_cuda:
+        from services.worker.engine.ops import moe_routing
+
+        if moe_routing.supported(router_logits, moe):
+            return moe_routing.route(router_logits, moe, correction_bias)
     logits = router_logits.float()
     if moe.scoring == "softmax_of_topk":  # gpt-oss: the top logits, then their softmax
         top, ids = torch.topk(logits, moe.top_k, dim=-1)

@@ -1,0 +1,77 @@
+"""The one-launch router (ops/moe_routing.py) against ``select_experts``, its plain-PyTorch
+oracle, for each scoring the models use: the same experts in the same order, weights within
+float32's rounding of ``exp`` (Triton's interpreter on CPU; on the GPU through the MoE models'
+tests in tests/gpu)."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from services.worker.engine.model_config import MoEConfig
+from services.worker.engine.models.layers.moe import select_experts
+from services.worker.engine.ops.moe_routing import route, supported
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+QWEN3 = MoEConfig(num_experts=128, top_k=8, intermediate_size=8)
+CASES = {
+    "qwen3-moe (softmax, renormalized)": QWEN3,
+    "mixtral (8 experts, top 2)": MoEConfig(num_experts=8, top_k=2, intermediate_size=8),
+    "unnormalized, scaled": replace(QWEN3, norm_topk_prob=False, routed_scaling_factor=2.5),
+    "sigmoid + correction bias (no groups)": MoEConfig(
+        num_experts=64, top_k=4, intermediate_size=8, scoring="sigmoid", correction_bias=True,
+        routed_scaling_factor=2.5,
+    ),
+    "gpt-oss (softmax of the top-k)": MoEConfig(
+        num_experts=32, top_k=4, intermediate_size=8, scoring="softmax_of_topk",
+        norm_topk_prob=False,
+    ),
+    "non-power-of-two experts": MoEConfig(num_experts=60, top_k=4, intermediate_size=8),
+    "deepseek-v2-lite (64 experts, top 6, no groups)": MoEConfig(
+        num_experts=64, top_k=6, intermediate_size=8, norm_topk_prob=False,
+    ),
+    "gpt-oss, top 3": MoEConfig(
+        num_experts=32, top_k=3, intermediate_size=8, scoring="softmax_of_topk",
+        norm_topk_prob=False,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_route_equals_select_experts(name: str, tokens: int) -> None:
+    moe = CASES[name]
+    g = torch.Generator().manual_seed(tokens)
+    logits = (3 * torch.randn(tokens, moe.num_experts, generator=g)).to(DEVICE)
+    bias = None
+    if moe.correction_bias:
+        bias = (0.1 * torch.randn(moe.num_experts, generator=g)).to(DEVICE)
+    assert supported(logits, moe)
+    want_w, want_ids = select_experts(logits, moe, bias)
+    got_w, got_ids = route(logits, moe, bias)
+    assert got_ids.dtype == torch.int64 and got_w.dtype == torch.float32
+    assert torch.equal(got_ids.cpu(), want_ids.cpu())
+    torch.testing.assert_close(got_w.cpu(), want_w.cpu(), rtol=1e-6, atol=1e-7)
+
+
+def test_the_bias_steers_the_choice_not_the_weights() -> None:
+    """A bias that lifts expert 5 past every other: chosen first, its weight its own score."""
+    moe = CASES["sigmoid + correction bias (no groups)"]
+    logits = torch.zeros(1, moe.num_experts, device=DEVICE)
+    logits[0, 9] = 2.0
+    bias = torch.zeros(moe.num_experts, device=DEVICE)
+    bias[5] = 10.0
+    weights, ids = route(logits, replace(moe, norm_topk_prob=False, routed_scaling_factor=1.0),
+                         bias)  # fmt: skip
+    assert ids[0, :2].tolist() == [5, 9]
+    assert weights[0, 0].item() == pytest.approx(0.5) and weights[0, 1].item() == pytest.approx(
+        torch.sigmoid(torch.tensor(2.0)).item()
+    )
+
+
+def test_grouped_routing_keeps_the_pytorch_path() -> None:
+    logits = torch.zeros(1, 64)
+    assert not supported(
+        logits, MoEConfig(num_experts=64, top_k=8, intermediate_size=8, num_groups=8)
+    )
