@@ -152,6 +152,7 @@ def kv_handle(h: RemoteKV) -> common_pb2.KVHandle:
     return common_pb2.KVHandle(
         engine_id=h.engine_id, side_channel=h.side_channel, block_ids=h.block_ids,
         num_tokens=h.num_tokens, lease_expires_at=h.lease_expires_at, request_id=h.request_id,
+        num_groups=h.num_groups,
     )  # fmt: skip
 
 
@@ -159,4 +160,5 @@ def remote_kv(h: common_pb2.KVHandle) -> RemoteKV:
     return RemoteKV(
         engine_id=h.engine_id, side_channel=h.side_channel, block_ids=list(h.block_ids),
         num_tokens=h.num_tokens, lease_expires_at=h.lease_expires_at, request_id=h.request_id,
+        num_groups=max(1, h.num_groups),
     )  # fmt: skip

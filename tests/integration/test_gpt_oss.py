@@ -20,7 +20,13 @@ from transformers import AutoModelForCausalLM
 
 from baton import LLM, SamplingParams
 from baton.tiny_model import make_tiny_model
-from tests.helpers import assert_matches_reference, generate_in_three_batches
+from services.worker.engine.kv_transfer.params import NO_BLOCK
+from tests.helpers import (
+    assert_matches_reference,
+    disaggregated,
+    generate_in_three_batches,
+    wait_all_free,
+)
 
 MAX_NEW = 12
 LOGPROB_ATOL = 1e-4
@@ -102,6 +108,67 @@ def test_the_window_and_the_sinks_are_applied(gpt_oss: Path) -> None:
             layer.self_attn.sinks.fill_(float("-inf"))
     tokens, _ = _hf_generate(sinkless)
     assert all(a != b for a, b in zip(windowed, tokens, strict=True))
+
+
+def test_windowed_layers_hold_only_their_window(gpt_oss: Path) -> None:
+    """The KV cache groups: a full group and a windowed group of two layers each. A request of
+    max_model_len (a 50-token prompt, 14 new tokens) in a cache of exactly what the groups say
+    it needs: 4 blocks of the full group and the 2 blocks a window of 8 can touch, where a
+    cache without groups would need 8. It runs to the end only if the windowed group hands its
+    older blocks back as the request moves on (no block for a preemption to take), and its
+    tokens still equal Hugging Face's."""
+    prompt = [(5 * i) % 380 + 11 for i in range(50)]
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    llm = LLM(model=str(gpt_oss), show_progress=False, dtype="float32", max_model_len=64,
+              num_kv_blocks=6, max_num_batched_tokens=16, max_num_seqs=4)  # fmt: skip
+    try:
+        info = llm.get_model_info()
+        out = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0]
+        stats = llm.get_stats()
+    finally:
+        llm.shutdown()
+    assert info.kv_cache_groups == "2 groups of 2 layers: full, window 8"
+    page = 2 * 2 * 16 * 2 * 32 * 4  # layers a page × K, V × tokens × KV heads × head dim × fp32
+    assert info.kv_request_bytes == 6 * page  # 4 full blocks, 2 windowed
+    assert info.kv_full_attention_request_bytes == 4 * 4 * page // 2  # 4 blocks of 4 layers
+    assert stats.num_preemptions == 0 and stats.num_free_blocks == stats.num_blocks == 6
+    want = _hf_model(str(gpt_oss)).generate(
+        torch.tensor([prompt]), max_new_tokens=14, min_new_tokens=14, do_sample=False
+    )
+    assert out.token_ids == want[0, len(prompt) :].tolist()
+
+
+def test_disaggregated_pulls_the_full_blocks_and_the_last_window(gpt_oss: Path) -> None:
+    """Prefill and decode engines over NIXL (UCX): the handle lists the full group's five
+    blocks of the 70-token prompt and, of the windowed group's, only the two the next token's
+    window (positions 63..69) touches; the decode engine pulls those seven blocks and decodes
+    on past the window to the colocated engine's tokens and logprobs."""
+    ids = [(7 * i) % 390 + 5 for i in range(70)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
+    kw: dict[str, Any] = {"num_kv_blocks": 64, "max_model_len": 256, "show_progress": False}
+    ref = LLM(model=str(gpt_oss), **kw)
+    prefill = LLM(model=str(gpt_oss), multiprocess=True, kv_transfer=True, **kw)
+    decode = LLM(model=str(gpt_oss), multiprocess=True, kv_transfer=True, **kw)
+    try:
+        want = ref.generate([{"prompt_token_ids": ids}], params)[0].outputs[0]
+        first, rest = disaggregated(prefill, decode, ids, params)
+        wait_all_free(prefill)
+        stats = decode.get_stats()
+    finally:
+        for engine in (ref, prefill, decode):
+            engine.shutdown()
+    assert first.outputs[0].token_ids + rest.outputs[0].token_ids == want.token_ids
+    lps = (first.outputs[0].logprobs or []) + (rest.outputs[0].logprobs or [])
+    for a, b in zip(lps, want.logprobs or [], strict=True):
+        assert all(abs(a[t].logprob - b[t].logprob) <= LOGPROB_ATOL for t in b)
+    handle = first.kv_handle
+    assert handle is not None and handle.num_groups == 2
+    full, window = handle.group_block_ids()
+    assert NO_BLOCK not in full and len(full) == 5
+    assert window[:3] == [NO_BLOCK] * 3 and NO_BLOCK not in window[3:]
+    page = 2 * 2 * 16 * 2 * 32 * 4  # layers a page × K, V × tokens × KV heads × head dim × fp32
+    assert stats.kv_pulls == 1 and stats.kv_pull_failures == 0
+    assert stats.kv_pull_bytes == 7 * page
 
 
 def test_a_prompts_tokens_spread_over_most_experts(gpt_oss: Path) -> None:

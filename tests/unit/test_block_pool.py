@@ -98,3 +98,44 @@ def test_announce_all_replays_the_exact_index() -> None:
         AllBlocksCleared(),
         BlockStored([HASHES[0], HASHES[1]], None, 16),
     ]
+
+
+def test_each_group_has_its_own_index_and_only_group_0_is_announced() -> None:
+    pool = BlockPool(4, 16, enable_caching=True, num_groups=2)
+    full, window = pool.get_new_blocks(1), pool.get_new_blocks(1)
+    pool.cache_full_blocks(full, HASHES, 0, 1)
+    pool.cache_full_blocks(window, HASHES, 0, 1, group=1)  # same hash, another group's block
+    assert pool.get_cached_block(HASHES[0]) is full[0]
+    assert pool.get_cached_block(HASHES[0], group=1) is window[0]
+    assert pool.num_cached_blocks == 1  # what the prefix directory knows of
+    assert pool.take_events() == [BlockStored([HASHES[0]], None, 16)]
+    pool.free_blocks(window + full)
+    pool.get_new_blocks(3)  # the two never-used blocks, then the window block: evicted silently
+    assert pool.get_cached_block(HASHES[0], group=1) is None
+    assert pool.get_cached_block(HASHES[0]) is full[0] and pool.take_events() == []
+    pool.announce_all()
+    assert pool.take_events() == [AllBlocksCleared(), BlockStored([HASHES[0]], None, 16)]
+    pool.get_new_blocks(1)  # now group 0's block: its removal is announced
+    assert pool.take_events() == [BlockRemoved([HASHES[0]])]
+
+
+def test_none_entries_are_skipped_and_split_the_stored_chain() -> None:
+    pool = BlockPool(4, 16, enable_caching=True)
+    a, c = pool.get_new_blocks(2)
+    pool.cache_full_blocks([a, None, c], HASHES, 0, 3)
+    assert pool.get_cached_block(HASHES[1]) is None and pool.get_cached_block(HASHES[2]) is c
+    assert pool.take_events() == [
+        BlockStored([HASHES[0]], None, 16),
+        BlockStored([HASHES[2]], HASHES[1], 16),
+    ]
+
+
+def test_reset_forgets_every_group() -> None:
+    pool = BlockPool(2, 16, enable_caching=True, num_groups=2)
+    a, b = pool.get_new_blocks(2)
+    pool.cache_full_blocks([a], HASHES, 0, 1)
+    pool.cache_full_blocks([b], HASHES, 0, 1, group=1)
+    pool.free_blocks([a, b])
+    assert pool.reset_prefix_cache()
+    assert pool.get_cached_block(HASHES[0]) is None
+    assert pool.get_cached_block(HASHES[0], group=1) is None and b.block_hash is None

@@ -29,7 +29,7 @@ def write_kv(sched: Scheduler, out: SchedulerOutput, kv: torch.Tensor) -> None:
     """The fake model: each token this step computes has its id written into its KV slot."""
     for rid, n in out.num_scheduled_tokens.items():
         request = sched.requests[RequestId(rid)]
-        blocks = sched.kv.get_block_ids(request.request_id)
+        (blocks,) = sched.kv.get_block_ids(request.request_id)
         for pos in range(request.num_computed_tokens - n, request.num_computed_tokens):
             kv[blocks[pos // BLOCK], pos % BLOCK] = float(request.all_token_ids[pos])
 
@@ -141,7 +141,7 @@ def test_pulled_kv_is_the_prefill_engines() -> None:
     request = decode_leg(decode, handle, token, first_token=40)
     decode.run(2)  # the pull ends in the second step's poll; nothing is decoded yet
     assert request.kv_ready and decode.trace == [{}, {}]
-    blocks = decode.sched.kv.get_block_ids(request.request_id)
+    (blocks,) = decode.sched.kv.get_block_ids(request.request_id)
     pulled = decode.kv[blocks].flatten()[:PROMPT].tolist()
     assert pulled == [float(t) for t in range(40, 40 + PROMPT)]
     assert decode.kv[blocks].tolist() == prefill.kv[handle.block_ids].tolist()

@@ -25,6 +25,7 @@ import msgspec
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.executor.executor import StepResult
 from services.worker.engine.executor.factory import make_executor
+from services.worker.engine.kv_cache.groups import KVCacheGroups
 from services.worker.engine.kv_transfer.params import KVTransferParams
 from services.worker.engine.kv_transfer.scheduler_side import KVTransferBookkeeping
 from services.worker.engine.messages import (
@@ -61,7 +62,10 @@ class EngineCore:
                 config.kv_transfer, config.cache.block_size,
                 self.executor.transfer_info().side_channel,
             )  # fmt: skip
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, transfer)
+        groups = KVCacheGroups.plan(config.model.arch.attention_windows())  # (the runner's)
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, self.num_blocks, transfer, groups
+        )
         self._ended: list[EngineCoreOutput] = []  # requests that ended outside a step
         self.async_scheduling = config.scheduler.async_scheduling
         self._in_flight: tuple[SchedulerOutput, StepResult] | None = None  # submitted, not done

@@ -121,6 +121,11 @@ class ModelInfo(msgspec.Struct):
     tensor_parallel_size: int = 1
     quantization: str = ""  # "" or what its FP8 linear layers are (quantization/config.py)
     kv_cache_dtype: str = ""  # the KV cache's element type, e.g. bfloat16 or float8_e4m3fn
+    kv_cache_groups: str = ""  # the layers by the state they keep (KVCacheGroups.describe)
+    # the cache one request of max_model_len holds on this rank, and what it would hold were
+    # every layer to keep every token (the KV cache groups' saving)
+    kv_request_bytes: int = 0
+    kv_full_attention_request_bytes: int = 0
     # a mixture-of-experts model's routed experts (this rank's, scales included): a token
     # multiplies ``active_expert_fraction`` of them (top_k / num_experts), so a batch-1 step
     # reads that fraction of these bytes

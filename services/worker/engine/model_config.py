@@ -133,6 +133,15 @@ class ArchConfig:
             return 1, 1, self.mla.cache_dim
         return 2, self.num_kv_heads, self.head_dim
 
+    def attention_windows(self) -> tuple[int | None, ...]:
+        """Each decoder layer's attention window: W for a ``sliding_attention`` layer (the query
+        at p sees the keys in (p - W, p]), None for full attention. Only ``layer_types`` makes a
+        layer slide: a dense model's lone ``sliding_window`` (Mistral's, Qwen2's) is not used."""
+        if not self.layer_types:
+            return (None,) * self.num_layers
+        return tuple(self.sliding_window if kind == "sliding_attention" else None
+                     for kind in self.layer_types)  # fmt: skip
+
 
 def _rope(cfg: dict[str, Any], default_theta: float = 10000.0) -> RopeConfig:
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
@@ -254,6 +263,9 @@ def _layer_types(cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:
         every = int(cfg.get("sliding_window_pattern") or 6)
         kinds = ["sliding_attention" if (i + 1) % every else "full_attention"
                  for i in range(num_layers)]  # fmt: skip
+    if kinds is None and cfg.get("model_type") == "gpt_oss" and _sliding_window(cfg):
+        # (transformers' default: the even layers slide)
+        kinds = ["full_attention" if i % 2 else "sliding_attention" for i in range(num_layers)]
     if kinds is not None and len(kinds) != num_layers:
         raise ValueError(f"layer_types names {len(kinds)} layers, the model has {num_layers}")
     return tuple(str(kind) for kind in kinds or ())

@@ -7,7 +7,7 @@ with ``num_tokens``. A prompt of 40 with 3 outputs and 42 computed has one token
 import enum
 from typing import TYPE_CHECKING
 
-from services.worker.engine.kv_transfer.params import KVTransferParams
+from services.worker.engine.kv_transfer.params import MAX_KV_GROUPS, KVTransferParams
 from services.worker.engine.params import SamplingParams
 from shared.block_hash import ROOT_HASH, hash_blocks
 from shared.ids import BlockHash, RequestId
@@ -138,7 +138,10 @@ class Request:
                 f"the KV handle covers {remote.num_tokens} tokens, the prompt has "
                 f"{self.num_prompt_tokens}"
             )
-        if len(remote.block_ids) != -(-self.num_prompt_tokens // self._block_size):
+        if not 1 <= remote.num_groups <= MAX_KV_GROUPS:
+            raise ValueError(f"the KV handle names {remote.num_groups} KV cache groups")
+        blocks = -(-self.num_prompt_tokens // self._block_size)
+        if len(remote.block_ids) != blocks * remote.num_groups:
             raise ValueError("the KV handle's block count does not match the prompt")
         self.append_output_token(params.first_token_id)  # sampled there, not again here
         self.status = RequestStatus.WAITING_FOR_REMOTE_KV

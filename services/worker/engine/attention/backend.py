@@ -25,6 +25,7 @@ gpt-oss's ``eager_attention_forward``):
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -52,6 +53,9 @@ class AttentionMetadata:
     # runner puts last) and their longest context: a backend may serve them as decode.
     num_decodes: int = field(init=False)
     max_decode_seq_len: int = field(init=False)
+    # every KV cache group's metadata, in group order, where the model has more than one
+    # (kv_cache/groups.py): the same step, each group's block tables and slots
+    groups: "tuple[AttentionMetadata, ...]" = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         qsl, n = self.query_start_loc_cpu, len(self.query_start_loc_cpu) - 1
@@ -60,6 +64,25 @@ class AttentionMetadata:
             d += 1
         self.num_decodes = d
         self.max_decode_seq_len = max(self.seq_lens_cpu[n - d :], default=0)
+
+    def group(self, g: int) -> "AttentionMetadata":
+        """The metadata a layer of KV cache group ``g`` attends with."""
+        return self.groups[g] if self.groups else self
+
+    @staticmethod
+    def of_groups(
+        block_tables: torch.Tensor, slot_mapping: torch.Tensor, **step: Any
+    ) -> "AttentionMetadata":
+        """One step's metadata over every KV cache group: ``block_tables`` [groups, reqs,
+        blocks] and ``slot_mapping`` [groups, tokens] (a step's tokens have a slot in each
+        group's blocks); the rest (``step``) is the same for all. Group 0's is returned."""
+        metas = [
+            AttentionMetadata(block_tables=block_tables[g], slot_mapping=slot_mapping[g], **step)
+            for g in range(block_tables.shape[0])
+        ]
+        if len(metas) > 1:
+            metas[0].groups = tuple(metas)
+        return metas[0]
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The block pool: every KV block, its reference count, the LRU free queue, and the
-hash → block index that makes prefix caching work. Pure bookkeeping: ints and lists.
+(group, hash) → block index that makes prefix caching work. Pure bookkeeping: ints and lists.
 
 A block is in exactly one of three situations:
     in use       ref_cnt > 0                 (held by one or more requests)
@@ -8,6 +8,12 @@ A block is in exactly one of three situations:
 Allocation pops the head of the free queue (the least recently freed), evicting its hash if it
 has one; freed blocks go to the tail. A prefix hit on a free+cached block takes it out of the
 queue ("touch"). Every change to the index is recorded as a KV event for the prefix directory.
+
+KV cache groups (``groups.py``) share the pool's blocks, each with an index of its own: one
+token prefix has a block per group, each holding that group's layers, under the same hash. The
+prefix directory routes on group 0 alone (full attention: ``KVCacheGroups.plan`` puts it
+first), so only group 0's index changes become events, and ``num_cached_blocks`` counts it
+alone (the directory's count of this worker's blocks must match it).
 
 Not thread-safe: the engine core owns it and calls it from its one loop.
 """
@@ -25,10 +31,11 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None  # set while the block is in the prefix index
+    group: int = 0  # whose index holds it (with block_hash, its key there): eviction's entry
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, num_groups: int = 1):
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.block_size = block_size
@@ -37,7 +44,7 @@ class BlockPool:
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
             (b.block_id, b) for b in self.blocks
         )
-        self._cached: dict[BlockHash, KVCacheBlock] = {}
+        self._cached: list[dict[BlockHash, KVCacheBlock]] = [{} for _ in range(num_groups)]
         self._events: list[KVEvent] = []
 
     @property
@@ -54,10 +61,11 @@ class BlockPool:
 
     @property
     def num_cached_blocks(self) -> int:
-        return len(self._cached)
+        """Group 0's indexed blocks: what the prefix directory knows of."""
+        return len(self._cached[0])
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        return self._cached.get(block_hash) if self.enable_caching else None
+    def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> KVCacheBlock | None:
+        return self._cached[group].get(block_hash) if self.enable_caching else None
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
         """Take ``n`` blocks from the head of the free queue; the caller owns one ref to each."""
@@ -90,50 +98,63 @@ class BlockPool:
                 self._free[block.block_id] = block
 
     def cache_full_blocks(
-        self, blocks: Sequence[KVCacheBlock], hashes: Sequence[BlockHash], start: int, end: int
+        self,
+        blocks: Sequence[KVCacheBlock | None],
+        hashes: Sequence[BlockHash],
+        start: int,
+        end: int,
+        group: int = 0,
     ) -> None:
-        """Index ``blocks[start:end]`` under ``hashes[start:end]`` (full blocks of one request).
+        """Index ``blocks[start:end]`` under ``hashes[start:end]`` (full blocks of one request)
+        in ``group``'s index. None entries (a windowed group's blocks behind its window) are
+        skipped: there is nothing to index.
 
         A hash already indexed by another block (two requests computed the same prefix at once)
         leaves this block unindexed; it is freed as a plain block later.
         """
         if not self.enable_caching or start >= end:
             return
+        index = self._cached[group]
+        stored: list[KVEvent] = []
         run: list[BlockHash] = []
         parent = hashes[start - 1] if start > 0 else None
         for i in range(start, end):
             block, block_hash = blocks[i], hashes[i]
-            if block.block_hash is None and block_hash not in self._cached:
-                block.block_hash = block_hash
-                self._cached[block_hash] = block
+            if block is not None and block.block_hash is None and block_hash not in index:
+                block.block_hash, block.group = block_hash, group
+                index[block_hash] = block
                 run.append(block_hash)
                 continue
             if run:
-                self._events.append(BlockStored(run, parent, self.block_size))
+                stored.append(BlockStored(run, parent, self.block_size))
                 run = []
             parent = block_hash
         if run:
-            self._events.append(BlockStored(run, parent, self.block_size))
+            stored.append(BlockStored(run, parent, self.block_size))
+        if group == 0:
+            self._events += stored
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash. Only allowed when no request holds a block; returns success."""
         if self.num_free_blocks != self.num_blocks:
             return False
         for block in self.blocks:
-            block.block_hash = None
-        self._cached.clear()
+            block.block_hash, block.group = None, 0
+        for index in self._cached:
+            index.clear()
         if self.enable_caching:
             self._events.append(AllBlocksCleared())
         return True
 
     def announce_all(self) -> None:
-        """Queue AllBlocksCleared and then every indexed hash, so a consumer that lost track
-        (a restarted directory) converges to the exact index by applying events in order."""
+        """Queue AllBlocksCleared and then every hash of group 0's index, so a consumer that
+        lost track (a restarted directory) converges to the exact index by applying events in
+        order."""
         if not self.enable_caching:
             return
         self._events.append(AllBlocksCleared())
-        if self._cached:
-            self._events.append(BlockStored(list(self._cached), None, self.block_size))
+        if self._cached[0]:
+            self._events.append(BlockStored(list(self._cached[0]), None, self.block_size))
 
     def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
@@ -142,7 +163,9 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return
-        if self._cached.get(block.block_hash) is block:
-            del self._cached[block.block_hash]
-            self._events.append(BlockRemoved([block.block_hash]))
-        block.block_hash = None
+        index = self._cached[block.group]
+        if index.get(block.block_hash) is block:
+            del index[block.block_hash]
+            if block.group == 0:
+                self._events.append(BlockRemoved([block.block_hash]))
+        block.block_hash, block.group = None, 0

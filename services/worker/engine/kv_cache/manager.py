@@ -3,45 +3,92 @@ allocation for the tokens a step will compute, and freeing. Pure bookkeeping.
 
 What a request's blocks cover when the scheduler asks for room:
 
-    | already computed | prefix hits (new_computed) | tokens this step (num_new) | (unused) |
-    0        num_computed_tokens          + hits * block_size           + num_new
-    └───── existing blocks ─────┘└─ touched ─┘└──────── fresh blocks from the pool ────────┘
+    | computed | prefix hits (new_computed) | external (num_external) | this step (num_new) |
+    0   num_computed_tokens   + hits * block_size      + num_external = c       + num_new = total
+    └ existing ┘└──────── touched ─────────┘└──────────── fresh blocks from the pool ───────────┘
 
-Blocks whose tokens are all known by the end of the step are indexed by hash at allocation
-time, so a request admitted later in the same step can already share them.
+``c`` is the first position the engine computes itself: external tokens are filled from
+outside (a KV pull) and precede it. Blocks whose tokens are all known by the end of the step
+are indexed by hash at allocation time, so a request admitted later in the same step can
+already share them.
+
+KV cache groups (``groups.py``): a request has one block table per group, all as long, drawn
+from one shared pool. A full-attention group holds a block for every position. A group with a
+window W holds only what a computation from ``c`` can read, positions from c - W + 1 on:
+before each allocation the blocks wholly behind that are released (their entries become None,
+sent to the worker as ``null_block_id``), so a decoding request holds a bounded number of a
+windowed group's blocks (``KVCacheGroup.blocks_needed``) however long it runs. The worker is
+not told of a release: its stale id sits behind the window, where no kernel reads unmasked.
+A prefix hit must satisfy every group at once (as vLLM's hybrid coordinator): full groups need
+every block of the prefix cached, windowed groups the blocks of the window before its end.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from services.worker.engine.kv_cache.block_pool import BlockPool, KVCacheBlock
+from services.worker.engine.kv_cache.groups import KVCacheGroups
 from services.worker.engine.request import Request
-from shared.ids import RequestId
+from shared.ids import BlockHash, RequestId
 from shared.kv_events import KVEvent
+
+BlockIds = tuple[list[int], ...]  # one block table per KV cache group, in group order
+
+_Table = list[KVCacheBlock | None]  # None: a position this group holds no block for
 
 
 @dataclass
 class KVCacheBlocks:
-    """An allocation result, opaque to the scheduler except for its block ids."""
+    """An allocation result, opaque to the scheduler except for its block ids: a list per KV
+    cache group, all as long. None (behind a window) becomes ``null_block_id``, the id of the
+    spare block the model runner keeps past the pool."""
 
-    blocks: list[KVCacheBlock] = field(default_factory=list)
+    blocks: tuple[_Table, ...]
+    null_block_id: int
 
-    def block_ids(self) -> list[int]:
-        return [b.block_id for b in self.blocks]
+    def block_ids(self) -> BlockIds:
+        null = self.null_block_id
+        return tuple([null if b is None else b.block_id for b in t] for t in self.blocks)
 
     def __len__(self) -> int:
-        return len(self.blocks)
+        return len(self.blocks[0])
 
 
-_NO_BLOCKS = KVCacheBlocks()  # never mutated: callers only read block_ids()
+@dataclass(slots=True)
+class _Held:
+    """One request's block tables, one per group, all as long."""
+
+    tables: tuple[_Table, ...]
+    start: list[int]  # per group: its entries before this index are None (behind the window)
+    num_indexed: int = 0  # leading blocks already offered to the prefix index
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool,
+        groups: KVCacheGroups | None = None,
+    ):
+        """``groups=None``: one full-attention group, the cache of a model without windows
+        (only the groups' windows matter here, not their layers)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, block_size, enable_caching)
-        self._blocks: dict[RequestId, list[KVCacheBlock]] = {}
-        self._num_indexed: dict[RequestId, int] = {}  # leading blocks already in the index
+        self._groups = groups if groups is not None else KVCacheGroups.plan([None])
+        self._windows = self._groups.windows
+        self._windowed = tuple((g, w) for g, w in enumerate(self._windows) if w is not None)
+        self.pool = BlockPool(num_blocks, block_size, enable_caching, len(self._windows))
+        self._null_block_id = num_blocks
+        self._no_blocks = self._empty()  # never mutated: callers only read block_ids()
+        self._held: dict[RequestId, _Held] = {}
+
+    @property
+    def groups(self) -> KVCacheGroups:
+        return self._groups
+
+    @property
+    def null_block_id(self) -> int:
+        return self._null_block_id
 
     @property
     def usage(self) -> float:
@@ -56,16 +103,32 @@ class KVCacheManager:
         never a hit: its logits are needed to sample the first output token. A request that asks
         for its prompt's logprobs gets no hit at all (as in vLLM): a cached block holds keys and
         values, not the logits its positions need; the blocks it computes are cached for others.
+
+        The hit is the longest whole-block prefix every group agrees on. A full group's valid
+        lengths are those up to its first uncached block; a windowed group's are those whose
+        last window is cached, which is not monotone (a later window may survive an earlier
+        one's eviction), so the windowed groups are asked in turn until none shortens it.
         """
         if not self.enable_caching or request.params.prompt_logprobs is not None:
-            return KVCacheBlocks(), 0
-        hits: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[: (request.num_tokens - 1) // self.block_size]:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        return KVCacheBlocks(hits), len(hits) * self.block_size
+            return self._empty(), 0
+        hashes = request.block_hashes
+        num = max(0, min((request.num_tokens - 1) // self.block_size, len(hashes)))
+        for g, window in enumerate(self._windows):
+            if window is None:
+                num = self._full_hit(hashes, g, num)
+        settled = False
+        while not settled:
+            settled = True
+            for g, window in self._windowed:
+                shorter = self._window_hit(hashes, g, window, num)
+                settled, num = settled and shorter == num, shorter
+        hits: list[_Table] = []
+        for g, window in enumerate(self._windows):
+            first = self._first_needed(window, num * self.block_size)
+            table: _Table = [None] * first
+            table += [self.pool.get_cached_block(h, g) for h in hashes[first:num]]
+            hits.append(table)
+        return KVCacheBlocks(tuple(hits), self._null_block_id), num * self.block_size
 
     def allocate_slots(
         self,
@@ -73,55 +136,164 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed: KVCacheBlocks | None = None,
         index: bool = True,
+        num_external: int = 0,
     ) -> KVCacheBlocks | None:
-        """Make room for ``num_new_tokens`` more tokens (after any prefix hits). Returns the fresh
-        blocks, or None — changing nothing — when the pool cannot supply them.
+        """Make room for ``num_new_tokens`` more tokens after any prefix hits and ``num_external``
+        tokens filled from outside. Returns the entries appended to each group's table after the
+        hits, or None — changing nothing — when the pool cannot supply every group's blocks.
+
+        A windowed group needs blocks for positions from ``c - W + 1`` on (``c``: the first
+        position the engine computes, see the module docstring): blocks behind that are
+        released first (their freed blocks count as supply), hits behind it are not taken, and
+        positions behind it that have no block yet (after a hit or an external fill) get None.
+        A pull (``num_new_tokens=0, num_external=prompt - hits``) so holds only the last window
+        of the prompt in a windowed group: what the first decoded token reads.
 
         ``index=False`` leaves the new full blocks out of the prefix index: their content arrives
         later (a KV pull), and no other request may hit them before ``index_blocks``.
         """
-        hits = new_computed.blocks if new_computed else []
-        held = self._blocks.setdefault(request.request_id, [])
-        total = request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
-        if not hits and total <= len(held) * self.block_size and total % self.block_size:
-            return _NO_BLOCKS  # decode inside a partly filled block: nothing to do (hot path)
-        needed = max(0, -(-total // self.block_size) - len(held) - len(hits))
-        hits_in_free_queue = sum(1 for b in hits if b.ref_cnt == 0)
-        if needed > self.pool.num_free_blocks - hits_in_free_queue:
-            if not held:
-                del self._blocks[request.request_id]
+        bs = self.block_size
+        held = self._held.get(request.request_id)
+        hits = new_computed.blocks if new_computed is not None else None
+        num_hit = len(hits[0]) if hits else 0
+        first_computed = request.num_computed_tokens + num_hit * bs + num_external
+        total = first_computed + num_new_tokens
+        if (
+            held is not None
+            and not num_hit
+            and not num_external
+            and total % bs
+            and total <= len(held.tables[0]) * bs
+            and all(held.start[g] >= (first_computed - w + 1) // bs for g, w in self._windowed)
+        ):
+            return self._no_blocks  # decode inside a partly filled block: nothing to do (hot path)
+        tables = held.tables if held is not None else self._empty().blocks
+        start = held.start if held is not None else [0] * len(tables)
+        firsts = [self._first_needed(w, first_computed) for w in self._windows]
+        num_held = len(tables[0])
+        end = num_held + num_hit  # table length after the hits
+        num_blocks = -(-total // bs)
+        release = [
+            b for g, t in enumerate(tables) for b in t[start[g] : firsts[g]] if b is not None
+        ]
+        kept: list[_Table] = []  # per group: the hits it takes (None behind its window)
+        appended: list[tuple[int, int]] = []  # per group: (None entries, fresh blocks) to append
+        for g, first in enumerate(firsts):
+            group_hits = hits[g] if hits and num_hit else []
+            kept.append([None if num_held + j < first else b for j, b in enumerate(group_hits)])
+            appended.append(
+                (max(0, min(first, num_blocks) - end), max(0, num_blocks - max(end, first)))
+            )
+        touched = [b for t in kept for b in t if b is not None]
+        supply = (
+            self.pool.num_free_blocks
+            - sum(1 for b in touched if b.ref_cnt == 0)
+            + sum(1 for b in release if b.ref_cnt == 1)
+        )
+        num_fresh = sum(fresh for _, fresh in appended)
+        if num_fresh > supply:
             return None
-        self.pool.touch(hits)
-        held.extend(hits)
-        fresh = self.pool.get_new_blocks(needed)
-        held.extend(fresh)
+        self.pool.free_blocks(release)  # oldest first: the first to be evicted
+        self.pool.touch(touched)
+        fresh_blocks = self.pool.get_new_blocks(num_fresh)
+        new: list[_Table] = []
+        for g, (table, (nones, fresh)) in enumerate(zip(tables, appended, strict=True)):
+            for i in range(start[g], min(firsts[g], num_held)):
+                table[i] = None
+            start[g] = max(start[g], firsts[g])
+            add: _Table = [None] * nones
+            add += fresh_blocks[:fresh]
+            del fresh_blocks[:fresh]
+            table += kept[g]
+            table += add
+            new.append(add)
+        if held is None:
+            held = self._held[request.request_id] = _Held(tables, start)
         if index:
             self._index_full_blocks(request, held, total)
-        return KVCacheBlocks(fresh)
+        return KVCacheBlocks(tuple(new), self._null_block_id)
 
     def index_blocks(self, request: Request, num_tokens: int) -> None:
         """Index the full blocks among the first ``num_tokens`` (their content is now valid)."""
-        self._index_full_blocks(request, self._blocks.get(request.request_id, []), num_tokens)
+        held = self._held.get(request.request_id)
+        if held is not None:
+            self._index_full_blocks(request, held, num_tokens)
 
-    def _index_full_blocks(self, request: Request, held: list[KVCacheBlock], total: int) -> None:
+    def _index_full_blocks(self, request: Request, held: _Held, total: int) -> None:
         if not self.enable_caching:
             return
-        start = self._num_indexed.get(request.request_id, 0)
-        end = min(total // self.block_size, len(request.block_hashes))
-        self.pool.cache_full_blocks(held, request.block_hashes, start, end)
-        self._num_indexed[request.request_id] = max(start, end)
+        start = held.num_indexed
+        end = min(total // self.block_size, len(request.block_hashes), len(held.tables[0]))
+        for g, table in enumerate(held.tables):
+            self.pool.cache_full_blocks(table, request.block_hashes, start, end, g)
+        held.num_indexed = max(start, end)
+
+    def hand_over(self, request: Request, num_tokens: int) -> BlockIds:
+        """A prefill leg finished with ``num_tokens`` computed: release, in windowed groups, the
+        blocks a continuation from position ``num_tokens`` cannot read, and return the tables
+        the decode side pulls (None entries as the null id). The rest stay held, a lease, until
+        ``free``."""
+        held = self._held.get(request.request_id)
+        if held is None:
+            return self._empty().block_ids()
+        release = []
+        for g, window in self._windowed:
+            table, first = held.tables[g], self._first_needed(window, num_tokens)
+            for i in range(held.start[g], min(first, len(table))):
+                block, table[i] = table[i], None
+                if block is not None:
+                    release.append(block)
+            held.start[g] = max(held.start[g], min(first, len(table)))
+        self.pool.free_blocks(release)
+        return self.get_block_ids(request.request_id)
 
     def free(self, request: Request) -> None:
-        """Release every block of ``request``; its tail blocks become the first to be evicted."""
-        blocks = self._blocks.pop(request.request_id, [])
-        self._num_indexed.pop(request.request_id, None)
-        self.pool.free_blocks(reversed(blocks))
+        """Release every block of ``request``, position by position from the tail across the
+        groups: its tail blocks become the first to be evicted, so what stays cached longest is
+        a prefix in every group."""
+        held = self._held.pop(request.request_id, None)
+        if held is None:
+            return
+        tail_first = (t[i] for i in reversed(range(len(held.tables[0]))) for t in held.tables)
+        self.pool.free_blocks(b for b in tail_first if b is not None)
 
-    def get_block_ids(self, request_id: RequestId) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, [])]
+    def get_block_ids(self, request_id: RequestId) -> BlockIds:
+        held = self._held.get(request_id)
+        if held is None:
+            return self._empty().block_ids()
+        return KVCacheBlocks(held.tables, self._null_block_id).block_ids()
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
 
     def take_events(self) -> list[KVEvent]:
         return self.pool.take_events()
+
+    def _empty(self) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple([] for _ in self._windows), self._null_block_id)
+
+    def _first_needed(self, window: int | None, position: int) -> int:
+        """Index of the first block a computation from ``position`` reads in a group."""
+        return 0 if window is None else max(0, (position - window + 1) // self.block_size)
+
+    def _full_hit(self, hashes: list[BlockHash], group: int, limit: int) -> int:
+        for i in range(limit):
+            if self.pool.get_cached_block(hashes[i], group) is None:
+                return i
+        return limit
+
+    def _window_hit(self, hashes: list[BlockHash], group: int, window: int, limit: int) -> int:
+        """Longest hit of at most ``limit`` blocks this windowed group can serve: ``n`` blocks
+        such that the blocks touching positions [n*bs - W + 1, n*bs) are all cached (the last
+        ``min(n, ceil((W - 1) / bs))`` of them). Scans down from ``limit``: an uncached block
+        ``i`` rules out every candidate whose window holds it, so the next candidate is ``i``."""
+        need = -(-(window - 1) // self.block_size)
+        top, run = limit, 0
+        for i in range(limit - 1, -1, -1):
+            if run >= need:
+                break
+            if self.pool.get_cached_block(hashes[i], group) is None:
+                top, run = i, 0
+            else:
+                run += 1
+        return top

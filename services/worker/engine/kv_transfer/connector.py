@@ -85,20 +85,25 @@ def compat_hash(
     head_dim: int,
     kv_scales: Sequence[tuple[float, float]] = (),
     parts: int = 2,
+    groups: str = "",
 ) -> str:
     """What must agree for one engine to read another's blocks byte for byte: the KV cache's
     dtype and the model's whole KV geometry, not one rank's shard (engines of different TP
     sizes exchange KV), and an FP8 cache's per-layer scales (the same codes under other
-    scales are other values). ``parts``: 2 for K and V, 1 for MLA's latent.
+    scales are other values). ``parts``: 2 for K and V, 1 for MLA's latent. ``groups``: the
+    KV cache groups (``KVCacheGroups.describe()``): which layers share a block, and each
+    group's window.
 
     Readable before its hash, so that a refused peer's error says what differs (an MLA cache
     against a dense one, another dtype or block size)."""
     kind = f"{'K|V' if parts == 2 else 'latent'} {num_kv_heads}x{head_dim}"
     scales = ",".join(f"{k!r}/{v!r}" for k, v in kv_scales)
     text = (f"v{PROTOCOL_VERSION}|{model}|{kv_dtype}|{block_size}|{num_layers}|{num_kv_heads}|"
-            f"{head_dim}|{scales}|{parts}")  # fmt: skip
+            f"{head_dim}|{scales}|{parts}|{groups}")  # fmt: skip
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    return f"{kind}, {kv_dtype}, {num_layers} layers, blocks of {block_size} #{digest}"
+    hybrid = groups and not groups.startswith("1 ")  # (one group: every layer alike)
+    layers = f"{num_layers} layers" + (f" in {groups}" if hybrid else "")
+    return f"{kind}, {kv_dtype}, {layers}, blocks of {block_size} #{digest}"
 
 
 @dataclass(frozen=True)

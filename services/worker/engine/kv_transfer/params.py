@@ -8,6 +8,9 @@ All msgspec structs: they cross ZMQ (engine ↔ worker front) as msgpack.
 
 import msgspec
 
+NO_BLOCK = 0xFFFFFFFF  # in a handle: a block not sent (a uint32 on the gRPC wire)
+MAX_KV_GROUPS = 64  # bound at the edge: a handle names at most this many groups
+
 
 class RemoteKV(msgspec.Struct, frozen=True):
     """Where a prompt's KV cache waits: the prefill engine's NIXL agent and its blocks."""
@@ -16,10 +19,19 @@ class RemoteKV(msgspec.Struct, frozen=True):
     # tcp://host:port of its handshake socket; a tensor-parallel engine's is one per rank,
     # joined by commas in rank order (each rank has its own agent and blocks)
     side_channel: str
-    block_ids: list[int]  # the prompt's blocks, in order
+    # the prompt's blocks: one run of ceil(num_tokens / block_size) per KV cache group, in
+    # group order; NO_BLOCK where the decode side needs none (a windowed group's blocks
+    # before the prompt's last window)
+    block_ids: list[int]
     num_tokens: int  # tokens whose KV those blocks hold (the prompt)
     lease_expires_at: float = 0.0  # wall clock (time.time()) when the blocks are released
     request_id: str = ""  # the prefill engine's id for the leased request (to release it)
+    num_groups: int = 1  # KV cache groups (kv_cache/groups.py)
+
+    def group_block_ids(self) -> list[list[int]]:
+        """``block_ids`` cut into its groups' runs."""
+        per = len(self.block_ids) // max(1, self.num_groups)
+        return [self.block_ids[g * per : (g + 1) * per] for g in range(self.num_groups)]
 
 
 class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -16,10 +16,11 @@ lease ends when the decode side says it has pulled them, on abort, or at expiry.
 """
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.worker.engine.config import KVTransferConfig
-from services.worker.engine.kv_transfer.params import KVLoad, RemoteKV
+from services.worker.engine.kv_transfer.params import NO_BLOCK, KVLoad, RemoteKV
 from services.worker.engine.request import Request
 from shared.ids import RequestId
 
@@ -43,15 +44,29 @@ class KVTransferBookkeeping:
         self.num_expired = 0  # leases nobody pulled in time
         self.num_stale = 0  # decode legs whose handle's lease had expired: not read
 
-    def load_for(self, request: Request, local_block_ids: list[int], num_hit: int) -> KVLoad:
-        """The pull that fills ``request``'s prompt blocks after its ``num_hit`` local hits."""
+    def load_for(
+        self, request: Request, local_block_ids: Sequence[list[int]], num_hit: int, null: int
+    ) -> KVLoad:
+        """The pull that fills ``request``'s prompt blocks after its ``num_hit`` local hits:
+        in each KV cache group, block for block, those this side holds (``null``: a windowed
+        group's block it does not, before the prompt's last window). The handle sends the
+        same window (both sides' groups agree: the handshake compares them)."""
         remote = request.kv_transfer.remote if request.kv_transfer else None
         if remote is None:
             raise ValueError("not a decode leg")
         skip = num_hit // self.block_size
-        n = len(remote.block_ids)
+        local: list[int] = []
+        theirs: list[int] = []
+        for mine, sent in zip(local_block_ids, remote.group_block_ids(), strict=True):
+            for a, b in zip(mine[skip : len(sent)], sent[skip:], strict=False):
+                if a == null:
+                    continue
+                if b == NO_BLOCK:  # (a peer whose window differs: the handshake refuses it)
+                    raise ValueError("the KV handle lacks a block of the prompt's last window")
+                local.append(a)
+                theirs.append(b)
         self.loading[request.request_id] = request
-        return KVLoad(request.request_id, local_block_ids[skip:n], remote.block_ids[skip:n], remote)
+        return KVLoad(request.request_id, local, theirs, remote)
 
     def lease_expired(self, request: Request, now: float | None = None) -> bool:
         """Whether a decode leg's handle has outlived its lease (the prefill engine's wall
@@ -64,13 +79,15 @@ class KVTransferBookkeeping:
         self.num_stale += 1
         return True
 
-    def lease(self, request: Request, block_ids: list[int]) -> RemoteKV:
-        """Keep a finished prefill leg's blocks for the decode side; returns its KV handle."""
+    def lease(self, request: Request, block_ids: Sequence[list[int]], null: int) -> RemoteKV:
+        """Keep a finished prefill leg's blocks for the decode side; returns its KV handle
+        (each KV cache group's blocks in turn, ``null`` ones as NO_BLOCK)."""
         self.leases[request.request_id] = Lease(request, time.monotonic() + self.lease_seconds)
         return RemoteKV(
             engine_id=self.engine_id,
             side_channel=self.side_channel,
-            block_ids=block_ids,
+            block_ids=[NO_BLOCK if b == null else b for ids in block_ids for b in ids],
+            num_groups=len(block_ids),
             num_tokens=request.num_prompt_tokens,
             lease_expires_at=time.time() + self.lease_seconds,
             request_id=request.request_id,

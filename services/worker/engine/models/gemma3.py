@@ -101,6 +101,7 @@ class Gemma3Attention(nn.Module):
             self.num_heads, self.num_kv_heads, d, scale=scale, sliding_window=window
         )
         self.kv_cache: LayerKVCache | None = None  # bound by the worker after cache allocation
+        self.kv_group = 0  # its KV cache group (kv_cache/groups.py), bound with the cache
         self.split: AttentionSplit | None = None  # set by a piecewise CUDA graph runner
         self.kv_method = ctx.kv_cache
         self.kv_method.create_weights(self)
@@ -117,6 +118,7 @@ class Gemma3Attention(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
+        meta = meta.group(self.kv_group)
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))

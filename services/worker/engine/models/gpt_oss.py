@@ -40,15 +40,6 @@ AttentionSplit = Callable[
 ]
 
 
-def sliding_layer(arch: ArchConfig, index: int) -> bool:
-    """Whether decoder layer ``index`` attends over a sliding window."""
-    if arch.sliding_window is None:
-        return False
-    if arch.layer_types:
-        return arch.layer_types[index] == "sliding_attention"
-    return index % 2 == 0  # (transformers' default for gpt-oss)
-
-
 class GptOssAttention(nn.Module):
     """q/k/v and o projections with biases, YaRN rotary, and a sink logit per query head
     (``sinks``: float32, this rank's heads, read by the backend at every forward)."""
@@ -74,6 +65,7 @@ class GptOssAttention(nn.Module):
         self.attn = ctx.attention(self.num_heads, self.num_kv_heads, d, scale=d**-0.5,
                                   sliding_window=window, sinks=self.sinks)  # fmt: skip
         self.kv_cache: LayerKVCache | None = None  # bound by the worker after cache allocation
+        self.kv_group = 0  # its KV cache group (kv_cache/groups.py), bound with the cache
         self.split: AttentionSplit | None = None  # a piecewise CUDA graph's (LlamaAttention)
         self.kv_method = ctx.kv_cache
         self.kv_method.create_weights(self)
@@ -95,6 +87,7 @@ class GptOssAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor | Codes, meta: AttentionMetadata
     ) -> torch.Tensor:
+        meta = meta.group(self.kv_group)
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -116,7 +109,7 @@ class GptOssAttention(nn.Module):
 class GptOssDecoderLayer(nn.Module):
     def __init__(self, arch: ArchConfig, ctx: ModelContext, index: int):
         super().__init__()
-        self.self_attn = GptOssAttention(arch, ctx, sliding_layer(arch, index))
+        self.self_attn = GptOssAttention(arch, ctx, arch.attention_windows()[index] is not None)
         self.mlp = MoEBlock(arch, ctx)
         size, eps = arch.hidden_size, arch.rms_norm_eps
         self.input_layernorm = RMSNorm(size, eps, ctx.kernels, feeds=self.self_attn.qkv_proj)

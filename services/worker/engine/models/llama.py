@@ -55,6 +55,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(d, arch.rms_norm_eps, fused) if arch.qk_norm else None
         self.attn = ctx.attention(self.num_heads, self.num_kv_heads, d, scale=d**-0.5)
         self.kv_cache: LayerKVCache | None = None  # bound by the worker after cache allocation
+        self.kv_group = 0  # its KV cache group (kv_cache/groups.py), bound with the cache
         # set by a piecewise CUDA graph runner (worker/piecewise_graphs.py) while it captures or
         # runs the forward: it is called in place of the backend, and the graph splits there
         self.split: AttentionSplit | None = None
@@ -76,6 +77,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor | Codes, meta: AttentionMetadata
     ) -> torch.Tensor:
+        meta = meta.group(self.kv_group)
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)

@@ -6,6 +6,7 @@ and parameters once (``NewRequestData``) and afterwards only what changed (``Cac
 
 from dataclasses import dataclass, field
 
+from services.worker.engine.kv_cache.manager import BlockIds
 from services.worker.engine.kv_transfer.params import KVLoad
 from services.worker.engine.messages import SampleLogprobs
 from services.worker.engine.params import SamplingParams
@@ -18,14 +19,14 @@ class NewRequestData:
     num_prompt_tokens: int
     params: SamplingParams
     eos_token_ids: tuple[int, ...]
-    block_ids: list[int]  # the whole block table so far
+    block_ids: BlockIds  # the whole block table so far, per KV cache group
     num_computed_tokens: int  # tokens whose KV is already in the cache (prefix hits)
 
 
 @dataclass
 class CachedRequestData:
     req_id: str
-    new_block_ids: list[int]  # blocks to append; the whole table when resumed
+    new_block_ids: BlockIds  # per group, blocks to append; the whole tables when resumed
     num_computed_tokens: int  # before this step
     resumed_from_preemption: bool  # the runner must replace, not extend, its block table
 

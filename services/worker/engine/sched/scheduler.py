@@ -14,7 +14,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from services.worker.engine.config import CacheConfig, SchedulerConfig
-from services.worker.engine.kv_cache.manager import KVCacheBlocks, KVCacheManager
+from services.worker.engine.kv_cache.groups import KVCacheGroups
+from services.worker.engine.kv_cache.manager import BlockIds, KVCacheBlocks, KVCacheManager
 from services.worker.engine.kv_transfer.connector import TransferResults
 from services.worker.engine.kv_transfer.params import RemoteKV
 from services.worker.engine.kv_transfer.scheduler_side import KVTransferBookkeeping
@@ -51,10 +52,12 @@ class Scheduler:
         cache: CacheConfig,
         num_blocks: int,
         transfer: KVTransferBookkeeping | None = None,
+        groups: KVCacheGroups | None = None,
     ):
         self.config = config
         self.transfer = transfer  # None: this engine does no KV transfer
-        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        # (the layers' kinds stay behind the manager: the scheduler passes its results on)
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, groups)
         self.requests: dict[RequestId, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -231,6 +234,10 @@ class Scheduler:
         assert self.transfer is not None
         assert request.kv_transfer is not None
         refused = request.kv_transfer.refused
+        remote = request.kv_transfer.remote
+        if remote is not None and remote.num_groups != self.kv.groups.num_groups:
+            refused = (f"the KV handle has {remote.num_groups} KV cache groups, this engine "
+                       f"{self.kv.groups.num_groups} ({self.kv.groups.describe()})")  # fmt: skip
         if refused or self.transfer.lease_expired(request):
             self.waiting.popleft()
             # (a recompute goes back to the head)
@@ -238,14 +245,19 @@ class Scheduler:
             return True
         hits, num_hit = self.kv.get_computed_blocks(request)
         num_hit = min(num_hit, request.num_prompt_tokens)
-        need = request.num_prompt_tokens - num_hit
-        if self.kv.allocate_slots(request, need, hits, index=False) is None:
+        need = request.num_prompt_tokens - num_hit  # (filled by the pull)
+        if self.kv.allocate_slots(request, 0, hits, index=False, num_external=need) is None:
             return False
         self.waiting.popleft()
         request.num_cached_tokens = num_hit
         request.queued_seconds = time.monotonic() - request.admitted_at
         block_ids = self.kv.get_block_ids(request.request_id)
-        out.kv_loads.append(self.transfer.load_for(request, block_ids, num_hit))
+        try:
+            load = self.transfer.load_for(request, block_ids, num_hit, self.kv.null_block_id)
+        except ValueError as e:  # a handle that does not hold what this side needs
+            self._fail_pull(request, str(e))
+            return True
+        out.kv_loads.append(load)
         return True
 
     def update_from_transfers(self, results: TransferResults) -> list[EngineCoreOutput]:
@@ -301,7 +313,7 @@ class Scheduler:
             self.kv.free(request)
 
     @staticmethod
-    def _new_request_data(request: Request, block_ids: list[int]) -> NewRequestData:
+    def _new_request_data(request: Request, block_ids: BlockIds) -> NewRequestData:
         return NewRequestData(
             req_id=request.request_id,
             token_ids=list(request.all_token_ids),
@@ -400,7 +412,10 @@ class Scheduler:
         handle = None
         remote_decode = request.kv_transfer is not None and request.kv_transfer.do_remote_decode
         if self.transfer is not None and remote_decode and status in _LEASABLE:
-            handle = self.transfer.lease(request, self.kv.get_block_ids(request.request_id))
+            # (what a continuation from the prompt's end needs: a window's blocks in a
+            # windowed group; the rest is freed now)
+            block_ids = self.kv.hand_over(request, request.num_prompt_tokens)
+            handle = self.transfer.lease(request, block_ids, self.kv.null_block_id)
         else:
             self.kv.free(request)
         del self.requests[request.request_id]

@@ -27,14 +27,17 @@ from services.worker.engine.worker.step_inputs import StepInputs, TokenFill
 
 class StaticTokens:
     """What a captured forward reads for its tokens, in buffers of ``top`` rows its graphs
-    keep: ids, positions, KV slots. ``load`` puts a step's ``n`` rows there and pads rows
-    [n, size): token 0 at position 0, its K/V written to the spare slot past the cache."""
+    keep: ids, positions, KV slots (one row of slots per KV cache group). ``load`` puts a
+    step's ``n`` rows there and pads rows [n, size): token 0 at position 0, its K/V written to
+    the spare slot past the cache."""
 
-    def __init__(self, top: int, pad_slot: int, device: torch.device):
+    def __init__(self, top: int, pad_slot: int, device: torch.device, num_groups: int = 1):
         self.pad_slot = pad_slot
         self.input_ids = torch.zeros(top, dtype=torch.int64, device=device)
         self.positions = torch.zeros(top, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((top,), pad_slot, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full(
+            (num_groups, top), pad_slot, dtype=torch.int64, device=device
+        )
 
     def load(self, inputs: StepInputs, n: int, size: int, fill: TokenFill | None) -> None:
         """``fill`` writes tokens the previous step sampled on the device into their rows."""
@@ -44,11 +47,12 @@ class StaticTokens:
         if fill is not None:
             fill.apply(self.input_ids)
         self.positions[:n].copy_(host_tensor(inputs.positions, i64, dev), non_blocking=True)
-        self.slot_mapping[:n].copy_(host_tensor(inputs.slot_mapping, i64, dev), non_blocking=True)
+        slots = host_tensor(inputs.slot_mapping, i64, dev)
+        self.slot_mapping[:, :n].copy_(slots, non_blocking=True)
         if size > n:
             self.input_ids[n:size].zero_()
             self.positions[n:size].zero_()
-            self.slot_mapping[n:size].fill_(self.pad_slot)
+            self.slot_mapping[:, n:size].fill_(self.pad_slot)
 
 
 class CudaGraphRunner:
@@ -61,6 +65,7 @@ class CudaGraphRunner:
         pad_block: int,
         device: torch.device,
         contexts: dict[int, tuple[int, ...]] | None = None,
+        num_groups: int = 1,
     ):
         self.model = model
         self.sizes = sorted(sizes)
@@ -77,10 +82,12 @@ class CudaGraphRunner:
         self.pad_block = pad_block
         top = self.sizes[-1]
         width = -(-max_model_len // block_size)
-        self.tokens = StaticTokens(top, self.pad_slot, device)
+        self.tokens = StaticTokens(top, self.pad_slot, device, num_groups)
         self.seq_lens = torch.ones(top, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=device)
-        self.block_tables = torch.full((top, width), pad_block, dtype=torch.int32, device=device)
+        self.block_tables = torch.full(
+            (num_groups, top, width), pad_block, dtype=torch.int32, device=device
+        )
         # the rows' order for the decode kernel (longest context first; a batch of one has
         # nothing to order and is captured without); padding rows keep theirs, at the end
         self.rows = torch.arange(top, dtype=torch.int32, device=device)
@@ -129,28 +136,28 @@ class CudaGraphRunner:
         dev, i32 = self.seq_lens.device, torch.int32
         self.tokens.load(inputs, b, size, fill)  # (from pinned memory, without blocking)
         self.seq_lens[:b].copy_(host_tensor(inputs.seq_lens, i32, dev), non_blocking=True)
-        width = inputs.block_table.shape[1]
+        width = inputs.block_table.shape[2]
         table = host_tensor(inputs.block_table, i32, dev)
-        self.block_tables[:b, :width].copy_(table, non_blocking=True)
+        self.block_tables[:, :b, :width].copy_(table, non_blocking=True)
         if size > 1:
             order = host_tensor(inputs.decode_order, i32, dev)
             self.decode_order[:b].copy_(order, non_blocking=True)
         if size > b:  # padding rows: harmless single-token requests on the spare block
             self.decode_order[b:size].copy_(self.rows[b:size])
             self.seq_lens[b:size].fill_(1)
-            self.block_tables[b:size, 0].fill_(self.pad_block)
+            self.block_tables[:, b:size, 0].fill_(self.pad_block)
         self.graphs[key].replay()
         return self.logits[key][:b]
 
     def capture_metadata(self, size: int, context: int) -> AttentionMetadata:
         """What the graph of ``size`` rows and context bound ``context`` is captured with: the
         static buffers' first ``size`` rows, every row at the bound's context."""
-        return AttentionMetadata(
+        return AttentionMetadata.of_groups(
+            self.block_tables[:, :size],
+            self.tokens.slot_mapping[:, :size],
             num_tokens=size,
             query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size],
-            slot_mapping=self.tokens.slot_mapping[:size],
             query_start_loc_cpu=list(range(size + 1)),
             seq_lens_cpu=[context] * size,
             max_query_len=1,

@@ -23,7 +23,7 @@ class CachedRequestState:
     num_prompt_tokens: int
     params: SamplingParams
     eos_token_ids: tuple[int, ...]
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group (kv_cache/groups.py)
     num_computed_tokens: int
     # sampled by a step still in flight, not yet in token_ids (async scheduling; at most one
     # when a step's inputs are built: the engine resolves a step before it submits the next but one)

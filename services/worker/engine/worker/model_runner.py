@@ -20,6 +20,7 @@ import torch
 from services.worker.engine.attention.registry import get_backend
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.distributed.parallel_state import get_tp_group
+from services.worker.engine.kv_cache.groups import KVCacheGroups
 from services.worker.engine.kv_cache.layout import KVCacheLayout, layer_views
 from services.worker.engine.messages import ModelInfo, SampleLogprobs
 from services.worker.engine.models.context import ModelContext
@@ -28,7 +29,6 @@ from services.worker.engine.models.registry import resolve_model_class
 from services.worker.engine.models.weights import ReadCounter
 from services.worker.engine.ops.gumbel import greedy_argmax
 from services.worker.engine.params import SamplingParams
-from services.worker.engine.quantization.config import describe
 from services.worker.engine.sample.sampler import Sampler, SamplerOutput, token_logprobs
 from services.worker.engine.sched.output import (
     CachedRequestData,
@@ -44,6 +44,7 @@ from services.worker.engine.worker.input_batch import (
     build_sampling_metadata,
     to_device,
 )
+from services.worker.engine.worker.model_info import describe_model
 from services.worker.engine.worker.piecewise_graphs import PiecewiseGraphRunner
 from services.worker.engine.worker.step_inputs import StepInputs, TokenFill, build_step_inputs
 
@@ -116,8 +117,10 @@ class ModelRunner:
         self.tp = get_tp_group()  # this rank's group (a world of one without tensor parallelism)
         fp8_kv = config.cache.kv_cache_dtype == "fp8"  # e4m3 with unit scales
         parts, heads, dim = arch.kv_cache_entry()
+        # the layers by the state they keep; a block holds one group's layers (a "page")
+        self.kv_groups = KVCacheGroups.plan(arch.attention_windows())
         self.layout = KVCacheLayout(
-            arch.num_layers, kv_heads_per_rank(heads, self.tp.world_size), dim,
+            self.kv_groups.page_layers, kv_heads_per_rank(heads, self.tp.world_size), dim,
             self.block_size, torch.float8_e4m3fn if fp8_kv else self.dtype, parts,
         )  # fmt: skip
         self.requests: dict[str, CachedRequestState] = {}
@@ -159,7 +162,8 @@ class ModelRunner:
     def _bind_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = self.layout.allocate(num_blocks, self.device)
         for i, attn in enumerate(self.model.attention_layers()):
-            view = layer_views(self.kv_cache, i)
+            attn.kv_group, slot = self.kv_groups.place(i)
+            view = layer_views(self.kv_cache, slot)
             if view.is_fp8:  # the checkpoint's KV cache scales, or 1
                 view.k_scale, view.v_scale = attn.kv_scales()
             attn.kv_cache = view
@@ -181,7 +185,7 @@ class ModelRunner:
                 s, max_len, dev)})) for s in sizes}  # fmt: skip
             self.graphs = CudaGraphRunner(
                 self.model, sizes, max_len, self.block_size, pad_block=self.pad_block,
-                device=self.device, contexts=bounds,
+                device=self.device, contexts=bounds, num_groups=self.kv_groups.num_groups,
             )  # fmt: skip
             self.graphs.capture()
         if self.config.device.piecewise_graph_sizes:
@@ -194,7 +198,7 @@ class ModelRunner:
         do."""
         self.pieces = PiecewiseGraphRunner(
             self.model, sizes, self.block_size, pad_block=self.pad_block, dtype=self.dtype,
-            device=self.device, capture=capture,
+            device=self.device, capture=capture, num_groups=self.kv_groups.num_groups,
         )  # fmt: skip
         if capture:
             start, held = time.perf_counter(), torch.cuda.memory_reserved(self.device)
@@ -228,8 +232,10 @@ class ModelRunner:
         params = SamplingParams(top_k=50, top_p=0.9)
         states, first = {}, 0
         for i, n in enumerate(lens):
-            blocks = list(range(first, first + -(-n // self.block_size)))
-            first += len(blocks)
+            blocks = []
+            for _ in self.kv_groups.groups:  # (every group's own blocks)
+                blocks.append(list(range(first, first + -(-n // self.block_size))))
+                first += len(blocks[-1])
             ids = np.random.randint(0, cfg.arch.vocab_size, size=n).tolist()
             states[str(i)] = CachedRequestState(str(i), ids, n, params, (), blocks, 0)
         torch.cuda.empty_cache()
@@ -238,7 +244,7 @@ class ModelRunner:
         self._bind_kv_cache(first)
         kv_bytes = torch.cuda.memory_allocated(self.device) - base
         step = SchedulerOutput(
-            cached_reqs=[CachedRequestData(k, [], 0, False) for k in states],
+            cached_reqs=[CachedRequestData(k, (), 0, False) for k in states],
             num_scheduled_tokens={k: len(s.token_ids) for k, s in states.items()},
         )
         ids, pos, meta, _ = build_step_inputs(step, states, self.block_size).to_device(self.device)
@@ -265,25 +271,7 @@ class ModelRunner:
         return peak
 
     def model_info(self) -> ModelInfo:
-        params = list(self.model.parameters())  # tied weights appear once
-        embed = self.model.model.embed_tokens.weight
-        lm_head = self.model.lm_head.weight
-        moe = self.config.model.arch.moe
-        experts = [p for n, p in self.model.named_parameters() if ".experts." in n]
-        return ModelInfo(
-            routed_expert_params=sum(p.numel() for p in experts),
-            routed_expert_bytes=sum(p.numel() * p.element_size() for p in experts),
-            active_expert_fraction=moe.top_k / moe.num_experts if moe else 1.0,
-            lm_head_params=lm_head.numel(),
-            untied_embedding_params=0 if embed is lm_head else embed.numel(),
-            num_params=sum(p.numel() for p in params),
-            weight_bytes=sum(p.numel() * p.element_size() for p in params),
-            kv_bytes_per_token=self.layout.bytes_per_block // self.block_size,
-            device=str(self.device),
-            dtype=self.config.model.dtype,
-            quantization=describe(self.config.model.quantization),
-            kv_cache_dtype=str(self.layout.dtype).removeprefix("torch."),
-        )
+        return describe_model(self)
 
     def release(self) -> None:
         """Drop the KV cache, graphs and per-request state (memory back to the allocator)."""
@@ -450,15 +438,16 @@ class ModelRunner:
                 num_prompt_tokens=new.num_prompt_tokens,
                 params=new.params,
                 eos_token_ids=new.eos_token_ids,
-                block_ids=list(new.block_ids),
+                block_ids=[list(ids) for ids in new.block_ids],
                 num_computed_tokens=new.num_computed_tokens,
             )
         for cached in sched.cached_reqs:
             state = self.requests[cached.req_id]
             if cached.resumed_from_preemption:
-                state.block_ids = list(cached.new_block_ids)
+                state.block_ids = [list(ids) for ids in cached.new_block_ids]
             else:
-                state.block_ids.extend(cached.new_block_ids)
+                for table, ids in zip(state.block_ids, cached.new_block_ids, strict=True):
+                    table.extend(ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
 

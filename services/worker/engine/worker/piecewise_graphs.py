@@ -69,6 +69,7 @@ class PiecewiseGraphRunner:
         dtype: torch.dtype,
         device: torch.device,
         capture: bool = True,
+        num_groups: int = 1,
     ):
         self.model = model
         self.sizes = sorted(sizes)
@@ -80,7 +81,7 @@ class PiecewiseGraphRunner:
         top = self.sizes[-1]
         self.layers: list[LlamaAttention] = model.attention_layers()  # type: ignore[operator]
         heads, _, d = _dims(self.layers[0])
-        self.tokens = StaticTokens(top, self.pad_slot, device)
+        self.tokens = StaticTokens(top, self.pad_slot, device, num_groups)
         # what crosses from the attention to the next piece; every layer uses the same one
         self.out = torch.zeros((top, heads, d), dtype=dtype, device=device)
         self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
@@ -160,12 +161,13 @@ class PiecewiseGraphRunner:
         the warm-up forward attends with. The captured forward runs no attention."""
         dev = self.device
         width = -(-size // self.block_size)
-        return AttentionMetadata(
+        groups = self.tokens.slot_mapping.shape[0]
+        return AttentionMetadata.of_groups(
+            torch.full((groups, 1, width), self.pad_block, dtype=torch.int32, device=dev),
+            self.tokens.slot_mapping[:, :size],
             num_tokens=size,
             query_start_loc=torch.tensor([0, size], dtype=torch.int32, device=dev),
             seq_lens=torch.tensor([size], dtype=torch.int32, device=dev),
-            block_tables=torch.full((1, width), self.pad_block, dtype=torch.int32, device=dev),
-            slot_mapping=self.tokens.slot_mapping[:size],
             query_start_loc_cpu=[0, size],
             seq_lens_cpu=[size],
             max_query_len=size,
@@ -183,7 +185,7 @@ class PiecewiseGraphRunner:
         n = inputs.num_tokens
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         self.tokens.load(inputs, n, size, fill)  # (from pinned memory, without blocking)
-        meta = inputs.metadata(self.device, self.tokens.slot_mapping[:size])
+        meta = inputs.metadata(self.device, self.tokens.slot_mapping[:, :size])
         logits_indices = to_device(inputs.logits_indices, torch.int64, self.device)
         if not self.captured:
             return self._split_inline(size, meta), logits_indices

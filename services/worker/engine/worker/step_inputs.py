@@ -22,10 +22,10 @@ class StepInputs:
     req_ids: list[str]  # batch order
     input_ids: np.ndarray  # int64 [tokens]
     positions: np.ndarray  # int64 [tokens]
-    slot_mapping: np.ndarray  # int64 [tokens]
+    slot_mapping: np.ndarray  # int64 [KV cache groups, tokens]
     query_start_loc: list[int]  # [reqs + 1]
     seq_lens: list[int]  # [reqs]
-    block_table: np.ndarray  # int32 [reqs, widest table]
+    block_table: np.ndarray  # int32 [KV cache groups, reqs, widest table]
     sample_rows: list[int]  # batch rows whose next token is sampled this step
     logits_indices: list[int]  # the token index of each sampled row's last token
     pending_rows: list[int]  # decode rows whose input is the previous step's sampled token
@@ -53,18 +53,18 @@ class StepInputs:
         )
 
     def metadata(self, device: torch.device, slot_mapping: torch.Tensor) -> AttentionMetadata:
-        """The attention metadata on ``device``, over ``slot_mapping``: this step's slots, or
-        (a piecewise CUDA graph's padded batch) a static buffer holding them and then the
-        padding rows' slots; ``num_tokens`` is its length."""
+        """The attention metadata on ``device``, over ``slot_mapping`` [groups, tokens]: this
+        step's slots, or (a piecewise CUDA graph's padded batch) a static buffer holding them
+        and then the padding rows' slots; ``num_tokens`` is its length."""
         i32 = torch.int32
         # none to order in a step without decode rows
         order = to_device(self.decode_order, i32, device) if self.decode_order.size else None
-        return AttentionMetadata(
-            num_tokens=slot_mapping.shape[0],
+        return AttentionMetadata.of_groups(
+            to_device(self.block_table, i32, device),
+            slot_mapping,
+            num_tokens=slot_mapping.shape[1],
             query_start_loc=to_device(self.query_start_loc, i32, device),
             seq_lens=to_device(self.seq_lens, i32, device),
-            block_tables=to_device(self.block_table, i32, device),
-            slot_mapping=slot_mapping,
             query_start_loc_cpu=self.query_start_loc,
             seq_lens_cpu=self.seq_lens,
             max_query_len=self.max_query_len,
@@ -100,15 +100,16 @@ def build_step_inputs(
         key=lambda rid: sched.num_scheduled_tokens[rid] == 1,
     )
     bs = block_size
+    groups = range(len(requests[req_ids[0]].block_ids)) if req_ids else range(1)
     ids: list[int] = []
     pos: list[int] = []
-    slots: list[int] = []
+    slots: list[list[int]] = [[] for _ in groups]  # per KV cache group
     seq_lens: list[int] = []
     qsl = [0]
     sample_rows: list[int] = []
     logits_idx: list[int] = []
     pending_rows: list[int] = []
-    tables: list[list[int]] = []
+    tables: list[list[list[int]]] = []
     decodes = 0  # the one-token rows, all at the end
     for row, rid in enumerate(req_ids):
         state = requests[rid]
@@ -126,14 +127,17 @@ def build_step_inputs(
                 ids.append(0)
                 pending_rows.append(row)
             pos.append(start)
-            slots.append(blocks[start // bs] * bs + start % bs)
+            for g in groups:
+                slots[g].append(blocks[g][start // bs] * bs + start % bs)
         else:
             if start + n > known:
                 raise RuntimeError(f"request {rid}: a chunk of {n} from {start} passes {known}")
             p = np.arange(start, start + n, dtype=np.int64)
             ids.extend(state.token_ids[start : start + n])
             pos.extend(range(start, start + n))
-            slots.extend((np.asarray(blocks, dtype=np.int64)[p // bs] * bs + p % bs).tolist())
+            for g in groups:
+                table = np.asarray(blocks[g], dtype=np.int64)
+                slots[g].extend((table[p // bs] * bs + p % bs).tolist())
         seq_lens.append(start + n)
         qsl.append(qsl[-1] + n)
         tables.append(blocks)
@@ -143,10 +147,11 @@ def build_step_inputs(
     # the one-token rows as offsets from the first, longest context first
     tail = np.asarray(seq_lens[len(req_ids) - decodes :], dtype=np.int64)
     order = np.argsort(-tail, kind="stable").astype(np.int32)
-    width = max(map(len, tables))
-    table = np.zeros((len(tables), width), dtype=np.int32)
-    for i, t in enumerate(tables):
-        table[i, : len(t)] = t
+    width = max(len(t) for per_group in tables for t in per_group)
+    table = np.zeros((len(groups), len(tables), width), dtype=np.int32)
+    for i, per_group in enumerate(tables):
+        for g, t in enumerate(per_group):
+            table[g, i, : len(t)] = t
     return StepInputs(
         req_ids=req_ids,
         input_ids=np.array(ids, dtype=np.int64),

@@ -2,6 +2,8 @@
 runs steps through its ModelRunner. The executor talks to one Worker per tensor-parallel rank.
 """
 
+import logging
+
 import torch
 
 from services.worker.engine.config import EngineConfig
@@ -17,6 +19,8 @@ from services.worker.engine.kv_transfer.connector import (
 from services.worker.engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from services.worker.engine.structured.bitmask import GrammarBitmask
 from services.worker.engine.worker.model_runner import ModelRunner, StepHandle
+
+logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on CPU: 1 GiB
 MAX_BLOCKS = 1 << 20  # the block pool keeps a Python object per block: bound its bookkeeping
@@ -45,20 +49,30 @@ class Worker:
         than max_num_seqs full-length requests can use at once."""
         cache, sched = self.config.cache, self.config.scheduler
         per_block = self.runner.layout.bytes_per_block
+        groups = self.runner.kv_groups
+        # what one request of max_model_len holds over every group (a windowed group: a
+        # window's blocks, whatever the context)
+        needed = groups.blocks_per_request(sched.max_model_len, cache.block_size)
         if cache.num_blocks is not None:
             num = cache.num_blocks
         else:
             num = min(self._kv_budget_bytes() // per_block, MAX_BLOCKS)
             if self.device.type == "cpu" and cache.kv_cache_memory_bytes is None:
-                per_seq = -(-sched.max_model_len // cache.block_size)
-                num = min(num, per_seq * sched.max_num_seqs)
-        needed = -(-sched.max_model_len // cache.block_size)
+                num = min(num, needed * sched.max_num_seqs)
         if num < needed:
             raise ValueError(
-                f"the KV cache holds {num} blocks ({num * cache.block_size} tokens) but one "
-                f"request of max_model_len={sched.max_model_len} needs {needed}; give it more "
-                "memory or lower max_model_len"
+                f"the KV cache holds {num} blocks of {cache.block_size} tokens but one "
+                f"request of max_model_len={sched.max_model_len} needs {needed} "
+                f"({groups.describe()}); give it more memory or lower max_model_len"
             )
+        n, bs = sched.max_model_len, cache.block_size
+        logger.info(
+            "KV cache: %d blocks of %.1f KiB (%s); a request of %d tokens holds %.1f MiB "
+            "(%.1f MiB were every layer to keep every token)",
+            num, per_block / 1024, groups.describe(), n,
+            groups.request_bytes(n, bs, per_block) / (1 << 20),
+            groups.full_attention_bytes(n, bs, per_block) / (1 << 20),
+        )  # fmt: skip
         return num
 
     def _kv_budget_bytes(self) -> int:
@@ -89,6 +103,7 @@ class Worker:
             compat = compat_hash(
                 model.served_model_name, kv_dtype, self.config.cache.block_size,
                 arch.num_layers, heads, dim, self.runner.kv_scales() if fp8_kv else (), parts,
+                self.runner.kv_groups.describe(),
             )  # fmt: skip
             tp = self.runner.tp
             placement = RankPlacement(tp.rank, tp.world_size, heads)

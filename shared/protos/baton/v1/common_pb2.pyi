@@ -140,17 +140,19 @@ class KVEventBatch(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("engine_id", "side_channel", "block_ids", "num_tokens", "lease_expires_at", "request_id")
+    __slots__ = ("engine_id", "side_channel", "block_ids", "num_tokens", "lease_expires_at", "request_id", "num_groups")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     SIDE_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     side_channel: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     lease_expires_at: float
     request_id: str
-    def __init__(self, engine_id: _Optional[str] = ..., side_channel: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_expires_at: _Optional[float] = ..., request_id: _Optional[str] = ...) -> None: ...
+    num_groups: int
+    def __init__(self, engine_id: _Optional[str] = ..., side_channel: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_expires_at: _Optional[float] = ..., request_id: _Optional[str] = ..., num_groups: _Optional[int] = ...) -> None: ...

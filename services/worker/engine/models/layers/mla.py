@@ -105,6 +105,7 @@ class MLAAttention(nn.Module):
         self.attn = LatentAttention(self.num_heads, mla, softmax_scale(arch), self.kv_b_proj)
         self.stores_kv = False  # the attention writes the latent (store_kv=True)
         self.kv_cache: LayerKVCache | None = None  # bound by the worker after cache allocation
+        self.kv_group = 0  # its KV cache group (kv_cache/groups.py), bound with the cache
         # set by a piecewise CUDA graph runner while it captures or runs the forward: called in
         # place of ``attn``, and the graph splits there (as ``LlamaAttention.split``)
         self.split: MLASplit | None = None
@@ -116,6 +117,7 @@ class MLAAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor | Codes, meta: AttentionMetadata
     ) -> torch.Tensor:
+        meta = meta.group(self.kv_group)
         q, latent = self.project(positions, x)
         assert self.kv_cache is not None, "KV cache not bound"
         if self.split is not None:
