@@ -124,6 +124,43 @@ def test_blocks_per_request_sums_the_groups() -> None:
     assert KVCacheGroups.plan([None, 8, 8]).blocks_per_request(100, BS) == 25 + 3 + 3
 
 
+@pytest.mark.parametrize(
+    ("window", "chunk", "needed"),
+    [
+        (8, 1, 3),  # decoding: as above
+        (8, 6, 4),  # a chunk of 6 from c reads c - 7 … c + 5: 13 positions, 4 blocks of 4
+        (8, 64, 19),  # ⌈70 / 4⌉ + 1
+        (8, 1000, 25),  # no more than the request's blocks
+        (None, 64, 25),
+    ],
+)
+def test_a_prefill_chunk_holds_the_window_under_it(
+    window: int | None, chunk: int, needed: int
+) -> None:
+    """What the worker sizes its cache by (one request of max_model_len at its largest step):
+    a windowed group holds the chunk's blocks and the window's before it."""
+    assert KVCacheGroup(window, (0,)).blocks_needed(100, BS, chunk) == needed
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 6, 13])
+def test_chunked_prefill_stays_within_the_sized_bound(chunk: int) -> None:
+    """Every step of a 100-token prompt prefilled ``chunk`` tokens at a time, then decoded:
+    each group holds no more than ``blocks_needed(…, chunk)`` says, and a cache of exactly
+    ``blocks_per_request`` blocks is enough (no allocation fails)."""
+    groups = KVCacheGroups.plan([8, None, 5, None])
+    bound = groups.blocks_per_request(110, BS, chunk)
+    kv = KVCacheManager(bound, BS, False, groups)
+    req = make_request("a", prompt_len=100)
+    while req.num_computed_tokens < 100:
+        n = min(chunk, 100 - req.num_computed_tokens)
+        assert kv.allocate_slots(req, n) is not None
+        for g, group in enumerate(groups.groups):
+            assert held(kv, req, g) <= group.blocks_needed(110, BS, chunk)
+        req.num_computed_tokens += n
+    for _ in range(9):
+        decode(kv, req, 1)
+
+
 # ---- allocation -------------------------------------------------------------------------------
 
 

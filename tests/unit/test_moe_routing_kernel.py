@@ -70,6 +70,18 @@ def test_the_bias_steers_the_choice_not_the_weights() -> None:
     )
 
 
+def test_fewer_finite_scores_than_k_still_give_k_experts() -> None:
+    """gpt-oss with all but two logits at -inf (a masked router): two real choices, then two
+    more distinct experts of weight 0, as torch.topk gives."""
+    moe = CASES["gpt-oss (softmax of the top-k)"]
+    logits = torch.full((1, moe.num_experts), float("-inf"), device=DEVICE)
+    logits[0, 7], logits[0, 3] = 1.0, 2.0
+    weights, ids = route(logits, moe)
+    assert ids[0, :2].tolist() == [3, 7] and len(set(ids[0].tolist())) == 4
+    assert weights[0, 2:].tolist() == [0.0, 0.0]
+    assert weights[0].sum().item() == pytest.approx(1.0)
+
+
 def test_grouped_routing_keeps_the_pytorch_path() -> None:
     logits = torch.zeros(1, 64)
     assert not supported(

@@ -32,13 +32,14 @@ class KVCacheGroup:
     def kind(self) -> str:
         return "full" if self.window is None else f"window {self.window}"
 
-    def blocks_needed(self, num_tokens: int, block_size: int) -> int:
-        """Blocks a request of ``num_tokens`` holds at most (before its next token): all of
-        them, or those that a window of W tokens ending anywhere can touch."""
+    def blocks_needed(self, num_tokens: int, block_size: int, chunk: int = 1) -> int:
+        """Blocks a request of ``num_tokens`` holds at most while a step computes ``chunk`` of
+        its tokens (1: decoding): all of them, or those that the chunk's keys and the W - 1
+        before them can touch (positions c - W + 1 … c + chunk - 1)."""
         blocks = -(-num_tokens // block_size)
         if self.window is None:
             return blocks
-        return min(blocks, -(-(self.window - 1) // block_size) + 1)
+        return min(blocks, -(-(self.window + chunk - 2) // block_size) + 1)
 
 
 @dataclass(frozen=True)
@@ -83,9 +84,11 @@ class KVCacheGroups:
                 return g, group.layers.index(layer)
         raise KeyError(f"layer {layer} is in no KV cache group")
 
-    def blocks_per_request(self, num_tokens: int, block_size: int) -> int:
-        """Blocks (pages) one request of ``num_tokens`` tokens holds at most, over all groups."""
-        return sum(g.blocks_needed(num_tokens, block_size) for g in self.groups)
+    def blocks_per_request(self, num_tokens: int, block_size: int, chunk: int = 1) -> int:
+        """Blocks (pages) one request of ``num_tokens`` tokens holds at most, over all groups,
+        while a step computes ``chunk`` of its tokens (1: decoding; a prefill chunk holds a
+        windowed group's blocks under the whole chunk as well)."""
+        return sum(g.blocks_needed(num_tokens, block_size, chunk) for g in self.groups)
 
     @property
     def num_layers(self) -> int:

@@ -164,7 +164,10 @@ class KVCacheManager:
             and not num_external
             and total % bs
             and total <= len(held.tables[0]) * bs
-            and all(held.start[g] >= (first_computed - w + 1) // bs for g, w in self._windowed)
+            and (
+                not self._windowed
+                or all(held.start[g] >= (first_computed - w + 1) // bs for g, w in self._windowed)
+            )
         ):
             return self._no_blocks  # decode inside a partly filled block: nothing to do (hot path)
         tables = held.tables if held is not None else self._empty().blocks

@@ -46,18 +46,24 @@ def _route_kernel(
     ks = tl.arange(0, BLOCK_K)
     top_ids = tl.zeros([BLOCK_K], tl.int32)
     top_w = tl.zeros([BLOCK_K], tl.float32)
+    taken = e >= E  # (the padding lanes are never chosen)
     for j in tl.static_range(K):
         best = tl.argmax(choice, 0, tie_break_left=True)
+        # fewer than K finite choices (-inf logits): the first lane not taken yet
+        untaken = tl.min(tl.where(taken, BLOCK_E, e), 0)
+        best = tl.where(tl.max(choice, 0) == float("-inf"), untaken, best)
         picked = e == best
         top_ids = tl.where(ks == j, best, top_ids)
         top_w = tl.where(ks == j, tl.sum(tl.where(picked, scores, 0.0), 0), top_w)
         choice = tl.where(picked, float("-inf"), choice)
+        taken = taken | picked
     if SCORING == 2:
         z = tl.where(ks < K, tl.exp(top_w - tl.max(tl.where(ks < K, top_w, -float("inf")), 0)), 0.0)
         top_w = z / tl.sum(z, 0)
     if NORM:  # (+1e-20 as select_experts: DeepSeek-V3's; a no-op on any other float32 sum)
         top_w = top_w / (tl.sum(top_w, 0) + 1e-20)
-    top_w = top_w * scaling
+    if SCORING != 2:  # (gpt-oss's weights are the softmax alone, as select_experts')
+        top_w = top_w * scaling
     tl.store(WEIGHTS + t * K + ks, top_w, mask=ks < K)
     tl.store(IDS + t * K + ks, top_ids.to(tl.int64), mask=ks < K)
 

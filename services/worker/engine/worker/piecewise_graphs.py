@@ -192,7 +192,7 @@ class PiecewiseGraphRunner:
         pieces = self.pieces[size]
         for piece, layer, (q, k, v) in zip(pieces, self.order[size], self.qkv[size], strict=False):
             piece.replay()
-            self._attend(layer, size, q, k, v, meta)
+            self._attend(layer, size, q, k, v, meta.group(layer.kv_group))  # (its own tables)
         pieces[-1].replay()
         return self.hidden[size], logits_indices
 

@@ -50,9 +50,11 @@ class Worker:
         cache, sched = self.config.cache, self.config.scheduler
         per_block = self.runner.layout.bytes_per_block
         groups = self.runner.kv_groups
-        # what one request of max_model_len holds over every group (a windowed group: a
-        # window's blocks, whatever the context)
-        needed = groups.blocks_per_request(sched.max_model_len, cache.block_size)
+        # what one request of max_model_len holds over every group at its largest step (a
+        # windowed group: a window's blocks and the step's chunk, whatever the context)
+        chunked = sched.enable_chunked_prefill
+        chunk = sched.max_num_batched_tokens if chunked else sched.max_model_len
+        needed = groups.blocks_per_request(sched.max_model_len, cache.block_size, chunk)
         if cache.num_blocks is not None:
             num = cache.num_blocks
         else:
@@ -68,7 +70,7 @@ class Worker:
         n, bs = sched.max_model_len, cache.block_size
         logger.info(
             "KV cache: %d blocks of %.1f KiB (%s); a request of %d tokens holds %.1f MiB "
-            "(%.1f MiB were every layer to keep every token)",
+            "decoding (%.1f MiB were every layer to keep every token)",
             num, per_block / 1024, groups.describe(), n,
             groups.request_bytes(n, bs, per_block) / (1 << 20),
             groups.full_attention_bytes(n, bs, per_block) / (1 << 20),
