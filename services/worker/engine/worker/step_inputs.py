@@ -103,7 +103,7 @@ def build_step_inputs(
     groups = range(len(requests[req_ids[0]].block_ids)) if req_ids else range(1)
     ids: list[int] = []
     pos: list[int] = []
-    slots: list[list[int]] = [[] for _ in groups]  # per KV cache group
+    slots: list[list[int]] = [[] for _ in groups]  # per KV cache group (the decode rows' after)
     seq_lens: list[int] = []
     qsl = [0]
     sample_rows: list[int] = []
@@ -126,9 +126,7 @@ def build_step_inputs(
                     raise RuntimeError(f"request {rid}: token {start} is not known (has {known})")
                 ids.append(0)
                 pending_rows.append(row)
-            pos.append(start)
-            for g in groups:
-                slots[g].append(blocks[g][start // bs] * bs + start % bs)
+            pos.append(start)  # (its slots: from the tables, below)
         else:
             if start + n > known:
                 raise RuntimeError(f"request {rid}: a chunk of {n} from {start} passes {known}")
@@ -149,14 +147,24 @@ def build_step_inputs(
     order = np.argsort(-tail, kind="stable").astype(np.int32)
     width = max(len(t) for per_group in tables for t in per_group)
     table = np.zeros((len(groups), len(tables), width), dtype=np.int32)
-    for i, per_group in enumerate(tables):
-        for g, t in enumerate(per_group):
-            table[g, i, : len(t)] = t
+    for g in groups:
+        rows = table[g]
+        for i, per_group in enumerate(tables):
+            t = per_group[g]
+            rows[i, : len(t)] = t
+    # the decode rows' slots in every group at once: their block from the table, the offset
+    first = len(req_ids) - decodes
+    p = np.asarray(pos[len(pos) - decodes :], dtype=np.int64)
+    decode_slots = (
+        table[:, first:, :][:, np.arange(decodes), p // bs].astype(np.int64) * bs + p % bs
+    )
     return StepInputs(
         req_ids=req_ids,
         input_ids=np.array(ids, dtype=np.int64),
         positions=np.array(pos, dtype=np.int64),
-        slot_mapping=np.array(slots, dtype=np.int64),
+        slot_mapping=np.concatenate(
+            [np.array(slots, dtype=np.int64).reshape(len(groups), -1), decode_slots], axis=1
+        ),
         query_start_loc=qsl,
         seq_lens=seq_lens,
         block_table=table,
