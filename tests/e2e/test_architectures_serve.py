@@ -9,6 +9,8 @@ for token.
   the decode worker decodes on past the window from the pulled blocks."""
 
 import json
+import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -62,3 +64,49 @@ def test_disaggregated_equals_offline(pd_cluster: Cluster, model: Path) -> None:
         llm.shutdown()
     assert disaggregated_routes(pd_cluster) >= before + 3
     wait_for(lambda: worker_health(pd_cluster, "prefill-0").kv_usage == 0, 5.0, "leases to end")
+
+
+def test_a_killed_decode_worker_resumes_a_windowed_model(tmp_path: Path) -> None:
+    """gpt-oss (windows of 8 with sinks beside full layers): the decode worker running most of
+    the streams is killed mid-stream; the streams resume elsewhere and what each client reads
+    equals the offline engine's, past the window both before and after the kill."""
+    model = make_tiny_model(tmp_path / "gpt_oss", arch="gpt_oss")
+    prompts = [long_prompt(model, 40 + 9 * i, f"resume-{i}") for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    with LLM(model=str(model), num_kv_blocks=512, max_model_len=1024,
+             show_progress=False) as llm:  # fmt: skip
+        want = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    policy = tmp_path / "policy.json"
+    policy.write_text(json.dumps({"decider": {"min_uncached_tokens": 0}}))
+    flags = ["--prefill-workers", "1", "--decode-workers", "2", "--routing-policy", str(policy)]
+    with running_cluster(model, 0, *flags) as cluster:
+        texts = [""] * len(prompts)
+        mid = threading.Event()  # a stream is past its start
+        errors: list[BaseException] = []
+
+        def stream(i: int) -> None:
+            try:
+                with openai.OpenAI(base_url=cluster.url, api_key="x", max_retries=0,
+                                   timeout=120) as c:  # fmt: skip
+                    chunks = c.completions.create(model=model.name, prompt=prompts[i],
+                                                  max_tokens=400, temperature=0, stream=True,
+                                                  extra_body={"ignore_eos": True})  # fmt: skip
+                    for chunk in chunks:
+                        texts[i] += chunk.choices[0].text
+                        if len(texts[i]) > 40:
+                            mid.set()
+            except BaseException as e:  # (reported below)
+                errors.append(e)
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        assert mid.wait(120)
+        busy = {n: worker_health(cluster, n).num_running for n in ("decode-0", "decode-1")}
+        victim = max(busy, key=lambda n: busy[n])
+        assert busy[victim] > 0
+        cluster.procs[victim].send_signal(signal.SIGKILL)
+        for t in threads:
+            t.join(timeout=180)
+    assert not errors, errors
+    assert texts == want
