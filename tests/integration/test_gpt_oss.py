@@ -114,9 +114,9 @@ def test_windowed_layers_hold_only_their_window(gpt_oss: Path) -> None:
     """The KV cache groups: a full group and a windowed group of two layers each. A request of
     max_model_len (a 50-token prompt in chunks of 8, 14 new tokens) in a cache of exactly what
     the worker sizes for it: 4 blocks of the full group and the 2 blocks that a window of 8
-    under a chunk of 8 can touch, where a cache without groups would need 8. It runs to the end only if the windowed group hands its
-    older blocks back as the request moves on (no block for a preemption to take), and its
-    tokens still equal Hugging Face's."""
+    under a chunk of 8 can touch, where a cache without groups would need 8. It runs to the
+    end only if the windowed group hands its older blocks back as the request moves on (no
+    block for a preemption to take), and its tokens still equal Hugging Face's."""
     prompt = [(5 * i) % 380 + 11 for i in range(50)]
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
     llm = LLM(model=str(gpt_oss), show_progress=False, dtype="float32", max_model_len=64,

@@ -8,6 +8,8 @@ float32 → e4m3 cast also rounds some codes differently from PyTorch's
 codes the kernel's own quantizer writes (``quantize_input``); on the GPU, where that cast is
 right, against the reference's rounding."""
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -91,6 +93,30 @@ def test_fused_moe_is_the_reference(t: int, k: int, dtype: torch.dtype) -> None:
     if emap is not None:  # the other rank's experts would have changed it
         everything = fused_moe_reference(x, w13, w2, weights, emap.clamp(min=0)[ids.long()])
         assert (everything - want).abs().max() > 100 * tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("t", [1, 5, 33])
+def test_gpt_oss_experts_biases_and_clamped_swiglu(t: int, dtype: torch.dtype) -> None:
+    """gpt-oss's experts in the kernels: the gate/up and down biases and the clamped SwiGLU
+    (limit 1, so the clamps bind at these scales) equal the reference's, which
+    ``FusedMoE.activate``'s arithmetic defines; without them the result is another."""
+    weights, ids, emap = _routing(t, 2, local_half=True, seed=t)
+    w13, w2 = (w.to(dtype) for w in _weights(seed=t))
+    g = torch.Generator().manual_seed(100 + t)
+    b13 = (0.5 * torch.randn(E, 2 * INTER, generator=g)).to(DEVICE, dtype)
+    b2 = (0.5 * torch.randn(E, H, generator=g)).to(DEVICE, dtype)
+    x = _tokens(t, 3.0).to(dtype)
+    kw: dict[str, Any] = {"expert_map": emap, "w13_bias": b13, "w2_bias": b2,
+                          "swiglu_limit": 1.0, "swiglu_alpha": 1.702}  # fmt: skip
+    got = fused_moe(x, w13, w2, weights, ids, **kw)
+    want = fused_moe_reference(x, w13, w2, weights, ids, **kw)
+    tol = 1e-5 if dtype == torch.float32 else 4e-3
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    gate_up = F.linear(x[:1].float(), w13[0].float(), b13[0].float())
+    assert gate_up.abs().max() > 1.0  # (the clamps bind)
+    for other in ({**kw, "swiglu_limit": None}, {**kw, "w13_bias": None, "w2_bias": None}):
+        assert (fused_moe_reference(x, w13, w2, weights, ids, **other) - want).abs().max() > 0.01
 
 
 def test_fused_moe_writes_out_and_takes_int64_ids() -> None:

@@ -5,8 +5,10 @@ graphs capture.
 
     align      the pairs sorted by local expert into runs padded to BLOCK_M rows (below)
     GEMM 1     each M-block's token rows of x times its expert's gate and up rows, two float32
-               accumulators, silu(gate) · up in the epilogue → h [T·k, I]
-    GEMM 2     h's rows times the expert's w2, each row times its routing weight → y [T·k, H]
+               accumulators, silu(gate) · up in the epilogue → h [T·k, I] (gpt-oss: the gate
+               and up biases added, its clamped SwiGLU in place of SiLU·mul)
+    GEMM 2     h's rows times the expert's w2 (+ its down bias), each row times its routing
+               weight → y [T·k, H]
     sum        out[t] = Σ_j y[t·k + j] over the token's local slots, in slot order (deterministic)
 
 The align step's layout (``BLOCK_M`` = 4; expert 0 has pairs 3 and 6, expert 1 none, expert 2
@@ -184,12 +186,13 @@ def _dot(a, w, acc, IEEE: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _moe_gemm_kernel(
-    A, AS, W, WS, C, CS, SORTED, BLOCK_EXPERT, NUM_PADDED, WEIGHTS,
+    A, AS, W, WS, C, CS, SORTED, BLOCK_EXPERT, NUM_PADDED, WEIGHTS, BIAS,
     N, K, n_pairs, row_div, up_rows, stride_am, stride_asm, stride_asg, stride_we, stride_wn,
-    stride_wse, stride_wsn, stride_wsk, stride_cm, stride_csm, stride_csg,
+    stride_wse, stride_wsn, stride_wsk, stride_cm, stride_csm, stride_csg, stride_be,
+    alpha, limit,
     GATED: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, QUANT_OUT: tl.constexpr,
-    IEEE: tl.constexpr, GPU: tl.constexpr, DTYPE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr, GPU: tl.constexpr, DTYPE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    CLAMPED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One M-block of one expert × BLOCK_N output columns. A's row of pair p is p // row_div
     (x: the token; h: the pair); W [E, rows, K] (GATED: gate rows n, up rows up_rows + n).
@@ -197,7 +200,10 @@ def _moe_gemm_kernel(
     the expert's ([E, rows, 1], or a scale per GROUP × GROUP block). GATED: C[p] = silu(gate)
     · up, rounded where the dense SiLU·mul rounds (with QUANT_OUT: its codes, the tile one
     group, and their scales to CS); else C[p] = (A·Wᵀ)[p] · WEIGHTS[p], each rounded to C's
-    dtype as Hugging Face's experts round."""
+    dtype as Hugging Face's experts round. ``HAS_BIAS``: the expert's bias row (BIAS [E, rows])
+    added to the product before it is rounded; ``CLAMPED``: gpt-oss's SwiGLU in place of SiLU·mul
+    (gate ≤ limit, |up| ≤ limit, (up + 1) · gate · σ(alpha · gate)), rounded where
+    ``FusedMoE.activate`` rounds."""
     n_tiles = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = tl.program_id(0) // n_tiles, tl.program_id(0) % n_tiles
     if pid_m * BLOCK_M >= tl.load(NUM_PADDED):
@@ -245,18 +251,31 @@ def _moe_gemm_kernel(
         if GATED:
             up_ws = tl.load(ws_ptrs + (up_rows + rn) * stride_wsn, mask=n_ok, other=0.0)
             acc_up *= xs * up_ws[None, :]
+    if HAS_BIAS:
+        b_ptrs = BIAS + expert * stride_be + rn
+        acc += tl.load(b_ptrs, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(b_ptrs + up_rows, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     _moe_epilogue(acc, acc_up, pairs, m_ok, rn, n_ok, pid_n, C, CS, WEIGHTS, stride_cm,
-                  stride_csm, stride_csg, GATED, QUANT_OUT, GPU, DTYPE)  # fmt: skip
+                  stride_csm, stride_csg, alpha, limit, GATED, QUANT_OUT, GPU, DTYPE,
+                  CLAMPED)  # fmt: skip
 
 
 @triton.jit
 def _moe_epilogue(
     acc, acc_up, pairs, m_ok, rn, n_ok, pid_n, C, CS, WEIGHTS, stride_cm, stride_csm, stride_csg,
-    GATED: tl.constexpr, QUANT_OUT: tl.constexpr, GPU: tl.constexpr, DTYPE: tl.constexpr,
+    alpha, limit, GATED: tl.constexpr, QUANT_OUT: tl.constexpr, GPU: tl.constexpr,
+    DTYPE: tl.constexpr, CLAMPED: tl.constexpr,
 ):  # fmt: skip
     """The tile's outputs to their pairs' rows of C (see ``_moe_gemm_kernel``)."""
     y = acc.to(DTYPE).to(tl.float32)  # as a GEMM in x's dtype writes it
-    if GATED:
+    if GATED and CLAMPED:  # each step rounded as FusedMoE.activate's tensors in x's dtype
+        gate = tl.minimum(y, limit)
+        up = tl.minimum(tl.maximum(acc_up.to(DTYPE).to(tl.float32), -limit), limit)
+        sig = tl.sigmoid((gate * alpha).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
+        glu = (gate * sig).to(DTYPE).to(tl.float32)
+        y = (up + 1.0).to(DTYPE).to(tl.float32) * glu
+    elif GATED:
         act = (y * tl.sigmoid(y)).to(DTYPE).to(tl.float32)
         y = act * acc_up.to(DTYPE).to(tl.float32)
     else:
@@ -331,10 +350,16 @@ def fused_moe(
     block: int | None = None,
     out: torch.Tensor | None = None,
     config: MoELaunch | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    swiglu_limit: float | None = None,
+    swiglu_alpha: float = 1.702,
 ) -> torch.Tensor:
     """out[t] = Σ_j topk_weights[t, j] · expert_{topk_ids[t, j]}(x[t]) over this rank's experts,
     expert(x) = w2 · (silu(gate · x) · (up · x)), in x's dtype (the module docstring has the
-    steps; ``fused_moe_reference`` the arithmetic).
+    steps; ``fused_moe_reference`` the arithmetic). gpt-oss's experts: ``w13_bias`` [E, 2I] and
+    ``w2_bias`` [E, H] added to each product, and with ``swiglu_limit`` its clamped SwiGLU
+    ((up + 1) · gate · σ(``swiglu_alpha`` · gate), gate ≤ limit, |up| ≤ limit) for SiLU·mul.
 
     x [T, H]; w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I], in x's dtype or e4m3
     with ``w13_scale``/``w2_scale``: a scale per output channel ([E, 2I, 1], [E, H, 1]) or, with
@@ -354,16 +379,21 @@ def fused_moe(
     h: torch.Tensor | Codes
     if fp8 and block is not None and config.block_n // 2 == block:  # GEMM 1 writes h's codes
         h = group_codes_out(pairs, inter, block, x)
+    elif fp8 and expert_map is not None:  # (the pairs of other ranks' experts, which GEMM 1
+        # never writes, are quantized with the rest below: zeros, not whatever was there)
+        h = torch.zeros((pairs, inter), dtype=x.dtype, device=x.device)
     else:
         h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
     a = quantize_input(x, block) if fp8 else x
     weights = topk_weights.reshape(-1).float()
+    act = (swiglu_alpha, swiglu_limit)
     _gemm(al, a, w13, w13_scale, h, weights, row_div=top_k, gated=True, block=block,
-          config=config)  # fmt: skip
+          config=config, bias=w13_bias, act=act)  # fmt: skip
     if fp8 and isinstance(h, torch.Tensor):
         h = quantize_input(h, block)
     y = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
-    _gemm(al, h, w2, w2_scale, y, weights, row_div=1, gated=False, block=block, config=config)
+    _gemm(al, h, w2, w2_scale, y, weights, row_div=1, gated=False, block=block, config=config,
+          bias=w2_bias)  # fmt: skip
     block_h = min(1024, triton.next_power_of_2(hidden))
     ids = topk_ids.contiguous()
     _sum_slots_kernel[(t, triton.cdiv(hidden, block_h))](
@@ -385,9 +415,12 @@ def _gemm(
     gated: bool,
     block: int | None,
     config: MoELaunch,
+    bias: torch.Tensor | None = None,
+    act: tuple[float, float | None] = (1.0, None),
 ) -> None:
     """One of the two GEMMs over the aligned pairs: GEMM 1 (``gated``, ``row_div`` = k: A's
-    rows are tokens, W's rows gate then up) or GEMM 2 (``row_div`` 1: A's rows are pairs)."""
+    rows are tokens, W's rows gate then up; ``act``: (alpha, limit) of a clamped SwiGLU, limit
+    None for SiLU·mul) or GEMM 2 (``row_div`` 1: A's rows are pairs)."""
     n, k = (w.shape[1] // 2 if gated else w.shape[1]), w.shape[2]
     block_n = config.block_n // 2 if gated else config.block_n  # (output columns)
     aq = a.codes if isinstance(a, Codes) else a
@@ -403,11 +436,14 @@ def _gemm(
     _moe_gemm_kernel[grid](
         aq, a.scales if isinstance(a, Codes) else aq, w, ws, cq,
         c.scales if isinstance(c, Codes) else cq, al.sorted_ids, al.block_expert, al.num_padded,
-        weights, n, k, weights.numel(), row_div, n, aq.stride(0), *a_scale_strides, w.stride(0),
-        w.stride(1), *ws_strides, cq.stride(0), *c_scale_strides,
+        weights, bias if bias is not None else weights, n, k, weights.numel(), row_div, n,
+        aq.stride(0), *a_scale_strides, w.stride(0), w.stride(1), *ws_strides, cq.stride(0),
+        *c_scale_strides, bias.stride(0) if bias is not None else 0, float(act[0]),
+        float(act[1] if act[1] is not None else 0.0),
         GATED=gated, FP8=isinstance(a, Codes), GROUP=group,
         QUANT_OUT=isinstance(c, Codes), IEEE=dtype == torch.float32, GPU=aq.is_cuda,
-        DTYPE=_TL_DTYPES[dtype], BLOCK_M=config.block_m, BLOCK_N=block_n,
+        DTYPE=_TL_DTYPES[dtype], HAS_BIAS=bias is not None, CLAMPED=gated and act[1] is not None,
+        BLOCK_M=config.block_m, BLOCK_N=block_n,
         BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
 
@@ -424,6 +460,10 @@ def fused_moe_reference(
     w2_scale: torch.Tensor | None = None,
     block: int | None = None,
     out: torch.Tensor | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    swiglu_limit: float | None = None,
+    swiglu_alpha: float = 1.702,
 ) -> torch.Tensor:
     """``fused_moe`` in plain PyTorch, one GEMM per local expert over its tokens, rounding as
     Hugging Face's experts do (each product in x's dtype, times its routing weight, rounded)
@@ -438,8 +478,14 @@ def fused_moe_reference(
         tokens, slots = torch.where(ids == e)
         if tokens.numel() == 0:
             continue
-        gate, up = _linear(x[tokens], w13[e], w13_scale, e, block).chunk(2, dim=-1)
-        y = _linear(F.silu(gate) * up, w2[e], w2_scale, e, block)
+        gate_up = _linear(x[tokens], w13[e], w13_scale, e, block, w13_bias, e)
+        gate, up = gate_up.chunk(2, dim=-1)
+        if swiglu_limit is None:
+            h = F.silu(gate) * up
+        else:  # (as FusedMoE.activate)
+            gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
+            h = (up + 1) * (gate * torch.sigmoid(gate * swiglu_alpha))
+        y = _linear(h, w2[e], w2_scale, e, block, w2_bias, e)
         acc.index_add_(0, tokens, (y * topk_weights[tokens, slots, None]).to(x.dtype).float())
     if out is None:
         return acc.to(x.dtype)
@@ -447,12 +493,19 @@ def fused_moe_reference(
 
 
 def _linear(
-    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, e: int, block: int | None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor | None,
+    e: int,
+    block: int | None,
+    bias: torch.Tensor | None = None,
+    expert: int = 0,
 ) -> torch.Tensor:
-    """x · wᵀ in x's dtype; an e4m3 ``w`` dequantized with expert ``e``'s scales, x rounded
-    through e4m3 as the FP8 GEMM sees it."""
+    """x · wᵀ (+ expert ``expert``'s row of ``bias``) in x's dtype; an e4m3 ``w`` dequantized
+    with expert ``e``'s scales, x rounded through e4m3 as the FP8 GEMM sees it."""
+    b = bias[expert] if bias is not None else None
     if w.dtype != FP8:
-        return F.linear(x, w)
+        return F.linear(x, w, b)
     assert scale is not None
     if block is None:
         xq = quantize_activations(x, "token", 0, None)
@@ -461,7 +514,7 @@ def _linear(
         xq = quantize_activations(x, "token_group", block, None)
         rows = scale[e].repeat_interleave(block, 0)[: w.shape[0]]
         wd = dequantize(w, rows, torch.arange(w.shape[1], device=w.device) // block)
-    return F.linear(xq, wd.to(x.dtype))
+    return F.linear(xq, wd.to(x.dtype), b)
 
 
 __all__ = [

@@ -136,8 +136,12 @@ class Experts(Protocol):
     # and up products, w2_bias [E, H] to the down product; None: none
     w13_bias: torch.Tensor | None
     w2_bias: torch.Tensor | None
-    # what ``activate`` computes: "silu" is silu(gate) · up (what ops/fused_moe fuses)
+    # what ``activate`` computes: "silu" is silu(gate) · up; "swiglu_clamped" gpt-oss's
+    # (up + 1) · gate · σ(alpha · gate) with gate ≤ limit and |up| ≤ limit (ops/fused_moe
+    # fuses both)
     activation: str
+    alpha: float
+    limit: float
 
     def register_parameter(self, name: str, param: nn.Parameter | None) -> None: ...
 

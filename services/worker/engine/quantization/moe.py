@@ -18,6 +18,7 @@ Scales are kept as the kernel takes them: per channel ``w13_weight_scale`` [E, 2
 """
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -76,12 +77,24 @@ def combine(
 
 
 def _kernel_takes(layer: Experts, x: torch.Tensor, w13: torch.Tensor) -> bool:
-    """ops/fused_moe computes silu(gate) · up without biases, on CUDA tensors it supports."""
-    if not x.is_cuda or layer.activation != "silu" or layer.w13_bias is not None:
+    """ops/fused_moe computes either activation, with or without biases, on CUDA tensors it
+    supports."""
+    if not x.is_cuda:
         return False
     from services.worker.engine.ops import fused_moe
 
     return bool(fused_moe.supported(x, w13))
+
+
+def _kernel_extras(layer: Experts) -> dict[str, Any]:
+    """gpt-oss's biases and clamped SwiGLU, as ``fused_moe`` takes them."""
+    clamped = layer.activation == "swiglu_clamped"
+    return {
+        "w13_bias": layer.w13_bias,
+        "w2_bias": layer.w2_bias,
+        "swiglu_limit": layer.limit if clamped else None,
+        "swiglu_alpha": layer.alpha,
+    }
 
 
 def _weights(layer: Experts, dtype: torch.dtype) -> tuple[nn.Parameter, nn.Parameter]:
@@ -110,7 +123,8 @@ class UnquantizedMoEMethod(MoEMethod):
 
             return fused_moe.fused_moe(x, w13, w2, topk_weights, topk_ids,
                                        expert_map=layer.expert_map, w13_scale=None,
-                                       w2_scale=None, block=None)  # fmt: skip
+                                       w2_scale=None, block=None,
+                                       **_kernel_extras(layer))  # fmt: skip
 
         b13, b2 = layer.w13_bias, layer.w2_bias
 
@@ -203,7 +217,8 @@ class Fp8MoEMethod(MoEMethod):
 
             return fused_moe.fused_moe(x, w13, w2, topk_weights, topk_ids,
                                        expert_map=layer.expert_map, w13_scale=s13,
-                                       w2_scale=s2, block=self.block)  # fmt: skip
+                                       w2_scale=s2, block=self.block,
+                                       **_kernel_extras(layer))  # fmt: skip
         acts, b = self.quant.activations, self.quant.block
         b13, b2 = layer.w13_bias, layer.w2_bias
 
