@@ -94,6 +94,30 @@ def test_routing_is_hugging_faces(name: str, tmp_path: Path) -> None:
     assert len(ids.unique()) > moe.num_experts // 2  # (routing is not degenerate)
 
 
+def test_the_router_computes_in_its_models_dtype() -> None:
+    """As Hugging Face's gates: Qwen3-MoE's, Mixtral's and gpt-oss's logits in the model's dtype
+    (one GEMV, no cast of x), DeepSeek's in float32 (the gate casts x and its weight)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, H, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(8, H, generator=gen)
+    for float32 in (False, True):
+        moe = MoEConfig(num_experts=8, top_k=2, intermediate_size=8, router_float32=float32)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            router = Router(H, moe)
+        finally:
+            torch.set_default_dtype(previous)
+        router.weight.data.copy_(weight)
+        logits = router(x)
+        if float32:
+            assert router.weight.dtype == torch.float32
+            assert torch.equal(logits, F.linear(x.float(), weight))
+        else:
+            assert router.weight.dtype == torch.bfloat16
+            assert torch.equal(logits, F.linear(x, weight.to(torch.bfloat16)))
+
+
 def _moe(e: int = 4, k: int = 2, inter: int = 16) -> MoEConfig:
     return MoEConfig(num_experts=e, top_k=k, intermediate_size=inter)
 

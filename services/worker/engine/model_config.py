@@ -54,6 +54,9 @@ class MoEConfig:
     topk_groups: int = 1
     correction_bias: bool = False  # e_score_correction_bias (DeepSeek-V3)
     routed_scaling_factor: float = 1.0
+    # the router's logits in float32 (DeepSeek's gate casts x and its weight) or, False, in
+    # the model's dtype, as Qwen3-MoE's, Mixtral's and gpt-oss's gates compute them
+    router_float32: bool = True
     # shared experts beside the routed ones, as one dense MLP of this intermediate size
     # (DeepSeek: n_shared_experts × moe_intermediate_size); 0: none
     shared_intermediate_size: int = 0
@@ -214,17 +217,18 @@ def _moe(cfg: dict[str, Any], num_layers: int) -> MoEConfig | None:
         )  # fmt: skip
     if model_type == "mixtral":
         return MoEConfig(int(experts), top_k, int(cfg["intermediate_size"]),
-                         sparse_layers=tuple(range(num_layers)))  # fmt: skip
+                         router_float32=False, sparse_layers=tuple(range(num_layers)))  # fmt: skip
     if model_type == "qwen3_moe":
         step = int(cfg.get("decoder_sparse_step") or 1)
         dense = set(cfg.get("mlp_only_layers") or [])
         sparse = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
         return MoEConfig(int(experts), top_k, int(cfg["moe_intermediate_size"]),
                          norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-                         sparse_layers=sparse)  # fmt: skip
+                         router_float32=False, sparse_layers=sparse)  # fmt: skip
     if model_type == "gpt_oss":
         return MoEConfig(int(experts), top_k, int(cfg["intermediate_size"]),
                          scoring="softmax_of_topk", router_bias=True, expert_bias=True,
+                         router_float32=False,
                          activation="swiglu_clamped",
                          swiglu_alpha=float(cfg.get("swiglu_alpha") or 1.702),
                          swiglu_limit=float(cfg.get("swiglu_limit") or 7.0),

@@ -83,7 +83,7 @@ def route(
     ids = torch.empty((t, k), dtype=torch.int64, device=logits.device)
     if t == 0:
         return weights, ids
-    logits = logits.float()
+    # (the kernel reads the logits in their dtype: the model's or float32, as Router gives)
     bias = correction_bias.float() if correction_bias is not None else logits
     norm = moe.norm_topk_prob and moe.scoring != "softmax_of_topk"
     _route_kernel[(t,)](

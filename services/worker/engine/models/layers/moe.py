@@ -151,17 +151,21 @@ def _eligible(choice: torch.Tensor, moe: MoEConfig, by_top2: bool) -> torch.Tens
 
 
 class Router(nn.Module):
-    """The gate: logits [T, E] = x Wᵀ (+ gpt-oss's ``bias``) in float32 (kept in float32,
-    replicated on every rank), and DeepSeek-V3's ``e_score_correction_bias``."""
+    """The gate: logits [T, E] = x Wᵀ (+ gpt-oss's ``bias``), replicated on every rank, in
+    the dtype its model's Hugging Face gate computes them (``MoEConfig.router_float32``:
+    DeepSeek's in float32, the others' in the model's dtype, which also saves a decode step
+    the cast of x and a float32 GEMV a layer), and DeepSeek-V3's ``e_score_correction_bias``
+    (float32). ``select_experts`` takes the logits to float32."""
 
     def __init__(self, hidden: int, moe: MoEConfig):
         super().__init__()
         e = moe.num_experts
-        self.weight = nn.Parameter(torch.empty(e, hidden, dtype=torch.float32),
-                                   requires_grad=False)  # fmt: skip
+        self.float32 = moe.router_float32
+        dtype = torch.float32 if self.float32 else torch.get_default_dtype()
+        self.weight = nn.Parameter(torch.empty(e, hidden, dtype=dtype), requires_grad=False)
         self.bias: nn.Parameter | None = None
         if moe.router_bias:
-            self.bias = nn.Parameter(torch.zeros(e, dtype=torch.float32), requires_grad=False)
+            self.bias = nn.Parameter(torch.zeros(e, dtype=dtype), requires_grad=False)
         self.e_score_correction_bias: nn.Parameter | None = None
         if moe.correction_bias:
             self.e_score_correction_bias = nn.Parameter(
@@ -169,7 +173,7 @@ class Router(nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight, self.bias)
+        return F.linear(x.float() if self.float32 else x, self.weight, self.bias)
 
 
 class FusedMoE(nn.Module):
