@@ -199,6 +199,23 @@ def copy_checkpoint(src: Path, dst: Path) -> Path:
     return dst
 
 
+def hf_greedy_with_rows(
+    model: Any, prompts: list[list[int]], max_new: int
+) -> tuple[list[list[int]], list[list[list[float]]]]:
+    """A Hugging Face model's greedy tokens for each prompt (``max_new`` of them, EOS or not)
+    and the log-softmax row of every step: the reference ``assert_matches_reference`` takes."""
+    import torch
+
+    tokens, rows = [], []
+    for ids in prompts:
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
+                             min_new_tokens=max_new, output_logits=True,
+                             return_dict_in_generate=True)  # fmt: skip
+        tokens.append(out.sequences[0, len(ids) :].tolist())
+        rows.append([step[0].float().log_softmax(-1).tolist() for step in out.logits])
+    return tokens, rows
+
+
 def generate_in_three_batches(
     llm: "LLM", prompts: list[list[int]], params: SamplingParams
 ) -> list[Any]:

@@ -18,7 +18,11 @@ from transformers import AutoModelForCausalLM
 
 from baton import LLM, SamplingParams
 from baton.tiny_model import make_tiny_model
-from tests.helpers import assert_matches_reference, generate_in_three_batches
+from tests.helpers import (
+    assert_matches_reference,
+    generate_in_three_batches,
+    hf_greedy_with_rows,
+)
 
 WINDOW = 8  # the tiny gemma3's sliding window (baton/tiny_model.py)
 MAX_NEW = 12
@@ -49,14 +53,7 @@ def hf_reference(path: str, **config: Any) -> tuple[list[list[int]], list[list[l
     """Hugging Face's greedy tokens and log-softmax rows for each prompt (``config``: fields
     of the checkpoint's config overridden)."""
     model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **config)
-    tokens, rows = [], []
-    for ids in PROMPTS:
-        out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
-                             min_new_tokens=MAX_NEW, output_logits=True,
-                             return_dict_in_generate=True)  # fmt: skip
-        tokens.append(out.sequences[0, len(ids) :].tolist())
-        rows.append([step[0].float().log_softmax(-1).tolist() for step in out.logits])
-    return tokens, rows
+    return hf_greedy_with_rows(model, PROMPTS, MAX_NEW)
 
 
 def _generate(llm: LLM) -> list[Any]:

@@ -25,6 +25,7 @@ from tests.helpers import (
     assert_matches_reference,
     disaggregated,
     generate_in_three_batches,
+    hf_greedy_with_rows,
     wait_all_free,
 )
 
@@ -55,14 +56,7 @@ def _hf_model(path: str, **config: Any) -> Any:
 
 
 def _hf_generate(model: Any) -> tuple[list[list[int]], list[list[list[float]]]]:
-    tokens, rows = [], []
-    for ids in PROMPTS:
-        out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
-                             min_new_tokens=MAX_NEW, output_logits=True,
-                             return_dict_in_generate=True)  # fmt: skip
-        tokens.append(out.sequences[0, len(ids) :].tolist())
-        rows.append([step[0].float().log_softmax(-1).tolist() for step in out.logits])
-    return tokens, rows
+    return hf_greedy_with_rows(model, PROMPTS, MAX_NEW)
 
 
 @cache

@@ -23,7 +23,7 @@ A prefix hit must satisfy every group at once (as vLLM's hybrid coordinator): fu
 every block of the prefix cached, windowed groups the blocks of the window before its end.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.worker.engine.kv_cache.block_pool import BlockPool, KVCacheBlock
 from services.worker.engine.kv_cache.groups import KVCacheGroups
@@ -44,10 +44,15 @@ class KVCacheBlocks:
 
     blocks: tuple[_Table, ...]
     null_block_id: int
+    # (computed once: the manager's shared empty result is read for every decode row a step)
+    _ids: BlockIds | None = field(default=None, repr=False, compare=False)
 
     def block_ids(self) -> BlockIds:
-        null = self.null_block_id
-        return tuple([null if b is None else b.block_id for b in t] for t in self.blocks)
+        """The ids, per group; shared with every caller, who must not change them."""
+        if self._ids is None:
+            null = self.null_block_id
+            self._ids = tuple([null if b is None else b.block_id for b in t] for t in self.blocks)
+        return self._ids
 
     def __len__(self) -> int:
         return len(self.blocks[0])

@@ -22,30 +22,26 @@ norms and GELU still run in plain PyTorch (the rotary, the same as Llama's, stay
 cache is full length for every layer; a sliding layer's backend reads only its window of it.
 """
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.engine.attention.backend import AttentionMetadata, LayerKVCache
+from services.worker.engine.attention.backend import AttentionMetadata
 from services.worker.engine.model_config import ArchConfig
 from services.worker.engine.models.context import ModelContext
 from services.worker.engine.models.layers.linear import (
     MergedColumnParallelLinear,
-    QKVParallelLinear,
     RowParallelLinear,
 )
 from services.worker.engine.models.layers.rotary import RotaryEmbedding
-from services.worker.engine.models.llama import CausalLM, DecoderModel, LlamaForCausalLM
-from services.worker.engine.models.weights import Loaded
+from services.worker.engine.models.llama import (
+    CausalLM,
+    DecoderModel,
+    LlamaAttention,
+    LlamaForCausalLM,
+)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
-
-# (the layer, q, k, v, the step's metadata) → the attention's output (as models/llama.py's)
-AttentionSplit = Callable[
-    ["Gemma3Attention", torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor
-]
 
 
 class GemmaRMSNorm(nn.Module):
@@ -70,70 +66,29 @@ class GemmaRMSNorm(nn.Module):
         return self(residual), residual
 
 
-class Gemma3Attention(nn.Module):
-    """The attributes the worker and the piecewise graph runner use (``kv_cache``, ``split``,
-    ``stores_kv``, ``attn``, ``kv_scales``, the head counts) are ``LlamaAttention``'s."""
+class Gemma3Attention(LlamaAttention):
+    """Llama's attention with Gemma's q/k norms (applied before the rotary: the fused rotary
+    takes Llama's only), the rotary of the layer's kind (shared by those layers), the softmax
+    scale from ``query_pre_attn_scalar``, a bias on o where the config says, and a window on
+    the sliding layers."""
 
     def __init__(self, arch: ArchConfig, ctx: ModelContext, rotary: RotaryEmbedding, kind: str):
-        super().__init__()
         if arch.attn_logit_softcapping is not None:
             raise ValueError(
                 "attn_logit_softcapping is not supported: no attention backend soft-caps scores"
             )
         d = arch.head_dim
-        self.qkv_proj = QKVParallelLinear(
-            arch.hidden_size, d, arch.num_heads, arch.num_kv_heads, arch.attention_bias,
-            ctx.linear,
+        super().__init__(
+            arch, ctx, rotary=rotary, o_bias=arch.attention_bias,
+            scale=(arch.query_pre_attn_scalar or d) ** -0.5,
+            window=arch.sliding_window if kind == SLIDING else None,
         )  # fmt: skip
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
-        self.head_dim = d
-        self.o_proj = RowParallelLinear(
-            arch.num_heads * d, arch.hidden_size, arch.attention_bias, ctx.linear
-        )
-        self.rotary = rotary  # shared by the layers of this kind
-        self.stores_kv = ctx.kernels  # the fused rotary stores k and v (as Llama's)
         self.q_norm = GemmaRMSNorm(d, arch.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(d, arch.rms_norm_eps)
-        scale = (arch.query_pre_attn_scalar or d) ** -0.5
-        window = arch.sliding_window if kind == SLIDING else None
-        self.attn = ctx.attention(
-            self.num_heads, self.num_kv_heads, d, scale=scale, sliding_window=window
-        )
-        self.kv_cache: LayerKVCache | None = None  # bound by the worker after cache allocation
-        self.kv_group = 0  # its KV cache group (kv_cache/groups.py), bound with the cache
-        self.split: AttentionSplit | None = None  # set by a piecewise CUDA graph runner
-        self.kv_method = ctx.kv_cache
-        self.kv_method.create_weights(self)
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None
-    ) -> None:
-        """Its own parameters are the KV cache scales (the projections load their own)."""
-        self.kv_method.load(param, loaded)
-
-    def kv_scales(self) -> tuple[float, float]:
-        return self.kv_method.scales(self)
-
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        meta = meta.group(self.kv_group)
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        assert self.kv_cache is not None, "KV cache not bound"
-        if self.stores_kv:
-            q = self.rotary.forward_and_store(positions, q, k, v, self.kv_cache, meta.slot_mapping)
-        else:
-            q, k = self.rotary(positions, q, k)
-        if self.split is not None:
-            out = self.split(self, q, k, v, meta)
-        else:
-            out = self.attn.forward(q, k, v, self.kv_cache, meta, store_kv=not self.stores_kv)
-        return self.o_proj(out.reshape(-1, self.q_size))
+    def normed(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        assert self.q_norm is not None and self.k_norm is not None
+        return self.q_norm(q), self.k_norm(k), None
 
 
 class Gemma3MLP(nn.Module):

@@ -36,7 +36,16 @@ AttentionSplit = Callable[
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ArchConfig, ctx: ModelContext):
+    """q/k/v projections, q/k norms (Qwen3), rotary, the attention backend over the paged cache,
+    the o projection. The other decoders' attention is this one with their differences as
+    arguments (gpt-oss, Gemma 3): a shared ``rotary``, a bias on o, another softmax ``scale``,
+    a sliding ``window``, ``sinks``; ``normed`` is where a subclass puts other q/k norms."""
+
+    def __init__(
+        self, arch: ArchConfig, ctx: ModelContext, *, rotary: RotaryEmbedding | None = None,
+        o_bias: bool = False, scale: float | None = None, window: int | None = None,
+        sinks: torch.Tensor | None = None,
+    ):  # fmt: skip
         super().__init__()
         d, fused = arch.head_dim, ctx.kernels
         self.qkv_proj = QKVParallelLinear(
@@ -46,14 +55,19 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.head_dim = d
-        self.o_proj = RowParallelLinear(arch.num_heads * d, arch.hidden_size, False, ctx.linear)
-        self.rotary = RotaryEmbedding(d, ctx.max_positions, arch.rope, fused)
+        self.o_proj = RowParallelLinear(arch.num_heads * d, arch.hidden_size, o_bias, ctx.linear)
+        self.rotary = rotary or RotaryEmbedding(d, ctx.max_positions, arch.rope, fused)
         # the fused rotary stores the step's keys (rotated) and values in the KV cache itself,
         # and the backend skips its write: one launch and one pass over the keys fewer a layer
         self.stores_kv = fused
-        self.q_norm = RMSNorm(d, arch.rms_norm_eps, fused) if arch.qk_norm else None
-        self.k_norm = RMSNorm(d, arch.rms_norm_eps, fused) if arch.qk_norm else None
-        self.attn = ctx.attention(self.num_heads, self.num_kv_heads, d, scale=d**-0.5)
+        self.q_norm: nn.Module | None = (
+            RMSNorm(d, arch.rms_norm_eps, fused) if arch.qk_norm else None
+        )
+        self.k_norm: nn.Module | None = (
+            RMSNorm(d, arch.rms_norm_eps, fused) if arch.qk_norm else None
+        )
+        self.attn = ctx.attention(self.num_heads, self.num_kv_heads, d, scale=scale or d**-0.5,
+                                  sliding_window=window, sinks=sinks)  # fmt: skip
         self.kv_cache: LayerKVCache | None = None  # bound by the worker after cache allocation
         self.kv_group = 0  # its KV cache group (kv_cache/groups.py), bound with the cache
         # set by a piecewise CUDA graph runner (worker/piecewise_graphs.py) while it captures or
@@ -83,7 +97,7 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        norms = (self.q_norm, self.k_norm) if self.q_norm and self.k_norm else None
+        q, k, norms = self.normed(q, k)
         assert self.kv_cache is not None, "KV cache not bound"
         if self.stores_kv:
             q = self.rotary.forward_and_store(
@@ -96,6 +110,15 @@ class LlamaAttention(nn.Module):
         else:
             out = self.attn.forward(q, k, v, self.kv_cache, meta, store_kv=not self.stores_kv)
         return self.o_proj(out.reshape(-1, self.q_size))
+
+    def normed(
+        self, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[RMSNorm, RMSNorm] | None]:
+        """(q, k, the norms the rotary applies first, fused): Qwen3's q/k RMSNorms go to the
+        rotary; without them, none."""
+        if isinstance(self.q_norm, RMSNorm) and isinstance(self.k_norm, RMSNorm):
+            return q, k, (self.q_norm, self.k_norm)
+        return q, k, None
 
 
 class LlamaMLP(nn.Module):
