@@ -72,6 +72,17 @@ _GPT_OSS = {
     },
 }  # fmt: skip
 
+# Qwen3.5 (text): three Gated DeltaNet layers to every full-attention one (the default
+# interval of 4); linear attention of 2 key heads and 4 value heads of 16 (a key head serves
+# two value heads, as in the real models), a convolution of 4; gated attention heads of 32
+# whose rotary turns a quarter of their dims
+_QWEN3_5 = {
+    "head_dim": 32, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                        "partial_rotary_factor": 0.25},
+}  # fmt: skip
+
 # Architecture → (transformers config class, extra config fields). Sizes are shared below.
 ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {}),
@@ -97,10 +108,12 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "deepseek_v3": ("DeepseekV3Config", _DEEPSEEK_V3),
     "gemma3": ("Gemma3TextConfig", _GEMMA3),
     "gpt_oss": ("GptOssConfig", _GPT_OSS),
+    "qwen3_5": ("Qwen3_5TextConfig", _QWEN3_5),
 }
 # decoder layers where an arch needs more than make_tiny_model's default 2 (gemma3: two
-# rounds of its sliding, sliding, global pattern; gpt_oss: two of sliding, full)
-DEFAULT_LAYERS = {"gemma3": 6, "gpt_oss": 4}
+# rounds of its sliding, sliding, global pattern; gpt_oss: two of sliding, full; qwen3_5: one
+# of three linear-attention layers and a full one)
+DEFAULT_LAYERS = {"gemma3": 6, "gpt_oss": 4, "qwen3_5": 4}
 
 
 def corpus() -> list[str]:
@@ -201,7 +214,7 @@ def make_tiny_model(
         _spread_routers(model, ROUTER_SCALE[arch])
     if arch == "deepseek_v3":
         _random_correction_bias(model)
-    if arch == "gemma3":  # Gemma's norms start at w = 0 (a scale of 1 + w = 1): random, tested
+    if arch in ("gemma3", "qwen3_5"):  # norms of 1 + w start at w = 0: random, tested
         _random_norms(model)
     if arch == "gpt_oss":
         _random_expert_biases(model)
@@ -271,7 +284,9 @@ def _random_norms(model: Any) -> None:
 
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("linear_attn.norm.weight"):  # (Qwen3.5's gated norm: w, not 1 + w)
+                param.normal_(1.0, 0.2)
+            elif name.endswith("norm.weight"):
                 param.normal_(0.0, 0.2)
 
 

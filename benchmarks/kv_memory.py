@@ -1,5 +1,6 @@
 """KV cache bytes one request holds, with the engine's KV cache groups against a cache that keeps
-every layer's K and V for every token (what the groups save on a hybrid model).
+every layer's K and V for every token (what the groups save on a hybrid model; a model's
+recurrent layers, kept as attention layers would be, against their states of two pages at most).
 
 The same classes the engine sizes its cache with: the shape's config read as the engine reads it
 (``load_arch_config``), its layers grouped (``KVCacheGroups.plan``), a block's bytes from the
@@ -19,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.shapes import SHAPES
+from services.worker.engine.config import state_block_size
 from services.worker.engine.kv_cache.groups import KVCacheGroups
 from services.worker.engine.kv_cache.layout import KVCacheLayout
 from services.worker.engine.model_config import load_arch_config
@@ -28,7 +30,9 @@ DTYPES = {"bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 def measure(shape: str, context: int, block_size: int, dtype: str) -> dict[str, object]:
     arch = load_arch_config("", dict(SHAPES[shape]))
-    groups = KVCacheGroups.plan(arch.attention_windows())
+    # (a model with recurrent layers: the block size the engine raises to fit a state a slot)
+    block_size = state_block_size(arch, block_size, 1, 1 if dtype == "fp8" else 2)
+    groups = KVCacheGroups.plan(arch.layer_cache_kinds())
     parts, heads, dim = arch.kv_cache_entry()
     layout = KVCacheLayout(groups.page_layers, heads, dim, block_size, DTYPES[dtype], parts)
     held = groups.request_bytes(context, block_size, layout.bytes_per_block)
@@ -49,7 +53,7 @@ def measure(shape: str, context: int, block_size: int, dtype: str) -> dict[str, 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", nargs="+", default=["gpt-oss-20b", "gemma-3-12b"],
+    ap.add_argument("--shapes", nargs="+", default=["gpt-oss-20b", "gemma-3-12b", "qwen3.5-27b"],
                     choices=sorted(SHAPES))  # fmt: skip
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
     ap.add_argument("--block-size", type=int, default=16)

@@ -36,6 +36,8 @@ from benchmarks.kernels.attention_sweep import prefill_case, prefill_ms
 from benchmarks.profiling import device_span_us, kernel_rows
 from benchmarks.roofline import ModelCost, limits
 from benchmarks.shapes import write_shape
+from services.worker.engine.config import state_block_size
+from services.worker.engine.model_config import load_arch_config
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "triton": {"attention_backend": "triton"},
@@ -69,7 +71,8 @@ def _isolated_attention(llm: LLM, n: int, block_size: int) -> dict[str, float]:
     """The engine's own backend object for layer 0, timed on its own over a paged cache."""
     arch = llm.config.model.arch
     args = argparse.Namespace(
-        layers=arch.num_layers, kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
+        layers=len(llm.client.core.executor.worker.runner.model.attention_layers()),  # type: ignore[attr-defined]
+        kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
         heads=arch.num_heads,
     )  # fmt: skip
     impl = llm.client.core.executor.worker.runner.model.attention_layers()[0].attn  # type: ignore[attr-defined]
@@ -87,7 +90,8 @@ def measure(model: str, variant: str, args: argparse.Namespace, decode: bool) ->
 
     FlashAttnBackend.WRITE_IN_PLACE = variant != "flash_attn_copy"  # this process's engine
     spec = VARIANTS[variant]
-    bs = spec.get("block_size", 16)
+    # (a model with recurrent layers: the block size the engine raises it to)
+    bs = state_block_size(load_arch_config(model), spec.get("block_size", 16), 1, 2)
     top = max([*args.lengths, args.decode_context])
     max_len = top + 2 * bs + args.decode_steps
     batches = args.decode_batches if decode else []
@@ -126,7 +130,7 @@ def measure(model: str, variant: str, args: argparse.Namespace, decode: bool) ->
         hit, whole = min(hits), min(wholes)
         ms = (whole - hit) / args.decode_steps * 1e3
         context = batch * (ctx + args.decode_steps // 2)  # the mean context over the steps
-        must_read = cost.read_bytes(context)
+        must_read = cost.read_bytes(context, batch)
         rows.append({
             "batch": batch, "context": ctx, "ms_per_step": round(ms, 3),
             "tok_s": round(batch * 1e3 / ms, 1), "read_GB_per_step": round(must_read / 1e9, 2),

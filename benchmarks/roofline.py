@@ -118,6 +118,10 @@ class ModelCost:
         self.read_weight_bytes = info.weight_bytes - info.untied_embedding_params * elsize
         self.read_weight_bytes -= idle_bytes
         self.kv_bytes_per_token = info.kv_bytes_per_token
+        # a hybrid model's recurrent layers: a decode step reads each request's state and
+        # writes it back (the attention terms below count only its attention layers)
+        self.state_bytes = 2 * getattr(info, "recurrent_state_bytes", 0)
+        attention_layers = sum(1 for k in arch.layer_cache_kinds() if k != "recurrent")
         # parameters that multiply every token (of the routed experts, the chosen ones); the
         # LM head multiplies only sampled rows
         self.body_params = info.num_params - info.lm_head_params - info.untied_embedding_params
@@ -127,7 +131,7 @@ class ModelCost:
         # prefill: the decompressed keys' qk_head_dim and values' v_head_dim)
         mla = getattr(arch, "mla", None)
         per_head = 2 * arch.head_dim if mla is None else mla.qk_head_dim + mla.v_head_dim
-        self.flops_per_pair = 2 * arch.num_layers * arch.num_heads * per_head
+        self.flops_per_pair = 2 * attention_layers * arch.num_heads * per_head
 
     def flops(self, tokens: int, sampled_rows: int, query_key_pairs: int) -> int:
         return self.linear_flops(tokens, sampled_rows) + self.flops_per_pair * query_key_pairs
@@ -161,10 +165,13 @@ class ModelCost:
         )
         return linear + attention
 
-    def must_read_bytes(self, context_tokens: int) -> int:
-        """The issues' bound for a step: every weight, and the KV of its context."""
-        return self.weight_bytes + context_tokens * self.kv_bytes_per_token
+    def must_read_bytes(self, context_tokens: int, requests: int = 1) -> int:
+        """The issues' bound for a step: every weight, and the KV of its context (and its
+        ``requests``' recurrent states, read and written)."""
+        kv = context_tokens * self.kv_bytes_per_token + requests * self.state_bytes
+        return self.weight_bytes + kv
 
-    def read_bytes(self, context_tokens: int) -> int:
+    def read_bytes(self, context_tokens: int, requests: int = 1) -> int:
         """What a step does read: the input-embedding table only by its tokens' rows."""
-        return self.read_weight_bytes + context_tokens * self.kv_bytes_per_token
+        kv = context_tokens * self.kv_bytes_per_token + requests * self.state_bytes
+        return self.read_weight_bytes + kv

@@ -85,7 +85,25 @@ SHAPES = {
                          "truncate": False},
         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "eos_token_id": 0,
     },
+    # Qwen/Qwen3.5-27B's text model (its text_config): 48 Gated DeltaNet layers (16 key heads,
+    # 48 value heads of 128; a convolution of 4) and 16 gated full-attention layers (24 heads,
+    # 4 KV heads of 256, a quarter of each rotated), three of the first to each of the second;
+    # a dense SiLU MLP of 17,408
+    "qwen3.5-27b": {
+        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+        "vocab_size": 248320, "hidden_size": 5120, "intermediate_size": 17408,
+        "num_hidden_layers": 64, "num_attention_heads": 24, "num_key_value_heads": 4,
+        "head_dim": 256, "hidden_act": "silu", "attention_bias": False,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 48,
+        "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                            "partial_rotary_factor": 0.25},
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "eos_token_id": 0,
+    },
 }  # fmt: skip
+SHAPES["qwen3.5-27b"]["layer_types"] *= 16  # type: ignore[operator]
 
 
 # what a checkpoint's config.json says to be read as stored FP8 (``--checkpoint``): the

@@ -138,9 +138,10 @@ class StepTrace:
             b = bins.setdefault(kind, dict.fromkeys(keys, 0.0))
             b["steps"] += 1
             b["seconds"] += t_next - t
-            b["memory_s"] += cost.must_read_bytes(context) / bandwidth
+            b["memory_s"] += cost.must_read_bytes(context, rows) / bandwidth
             b["roofline_s"] += max(
-                cost.read_bytes(context) / bandwidth, cost.flops(tokens, sampled, pairs) / peak
+                cost.read_bytes(context, rows) / bandwidth,
+                cost.flops(tokens, sampled, pairs) / peak,
             )
             b["serial_s"] += cost.serial_seconds(tokens, sampled, context, pairs, bandwidth, peak)
         total = {k: sum(b[k] for b in bins.values()) for k in keys}
@@ -188,8 +189,10 @@ def _bounds(
     kv_tokens = after.context_tokens_read - before.context_tokens_read
     tokens = after.computed_tokens - before.computed_tokens
     # summed over steps: each step's weights, plus the KV of its context
-    must_read = steps * cost.must_read_bytes(0) + kv_tokens * cost.kv_bytes_per_token
-    read = steps * cost.read_bytes(0) + kv_tokens * cost.kv_bytes_per_token
+    # (a recurrent state is read and written once a sampled row, about once a request a step)
+    kv = kv_tokens * cost.kv_bytes_per_token + sampled * cost.state_bytes
+    must_read = steps * cost.must_read_bytes(0, 0) + kv
+    read = steps * cost.read_bytes(0, 0) + kv
     flops = cost.flops(tokens, sampled, 0)  # the weights' FLOPs; attention's not counted
     return {
         "steps": steps,

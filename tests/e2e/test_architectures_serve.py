@@ -6,7 +6,10 @@ for token.
   YaRN): the decode worker pulls the latent blocks over NIXL/UCX;
 - a tiny gpt-oss (windows of 8 tokens with attention sinks on alternate layers, biased experts
   with the clamped SwiGLU) and a tiny Gemma 3 (two sliding-window layers to each global one):
-  the decode worker decodes on past the window from the pulled blocks."""
+  the decode worker decodes on past the window from the pulled blocks;
+- a tiny Qwen3.5 (three Gated DeltaNet layers to each full-attention one): the decode worker
+  pulls the attention's blocks and each recurrent layer's state at the prompt's end, and a
+  killed decode worker's streams resume elsewhere."""
 
 import json
 import signal
@@ -29,7 +32,7 @@ from tests.e2e.conftest import (
 )
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "gpt_oss", "gemma3"])
+@pytest.fixture(scope="module", params=["deepseek_v3", "gpt_oss", "gemma3", "qwen3_5"])
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param)
 
@@ -66,11 +69,13 @@ def test_disaggregated_equals_offline(pd_cluster: Cluster, model: Path) -> None:
     wait_for(lambda: worker_health(pd_cluster, "prefill-0").kv_usage == 0, 5.0, "leases to end")
 
 
-def test_a_killed_decode_worker_resumes_a_windowed_model(tmp_path: Path) -> None:
-    """gpt-oss (windows of 8 with sinks beside full layers): the decode worker running most of
-    the streams is killed mid-stream; the streams resume elsewhere and what each client reads
-    equals the offline engine's, past the window both before and after the kill."""
-    model = make_tiny_model(tmp_path / "gpt_oss", arch="gpt_oss")
+@pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_5"])
+def test_a_killed_decode_worker_resumes_a_hybrid_model(tmp_path: Path, arch: str) -> None:
+    """gpt-oss (windows of 8 with sinks beside full layers), Qwen3.5 (Gated DeltaNet layers
+    beside a full one): the decode worker running most of the streams is killed mid-stream;
+    the streams resume elsewhere and what each client reads equals the offline engine's, past
+    the window (or from the recurrent state) both before and after the kill."""
+    model = make_tiny_model(tmp_path / arch, arch=arch)
     prompts = [long_prompt(model, 40 + 9 * i, f"resume-{i}") for i in range(3)]
     params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     with LLM(model=str(model), num_kv_blocks=512, max_model_len=1024,

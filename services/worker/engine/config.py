@@ -236,18 +236,29 @@ class EngineArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")  # fmt: skip
+        if self.kv_cache_dtype == "fp8" and arch.linear_attention is not None:
+            raise ValueError(
+                f"kv_cache_dtype='fp8' is not supported for {arch.architecture}: its Gated "
+                "DeltaNet layers keep their recurrent state in the cache's pages, in the "
+                "model's dtype (use 'auto')"
+            )
         if self.kv_cache_dtype == "fp8" and arch.mla is not None:
             raise ValueError(
                 f"kv_cache_dtype='fp8' is not supported for {arch.architecture}: its multi-head "
                 "latent attention caches latents, kept in the model's dtype (use 'auto')"
             )
 
+        recurrent = arch.linear_attention is not None
+        dtype = _resolve_dtype(self.dtype, arch, device)
+        itemsize = 4 if dtype == "float32" else 2  # (an FP8 cache is refused above)
+        block_size = state_block_size(arch, self.block_size, parallel.tensor_parallel_size,
+                                      itemsize)  # fmt: skip
         return EngineConfig(
             model=ModelConfig(
                 model=self.model,
                 tokenizer=self.tokenizer or self.model,
                 served_model_name=self.served_model_name or default_model_name(self.model),
-                dtype=_resolve_dtype(self.dtype, arch, device),
+                dtype=dtype,
                 load_format=_resolve_load_format(self.load_format, self.model),
                 seed=self.seed if self.seed is not None else 0,
                 sampling_seed=self.seed if self.seed is not None else secrets.randbits(63),
@@ -257,7 +268,7 @@ class EngineArgs:
                 quantization=quantization,
             ),
             cache=CacheConfig(
-                block_size=self.block_size,
+                block_size=block_size,
                 enable_prefix_caching=self.enable_prefix_caching,
                 num_blocks=self.num_kv_blocks,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
@@ -278,7 +289,9 @@ class EngineArgs:
             device=DeviceConfig(
                 device,
                 self._graph_sizes(device),
-                self.piecewise_graph_sizes(device, budget, parallel.tensor_parallel_size),
+                self.piecewise_graph_sizes(
+                    device, budget, parallel.tensor_parallel_size, recurrent=recurrent
+                ),
             ),
             structured=self._structured_config(),
             kv_transfer=KVTransferConfig(
@@ -343,6 +356,9 @@ class EngineArgs:
         intermediate dimension, and a mixture of experts' experts (with expert parallelism)
         or one expert's intermediate dimension (without), and the shared experts'."""
         splits = {"num_attention_heads": arch.num_heads}
+        if arch.linear_attention is not None:
+            splits["linear_num_key_heads"] = arch.linear_attention.num_key_heads
+            splits["linear_num_value_heads"] = arch.linear_attention.num_value_heads
         moe = arch.moe
         if moe is None or len(moe.sparse_layers) < arch.num_layers:  # (some layer is dense)
             splits["intermediate_size"] = arch.intermediate_size
@@ -356,12 +372,21 @@ class EngineArgs:
             splits["the shared experts' intermediate size"] = moe.shared_intermediate_size
         return splits
 
-    def piecewise_graph_sizes(self, device: str, budget: int, tp: int) -> tuple[int, ...]:
+    def piecewise_graph_sizes(
+        self, device: str, budget: int, tp: int, recurrent: bool = False
+    ) -> tuple[int, ...]:
         """Token counts of the piecewise graphs (``piecewise_sizes``), up to the budget."""
         tokens = self.piecewise_cuda_graph_tokens
         if tokens is not None and tokens < 0:
             raise ValueError("piecewise_cuda_graph_tokens must be >= 0 (0: none)")
         if device != "cuda" or self.enforce_eager:
+            return ()
+        if recurrent:  # (its Gated DeltaNet layers are no split point: they run in the pieces)
+            if tokens:
+                raise ValueError(
+                    "piecewise_cuda_graph_tokens: not supported for a model with Gated "
+                    "DeltaNet layers (their prefill kernels launch per request)"
+                )
             return ()
         if tokens is None:
             tokens = PIECEWISE_DEFAULT_TOKENS if tp == 1 else 0
@@ -394,6 +419,21 @@ def piecewise_sizes(top: int) -> tuple[int, ...]:
         ladder.append(size)
         size += max(128, (1 << (size.bit_length() - 1)) // 8)
     return (*ladder, top) if top >= 1 else ()
+
+
+def state_block_size(arch: ArchConfig, block_size: int, tp: int, cache_itemsize: int) -> int:
+    """The block size of a model with Gated DeltaNet layers: the smallest multiple of
+    ``block_size`` whose page holds one layer's recurrent state (float32, on one of ``tp``
+    ranks) in each of its layer slots of ``cache_itemsize``-byte values, as vLLM raises its
+    attention block size for Mamba layers: every KV cache group's pages are the same bytes.
+    Others keep ``block_size``."""
+    la = arch.linear_attention
+    if la is None:
+        return block_size
+    parts, heads, dim = arch.kv_cache_entry()
+    per_token = parts * max(1, heads // tp) * dim * cache_itemsize  # a layer slot's bytes
+    tokens = -(-la.state_elements(tp) * 4 // per_token)
+    return max(block_size, -(-tokens // block_size) * block_size)
 
 
 def _check_positive(**values: int) -> None:

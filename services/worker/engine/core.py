@@ -62,7 +62,7 @@ class EngineCore:
                 config.kv_transfer, config.cache.block_size,
                 self.executor.transfer_info().side_channel,
             )  # fmt: skip
-        groups = KVCacheGroups.plan(config.model.arch.attention_windows())  # (the runner's)
+        groups = KVCacheGroups.plan(config.model.arch.layer_cache_kinds())  # (the runner's)
         self.scheduler = Scheduler(
             config.scheduler, config.cache, self.num_blocks, transfer, groups
         )

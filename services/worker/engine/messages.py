@@ -126,6 +126,9 @@ class ModelInfo(msgspec.Struct):
     # every layer to keep every token (the KV cache groups' saving)
     kv_request_bytes: int = 0
     kv_full_attention_request_bytes: int = 0
+    # one request's recurrent state (Gated DeltaNet layers: a page slot each), which a decode
+    # step reads and writes whatever the context; 0 without recurrent layers
+    recurrent_state_bytes: int = 0
     # a mixture-of-experts model's routed experts (this rank's, scales included): a token
     # multiplies ``active_expert_fraction`` of them (top_k / num_experts), so a batch-1 step
     # reads that fraction of these bytes

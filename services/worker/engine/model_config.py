@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.worker.engine.kv_cache.groups import RECURRENT
 from shared.gguf_files import gguf_path
 
 
@@ -95,6 +96,39 @@ class MLAConfig:
 
 
 @dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet layers (Qwen3.5's and Qwen3-Next's ``linear_attention`` layers): a short
+    causal convolution over q, k, v, then the gated delta rule, whose state per request is a
+    fixed-size matrix per value head, not K and V per token."""
+
+    conv_kernel: int  # linear_conv_kernel_dim
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """The convolution's channels: q, k and v."""
+        return 2 * self.key_dim + self.value_dim
+
+    def state_elements(self, tp: int = 1) -> int:
+        """One layer's state on one of ``tp`` ranks, in float32 values (the engine keeps it in
+        float32): the convolution's last ``conv_kernel - 1`` inputs and the recurrent state
+        (value heads × key dim × value dim)."""
+        conv = self.conv_dim // tp * (self.conv_kernel - 1)
+        return conv + self.num_value_heads // tp * self.key_head_dim * self.value_head_dim
+
+
+@dataclass(frozen=True)
 class ArchConfig:
     architecture: str  # e.g. "LlamaForCausalLM"; the model registry key
     model_type: str
@@ -127,6 +161,10 @@ class ArchConfig:
     query_pre_attn_scalar: float | None = None  # Gemma: the softmax scale is its ** -0.5
     final_logit_softcapping: float | None = None  # Gemma: logits → cap · tanh(logits / cap)
     attn_logit_softcapping: float | None = None  # the same on the attention scores
+    # Gated DeltaNet layers (``layer_types`` "linear_attention": Qwen3.5); None: none
+    linear_attention: LinearAttentionConfig | None = None
+    # the attention's rotary covers this share of each head's dims (Qwen3.5: 0.25)
+    partial_rotary_factor: float = 1.0
 
     def kv_cache_entry(self) -> tuple[int, int, int]:
         """(parts, heads, dim) of one token's KV cache entry per layer over all ranks: K and V
@@ -135,6 +173,14 @@ class ArchConfig:
         if self.mla is not None:
             return 1, 1, self.mla.cache_dim
         return 2, self.num_kv_heads, self.head_dim
+
+    def layer_cache_kinds(self) -> tuple[int | str | None, ...]:
+        """What each decoder layer keeps per request (``kv_cache/groups.py``): its attention
+        window (``attention_windows``), or ``RECURRENT`` for a Gated DeltaNet layer."""
+        windows = self.attention_windows()
+        return tuple(RECURRENT if kind == "linear_attention" else w
+                     for kind, w in zip(self.layer_types or (None,) * self.num_layers, windows,
+                                        strict=True))  # fmt: skip
 
     def attention_windows(self) -> tuple[int | None, ...]:
         """Each decoder layer's attention window: W for a ``sliding_attention`` layer (the query
@@ -293,6 +339,18 @@ def _mla(cfg: dict[str, Any]) -> MLAConfig | None:
     )
 
 
+def _linear_attention(cfg: dict[str, Any]) -> LinearAttentionConfig | None:
+    if "linear_attention" not in (cfg.get("layer_types") or ()):
+        return None
+    return LinearAttentionConfig(
+        conv_kernel=int(cfg.get("linear_conv_kernel_dim") or 4),
+        num_key_heads=int(cfg["linear_num_key_heads"]),
+        num_value_heads=int(cfg["linear_num_value_heads"]),
+        key_head_dim=int(cfg["linear_key_head_dim"]),
+        value_head_dim=int(cfg["linear_value_head_dim"]),
+    )
+
+
 def load_hf_config(model: str | Path) -> dict[str, Any]:
     """A checkpoint's ``config.json``, or a GGUF model's metadata as one (``model``: a GGUF
     file or a directory holding one, ``shared/gguf_files.py``)."""
@@ -359,4 +417,10 @@ def load_arch_config(model_dir: str | Path, cfg: dict[str, Any] | None = None) -
         query_pre_attn_scalar=_optional_float(cfg.get("query_pre_attn_scalar")),
         final_logit_softcapping=_optional_float(cfg.get("final_logit_softcapping")),
         attn_logit_softcapping=_optional_float(cfg.get("attn_logit_softcapping")),
+        linear_attention=_linear_attention(cfg),
+        partial_rotary_factor=float(
+            cfg.get("partial_rotary_factor")
+            or (cfg.get("rope_parameters") or {}).get("partial_rotary_factor")
+            or 1.0
+        ),
     )

@@ -56,6 +56,11 @@ class AttentionMetadata:
     # every KV cache group's metadata, in group order, where the model has more than one
     # (kv_cache/groups.py): the same step, each group's block tables and slots
     groups: "tuple[AttentionMetadata, ...]" = field(default=(), repr=False)
+    # a recurrent group's per-request (read page, write page, has a state), computed by its
+    # first Gated DeltaNet layer for the others (models/layers/gated_delta_net.state_pages)
+    state_pages: "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None" = field(
+        default=None, repr=False
+    )
 
     def __post_init__(self) -> None:
         qsl, n = self.query_start_loc_cpu, len(self.query_start_loc_cpu) - 1

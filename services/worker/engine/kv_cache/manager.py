@@ -21,12 +21,22 @@ windowed group's blocks (``KVCacheGroup.blocks_needed``) however long it runs. T
 not told of a release: its stale id sits behind the window, where no kernel reads unmasked.
 A prefix hit must satisfy every group at once (as vLLM's hybrid coordinator): full groups need
 every block of the prefix cached, windowed groups the blocks of the window before its end.
+
+A recurrent group (a Gated DeltaNet layer's fixed-size state, ``groups.py``) keeps its state in
+the page of the block of the last computed token: a step from ``c`` to ``total`` reads the page
+at block (c - 1) // bs and writes the one at (total - 1) // bs, a fresh page when that is a new
+block (the entries between are None: no state is kept there). Its bookkeeping is otherwise a
+window of 2's: the page behind the one a step reads is released. A page a step began on at a
+block boundary holds the state there, a checkpoint: it is indexed under that block's hash when
+the next step starts (not when the step that writes it is scheduled: a request admitted in the
+same step would read it before it is written) or when the request is freed. A prefix hit then
+needs a checkpoint at its last block, and the attention groups' blocks before it.
 """
 
 from dataclasses import dataclass, field
 
 from services.worker.engine.kv_cache.block_pool import BlockPool, KVCacheBlock
-from services.worker.engine.kv_cache.groups import KVCacheGroups
+from services.worker.engine.kv_cache.groups import RECURRENT, KVCacheGroups
 from services.worker.engine.request import Request
 from shared.ids import BlockHash, RequestId
 from shared.kv_events import KVEvent
@@ -80,8 +90,13 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self._groups = groups if groups is not None else KVCacheGroups.plan([None])
-        self._windows = self._groups.windows
+        # a recurrent group reads the page of the token before the first it computes: what a
+        # window of 2 holds (its own rules: the fresh pages, the checkpoints)
+        self._windows = tuple(2 if k == RECURRENT else w
+                              for k, w in zip(self._groups.kinds, self._groups.windows,
+                                              strict=True))  # fmt: skip
         self._windowed = tuple((g, w) for g, w in enumerate(self._windows) if w is not None)
+        self._recurrent = tuple(g for g, k in enumerate(self._groups.kinds) if k == RECURRENT)
         self.pool = BlockPool(num_blocks, block_size, enable_caching, len(self._windows))
         self._null_block_id = num_blocks
         self._no_blocks = self._empty()  # never mutated: callers only read block_ids()
@@ -134,6 +149,20 @@ class KVCacheManager:
             table += [self.pool.get_cached_block(h, g) for h in hashes[first:num]]
             hits.append(table)
         return KVCacheBlocks(tuple(hits), self._null_block_id), num * self.block_size
+
+    def checkpoint_aligned(self, request: Request, start: int, num_new: int) -> int:
+        """How many of ``num_new`` tokens from position ``start`` a step of ``request`` should
+        compute. With a recurrent group (and prefix caching) a step of several tokens stops at
+        a block boundary, so that the state there is kept as a checkpoint (vLLM's "align"
+        mode): a chunk inside the prompt at the last boundary it crosses; the chunk that ends
+        the prompt at the last boundary before its last token (the longest hit the prompt can
+        give a repeat of itself: the last token is never a hit), its tail then a step of its
+        own. Otherwise all of them. The scheduler asks; what a group keeps stays here."""
+        if not self._recurrent or not self.enable_caching or num_new <= 1:
+            return num_new
+        end, bs = start + num_new, self.block_size
+        boundary = ((end - 1) if end >= request.num_tokens else end) // bs * bs
+        return boundary - start if boundary > start else num_new
 
     def allocate_slots(
         self,
@@ -189,8 +218,9 @@ class KVCacheManager:
         for g, first in enumerate(firsts):
             group_hits = hits[g] if hits and num_hit else []
             kept.append([None if num_held + j < first else b for j, b in enumerate(group_hits)])
+            fill = max(first, num_blocks - 1) if g in self._recurrent else first  # (last page)
             appended.append(
-                (max(0, min(first, num_blocks) - end), max(0, num_blocks - max(end, first)))
+                (max(0, min(fill, num_blocks) - end), max(0, num_blocks - max(end, fill)))
             )
         touched = [b for t in kept for b in t if b is not None]
         supply = (
@@ -219,6 +249,7 @@ class KVCacheManager:
             held = self._held[request.request_id] = _Held(tables, start)
         if index:
             self._index_full_blocks(request, held, total)
+            self._index_checkpoint(request, held, first_computed)
         return KVCacheBlocks(tuple(new), self._null_block_id)
 
     def index_blocks(self, request: Request, num_tokens: int) -> None:
@@ -226,6 +257,7 @@ class KVCacheManager:
         held = self._held.get(request.request_id)
         if held is not None:
             self._index_full_blocks(request, held, num_tokens)
+            self._index_checkpoint(request, held, num_tokens)
 
     def _index_full_blocks(self, request: Request, held: _Held, total: int) -> None:
         if not self.enable_caching:
@@ -233,8 +265,21 @@ class KVCacheManager:
         start = held.num_indexed
         end = min(total // self.block_size, len(request.block_hashes), len(held.tables[0]))
         for g, table in enumerate(held.tables):
-            self.pool.cache_full_blocks(table, request.block_hashes, start, end, g)
+            if g not in self._recurrent:
+                self.pool.cache_full_blocks(table, request.block_hashes, start, end, g)
         held.num_indexed = max(start, end)
+
+    def _index_checkpoint(self, request: Request, held: _Held, computed: int) -> None:
+        """Index the recurrent groups' pages that hold the state after ``computed`` tokens,
+        written by a step that has run (or runs before any reader), when that is a block
+        boundary: the checkpoints a prefix hit resumes from."""
+        if not self._recurrent or not self.enable_caching or computed % self.block_size:
+            return
+        i = computed // self.block_size - 1
+        if i < 0 or i >= min(len(request.block_hashes), len(held.tables[0])):
+            return
+        for g in self._recurrent:
+            self.pool.cache_full_blocks(held.tables[g], request.block_hashes, i, i + 1, g)
 
     def hand_over(self, request: Request, num_tokens: int) -> BlockIds:
         """A prefill leg finished with ``num_tokens`` computed: release, in windowed groups, the
@@ -262,6 +307,7 @@ class KVCacheManager:
         held = self._held.pop(request.request_id, None)
         if held is None:
             return
+        self._index_checkpoint(request, held, request.num_computed_tokens)
         tail_first = (t[i] for i in reversed(range(len(held.tables[0]))) for t in held.tables)
         self.pool.free_blocks(b for b in tail_first if b is not None)
 

@@ -39,20 +39,24 @@ class LlamaAttention(nn.Module):
     """q/k/v projections, q/k norms (Qwen3), rotary, the attention backend over the paged cache,
     the o projection. The other decoders' attention is this one with their differences as
     arguments (gpt-oss, Gemma 3): a shared ``rotary``, a bias on o, another softmax ``scale``,
-    a sliding ``window``, ``sinks``; ``normed`` is where a subclass puts other q/k norms."""
+    a sliding ``window``, ``sinks``, an output ``gated`` by the query projection (Qwen3.5);
+    ``normed`` is where a subclass puts other q/k norms."""
 
     def __init__(
         self, arch: ArchConfig, ctx: ModelContext, *, rotary: RotaryEmbedding | None = None,
         o_bias: bool = False, scale: float | None = None, window: int | None = None,
-        sinks: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None, gated: bool = False,
     ):  # fmt: skip
         super().__init__()
         d, fused = arch.head_dim, ctx.kernels
+        # gated: each head's query rows are followed by as many of its gate's, out · σ(gate)
+        self.gated = gated
         self.qkv_proj = QKVParallelLinear(
-            arch.hidden_size, d, arch.num_heads, arch.num_kv_heads, arch.attention_bias,
-            ctx.linear,
+            arch.hidden_size, d, arch.num_heads * (2 if gated else 1), arch.num_kv_heads,
+            arch.attention_bias, ctx.linear,
         )  # fmt: skip
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.num_heads = self.qkv_proj.num_heads // (2 if gated else 1)
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.head_dim = d
         self.o_proj = RowParallelLinear(arch.num_heads * d, arch.hidden_size, o_bias, ctx.linear)
@@ -93,7 +97,12 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         meta = meta.group(self.kv_group)
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q_rows = self.q_size * (2 if self.gated else 1)
+        q, k, v = qkv.split([q_rows, self.kv_size, self.kv_size], dim=-1)
+        gate = None
+        if self.gated:
+            q, gate = q.view(-1, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q = q.contiguous()
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -109,7 +118,10 @@ class LlamaAttention(nn.Module):
             out = self.split(self, q, k, v, meta)
         else:
             out = self.attn.forward(q, k, v, self.kv_cache, meta, store_kv=not self.stores_kv)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = out.reshape(-1, self.q_size)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(-1, self.q_size))
+        return self.o_proj(out)
 
     def normed(
         self, q: torch.Tensor, k: torch.Tensor
@@ -224,6 +236,12 @@ class CausalLM(nn.Module):
 
     def attention_layers(self) -> list[nn.Module]:
         return [layer.self_attn for layer in self.model.layers]  # type: ignore[misc]
+
+    def cache_layers(self) -> list[nn.Module]:
+        """The layers that keep state in the KV cache, in the model's layer order (the index
+        ``ArchConfig.layer_cache_kinds`` and the KV cache groups use): its attention layers,
+        and a hybrid model's recurrent ones among them."""
+        return self.attention_layers()
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata

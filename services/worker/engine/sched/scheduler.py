@@ -134,6 +134,7 @@ class Scheduler:
             num_new = min(
                 request.num_tokens_with_placeholders - request.num_computed_tokens, budget
             )
+            num_new = self.kv.checkpoint_aligned(request, request.num_computed_tokens, num_new)
             blocks = self._allocate_or_preempt(request, num_new, out)
             if blocks is None:  # it preempted itself: nothing after it can run either
                 break
@@ -190,6 +191,7 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
+            num_new = self.kv.checkpoint_aligned(request, num_hit, num_new)
             if self.kv.allocate_slots(request, num_new, hits) is None:
                 break
             self.waiting.popleft()

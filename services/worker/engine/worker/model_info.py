@@ -29,8 +29,10 @@ def describe_model(runner: "ModelRunner") -> ModelInfo:
         untied_embedding_params=0 if embed is lm_head else embed.numel(),
         num_params=sum(p.numel() for p in params),
         weight_bytes=sum(p.numel() * p.element_size() for p in params),
-        # every layer's K and V of one token (a windowed layer holds W tokens' at most)
-        kv_bytes_per_token=groups.full_attention_bytes(bs, bs, block_bytes) // bs,
+        # every attention layer's K and V of one token (a windowed layer holds W tokens' at
+        # most; a recurrent layer keeps a state instead, ``recurrent_state_bytes``)
+        kv_bytes_per_token=groups.kv_bytes_per_token(bs, block_bytes),
+        recurrent_state_bytes=groups.state_bytes(block_bytes),
         kv_cache_groups=groups.describe(),
         kv_request_bytes=groups.request_bytes(max_len, bs, block_bytes),
         kv_full_attention_request_bytes=groups.full_attention_bytes(max_len, bs, block_bytes),

@@ -24,6 +24,7 @@ from services.worker.engine.kv_cache.groups import KVCacheGroups
 from services.worker.engine.kv_cache.layout import KVCacheLayout, layer_views
 from services.worker.engine.messages import ModelInfo, SampleLogprobs
 from services.worker.engine.models.context import ModelContext
+from services.worker.engine.models.layers.gated_delta_net import GatedDeltaNet
 from services.worker.engine.models.loader import load_dummy, load_gguf, load_safetensors
 from services.worker.engine.models.registry import resolve_model_class
 from services.worker.engine.models.weights import ReadCounter
@@ -118,7 +119,7 @@ class ModelRunner:
         fp8_kv = config.cache.kv_cache_dtype == "fp8"  # e4m3 with unit scales
         parts, heads, dim = arch.kv_cache_entry()
         # the layers by the state they keep; a block holds one group's layers (a "page")
-        self.kv_groups = KVCacheGroups.plan(arch.attention_windows())
+        self.kv_groups = KVCacheGroups.plan(arch.layer_cache_kinds())
         self.layout = KVCacheLayout(
             self.kv_groups.page_layers, kv_heads_per_rank(heads, self.tp.world_size), dim,
             self.block_size, torch.float8_e4m3fn if fp8_kv else self.dtype, parts,
@@ -161,8 +162,12 @@ class ModelRunner:
 
     def _bind_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = self.layout.allocate(num_blocks, self.device)
-        for i, attn in enumerate(self.model.attention_layers()):
-            attn.kv_group, slot = self.kv_groups.place(i)
+        for i, layer in enumerate(self.model.cache_layers()):
+            layer.kv_group, slot = self.kv_groups.place(i)
+            if isinstance(layer, GatedDeltaNet):  # a recurrent state in its page slot
+                layer.bind_state(self.kv_cache, slot)
+                continue
+            attn = layer
             view = layer_views(self.kv_cache, slot)
             if view.is_fp8:  # the checkpoint's KV cache scales, or 1
                 view.k_scale, view.v_scale = attn.kv_scales()
@@ -275,8 +280,11 @@ class ModelRunner:
 
     def release(self) -> None:
         """Drop the KV cache, graphs and per-request state (memory back to the allocator)."""
-        for attn in self.model.attention_layers():
-            attn.kv_cache = None
+        for layer in self.model.cache_layers():
+            if isinstance(layer, GatedDeltaNet):
+                layer.bind_state(None)
+            else:
+                layer.kv_cache = None
         self.kv_cache = None
         self.graphs = None
         self.pieces = None

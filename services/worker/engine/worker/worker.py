@@ -102,12 +102,15 @@ class Worker:
             kv_dtype = str(self.runner.kv_cache.dtype).removeprefix("torch.")
             fp8_kv = self.runner.kv_cache.dtype == torch.float8_e4m3fn  # (its scales matter)
             parts, heads, dim = arch.kv_cache_entry()
+            tp = self.runner.tp
+            groups = self.runner.kv_groups.describe()
+            if self.runner.kv_groups.has_recurrent:  # a rank's state page holds its heads'
+                groups += f"; recurrent states of {tp.world_size} rank(s)"
             compat = compat_hash(
                 model.served_model_name, kv_dtype, self.config.cache.block_size,
                 arch.num_layers, heads, dim, self.runner.kv_scales() if fp8_kv else (), parts,
-                self.runner.kv_groups.describe(),
+                groups,
             )  # fmt: skip
-            tp = self.runner.tp
             placement = RankPlacement(tp.rank, tp.world_size, heads)
             self.connector = make_connector(
                 transfer.connector, transfer.engine_id, self.runner.kv_cache, compat,

@@ -100,8 +100,18 @@ def rotary_scale(rope: RopeConfig) -> float:
 class RotaryEmbedding(nn.Module):
     """Caches cos/sin for every position up to ``max_positions``; applied per token by position."""
 
-    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, fused: bool = False):
+    def __init__(
+        self, head_dim: int, max_positions: int, rope: RopeConfig, fused: bool = False,
+        rotary_dim: int | None = None,
+    ):  # fmt: skip
+        """``rotary_dim``: the rotary turns only each head's first ``rotary_dim`` dims (Qwen3.5's
+        partial rotary; the rest pass as they are), its frequencies those of a head of that
+        size; the fused kernel takes whole heads only."""
         super().__init__()
+        self.rotary_dim = rotary_dim if rotary_dim is not None else head_dim
+        if fused and self.rotary_dim != head_dim:
+            raise ValueError("the fused rotary kernel turns whole heads: no partial rotary")
+        head_dim = self.rotary_dim
         self.fused = fused  # rotate q and k in place with one Triton kernel
         if rope.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
@@ -139,6 +149,11 @@ class RotaryEmbedding(nn.Module):
             q, k = norms[0](q), norms[1](k)
         cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
+        r = self.rotary_dim
+        if r != q.shape[-1]:  # partial: the first r dims turn
+            q_r, k_r = q[..., :r], k[..., :r]
+            q_r, k_r = q_r * cos + _rotate_half(q_r) * sin, k_r * cos + _rotate_half(k_r) * sin
+            return torch.cat((q_r, q[..., r:]), -1), torch.cat((k_r, k[..., r:]), -1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
     def forward_and_store(

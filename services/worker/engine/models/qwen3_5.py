@@ -1,0 +1,129 @@
+"""Qwen3.5's text decoder (``Qwen3_5ForCausalLM``, model_type ``qwen3_5_text``): a hybrid of
+Gated DeltaNet layers (``layers/gated_delta_net.py``, a fixed-size recurrent state per request)
+and full-attention layers, three of the first for every one of the second, after Hugging
+Face's ``modeling_qwen3_5.py``.
+
+What sets it apart from the Llama family (models/llama.py):
+
+- ``layer_types``: "linear_attention" layers mix tokens with Gated DeltaNet, "full_attention"
+  layers with attention; each kind keeps its own KV cache group (kv_cache/groups.py: the
+  recurrent layers' state in pages, the attention layers' K and V in blocks);
+- the attention's query projection also yields a per-head gate (out · σ(gate) before o), its
+  q and k are normalised per head, and its rotary turns only a share of each head's dims
+  (``partial_rotary_factor``, 0.25);
+- its RMSNorms scale by (1 + w) in float32, as Gemma's (``GemmaRMSNorm``).
+
+The feed-forward layers are Llama's dense SiLU MLPs. The rotary stays unfused (the fused kernel
+turns whole heads), and the backend stores the keys.
+"""
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from services.worker.engine.attention.backend import AttentionMetadata
+from services.worker.engine.model_config import ArchConfig
+from services.worker.engine.models.context import ModelContext
+from services.worker.engine.models.gemma3 import GemmaRMSNorm
+from services.worker.engine.models.layers.gated_delta_net import GatedDeltaNet
+from services.worker.engine.models.layers.rotary import RotaryEmbedding
+from services.worker.engine.models.llama import (
+    CausalLM,
+    DecoderModel,
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaMLP,
+)
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+class Qwen3_5Attention(LlamaAttention):
+    """Llama's attention with a gated output, Gemma-style q/k norms and a partial rotary."""
+
+    def __init__(self, arch: ArchConfig, ctx: ModelContext, rotary: RotaryEmbedding):
+        super().__init__(arch, ctx, rotary=rotary, o_bias=arch.attention_bias, gated=True)
+        self.stores_kv = False  # (the rotary is not the fused kernel)
+        self.q_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps)
+
+    def normed(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        assert self.q_norm is not None and self.k_norm is not None
+        return self.q_norm(q), self.k_norm(k), None
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig, ctx: ModelContext, rotary: RotaryEmbedding, kind: str):
+        super().__init__()
+        self.kind = kind
+        if kind == LINEAR:
+            self.linear_attn = GatedDeltaNet(arch, ctx)
+        else:
+            self.self_attn = Qwen3_5Attention(arch, ctx, rotary)
+        self.mlp = LlamaMLP(arch, ctx)
+        self.input_layernorm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.forward_residual(x, residual)
+        x = self.mixer(positions, h, meta)
+        h, residual = self.post_attention_layernorm.forward_residual(x, residual)
+        return self.mlp(h), residual
+
+    @property
+    def mixer(self) -> nn.Module:
+        """The token mixer: Gated DeltaNet or attention."""
+        return self.linear_attn if self.kind == LINEAR else self.self_attn
+
+
+class Qwen3_5Model(DecoderModel):
+    def __init__(self, arch: ArchConfig, ctx: ModelContext):
+        kinds = arch.layer_types
+        unknown = set(kinds) - {LINEAR, FULL}
+        if not kinds or unknown:
+            raise ValueError(f"Qwen3.5 needs layer_types of {LINEAR} and {FULL}, got "
+                             f"{sorted(unknown) or 'none'}")  # fmt: skip
+        if arch.linear_attention is None:
+            raise ValueError("Qwen3.5's linear_attention layers need the linear_* config fields")
+        rotary_dim = int(arch.head_dim * arch.partial_rotary_factor)
+        rotary = RotaryEmbedding(arch.head_dim, ctx.max_positions, arch.rope,
+                                 rotary_dim=rotary_dim)  # fmt: skip
+
+        def layer(arch: ArchConfig, ctx: ModelContext, i: int) -> nn.Module:
+            return Qwen3_5DecoderLayer(arch, ctx, rotary, kinds[i])
+
+        super().__init__(arch, ctx, layer)
+        self.rotary = rotary
+        self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)  # type: ignore[assignment]
+
+
+class Qwen3_5ForCausalLM(CausalLM):
+    packed_modules: ClassVar[dict[str, tuple[str, str | int]]] = {
+        **LlamaForCausalLM.packed_modules,
+        "in_proj_qkv": ("in_proj", "qkv"),
+        "in_proj_z": ("in_proj", 3),
+        "in_proj_b": ("in_proj", 4),
+        "in_proj_a": ("in_proj", 5),
+    }
+
+    def build_model(self, arch: ArchConfig, ctx: ModelContext) -> DecoderModel:
+        return Qwen3_5Model(arch, ctx)
+
+    def decoder_layers(self) -> list[Qwen3_5DecoderLayer]:
+        return [layer for layer in self.model.layers if isinstance(layer, Qwen3_5DecoderLayer)]
+
+    def attention_layers(self) -> list[nn.Module]:
+        return [layer.self_attn for layer in self.decoder_layers() if layer.kind == FULL]
+
+    def cache_layers(self) -> list[nn.Module]:
+        return [layer.mixer for layer in self.decoder_layers()]

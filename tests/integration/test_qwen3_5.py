@@ -1,0 +1,159 @@
+"""Qwen3.5 (text), a Gated DeltaNet hybrid, against Hugging Face ``transformers`` in float32, on
+a tiny checkpoint of four layers (three Gated DeltaNet layers, then a gated full-attention one
+with a partial rotary; random norm weights): greedy tokens equal token for token and logprobs
+within 1e-4, with whole prompts and chunked prefill, with prefix hits resumed from the
+recurrent state's checkpoints (a prefix of 37 tokens that ends mid-block, of which the 32 of
+its whole blocks hit; a repeated two-block prompt, of which one block hits); preempted and
+recomputed; two tensor-parallel ranks; disaggregated, the decode engine pulling the full
+group's blocks and each recurrent group's one page of the prompt's end state. A model whose
+recurrent state is zeroed between steps gives other tokens, so the state really carries.
+"""
+
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from baton import LLM, SamplingParams
+from baton.tiny_model import make_tiny_model
+from services.worker.engine.kv_transfer.params import NO_BLOCK
+from tests.helpers import (
+    assert_matches_reference,
+    disaggregated,
+    generate_in_three_batches,
+    hf_greedy_with_rows,
+    wait_all_free,
+)
+
+MAX_NEW = 12
+LOGPROB_ATOL = 1e-4
+_SHARED = [(7 * i) % 300 + 5 for i in range(37)]  # 2 blocks of 16 and 5 tokens into a third
+PROMPTS = [
+    [11, 12, 13],
+    [*_SHARED, 40, 41, 42, 43],  # computed to 32 (a checkpoint), then its tail
+    [*_SHARED, 90, 91, 92],  # its hit: the 32 tokens of the shared prefix's whole blocks
+    [(5 * i) % 250 + 3 for i in range(32)],  # two whole blocks: a checkpoint at 16 ...
+]
+PROMPTS.append(PROMPTS[-1])  # ... again: a hit of one block (the last token is computed)
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2)
+MODES: dict[str, dict[str, Any]] = {
+    "default": {},
+    "chunked-prefill": {"max_num_batched_tokens": 8, "max_num_seqs": 4},
+}
+# one page holds one layer's state: 3 × (2·32 + 64) conv values + 4 heads × 16 × 16
+STATE_PAGE = 2 * 16 * 2 * 32 * 4  # K, V × tokens × KV heads × head dim × fp32 (one layer)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("qwen3_5") / "m", arch="qwen3_5")
+
+
+@cache
+def hf_reference(path: str) -> tuple[list[list[int]], list[list[list[float]]]]:
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return hf_greedy_with_rows(model, PROMPTS, MAX_NEW)
+
+
+def _run(path: Path, **kw: Any) -> tuple[list[Any], Any]:
+    llm = LLM(model=str(path), show_progress=False, dtype="float32", **kw)
+    try:
+        outs = generate_in_three_batches(llm, PROMPTS, GREEDY)
+        stats = llm.get_stats()
+    finally:
+        llm.shutdown()
+    return outs, stats
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_greedy_matches_hugging_face(qwen3_5: Path, mode: str) -> None:
+    outs, stats = _run(qwen3_5, **MODES[mode])
+    assert_matches_reference(outs, *hf_reference(str(qwen3_5)), LOGPROB_ATOL)
+    assert stats.prefix_hit_tokens == 32 + 16
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_preempted_requests_recompute_to_hugging_face(qwen3_5: Path) -> None:
+    """Too few blocks for every request at once: some are preempted, freed, and resumed
+    from their checkpoints (or from scratch) to the same tokens."""
+    outs, stats = _run(
+        qwen3_5, num_kv_blocks=14, max_model_len=64, max_num_batched_tokens=16, max_num_seqs=4
+    )
+    assert stats.num_preemptions > 0
+    assert_matches_reference(outs, *hf_reference(str(qwen3_5)), LOGPROB_ATOL)
+
+
+def test_the_state_carries_between_steps(qwen3_5: Path) -> None:
+    """The recurrent state zeroed before every step (a decode step then sees only its own
+    token) changes the tokens: the equal tokens above are the state's doing."""
+    from services.worker.engine.models.layers import gated_delta_net
+
+    pages = gated_delta_net.state_pages
+
+    def forgetful(meta: Any, block_size: int) -> Any:
+        src, dst, has = pages(meta, block_size)
+        return src, dst, torch.zeros_like(has)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gated_delta_net, "state_pages", forgetful)
+        outs, _ = _run(qwen3_5, enable_prefix_caching=False)
+    want, _ = hf_reference(str(qwen3_5))
+    assert all(o.token_ids[1:] != w[1:] for o, w in zip(outs, want, strict=True))
+
+
+def test_two_ranks_equal_hugging_face(qwen3_5: Path) -> None:
+    """Each rank one of the two key heads and two of the four value heads of every Gated
+    DeltaNet layer (their convolution's channels, decays and state), one KV head and half the
+    query heads of the attention; chunked prefill and prefix hits as above."""
+    outs, stats = _run(qwen3_5, tensor_parallel_size=2, **MODES["chunked-prefill"])
+    assert_matches_reference(outs, *hf_reference(str(qwen3_5)), LOGPROB_ATOL)
+    assert stats.prefix_hit_tokens == 32 + 16
+
+
+def test_the_engine_reports_its_groups(qwen3_5: Path) -> None:
+    with LLM(model=str(qwen3_5), show_progress=False, dtype="float32", max_model_len=256) as llm:
+        info = llm.client.core.executor.worker.runner.model_info()  # type: ignore[attr-defined]
+    assert info.kv_cache_groups == "4 groups of 1 layers: full, recurrent, recurrent, recurrent"
+    # at 256 tokens: the full layer's 16 blocks, and each recurrent layer's two pages (the one
+    # a step reads, the one it writes)
+    assert info.kv_request_bytes == (16 + 3 * 2) * STATE_PAGE
+    assert info.kv_full_attention_request_bytes == 16 * 4 * STATE_PAGE  # every layer's K, V
+    assert info.kv_bytes_per_token == STATE_PAGE // 16  # the one attention layer's
+    assert info.recurrent_state_bytes == 3 * STATE_PAGE
+
+
+def test_disaggregated_pulls_the_full_blocks_and_the_end_state(qwen3_5: Path) -> None:
+    """Prefill and decode engines over NIXL (UCX): the handle lists the full group's five
+    blocks of the 70-token prompt and, of each recurrent group, only the page of the state
+    after its last token; the decode engine pulls those eight pages and decodes on to the
+    colocated engine's tokens and logprobs."""
+    ids = [(7 * i) % 390 + 5 for i in range(70)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
+    kw: dict[str, Any] = {"num_kv_blocks": 64, "max_model_len": 256, "show_progress": False,
+                          "dtype": "float32"}  # fmt: skip
+    ref = LLM(model=str(qwen3_5), **kw)
+    prefill = LLM(model=str(qwen3_5), multiprocess=True, kv_transfer=True, **kw)
+    decode = LLM(model=str(qwen3_5), multiprocess=True, kv_transfer=True, **kw)
+    try:
+        want = ref.generate([{"prompt_token_ids": ids}], params)[0].outputs[0]
+        first, rest = disaggregated(prefill, decode, ids, params)
+        wait_all_free(prefill)
+        stats = decode.get_stats()
+    finally:
+        for engine in (ref, prefill, decode):
+            engine.shutdown()
+    assert first.outputs[0].token_ids + rest.outputs[0].token_ids == want.token_ids
+    lps = (first.outputs[0].logprobs or []) + (rest.outputs[0].logprobs or [])
+    for a, b in zip(lps, want.logprobs or [], strict=True):
+        assert all(abs(a[t].logprob - b[t].logprob) <= LOGPROB_ATOL for t in b)
+    handle = first.kv_handle
+    assert handle is not None and handle.num_groups == 4
+    full, *recurrent = handle.group_block_ids()
+    assert NO_BLOCK not in full and len(full) == 5
+    for pages in recurrent:
+        assert pages[:4] == [NO_BLOCK] * 4 and pages[4] != NO_BLOCK
+    assert stats.kv_pulls == 1 and stats.kv_pull_failures == 0
+    assert stats.kv_pull_bytes == 8 * STATE_PAGE
