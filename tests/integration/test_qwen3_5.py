@@ -157,3 +157,29 @@ def test_disaggregated_pulls_the_full_blocks_and_the_end_state(qwen3_5: Path) ->
         assert pages[:4] == [NO_BLOCK] * 4 and pages[4] != NO_BLOCK
     assert stats.kv_pulls == 1 and stats.kv_pull_failures == 0
     assert stats.kv_pull_bytes == 8 * STATE_PAGE
+
+
+def test_every_forward_works_out_its_state_pages(qwen3_5: Path) -> None:
+    """A decode graph is captured by forwards over one metadata object whose buffers every
+    replay refills: each forward must work the state pages out from them (so that the capture
+    records it), not keep the first forward's (the padding rows' pad page, no state)."""
+    from services.worker.engine.worker.cuda_graphs import CudaGraphRunner
+
+    with LLM(model=str(qwen3_5), show_progress=False, dtype="float32", num_kv_blocks=32,
+             max_model_len=64) as llm:  # fmt: skip
+        runner = llm.client.core.executor.worker.runner  # type: ignore[attr-defined]
+        groups = runner.kv_groups.num_groups
+        graphs = CudaGraphRunner(runner.model, (4,), 64, 16, pad_block=runner.pad_block,
+                                 device=torch.device("cpu"), num_groups=groups)  # fmt: skip
+        meta = graphs.capture_metadata(4, 64)
+        graphs._forward(4, meta)  # as a warm-up: every row padding
+        graphs.seq_lens[:2] = torch.tensor([21, 38])  # as a replay: two decode rows
+        graphs.block_tables[:, 0, :2] = torch.tensor([5, 6])
+        graphs.block_tables[:, 1, :3] = torch.tensor([7, 8, 9])
+        graphs._forward(4, meta)
+        pad = runner.pad_block
+        for g in range(1, groups):  # the recurrent groups
+            pages = meta.group(g).state_pages
+            assert pages is not None
+            src, dst, has = (t.tolist() for t in pages)
+            assert (src, dst, has) == ([6, 9, pad, pad], [6, 9, pad, pad], [1, 1, 0, 0])

@@ -40,6 +40,9 @@ def test_head_runs() -> None:
     assert head_runs(0, 1, 4, 2) == [HeadRun(0, 0, 0, 1), HeadRun(2, 0, 1, 1)]
     # the decode side replicates: ranks 2 and 3 both read head 1
     assert head_runs(3, 4, 1, 2) == head_runs(2, 4, 1, 2) == [HeadRun(0, 1, 0, 1)]
+    # both sides replicate alike (4 ranks, 2 heads): each rank reads its own peer, whose pages
+    # of a recurrent state (split over every rank) are the ones it needs
+    assert [head_runs(r, 4, 4, 2) for r in range(4)] == [[HeadRun(r, 0, 0, 1)] for r in range(4)]
     for d in (1, 2, 4, 8):  # every decode rank gets each of its heads exactly once
         for p in (1, 2, 4, 8):
             for r in range(d):

@@ -103,6 +103,10 @@ class LayerKVCache:
     # an FP8 (e4m3) cache holds k / k_scale and v / v_scale (one scale per layer)
     k_scale: float = 1.0
     v_scale: float = 1.0
+    # its pages may have held a recurrent state (a Gated DeltaNet model's pool: float32 bytes,
+    # not finite keys and values, past a sequence's end in its last page): a kernel that reads
+    # whole pages must not
+    holds_states: bool = False
 
     @property
     def block_size(self) -> int:

@@ -10,11 +10,13 @@ a Hopper forward path) for the prefill rows of a step, the Triton kernels for th
 - K/V writes: the Triton backend's ``write_kv``; the cache layout (and what NIXL pulls) is
   unchanged.
 - float32 (which FlashAttention does not run), head dims its paged path does not take
-  (other than 64, 128, 256), an FP8 cache, and a layer with a sliding window or sinks go to the
-  Triton prefill kernel. (FlashAttention-4's forward has ``window_size_left`` and
+  (other than 64, 128, 256), an FP8 cache, a Gated DeltaNet model's cache (its pages' other
+  bytes may be a state's), and a layer with a sliding window or sinks go to the Triton
+  prefill kernel. (FlashAttention-4's forward has ``window_size_left`` and
   ``learnable_sink``, bfloat16 only, upstream; until they are checked on a GPU against the
   Triton kernels, such a layer takes the Triton path rather than an unchecked one, so "auto"
-  serves Gemma 3's and gpt-oss's windowed layers with Triton and the others with FlashAttention.)
+  serves Gemma 3's and gpt-oss's windowed layers with Triton and the others with
+  FlashAttention.)
 
 FlashAttention reads whole pages: rows past a sequence's end in its last page are masked but
 must be finite, which holds since the KV cache is allocated zeroed (kv_cache/layout.py) and
@@ -97,6 +99,7 @@ class FlashAttnBackend(TritonAttentionBackend):
             or not q.is_cuda
             or not self._paged_ok
             or kv.is_fp8  # an FP8 cache: the Triton prefill reads it
+            or kv.holds_states  # (it reads whole pages: see LayerKVCache.holds_states)
         ):
             super()._prefill(q, kv, meta, out, num_reqs)
             return

@@ -41,8 +41,13 @@ class HeadRun:
 def head_runs(dst_rank: int, dst_tp: int, src_tp: int, num_kv_heads: int) -> list[HeadRun]:
     """Where decode rank ``dst_rank`` (of ``dst_tp``) reads each of its heads from a prefill
     engine of ``src_tp`` ranks: one run per source rank, each head read once (from the first
-    rank that holds it, when the prefill side replicates heads)."""
+    rank that holds it, when the prefill side replicates heads). With equal TP sizes, from the
+    same rank: it holds the same heads, and a page of a recurrent state (a Gated DeltaNet
+    model's, whose value heads split over every rank even where KV heads are replicated) is
+    that rank's own."""
     need = global_kv_heads(dst_rank, dst_tp, num_kv_heads)
+    if dst_tp == src_tp:
+        return [HeadRun(dst_rank, 0, 0, len(need))]
     runs, covered = [], need.start
     for src in range(src_tp):
         have = global_kv_heads(src, src_tp, num_kv_heads)

@@ -106,6 +106,17 @@ class Qwen3_5Model(DecoderModel):
         self.rotary = rotary
         self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)  # type: ignore[assignment]
 
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        # the state pages are worked out by the first Gated DeltaNet layer of every forward:
+        # a decode graph is captured by forwards over one metadata object, whose buffers each
+        # replay refills, so the capture must record that arithmetic (not reuse a warm-up's)
+        for group in meta.groups or (meta,):
+            group.state_pages = None
+        out: torch.Tensor = super().forward(input_ids, positions, meta)
+        return out
+
 
 class Qwen3_5ForCausalLM(CausalLM):
     packed_modules: ClassVar[dict[str, tuple[str, str | int]]] = {

@@ -27,7 +27,8 @@ State pages: ``conv_state`` [num_pages, D, K-1] and ``state`` [num_pages, Hv, dk
 a view whose first dimension may have any stride (the pages of a cache shared with other
 layers) and whose inner dimensions are contiguous, in float32 or bfloat16 (the arithmetic is
 float32; a state is rounded to its page's dtype only when stored). The pages of different
-sequences are distinct: no sequence's destination is another's source.
+sequences are distinct: no sequence's destination is another's source. The activations may
+be views with any token stride; their last dimension (g's and beta's heads) is contiguous.
 
 Kernels, each one program per sequence and column block looping over its tokens:
 
@@ -48,7 +49,15 @@ i >= j (0 above the diagonal) and β = diag(beta)::
 
 Every exponent there is <= 0 (g is a log-decay), so nothing overflows. The kernels read only
 device values (bounds, pages, flags) and allocate no more than their output: a decode step
-can be captured in a CUDA graph.
+can be captured in a CUDA graph. The products run in float32 (``input_precision="ieee"``).
+
+Measured once on an H200 (Qwen3-Next's shapes: Hk 16, Hv 32, dk = dv = 128, D 8192; bf16
+activations; do_bench, Python launch included): decode of 256 sequences 0.33 ms for the
+rule (float32 states: about the time to read and write them) and 0.19 ms for the conv;
+prefill 19 ms for 1,338 tokens in 4 sequences and 62 ms for one of 4,096 tokens. The chunked
+kernel is simple rather than fast: one program per (sequence, head, half of dv) walks its
+chunks in turn, and the row-by-row inverse is serial; flash-linear-attention's kernels
+split this work over many programs.
 """
 
 from collections.abc import Callable

@@ -169,6 +169,7 @@ class ModelRunner:
                 continue
             attn = layer
             view = layer_views(self.kv_cache, slot)
+            view.holds_states = self.kv_groups.has_recurrent
             if view.is_fp8:  # the checkpoint's KV cache scales, or 1
                 view.k_scale, view.v_scale = attn.kv_scales()
             attn.kv_cache = view

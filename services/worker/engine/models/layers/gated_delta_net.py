@@ -55,6 +55,12 @@ class GatedDeltaNetProjection(MergedColumnParallelLinear):
         if shard_id != "qkv":
             super().weight_loader(param, loaded, shard_id)
             return
+        if loaded.dim() != 2 or loaded.shape[0] != sum(self.full_sizes[:3]):
+            raise ValueError(
+                f"in_proj_qkv: a tensor of shape {tuple(loaded.shape)} (an FP8 checkpoint's "
+                "scales?) is not supported: load the model's bf16 checkpoint (with "
+                "--quantization fp8 to quantize it at load)"
+            )
         offset = 0
         for part in range(3):
             size = self.full_sizes[part]
@@ -200,7 +206,8 @@ def state_pages(
     """Per request of the step: the page whose state it starts from (block (c - 1) // bs of
     its table, c its first computed position), the page it leaves its state in (block
     (end - 1) // bs), and whether it starts from one (c > 0). Device arithmetic on the step's
-    tensors (no host sync: a decode graph captures it); computed once per step and group."""
+    tensors (no host sync: a decode graph captures it); computed once per forward and group
+    (``Qwen3_5Model.forward`` clears them first)."""
     cached = meta.state_pages
     if cached is not None:
         return cached
