@@ -6,7 +6,8 @@ recurrent state's checkpoints (a prefix of 37 tokens that ends mid-block, of whi
 its whole blocks hit; a repeated two-block prompt, of which one block hits); preempted and
 recomputed; two tensor-parallel ranks; disaggregated, the decode engine pulling the full
 group's blocks and each recurrent group's one page of the prompt's end state. A model whose
-recurrent state is zeroed between steps gives other tokens, so the state really carries.
+recurrent state is zeroed between steps gives other tokens, so the state really carries. The
+published multimodal checkpoints' text model serves the same.
 """
 
 from functools import cache
@@ -183,3 +184,36 @@ def test_every_forward_works_out_its_state_pages(qwen3_5: Path) -> None:
             assert pages is not None
             src, dst, has = (t.tolist() for t in pages)
             assert (src, dst, has) == ([6, 9, pad, pad], [6, 9, pad, pad], [1, 1, 0, 0])
+
+
+def test_the_multimodal_checkpoints_text_model(qwen3_5: Path, tmp_path: Path) -> None:
+    """Qwen3.5 is published as ``Qwen3_5ForConditionalGeneration`` (a vision encoder beside
+    the decoder, whose config is its ``text_config`` and whose weights are under
+    ``model.language_model``; multi-token-prediction weights beside): the engine serves its
+    text model, equal to Hugging Face's on text."""
+    import shutil
+
+    import transformers
+
+    text: Any = AutoModelForCausalLM.from_pretrained(qwen3_5, dtype=torch.float32)
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+              "patch_size": 4, "out_hidden_size": text.config.hidden_size}  # fmt: skip
+    config = transformers.Qwen3_5Config(text_config=text.config.to_dict(), vision_config=vision)
+    full: Any = transformers.Qwen3_5ForConditionalGeneration(config)
+    full.model.language_model.load_state_dict(text.model.state_dict())
+    full.lm_head.load_state_dict(text.lm_head.state_dict())
+    out = tmp_path / "vl"
+    full.save_pretrained(out)
+    from safetensors.torch import save_file  # (a draft layer's weights, as the real ones ship)
+
+    save_file({"mtp.fc.weight": torch.zeros(2, 2)}, out / "mtp.safetensors")
+    for f in qwen3_5.iterdir():  # the tokenizer's files
+        if f.name.startswith(("tokenizer", "special_tokens", "generation")):
+            shutil.copy(f, out / f.name)
+    prompt = PROMPTS[1]
+    want = full.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
+                         do_sample=False)[0, len(prompt) :].tolist()  # fmt: skip
+    with LLM(model=str(out), show_progress=False, dtype="float32") as llm:
+        assert llm.config.model.arch.architecture == "Qwen3_5ForConditionalGeneration"
+        got = llm.generate([{"prompt_token_ids": prompt}], GREEDY)[0].outputs[0].token_ids
+    assert got == want == hf_reference(str(qwen3_5))[0][1]

@@ -368,12 +368,39 @@ def load_hf_config(model: str | Path) -> dict[str, Any]:
     return cfg
 
 
+# multimodal checkpoints whose text model the engine serves alone: model_type → its text
+# config's (Qwen3.5's published checkpoints are Qwen3_5ForConditionalGeneration: a vision
+# encoder beside the text decoder, whose config sits in ``text_config``)
+_TEXT_OF_MULTIMODAL = {"qwen3_5": "qwen3_5_text"}
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal checkpoint's text model's config, as a text checkpoint's would read (its
+    ``architectures`` kept: the registry maps them to the text model); others as they are."""
+    text = cfg.get("text_config")
+    model_type = str(cfg.get("model_type", ""))
+    if model_type not in _TEXT_OF_MULTIMODAL or not isinstance(text, dict):
+        return cfg
+    merged = {
+        key: value for key, value in cfg.items() if key not in ("text_config", "vision_config")
+    }
+    merged.update(text)
+    merged["architectures"] = cfg.get("architectures") or []
+    merged["model_type"] = _TEXT_OF_MULTIMODAL[model_type]
+    merged["tie_word_embeddings"] = bool(
+        cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    )
+    return merged
+
+
 def load_arch_config(model_dir: str | Path, cfg: dict[str, Any] | None = None) -> ArchConfig:
     """Parse ``config.json`` (``cfg`` when the caller has read it already: ``load_hf_config``)
-    and ``generation_config.json`` for extra eos ids."""
+    and ``generation_config.json`` for extra eos ids. A multimodal checkpoint's: its text
+    model's (``text_config``)."""
     path = Path(model_dir)
     if cfg is None:
         cfg = load_hf_config(path)
+    cfg = text_config(cfg)
     archs = cfg.get("architectures") or []
     if not archs:
         raise ValueError(f"the config of {path} names no 'architectures'")

@@ -101,8 +101,14 @@ def _load(
     tied = bool(getattr(getattr(model, "arch", None), "tie_word_embeddings", False))
     # what a model does not run (DeepSeek-V3's multi-token-prediction layers)
     unused: Callable[[str], bool] = getattr(model, "unused_checkpoint_tensor", lambda _: False)
+    # checkpoint name prefixes that are others of ours (a multimodal checkpoint's text decoder)
+    renames: dict[str, str] = getattr(model, "checkpoint_prefixes", {})
     loaded: set[str] = set()
     for name, tensor, label in tensors:
+        for theirs, ours in renames.items():
+            if name.startswith(theirs):
+                name = ours + name.removeprefix(theirs)
+                break
         if name.endswith(_SKIPPED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
         if unused(name):

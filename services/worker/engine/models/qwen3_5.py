@@ -127,8 +127,16 @@ class Qwen3_5ForCausalLM(CausalLM):
         "in_proj_a": ("in_proj", 5),
     }
 
+    # Qwen3_5ForConditionalGeneration's checkpoints: the text decoder under
+    # ``model.language_model``; the vision encoder and the multi-token-prediction layers
+    # (a draft model for speculative decoding) are not run
+    checkpoint_prefixes: ClassVar[dict[str, str]] = {"model.language_model.": "model."}
+
     def build_model(self, arch: ArchConfig, ctx: ModelContext) -> DecoderModel:
         return Qwen3_5Model(arch, ctx)
+
+    def unused_checkpoint_tensor(self, name: str) -> bool:
+        return name.startswith(("model.visual.", "mtp."))
 
     def decoder_layers(self) -> list[Qwen3_5DecoderLayer]:
         return [layer for layer in self.model.layers if isinstance(layer, Qwen3_5DecoderLayer)]

@@ -20,6 +20,8 @@ _MODELS: dict[str, str] = {
     "GptOssForCausalLM": "services.worker.engine.models.gpt_oss:GptOssForCausalLM",
     "Gemma3ForCausalLM": "services.worker.engine.models.gemma3:Gemma3ForCausalLM",
     "Qwen3_5ForCausalLM": "services.worker.engine.models.qwen3_5:Qwen3_5ForCausalLM",
+    # (its text decoder: the vision encoder's weights are not loaded, images are refused)
+    "Qwen3_5ForConditionalGeneration": "services.worker.engine.models.qwen3_5:Qwen3_5ForCausalLM",
 }
 
 
