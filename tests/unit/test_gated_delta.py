@@ -71,16 +71,20 @@ def _pages(shape: tuple[int, ...], n: int, dtype: torch.dtype) -> tuple[torch.Te
     return cache, cache[:, 1]
 
 
-def _gdn_inputs(t: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _gdn_inputs(
+    t: int, dtype: torch.dtype, dims: tuple[int, int, int, int] = (HK, HV, DK, DV)
+) -> dict[str, torch.Tensor]:
+    hk, hv, dk, dv = dims
+
     def r(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=DEVICE)
 
     return {
-        "q": r(t, HK, DK).to(dtype),
-        "k": r(t, HK, DK).to(dtype),
-        "v": r(t, HV, DV).to(dtype),
-        "g": -torch.nn.functional.softplus(r(t, HV) - 1.0),  # log-decays, float32
-        "beta": torch.sigmoid(r(t, HV)).to(dtype),
+        "q": r(t, hk, dk).to(dtype),
+        "k": r(t, hk, dk).to(dtype),
+        "v": r(t, hv, dv).to(dtype),
+        "g": -torch.nn.functional.softplus(r(t, hv) - 1.0),  # log-decays, float32
+        "beta": torch.sigmoid(r(t, hv)).to(dtype),
     }
 
 
@@ -203,7 +207,9 @@ def test_a_sequence_split_over_two_calls_equals_one_call(path: str) -> None:
 
 CASES = {
     "decode": [1, 1, 1, 1, 1, 1],  # the recurrent kernel
-    "prefill": [64, 150, 1, 37],  # the chunked kernel: a whole chunk, 2 and a part, under one
+    "prefill": [64, 150, 1, 37],  # the chunked kernels: a whole chunk, 2 and a part, under one
+    # several chunks each, the last ones partial (one token in the second), the third in place
+    "chunks": [150, 129, 200, 70],
 }
 DTYPES = {"float32": (torch.float32, F32), "bfloat16": (torch.bfloat16, BF16)}
 
@@ -230,5 +236,28 @@ def test_kernels_equal_the_torch_path(case: str, dtype: str) -> None:
         o = gated_delta_rule(**inputs, state=gdn[:, 1], **routes, max_query_len=max(lengths),
                              use_kernel=use_kernel)  # fmt: skip
         results.append((y[: t - PAD], o[: t - PAD], conv, gdn))
+    for got, want in zip(results[1], results[0], strict=True):
+        _close(got, want, tol)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_chunked_kernels_over_wider_heads_equal_the_torch_path(dtype: str) -> None:
+    """The chunked kernels' slices and blocks: dk 40 (three slices of 16, the last partial), dv
+    72 (three blocks of 32 columns); sequences of several chunks, the last ones partial, the
+    third in place; a fresh source page filled with values it must not read."""
+    torch.manual_seed(4)
+    dims = (1, 2, 40, 72)
+    lengths = [150, 129, 200, 70]
+    act, tol = DTYPES[dtype]
+    routes = _routes(lengths)
+    t = sum(lengths) + PAD
+    inputs = _gdn_inputs(t, act, dims)
+    cache, _ = _pages(dims[1:], 2 * len(lengths) + 1, act)
+    results = []
+    for use_kernel in (False, True):
+        pages = cache.clone()
+        o = gated_delta_rule(**inputs, state=pages[:, 1], **routes, max_query_len=max(lengths),
+                             use_kernel=use_kernel)  # fmt: skip
+        results.append((o[: t - PAD], pages))
     for got, want in zip(results[1], results[0], strict=True):
         _close(got, want, tol)

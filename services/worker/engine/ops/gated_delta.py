@@ -30,34 +30,49 @@ float32; a state is rounded to its page's dtype only when stored). The pages of 
 sequences are distinct: no sequence's destination is another's source. The activations may
 be views with any token stride; their last dimension (g's and beta's heads) is contiguous.
 
-Kernels, each one program per sequence and column block looping over its tokens:
+Kernels:
 
-- ``_conv_kernel``: grid (sequences, blocks of D), tiles of BLOCK_T tokens;
+- ``_conv_kernel``: grid (sequences, blocks of D), each program a sequence's tokens in tiles;
 - ``_recurrent_kernel`` (``max_query_len == 1``, a decode batch): grid (sequences, value
   heads, blocks of dv), the [dk, BV] state block in registers, token by token;
-- ``_chunk_kernel`` (prefill and mixed batches): the same grid, tokens in chunks of BT = 64
-  with the chunk's work as matrix products (the UT transform of the delta rule, as in
-  flash-linear-attention's chunked form), below.
+- prefill and mixed batches: the delta rule's chunked form (the UT transform, as in
+  flash-linear-attention), over chunks of BT = 64 tokens of one sequence (its last chunk
+  may be partial), in three kernels, below: ``_prepare_kernel``, grid (chunks, value heads),
+  the work that does not depend on the state; ``_state_kernel``, grid (sequences, value
+  heads, blocks of dv), the one serial pass, a sequence's chunks in turn from state[src] to
+  state[dst]; ``_output_kernel``, grid (chunks, value heads, blocks of dv).
 
 In a chunk of BT tokens, G the cumulative sum of g inside it, Γ_ij = exp(G_i - G_j) for
 i >= j (0 above the diagonal) and β = diag(beta)::
 
-    A = strictly-lower(β K Kᵀ ⊙ Γ)          T = (I + A)⁻¹   (forward substitution)
-    U = T β V,  W = T β diag(exp G) K        V' = U - W S    (what S does not yet predict)
-    O = diag(exp G) Q S + lower(Q Kᵀ ⊙ Γ) V'
-    S <- exp(G_last) S + (diag(exp(G_last - G)) K)ᵀ V'
+    prepare:  A = strictly-lower(β K Kᵀ ⊙ Γ)      T = (I + A)⁻¹
+              U = T β V,   W = T β diag(exp G) K
+    state:    S_c = S (S at the chunk's start);   V' = U - W S   (what S does not yet predict)
+              S <- exp(G_last) S + (diag(exp(G_last - G)) K)ᵀ V'
+    output:   O = diag(exp G) Q S_c + lower(Q Kᵀ ⊙ Γ) V'
+
+T is blocked (``_unit_lower_inverse``): the inverses of the 16×16 diagonal blocks, by forward
+substitution (15 steps, the four blocks at once), combined by matrix products. Scratch in
+float32, allocated per call: G [T, Hv], W [T, Hv, dk], U (then V') [T, Hv, dv] and S_c
+[chunks, Hv, dk, dv]; about 2 GiB for 32k tokens at Qwen3-Next's shapes. The map of chunks to
+sequences is made on the device (no host sync); the grids take a host bound on the chunks
+(tokens // BT + sequences), programs past the last chunk exiting at once.
 
 Every exponent there is <= 0 (g is a log-decay), so nothing overflows. The kernels read only
-device values (bounds, pages, flags) and allocate no more than their output: a decode step
-can be captured in a CUDA graph. The products run in float32 (``input_precision="ieee"``).
+device values (bounds, pages, flags); the decode kernel allocates no more than its output:
+a decode step can be captured in a CUDA graph. The products run in float32
+(``input_precision="ieee"``), which Triton computes with FMAs holding each product's operands
+whole in registers: the chunked kernels sum over slices of KS = 16 (of dk, or of a chunk's
+rows) read from memory (S_c and V' as just written, behind a barrier), so that ptxas does
+not spill (checked for sm_90: none in the state and output kernels, under 1 KB a thread in
+the prepare kernel's [BT, BT] products).
 
-Measured once on an H200 (Qwen3-Next's shapes: Hk 16, Hv 32, dk = dv = 128, D 8192; bf16
-activations; do_bench, Python launch included): decode of 256 sequences 0.33 ms for the
-rule (float32 states: about the time to read and write them) and 0.19 ms for the conv;
-prefill 19 ms for 1,338 tokens in 4 sequences and 62 ms for one of 4,096 tokens. The chunked
-kernel is simple rather than fast: one program per (sequence, head, half of dv) walks its
-chunks in turn, and the row-by-row inverse is serial; flash-linear-attention's kernels
-split this work over many programs.
+Not yet timed by the repository's benchmarks. A one-off check of the first version on an H200
+(a script not kept; Qwen3-Next's shapes: Hk 16, Hv 32, dk = dv = 128, bf16 activations):
+the decode kernels agreed with the PyTorch path and took 0.33 ms (rule) and 0.19 ms (conv)
+for 256 sequences; that version's prefill (a program per sequence, head and half of dv,
+walking its chunks with a row-by-row inverse) took 62 ms for one sequence of 4,096 tokens,
+which the three kernels above replace (they have not run on a GPU yet).
 """
 
 from collections.abc import Callable
@@ -67,7 +82,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-CHUNK = 64  # tokens per chunk, in both the chunked kernel and the PyTorch path
+CHUNK = 64  # tokens per chunk, in both the chunked kernels and the PyTorch path
 EPS = 1e-6  # the L2 norm's, as Hugging Face's ``l2norm``
 # (q, k, v, g, beta, initial state) of one sequence, heads first → (o, final state)
 Mixer = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -259,71 +274,195 @@ def _recurrent_kernel(
 
 
 @triton.jit
-def _unit_lower_inverse(a, BT: tl.constexpr):
-    """(I + a)⁻¹ for a strictly lower [BT, BT] ``a``, row by row (forward substitution):
-    row r of the inverse's lower part is -a_r - Σ_(j<r) a_rj · (row j), rows j < r done."""
+def _unit_lower_inverse(a, BT: tl.constexpr, BC: tl.constexpr):
+    """(I + a)⁻¹ for a strictly lower [BT, BT] ``a``, BT <= 4 BC. First the inverse Di of its
+    diagonal blocks [BC, BC] (I + D), by forward substitution, all blocks at once: step r does
+    row r of every block (row r of X = Di - I is -a_r - Σ_(j<r) a_rj · (row j), its rows j < r
+    done; the blocks' columns are disjoint, so one [BT] vector holds all their rows r). Then,
+    with E the rest of a (below the diagonal blocks) and N = Di E (N⁴ = 0):
+    (I + a)⁻¹ = (I + N)⁻¹ Di = (I - N)(I + N²) Di."""
+    tl.static_assert(BT <= 4 * BC)
     r = tl.arange(0, BT)
-    inv = -a
-    for row in range(1, BT):
-        this = tl.sum(tl.where((r == row)[:, None], inv, 0.0), 0)
-        done = this + tl.sum(this[:, None] * inv, 0)
-        inv = tl.where((r == row)[:, None], done[None, :], inv)
-    return inv + tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    block = (r[:, None] // BC) == (r[None, :] // BC)
+    x = -tl.where(block, a, 0.0)
+    for row in range(1, BC):
+        sel = (r % BC) == row
+        this = tl.sum(tl.where(sel[:, None], x, 0.0), 0)
+        done = this + tl.sum(this[:, None] * x, 0)
+        x = tl.where(sel[:, None] & block, done[None, :], x)
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    d_inv = x + eye
+    n = tl.dot(d_inv, tl.where(block, 0.0, a), input_precision="ieee")
+    n2 = tl.dot(n, n, input_precision="ieee")
+    t = tl.dot(eye - n, eye + n2, input_precision="ieee")
+    return tl.dot(t, d_inv, input_precision="ieee")
 
 
 @triton.jit
-def _chunk_kernel(
-    Q, K, V, G, BETA, STATE, OUT, QSL, SRC, DST, HAS,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
-    stride_page, DK, DV, scale, GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BT: tl.constexpr,
+def _chunk_rows(QSL, CFIRST, i, c, BT: tl.constexpr):
+    """Chunk c's rows t [BT] (it is one of sequence i's) and which of them are in it."""
+    bos = tl.load(QSL + i).to(tl.int64) + (c - tl.load(CFIRST + i)).to(tl.int64) * BT
+    t = bos + tl.arange(0, BT)
+    return t, t < tl.load(QSL + i + 1).to(tl.int64)
+
+
+@triton.jit
+def _prepare_kernel(
+    K, V, G, BETA, W, U, GC, QSL, CSEQ, CFIRST, n_seqs,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, DK, DV,
+    GROUP: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    KS: tl.constexpr,
 ):  # fmt: skip
-    """Sequence ``program_id(0)``, value head ``program_id(1)``, a chunk of BT tokens at a
-    time (the module docstring's products; rows past the sequence's end are zeros, with
-    g = 0, and change nothing)."""
+    """Chunk ``program_id(0)``, value head ``program_id(1)``: G, W and U (module docstring),
+    which do not depend on the state, into the scratch rows of its tokens."""
+    c = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    hv = tl.num_programs(1)
+    i = tl.load(CSEQ + c)
+    if i >= n_seqs:  # past the last chunk
+        return
+    t, t_ok = _chunk_rows(QSL, CFIRST, i, c, BT)
+    rt = tl.arange(0, BT)
+    rs = tl.arange(0, KS)
+    k_ptrs = K + t[:, None] * stride_kt + (h // GROUP) * stride_kh + rs[None, :]
+    g = tl.load(G + t * stride_gt + h, mask=t_ok, other=0.0).to(tl.float32)
+    beta = tl.load(BETA + t * stride_bt + h, mask=t_ok, other=0.0).to(tl.float32)
+    gc = tl.cumsum(g, 0)
+    tl.store(GC + t * hv + h, gc, mask=t_ok)
+    kk = tl.zeros([BT, BT], dtype=tl.float32)
+    sq = tl.zeros([BT], dtype=tl.float32)  # ‖k‖², for the L2 norm
+    for k0 in range(0, DK, KS):
+        k = tl.load(k_ptrs + k0, mask=t_ok[:, None] & (k0 + rs < DK)[None, :], other=0.0)
+        k = k.to(tl.float32)
+        kk += tl.dot(k, tl.trans(k), input_precision="ieee")
+        sq += tl.sum(k * k, 1)
+    norm = tl.rsqrt(sq + 1e-6)
+    gamma = tl.exp(tl.where(rt[:, None] > rt[None, :], gc[:, None] - gc[None, :], float("-inf")))
+    inv = _unit_lower_inverse((beta * norm)[:, None] * kk * norm[None, :] * gamma, BT, BC)
+    scaled = (beta * tl.exp(gc) * norm)[:, None]
+    for k0 in range(0, DK, KS):
+        ok = t_ok[:, None] & (k0 + rs < DK)[None, :]
+        k = tl.load(k_ptrs + k0, mask=ok, other=0.0).to(tl.float32)
+        w = tl.dot(inv, scaled * k, input_precision="ieee")
+        tl.store(W + (t[:, None] * hv + h) * DK + k0 + rs[None, :], w, mask=ok)
+    for v0 in range(0, DV, BV):
+        rv = v0 + tl.arange(0, BV)
+        ok = t_ok[:, None] & (rv < DV)[None, :]
+        v = tl.load(V + t[:, None] * stride_vt + h * stride_vh + rv[None, :], mask=ok,
+                    other=0.0).to(tl.float32)  # fmt: skip
+        u = tl.dot(inv, beta[:, None] * v, input_precision="ieee")
+        tl.store(U + (t[:, None] * hv + h) * DV + rv[None, :], u, mask=ok)
+
+
+@triton.jit
+def _state_kernel(
+    K, W, U, GC, STATE, STARTS, QSL, SRC, DST, HAS, CFIRST,
+    stride_kt, stride_kh, stride_page, DK, DV,
+    GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    KS: tl.constexpr,
+):  # fmt: skip
+    """Sequence ``program_id(0)``, value head ``program_id(1)``, state columns ``BV *
+    program_id(2)`` on, its chunks in turn: records S at each chunk's start in STARTS,
+    overwrites U with V' = U - W S, carries S on. The products take their operands in slices
+    of KS (of dk, then of the chunk's rows) from memory, S's and V''s as just stored."""
     i = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     hk = h // GROUP
-    rk = tl.arange(0, BK)
-    rv = tl.program_id(2) * BV + tl.arange(0, BV)
+    hv = tl.num_programs(1)
     rt = tl.arange(0, BT)
-    k_ok, v_ok = rk < DK, rv < DV
-    lower = rt[:, None] >= rt[None, :]
-    ptrs, ok, s = _state_block(STATE, SRC, HAS, i, h, stride_page, DK, DV, BK, BV)
+    rk = tl.arange(0, BK)
+    rs = tl.arange(0, KS)
+    rv = tl.program_id(2) * BV + tl.arange(0, BV)
+    v_ok = rv < DV
+    ok = (rk < DK)[:, None] & v_ok[None, :]
+    block = (h * DK + rk[:, None]) * DV + rv[None, :]
+    has = tl.load(HAS + i) != 0
+    s = tl.load(STATE + tl.load(SRC + i).to(tl.int64) * stride_page + block, mask=ok & has,
+                other=0.0).to(tl.float32)  # fmt: skip
     bos = tl.load(QSL + i).to(tl.int64)
     eos = tl.load(QSL + i + 1).to(tl.int64)
+    c = tl.load(CFIRST + i).to(tl.int64)
     for c0 in range(bos, eos, BT):
         t = c0 + rt
         t_ok = t < eos
-        qk_ok = t_ok[:, None] & k_ok[None, :]
-        q = tl.load(Q + t[:, None] * stride_qt + hk * stride_qh + rk[None, :], mask=qk_ok,
-                    other=0.0).to(tl.float32)  # fmt: skip
-        k = tl.load(K + t[:, None] * stride_kt + hk * stride_kh + rk[None, :], mask=qk_ok,
-                    other=0.0).to(tl.float32)  # fmt: skip
-        v = tl.load(V + t[:, None] * stride_vt + h * stride_vh + rv[None, :],
-                    mask=t_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
-        g = tl.load(G + t * stride_gt + h, mask=t_ok, other=0.0).to(tl.float32)
-        beta = tl.load(BETA + t * stride_bt + h, mask=t_ok, other=0.0).to(tl.float32)
-        q = q * (tl.rsqrt(tl.sum(q * q, 1) + 1e-6) * scale)[:, None]
-        k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
-        gc = tl.cumsum(g, 0)
-        gamma = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
-        kk = tl.dot(k, tl.trans(k), input_precision="ieee")
-        a = tl.where(rt[:, None] > rt[None, :], beta[:, None] * kk * gamma, 0.0)
-        inv = _unit_lower_inverse(a, BT)
-        u = tl.dot(inv, beta[:, None] * v, input_precision="ieee")
-        w = tl.dot(inv, (beta * tl.exp(gc))[:, None] * k, input_precision="ieee")
-        v_new = u - tl.dot(w, s, input_precision="ieee")
-        attn = tl.dot(q, tl.trans(k), input_precision="ieee") * gamma
-        o = tl.dot(tl.exp(gc)[:, None] * q, s, input_precision="ieee")
-        o += tl.dot(attn, v_new, input_precision="ieee")
-        out = OUT + (t[:, None] * tl.num_programs(1) + h) * DV + rv[None, :]
-        tl.store(out, o.to(OUT.dtype.element_ty), mask=t_ok[:, None] & v_ok[None, :])
-        last = tl.sum(g, 0)
-        k_decayed = tl.exp(last - gc)[:, None] * k
-        s = s * tl.exp(last) + tl.dot(tl.trans(k_decayed), v_new, input_precision="ieee")
-    page = tl.load(DST + i).to(tl.int64) * stride_page
-    tl.store(ptrs + page, s.to(STATE.dtype.element_ty), mask=ok)
+        start = STARTS + (c * hv + h) * DK * DV + rv[None, :]
+        tl.store(start + rk[:, None] * DV, s, mask=ok)
+        u_ptrs = U + (t[:, None] * hv + h) * DV + rv[None, :]
+        u_ok = t_ok[:, None] & v_ok[None, :]
+        v_new = tl.load(u_ptrs, mask=u_ok, other=0.0)
+        last = tl.load(GC + (tl.minimum(eos, c0 + BT) - 1) * hv + h)
+        tl.debug_barrier()  # S, as stored, for every thread
+        for k0 in range(0, DK, KS):
+            w = tl.load(W + (t[:, None] * hv + h) * DK + k0 + rs[None, :],
+                        mask=t_ok[:, None] & (k0 + rs < DK)[None, :], other=0.0)  # fmt: skip
+            s_rows = tl.load(start + (k0 + rs)[:, None] * DV,
+                             mask=(k0 + rs < DK)[:, None] & v_ok[None, :], other=0.0)  # fmt: skip
+            v_new -= tl.dot(w, s_rows, input_precision="ieee")
+        tl.store(u_ptrs, v_new, mask=u_ok)
+        tl.debug_barrier()  # V', as stored, for every thread
+        s = s * tl.exp(last)
+        for r0 in range(0, BT, KS):
+            tr = c0 + r0 + rs
+            tr_ok = tr < eos
+            k = tl.load(K + tr[:, None] * stride_kt + hk * stride_kh + rk[None, :],
+                        mask=tr_ok[:, None] & (rk < DK)[None, :], other=0.0)  # fmt: skip
+            gr = tl.load(GC + tr * hv + h, mask=tr_ok, other=0.0)
+            k = k.to(tl.float32)
+            k = k * (tl.rsqrt(tl.sum(k * k, 1) + 1e-6) * tl.exp(last - gr))[:, None]
+            v_rows = tl.load(U + (tr[:, None] * hv + h) * DV + rv[None, :],
+                             mask=tr_ok[:, None] & v_ok[None, :], other=0.0)  # fmt: skip
+            s += tl.dot(tl.trans(k), v_rows, input_precision="ieee")
+        c += 1
+    tl.store(STATE + tl.load(DST + i).to(tl.int64) * stride_page + block,
+             s.to(STATE.dtype.element_ty), mask=ok)  # fmt: skip
+
+
+@triton.jit
+def _output_kernel(
+    Q, K, VNEW, GC, STARTS, OUT, QSL, CSEQ, CFIRST, n_seqs,
+    stride_qt, stride_qh, stride_kt, stride_kh, DK, DV, scale,
+    GROUP: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, KS: tl.constexpr,
+):  # fmt: skip
+    """Chunk ``program_id(0)``, value head ``program_id(1)``, output columns ``BV *
+    program_id(2)`` on: O = diag(exp G) Q S + lower(Q Kᵀ ⊙ Γ) V', S the chunk's start
+    (products over dk in slices of KS)."""
+    c = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    hk = h // GROUP
+    hv = tl.num_programs(1)
+    i = tl.load(CSEQ + c)
+    if i >= n_seqs:  # past the last chunk
+        return
+    t, t_ok = _chunk_rows(QSL, CFIRST, i, c, BT)
+    rt = tl.arange(0, BT)
+    rs = tl.arange(0, KS)
+    rv = tl.program_id(2) * BV + tl.arange(0, BV)
+    ok = t_ok[:, None] & (rv < DV)[None, :]
+    q_ptrs = Q + t[:, None] * stride_qt + hk * stride_qh + rs[None, :]
+    k_ptrs = K + t[:, None] * stride_kt + hk * stride_kh + rs[None, :]
+    start = STARTS + (c.to(tl.int64) * hv + h) * DK * DV + rv[None, :]
+    qk = tl.zeros([BT, BT], dtype=tl.float32)
+    qs = tl.zeros([BT, BV], dtype=tl.float32)
+    q_sq = tl.zeros([BT], dtype=tl.float32)  # ‖q‖², ‖k‖², for the L2 norms
+    k_sq = tl.zeros([BT], dtype=tl.float32)
+    for k0 in range(0, DK, KS):
+        k_ok = t_ok[:, None] & (k0 + rs < DK)[None, :]
+        q = tl.load(q_ptrs + k0, mask=k_ok, other=0.0).to(tl.float32)
+        k = tl.load(k_ptrs + k0, mask=k_ok, other=0.0).to(tl.float32)
+        s_rows = tl.load(start + (k0 + rs)[:, None] * DV,
+                         mask=(k0 + rs < DK)[:, None] & (rv < DV)[None, :], other=0.0)  # fmt: skip
+        qk += tl.dot(q, tl.trans(k), input_precision="ieee")
+        qs += tl.dot(q, s_rows, input_precision="ieee")
+        q_sq += tl.sum(q * q, 1)
+        k_sq += tl.sum(k * k, 1)
+    q_norm = tl.rsqrt(q_sq + 1e-6) * scale
+    k_norm = tl.rsqrt(k_sq + 1e-6)
+    gc = tl.load(GC + t * hv + h, mask=t_ok, other=0.0)
+    gamma = tl.exp(tl.where(rt[:, None] >= rt[None, :], gc[:, None] - gc[None, :], float("-inf")))
+    v_new = tl.load(VNEW + (t[:, None] * hv + h) * DV + rv[None, :], mask=ok, other=0.0)
+    attn = q_norm[:, None] * qk * k_norm[None, :] * gamma
+    o = (q_norm * tl.exp(gc))[:, None] * qs + tl.dot(attn, v_new, input_precision="ieee")
+    tl.store(OUT + (t[:, None] * hv + h) * DV + rv[None, :], o.to(OUT.dtype.element_ty), mask=ok)
 
 
 # --- the ops -----------------------------------------------------------------------------
@@ -404,16 +543,53 @@ def gated_delta_rule(
     out = torch.empty((t, hv, dv), dtype=v.dtype, device=v.device)
     if n == 0:
         return out
-    bk = max(16, triton.next_power_of_2(dk))
-    bv = max(16, min(64 if max_query_len > 1 else 32, triton.next_power_of_2(dv)))
-    args = (
-        q, k, v, g, beta, state, out, query_start_loc, state_src, state_dst, has_state,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        g.stride(0), beta.stride(0), state.stride(0), dk, dv, dk**-0.5,
-    )  # fmt: skip
-    grid = (n, hv, triton.cdiv(dv, bv))
     if max_query_len == 1:
-        _recurrent_kernel[grid](*args, GROUP=hv // hk, BK=bk, BV=bv, num_warps=4)
-    else:
-        _chunk_kernel[grid](*args, GROUP=hv // hk, BK=bk, BV=bv, BT=CHUNK, num_warps=8)
+        bk, bv = max(16, triton.next_power_of_2(dk)), max(16, min(32, triton.next_power_of_2(dv)))
+        _recurrent_kernel[(n, hv, triton.cdiv(dv, bv))](
+            q, k, v, g, beta, state, out, query_start_loc, state_src, state_dst, has_state,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            g.stride(0), beta.stride(0), state.stride(0), dk, dv, dk**-0.5,
+            GROUP=hv // hk, BK=bk, BV=bv, num_warps=4,
+        )  # fmt: skip
+        return out
+    _chunked(q, k, v, g, beta, state, out, query_start_loc, state_src, state_dst, has_state)
     return out
+
+
+def _chunked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, out: torch.Tensor, qsl: torch.Tensor, src: torch.Tensor,
+    dst: torch.Tensor, has: torch.Tensor,
+) -> None:  # fmt: skip
+    """The chunked kernels, in turn, into ``out``. Chunk c of the batch (sequence by sequence,
+    each one's chunks in order) is sequence ``seq[c]``'s chunk ``c - first[seq[c]]``; the map
+    is made on the device, and ``chunks`` programs (a bound, from the host's shapes) cover it."""
+    (n,), (t, hk, dk), (_, hv, dv) = src.shape, q.shape, v.shape
+    lengths = (qsl[1 : n + 1] - qsl[:n]).long()
+    ends = ((lengths + CHUNK - 1) // CHUNK).cumsum(0)  # each sequence's chunks, inclusive
+    first = ends - (lengths + CHUNK - 1) // CHUNK
+    # a chunk holds a token; each sequence's chunks are ≤ its tokens // CHUNK + 1
+    chunks = min(t, t // CHUNK + n)
+    seq = torch.searchsorted(ends, torch.arange(chunks, device=v.device), right=True)
+    scratch = lambda *shape: torch.empty(shape, dtype=torch.float32, device=v.device)  # noqa: E731
+    w, u, gc = scratch(t, hv, dk), scratch(t, hv, dv), scratch(t, hv)  # u becomes V'
+    starts = scratch(chunks, hv, dk, dv)  # S at each chunk's start
+    # sizes checked with ptxas for sm_90 at dk = dv = 128 (module docstring)
+    sizes = {"GROUP": hv // hk, "BT": CHUNK, "KS": 16}
+    bv = max(16, min(32, triton.next_power_of_2(dv)))
+    if chunks:
+        _prepare_kernel[(chunks, hv)](
+            k, v, g, beta, w, u, gc, qsl, seq, first, n, k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), g.stride(0), beta.stride(0), dk, dv, **sizes, BV=bv,
+            BC=16, num_warps=8,
+        )  # fmt: skip
+    _state_kernel[(n, hv, triton.cdiv(dv, bv))](
+        k, w, u, gc, state, starts, qsl, src, dst, has, first, k.stride(0), k.stride(1),
+        state.stride(0), dk, dv, **sizes, BK=max(16, triton.next_power_of_2(dk)), BV=bv,
+        num_warps=8, num_stages=1,
+    )  # fmt: skip
+    if chunks:
+        _output_kernel[(chunks, hv, triton.cdiv(dv, bv))](
+            q, k, u, gc, starts, out, qsl, seq, first, n, q.stride(0), q.stride(1),
+            k.stride(0), k.stride(1), dk, dv, dk**-0.5, **sizes, BV=bv, num_warps=8,
+        )  # fmt: skip
