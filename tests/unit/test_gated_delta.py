@@ -210,6 +210,8 @@ CASES = {
     "prefill": [64, 150, 1, 37],  # the chunked kernels: a whole chunk, 2 and a part, under one
     # several chunks each, the last ones partial (one token in the second), the third in place
     "chunks": [150, 129, 200, 70],
+    # a mixed step: prefill chunks, then decode rows that the recurrent kernel takes
+    "mixed": [70, 3, 1, 1, 1],
 }
 DTYPES = {"float32": (torch.float32, F32), "bfloat16": (torch.bfloat16, BF16)}
 
@@ -229,12 +231,13 @@ def test_kernels_equal_the_torch_path(case: str, dtype: str) -> None:
     pages = 2 * len(lengths) + 1
     conv_cache, _ = _pages((D, K - 1), pages, act)
     gdn_cache, _ = _pages((HV, DK, DV), pages, act)
+    decodes = 3 if case == "mixed" else 0  # (the trailing rows of one token)
     results = []
     for use_kernel in (False, True):
         conv, gdn = conv_cache.clone(), gdn_cache.clone()
         y = causal_conv1d(x, weight, conv[:, 1], **routes, use_kernel=use_kernel)
         o = gated_delta_rule(**inputs, state=gdn[:, 1], **routes, max_query_len=max(lengths),
-                             use_kernel=use_kernel)  # fmt: skip
+                             use_kernel=use_kernel, num_decodes=decodes)  # fmt: skip
         results.append((y[: t - PAD], o[: t - PAD], conv, gdn))
     for got, want in zip(results[1], results[0], strict=True):
         _close(got, want, tol)

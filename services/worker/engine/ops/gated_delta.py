@@ -33,8 +33,9 @@ be views with any token stride; their last dimension (g's and beta's heads) is c
 Kernels:
 
 - ``_conv_kernel``: grid (sequences, blocks of D), each program a sequence's tokens in tiles;
-- ``_recurrent_kernel`` (``max_query_len == 1``, a decode batch): grid (sequences, value
-  heads, blocks of dv), the [dk, BV] state block in registers, token by token;
+- ``_recurrent_kernel`` (a decode batch, and a mixed step's trailing decode rows:
+  ``num_decodes``): grid (sequences, value heads, blocks of dv), the [dk, BV] state block in
+  registers, token by token;
 - prefill and mixed batches: the delta rule's chunked form (the UT transform, as in
   flash-linear-attention), over chunks of BT = 64 tokens of one sequence (its last chunk
   may be partial), in three kernels, below: ``_prepare_kernel``, grid (chunks, value heads),
@@ -67,12 +68,10 @@ rows) read from memory (S_c and V' as just written, behind a barrier), so that p
 not spill (checked for sm_90: none in the state and output kernels, under 1 KB a thread in
 the prepare kernel's [BT, BT] products).
 
-Not yet timed by the repository's benchmarks. A one-off check of the first version on an H200
-(a script not kept; Qwen3-Next's shapes: Hk 16, Hv 32, dk = dv = 128, bf16 activations):
-the decode kernels agreed with the PyTorch path and took 0.33 ms (rule) and 0.19 ms (conv)
-for 256 sequences; that version's prefill (a program per sequence, head and half of dv,
-walking its chunks with a row-by-row inverse) took 62 ms for one sequence of 4,096 tokens,
-which the three kernels above replace (they have not run on a GPU yet).
+Not yet timed by the repository's benchmarks, nor run on a GPU. A one-off check of the first
+version on an H200 (a script not kept; Qwen3-Next's shapes) saw the decode kernels agree with
+the PyTorch path, and that version's prefill (a program per sequence and head walking its
+chunks) take 62 ms for one 4,096-token sequence: what the three kernels above replace.
 """
 
 from collections.abc import Callable
@@ -243,10 +242,11 @@ def _state_block(STATE, SRC, HAS, i, h, stride_page, DK, DV, BK: tl.constexpr,
 def _recurrent_kernel(
     Q, K, V, G, BETA, STATE, OUT, QSL, SRC, DST, HAS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
-    stride_page, DK, DV, scale, GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    stride_page, DK, DV, scale, FIRST, GROUP: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr,
 ):  # fmt: skip
-    """Sequence ``program_id(0)``, value head ``program_id(1)``, token by token."""
-    i = tl.program_id(0)
+    """Sequence ``FIRST + program_id(0)``, value head ``program_id(1)``, token by token."""
+    i = FIRST + tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     hk = h // GROUP
     rk = tl.arange(0, BK)
@@ -524,13 +524,16 @@ def gated_delta_rule(
     has_state: torch.Tensor,
     max_query_len: int,
     use_kernel: bool | None = None,
+    num_decodes: int = 0,
 ) -> torch.Tensor:
     """The gated delta rule (module docstring) of q, k [T, Hk, dk], v [T, Hv, dv], g and beta
     [T, Hv] (the log-decay and the sigmoid's output), from the states in ``state[state_src]``
     to ``state[state_dst]``. ``max_query_len``: the longest sequence's tokens (1 takes the
-    recurrent kernel; the caller knows it without reading the device). ``use_kernel``: the
-    Triton kernels (by default where ``v`` is on a GPU). Returns o [T, Hv, dv] in ``v``'s
-    dtype."""
+    recurrent kernel; the caller knows it without reading the device). ``num_decodes``: the
+    trailing sequences of one token each (a mixed step's decode rows), which the recurrent
+    kernel takes while the chunked ones take the rest (a decode row as a chunk would cost a
+    [dk, dv] scratch state a head). ``use_kernel``: the Triton kernels (by default where
+    ``v`` is on a GPU). Returns o [T, Hv, dv] in ``v``'s dtype."""
     n = state_src.shape[0]
     _check_pages(state, "state")
     if not (v.is_cuda if use_kernel is None else use_kernel):
@@ -541,18 +544,19 @@ def gated_delta_rule(
     t, hk, dk = q.shape
     _, hv, dv = v.shape
     out = torch.empty((t, hv, dv), dtype=v.dtype, device=v.device)
-    if n == 0:
-        return out
-    if max_query_len == 1:
+    d = n if max_query_len == 1 else min(max(num_decodes, 0), n)  # the recurrent kernel's
+    if d:
         bk, bv = max(16, triton.next_power_of_2(dk)), max(16, min(32, triton.next_power_of_2(dv)))
-        _recurrent_kernel[(n, hv, triton.cdiv(dv, bv))](
+        _recurrent_kernel[(d, hv, triton.cdiv(dv, bv))](
             q, k, v, g, beta, state, out, query_start_loc, state_src, state_dst, has_state,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            g.stride(0), beta.stride(0), state.stride(0), dk, dv, dk**-0.5,
+            g.stride(0), beta.stride(0), state.stride(0), dk, dv, dk**-0.5, n - d,
             GROUP=hv // hk, BK=bk, BV=bv, num_warps=4,
         )  # fmt: skip
-        return out
-    _chunked(q, k, v, g, beta, state, out, query_start_loc, state_src, state_dst, has_state)
+    if n > d:
+        m = n - d
+        _chunked(q, k, v, g, beta, state, out, query_start_loc[: m + 1], state_src[:m],
+                 state_dst[:m], has_state[:m])  # fmt: skip
     return out
 
 

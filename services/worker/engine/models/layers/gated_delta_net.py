@@ -194,7 +194,7 @@ class GatedDeltaNet(nn.Module):
         o = gated_delta_rule(
             q.reshape(t, self.num_k_heads, self.dk), k.reshape(t, self.num_k_heads, self.dk),
             v.reshape(t, hv, self.dv), g, beta, self.ssm_state, qsl, src, dst, has_state,
-            meta.max_query_len,
+            meta.max_query_len, num_decodes=meta.num_decodes,
         )  # fmt: skip
         o = self.norm(o, z.reshape(t, hv, self.dv))
         return self.out_proj(o.reshape(t, vd))
