@@ -384,12 +384,11 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     merged = {
         key: value for key, value in cfg.items() if key not in ("text_config", "vision_config")
     }
-    merged.update(text)
+    merged.update({key: value for key, value in text.items() if value is not None})
     merged["architectures"] = cfg.get("architectures") or []
     merged["model_type"] = _TEXT_OF_MULTIMODAL[model_type]
-    merged["tie_word_embeddings"] = bool(
-        cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-    )
+    # the multimodal model's own (Hugging Face's default for it: untied)
+    merged["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", False))
     return merged
 
 
