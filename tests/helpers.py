@@ -109,6 +109,33 @@ def disaggregated(
     return first, rest
 
 
+def disaggregated_equals_colocated(
+    model: Path, ids: list[int], atol: float, **kw: Any
+) -> "tuple[RequestOutput, Any]":
+    """``ids`` greedily (10 tokens, logprobs) through prefill and decode engines over NIXL
+    (``disaggregated``), equal in tokens and logprobs (within ``atol``) to a colocated engine;
+    the prefill leg's output (its KV handle) and the decode engine's stats once the lease ended."""
+    from baton import LLM
+
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
+    ref = LLM(model=str(model), **kw)
+    prefill = LLM(model=str(model), multiprocess=True, kv_transfer=True, **kw)
+    decode = LLM(model=str(model), multiprocess=True, kv_transfer=True, **kw)
+    try:
+        want = ref.generate([{"prompt_token_ids": ids}], params)[0].outputs[0]
+        first, rest = disaggregated(prefill, decode, ids, params)
+        wait_all_free(prefill)
+        stats = decode.get_stats()
+    finally:
+        for engine in (ref, prefill, decode):
+            engine.shutdown()
+    assert first.outputs[0].token_ids + rest.outputs[0].token_ids == want.token_ids
+    lps = (first.outputs[0].logprobs or []) + (rest.outputs[0].logprobs or [])
+    for a, b in zip(lps, want.logprobs or [], strict=True):
+        assert all(abs(a[t].logprob - b[t].logprob) <= atol for t in b)
+    return first, stats
+
+
 def wait_all_free(llm: "LLM", timeout_s: float = 5.0) -> float:
     start = time.monotonic()
     while llm.get_stats().num_free_blocks != llm.get_stats().num_blocks:

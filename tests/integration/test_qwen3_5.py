@@ -23,10 +23,9 @@ from baton.tiny_model import make_tiny_model
 from services.worker.engine.kv_transfer.params import NO_BLOCK
 from tests.helpers import (
     assert_matches_reference,
-    disaggregated,
+    disaggregated_equals_colocated,
     generate_in_three_batches,
     hf_greedy_with_rows,
-    wait_all_free,
 )
 
 MAX_NEW = 12
@@ -132,24 +131,9 @@ def test_disaggregated_pulls_the_full_blocks_and_the_end_state(qwen3_5: Path) ->
     after its last token; the decode engine pulls those eight pages and decodes on to the
     colocated engine's tokens and logprobs."""
     ids = [(7 * i) % 390 + 5 for i in range(70)]
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
     kw: dict[str, Any] = {"num_kv_blocks": 64, "max_model_len": 256, "show_progress": False,
                           "dtype": "float32"}  # fmt: skip
-    ref = LLM(model=str(qwen3_5), **kw)
-    prefill = LLM(model=str(qwen3_5), multiprocess=True, kv_transfer=True, **kw)
-    decode = LLM(model=str(qwen3_5), multiprocess=True, kv_transfer=True, **kw)
-    try:
-        want = ref.generate([{"prompt_token_ids": ids}], params)[0].outputs[0]
-        first, rest = disaggregated(prefill, decode, ids, params)
-        wait_all_free(prefill)
-        stats = decode.get_stats()
-    finally:
-        for engine in (ref, prefill, decode):
-            engine.shutdown()
-    assert first.outputs[0].token_ids + rest.outputs[0].token_ids == want.token_ids
-    lps = (first.outputs[0].logprobs or []) + (rest.outputs[0].logprobs or [])
-    for a, b in zip(lps, want.logprobs or [], strict=True):
-        assert all(abs(a[t].logprob - b[t].logprob) <= LOGPROB_ATOL for t in b)
+    first, stats = disaggregated_equals_colocated(qwen3_5, ids, LOGPROB_ATOL, **kw)
     handle = first.kv_handle
     assert handle is not None and handle.num_groups == 4
     full, *recurrent = handle.group_block_ids()
