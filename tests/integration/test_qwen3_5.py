@@ -3,7 +3,8 @@ a tiny checkpoint of four layers (three Gated DeltaNet layers, then a gated full
 with a partial rotary; random norm weights): greedy tokens equal token for token and logprobs
 within 1e-4, with whole prompts and chunked prefill, with prefix hits resumed from the
 recurrent state's checkpoints (a prefix of 37 tokens that ends mid-block, of which the 32 of
-its whole blocks hit; a repeated two-block prompt, of which one block hits); preempted and
+its whole blocks hit; a repeated two-block prompt, of which one block hits; a prefix shared
+with a prompt computed past it in one step, hit from its second sharer on); preempted and
 recomputed; two tensor-parallel ranks; disaggregated, the decode engine pulling the full
 group's blocks and each recurrent group's one page of the prompt's end state. A model whose
 recurrent state is zeroed between steps gives other tokens, so the state really carries. The
@@ -74,6 +75,26 @@ def test_greedy_matches_hugging_face(qwen3_5: Path, mode: str) -> None:
     assert_matches_reference(outs, *hf_reference(str(qwen3_5)), LOGPROB_ATOL)
     assert stats.prefix_hit_tokens == 32 + 16
     assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_a_shared_prefix_hits_from_its_second_sharer_on(qwen3_5: Path) -> None:
+    """A 70-token prompt computed in one step (to 64, then its tail) leaves no state inside
+    the 40 tokens it shares with the next two prompts: the first of them hits nothing but stops
+    its first step at 32, where the shared whole blocks end; the second hits those 32. Each
+    request alone, each equal to Hugging Face."""
+    prefix = [(11 * i) % 280 + 7 for i in range(40)]
+    prompts = [[*prefix, *range(100, 130)], [*prefix, *range(150, 160)], [*prefix, 200, 201]]
+    model: Any = AutoModelForCausalLM.from_pretrained(qwen3_5, dtype=torch.float32)
+    want = hf_greedy_with_rows(model, prompts, MAX_NEW)
+    hits = []
+    with LLM(model=str(qwen3_5), show_progress=False, dtype="float32") as llm:
+        outs = []
+        for p in prompts:
+            before = llm.get_stats().prefix_hit_tokens
+            outs += llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)
+            hits.append(llm.get_stats().prefix_hit_tokens - before)
+    assert hits == [0, 0, 32]
+    assert_matches_reference([o.outputs[0] for o in outs], *want, LOGPROB_ATOL)
 
 
 def test_preempted_requests_recompute_to_hugging_face(qwen3_5: Path) -> None:

@@ -184,3 +184,54 @@ def test_steps_stop_at_block_boundaries(
     plain = KVCacheManager(32, BS, True, KVCacheGroups.plan([None]))
     assert plain.checkpoint_aligned(request, start, num_new) == num_new
     assert manager(caching=False).checkpoint_aligned(request, start, num_new) == num_new
+
+
+def _cache_prompt_in_one_step(kv: KVCacheManager, ids: list[int]) -> None:
+    """``ids`` computed by a request whose one step leaves a checkpoint only at the last
+    boundary before its last token, then freed."""
+    a = tokens_request("cached", ids)
+    step(kv, a, kv.checkpoint_aligned(a, 0, len(ids)))
+    step(kv, a, len(ids) - a.num_computed_tokens)
+    kv.free(a)
+
+
+# a 13-token prompt cached (checkpoint at 12 only) whose first two blocks a request shares:
+# (start, tokens to compute, the request's tokens) → what the request's step computes
+@pytest.mark.parametrize(
+    ("start", "num_new", "num_tokens", "computed"),
+    [
+        (0, 13, 13, 8),  # to the end of the shared blocks, not to its own last boundary (12)
+        (0, 20, 20, 8),
+        (5, 15, 20, 3),  # from mid-block: to the end of the shared blocks
+        (0, 6, 20, 4),  # a chunk that stops inside the shared blocks: its own boundary
+        (0, 8, 20, 8),  # ... or at their end
+        (8, 12, 20, 8),  # from the end of the shared blocks: as if none were cached
+    ],
+)
+def test_steps_stop_where_a_cached_prefix_ends(
+    start: int, num_new: int, num_tokens: int, computed: int
+) -> None:
+    kv = manager()
+    _cache_prompt_in_one_step(kv, list(range(1, 14)))
+    request = tokens_request("r", [*range(1, 9), *range(70, 70 + num_tokens - 8)])
+    assert kv.checkpoint_aligned(request, start, num_new) == computed
+
+
+def test_a_shared_prefix_hits_from_its_second_sharer_on() -> None:
+    """A prompt computed in one step leaves no state inside the prefix it shares with the
+    next: that one hits nothing, but its step stops where the shared blocks end, so the one
+    after it hits them. A repeat of the whole prompt still stops at its own boundary."""
+    kv = manager()
+    _cache_prompt_in_one_step(kv, list(range(1, 14)))
+    hits = []
+    for n in range(3):
+        b = tokens_request(f"b{n}", [*range(1, 9), *range(70 + 10 * n, 75 + 10 * n)])
+        blocks, num_hit = kv.get_computed_blocks(b)
+        hits.append(num_hit)
+        num = kv.checkpoint_aligned(b, num_hit, b.num_tokens - num_hit)
+        assert kv.allocate_slots(b, num, blocks) is not None  # as the scheduler admits it
+        b.num_computed_tokens = num_hit + num
+        step(kv, b, b.num_tokens - b.num_computed_tokens)
+        kv.free(b)
+    assert hits == [0, 8, 8]
+    assert kv.get_computed_blocks(tokens_request("c", list(range(1, 14))))[1] == 12

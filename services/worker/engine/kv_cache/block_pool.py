@@ -13,7 +13,10 @@ KV cache groups (``groups.py``) share the pool's blocks, each with an index of i
 token prefix has a block per group, each holding that group's layers, under the same hash. The
 prefix directory routes on group 0 alone (full attention: ``KVCacheGroups.plan`` puts it
 first), so only group 0's index changes become events, and ``num_cached_blocks`` counts it
-alone (the directory's count of this worker's blocks must match it).
+alone (the directory's count of this worker's blocks must match it). With recurrent groups it
+promises more than a hit gives (a hit there also needs a checkpoint at its end), but not more
+than the worker soon holds: the first request sent there for a prefix cached in group 0 stops
+a step at its end and leaves the checkpoint (``KVCacheManager.checkpoint_aligned``).
 
 Not thread-safe: the engine core owns it and calls it from its one loop.
 """

@@ -30,7 +30,10 @@ window of 2's: the page behind the one a step reads is released. A page a step b
 block boundary holds the state there, a checkpoint: it is indexed under that block's hash when
 the next step starts (not when the step that writes it is scheduled: a request admitted in the
 same step would read it before it is written) or when the request is freed. A prefix hit then
-needs a checkpoint at its last block, and the attention groups' blocks before it.
+needs a checkpoint at its last block, and the attention groups' blocks before it. Prefill
+steps stop at block boundaries so that checkpoints are left where later requests can use them
+(``checkpoint_aligned``): at a prompt's last boundary, and where a prefix shared with cached
+blocks ends.
 """
 
 from dataclasses import dataclass, field
@@ -157,12 +160,35 @@ class KVCacheManager:
         mode): a chunk inside the prompt at the last boundary it crosses; the chunk that ends
         the prompt at the last boundary before its last token (the longest hit the prompt can
         give a repeat of itself: the last token is never a hit), its tail then a step of its
-        own. Otherwise all of them. The scheduler asks; what a group keeps stays here."""
+        own. Otherwise all of them. The scheduler asks; what a group keeps stays here.
+
+        Before those, a step stops where a prefix other requests share ends: the end of the
+        run of blocks from ``start`` on that the attention groups hold cached (another request
+        computed them) but no checkpoint closes. A prompt computed in one step leaves no state
+        inside it, so the first request to share a prefix with it (a system prompt) hits
+        nothing in the recurrent groups; stopping there leaves the checkpoint every later
+        sharer resumes from."""
         if not self._recurrent or not self.enable_caching or num_new <= 1:
             return num_new
         end, bs = start + num_new, self.block_size
         boundary = ((end - 1) if end >= request.num_tokens else end) // bs * bs
+        shared = self._shared_end(request, start, boundary) * bs
+        if shared > start:
+            boundary = shared
         return boundary - start if boundary > start else num_new
+
+    def _shared_end(self, request: Request, start: int, limit: int) -> int:
+        """The index of the first block from the one holding ``start`` that some attention
+        group does not hold cached, when that is a boundary before ``limit`` a cached run
+        ends at; 0 otherwise (no run, or one reaching ``limit``)."""
+        hashes, bs = request.block_hashes, self.block_size
+        first = start // bs
+        stop = min(limit // bs, len(hashes))
+        full = [g for g, w in enumerate(self._windows) if w is None]
+        i = first
+        while i < stop and all(self.pool.get_cached_block(hashes[i], g) is not None for g in full):
+            i += 1
+        return i if first < i < stop else 0
 
     def allocate_slots(
         self,
