@@ -12,22 +12,18 @@ on the rows the runner samples, ``attention_layers`` for the runner to bind each
 import re
 from typing import ClassVar
 
-import torch
-from torch import nn
-
-from services.worker.engine.attention.backend import AttentionMetadata
 from services.worker.engine.model_config import ArchConfig
 from services.worker.engine.models.context import ModelContext
 from services.worker.engine.models.layers.mla import MLAAttention
 from services.worker.engine.models.layers.moe import MoEBlock, expert_target
 from services.worker.engine.models.layers.norm import RMSNorm
-from services.worker.engine.models.llama import CausalLM, LlamaMLP
+from services.worker.engine.models.llama import CausalLM, LlamaMLP, PreNormDecoderLayer
 from services.worker.engine.models.weights import CheckpointTarget
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(PreNormDecoderLayer):
     def __init__(self, arch: ArchConfig, ctx: ModelContext, index: int):
         super().__init__()
         self.self_attn = MLAAttention(arch, ctx)
@@ -42,21 +38,6 @@ class DeepseekDecoderLayer(nn.Module):
         # the input norm feeds two projections (q's and the latent's): no codes
         self.input_layernorm = RMSNorm(size, eps, ctx.kernels)
         self.post_attention_layernorm = RMSNorm(size, eps, ctx.kernels, feeds=feeds)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.forward_residual(x, residual)
-        x = self.self_attn(positions, h, meta)
-        h, residual = self.post_attention_layernorm.forward_residual(x, residual)
-        return self.mlp(h), residual  # (codes only where the norm feeds a dense MLP)
 
 
 class DeepseekV2ForCausalLM(CausalLM):

@@ -20,15 +20,13 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from services.worker.engine.attention.backend import AttentionMetadata
 from services.worker.engine.distributed import tp_rank, tp_size
 from services.worker.engine.model_config import ArchConfig
 from services.worker.engine.models.context import ModelContext
 from services.worker.engine.models.layers.moe import MoEBlock, stacked_expert_target
 from services.worker.engine.models.layers.norm import RMSNorm
-from services.worker.engine.models.llama import CausalLM, LlamaAttention
+from services.worker.engine.models.llama import CausalLM, LlamaAttention, PreNormDecoderLayer
 from services.worker.engine.models.weights import CheckpointTarget, Loaded, copy_weight
-from services.worker.engine.quantization.fp8_math import Codes
 
 
 class GptOssAttention(LlamaAttention):
@@ -55,7 +53,7 @@ class GptOssAttention(LlamaAttention):
         self.kv_method.load(param, loaded)
 
 
-class GptOssDecoderLayer(nn.Module):
+class GptOssDecoderLayer(PreNormDecoderLayer):
     def __init__(self, arch: ArchConfig, ctx: ModelContext, index: int):
         super().__init__()
         self.self_attn = GptOssAttention(arch, ctx, arch.attention_windows()[index] is not None)
@@ -64,23 +62,6 @@ class GptOssDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(size, eps, ctx.kernels, feeds=self.self_attn.qkv_proj)
         # (the router and the experts read the norm's output as it is: no codes)
         self.post_attention_layernorm = RMSNorm(size, eps, ctx.kernels)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        h: torch.Tensor | Codes
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.forward_residual(x, residual)
-        x = self.self_attn(positions, h, meta)
-        h, residual = self.post_attention_layernorm.forward_residual(x, residual)
-        assert isinstance(h, torch.Tensor)  # (it feeds no linear layer: no codes)
-        return self.mlp(h), residual
 
 
 class GptOssForCausalLM(CausalLM):

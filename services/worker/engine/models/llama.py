@@ -24,7 +24,7 @@ from services.worker.engine.models.layers.linear import (
     RowParallelLinear,
 )
 from services.worker.engine.models.layers.moe import MoEBlock, expert_target
-from services.worker.engine.models.layers.norm import RMSNorm
+from services.worker.engine.models.layers.norm import ResidualNorm, RMSNorm
 from services.worker.engine.models.layers.rotary import RotaryEmbedding
 from services.worker.engine.models.weights import CheckpointTarget, Loaded
 from services.worker.engine.quantization.fp8_math import Codes
@@ -149,7 +149,39 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
-class LlamaDecoderLayer(nn.Module):
+class PreNormDecoderLayer(nn.Module):
+    """A decoder layer of two pre-norm residual blocks: ``input_layernorm`` → the token mixer
+    (``mixer``: the attention unless a model says otherwise) → ``post_attention_layernorm`` →
+    ``mlp``, each norm adding the residual first (fused, ``forward_residual``). The first
+    layer gets no residual: its input is one. Subclasses build the four modules."""
+
+    input_layernorm: ResidualNorm
+    post_attention_layernorm: ResidualNorm
+    self_attn: nn.Module
+    mlp: nn.Module
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.self_attn
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h: torch.Tensor | Codes  # (codes where a norm feeds an FP8 projection)
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.forward_residual(x, residual)
+        x = self.mixer(positions, h, meta)
+        h, residual = self.post_attention_layernorm.forward_residual(x, residual)
+        return self.mlp(h), residual
+
+
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, arch: ArchConfig, ctx: ModelContext, index: int):
         super().__init__()
         self.self_attn = LlamaAttention(arch, ctx)
@@ -165,22 +197,6 @@ class LlamaDecoderLayer(nn.Module):
         size, eps = arch.hidden_size, arch.rms_norm_eps
         self.input_layernorm = RMSNorm(size, eps, ctx.kernels, feeds=self.self_attn.qkv_proj)
         self.post_attention_layernorm = RMSNorm(size, eps, ctx.kernels, feeds=feeds)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        h: torch.Tensor | Codes
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.forward_residual(x, residual)
-        x = self.self_attn(positions, h, meta)
-        h, residual = self.post_attention_layernorm.forward_residual(x, residual)
-        return self.mlp(h), residual
 
 
 # builds decoder layer ``index`` of a model: (arch, ctx, index) → the layer (a layer class)

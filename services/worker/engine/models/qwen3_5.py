@@ -34,6 +34,7 @@ from services.worker.engine.models.llama import (
     LlamaAttention,
     LlamaForCausalLM,
     LlamaMLP,
+    PreNormDecoderLayer,
 )
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -53,7 +54,7 @@ class Qwen3_5Attention(LlamaAttention):
         return self.q_norm(q), self.k_norm(k), None
 
 
-class Qwen3_5DecoderLayer(nn.Module):
+class Qwen3_5DecoderLayer(PreNormDecoderLayer):
     def __init__(self, arch: ArchConfig, ctx: ModelContext, rotary: RotaryEmbedding, kind: str):
         super().__init__()
         self.kind = kind
@@ -64,21 +65,6 @@ class Qwen3_5DecoderLayer(nn.Module):
         self.mlp = LlamaMLP(arch, ctx)
         self.input_layernorm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.forward_residual(x, residual)
-        x = self.mixer(positions, h, meta)
-        h, residual = self.post_attention_layernorm.forward_residual(x, residual)
-        return self.mlp(h), residual
 
     @property
     def mixer(self) -> nn.Module:

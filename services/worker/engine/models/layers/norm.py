@@ -1,12 +1,23 @@
 """RMSNorm, with the residual add fused in (as Hugging Face computes it: float32 statistics)."""
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from services.worker.engine.models.layers.linear import LinearBase
 from services.worker.engine.quantization.fp8_math import Codes
+
+
+class ResidualNorm(Protocol):
+    """A norm with the residual add fused in: ``RMSNorm`` and Gemma's (``models/gemma3.py``)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | Codes: ...
+
+    def forward_residual(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor | Codes, torch.Tensor]: ...
 
 
 class RMSNorm(nn.Module):
