@@ -2,7 +2,6 @@
 attention / fused-kernel unit tests also run on the GPU there; these cover what only a GPU has:
 CUDA graphs against eager execution, bfloat16, and KV sizing from free memory."""
 
-import warnings
 from pathlib import Path
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 
 from baton import LLM, SamplingParams
 from baton.tiny_model import make_tiny_model
+from tests.gpu.common import no_host_sync
 
 pytestmark = pytest.mark.gpu
 
@@ -137,13 +137,8 @@ def test_async_scheduling_never_waits_for_the_device_but_for_its_tokens(tiny_mod
     llm = LLM(model=path, dtype="float32", show_progress=False)
     assert llm.config.scheduler.async_scheduling  # the default on CUDA
     tokens(llm)  # warm: first-use allocations may sync
-    with warnings.catch_warnings():  # "a prototype feature", says torch: we know
-        warnings.simplefilter("ignore", UserWarning)
-        torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         got = tokens(llm)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert got == want
 
 

@@ -5,17 +5,24 @@ Face on the CPU (float32); in bfloat16 close to float32; without a host sync in 
 experts against their dequantizing reference; two GPUs (each expert split, or half the experts
 each) equal to one."""
 
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from baton import LLM, SamplingParams
+from baton import LLM
 from baton.tiny_model import make_tiny_model
+from tests.gpu.common import (
+    KW,
+    PROMPTS,
+    assert_async_steps_never_sync,
+    assert_bfloat16_close_to_float32,
+    assert_eager_and_graphs_equal,
+    count_calls,
+    greedy,
+    hf_greedy,
+)
 from tests.helpers import FP8_GREEDY, FP8_PROMPTS, check_against_fp8_reference
 
 pytestmark = [
@@ -27,15 +34,6 @@ ARCHS: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"arch": "qwen3_moe", "num_layers": 3},  # layers 0, 2 MoE; 1 dense
     "mixtral": {"arch": "mixtral"},
 }
-MAX_NEW = 24
-_SHARED = [(7 * i) % 300 + 5 for i in range(37)]
-# a long prompt (chunked at a budget of 64), two sharing a prefix, and short ones: decode
-# batches of 1 to 10 rows replay several captured sizes
-PROMPTS = [[(5 * i) % 250 + 3 for i in range(150)], [*_SHARED, 40, 41], [*_SHARED, 90]] + [
-    [11 + i, 12 + 2 * i, 13] for i in range(7)
-]
-GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-KW: dict[str, Any] = {"max_num_batched_tokens": 64, "max_num_seqs": 16, "show_progress": False}
 
 
 @pytest.fixture(scope="module")
@@ -44,103 +42,33 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: make_tiny_model(root / name, **kw) for name, kw in ARCHS.items()}
 
 
-def hf_greedy(path: Path) -> list[list[int]]:
-    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    out = []
-    for ids in PROMPTS:
-        seq = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
-                             min_new_tokens=MAX_NEW)  # fmt: skip
-        out.append(seq[0, len(ids) :].tolist())
-    return out
-
-
-def greedy(llm: LLM) -> list[list[int]]:
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-
-
 @pytest.fixture
-def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The token count of every eager call of the fused MoE kernel."""
     from services.worker.engine.ops import fused_moe
 
-    calls: list[int] = []
-    kernel = fused_moe.fused_moe
-
-    def counted(x: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return kernel(x, *args, **kw)
-
-    monkeypatch.setattr(fused_moe, "fused_moe", counted)
-    yield calls
+    return count_calls(monkeypatch, fused_moe, "fused_moe")
 
 
 @pytest.mark.parametrize("name", sorted(ARCHS))
 def test_graphs_and_eager_equal_hugging_face(
     models: dict[str, Path], name: str, kernel_calls: list[int]
 ) -> None:
-    want = hf_greedy(models[name])
-    eager = LLM(model=str(models[name]), dtype="float32", enforce_eager=True, **KW)
-    assert greedy(eager) == want
-    assert kernel_calls and max(kernel_calls) > 1  # the experts ran in the kernel, batched
-    eager.shutdown()
-    graphs = LLM(model=str(models[name]), dtype="float32", **KW)
-    runner = graphs.client.core.executor.worker.runner  # type: ignore[attr-defined]
-    assert runner.graphs is not None and runner.pieces is not None
-    replays: list[int] = []
-    replay, pieces = runner.graphs.run, runner.pieces.run
-
-    def counted(inputs: Any, fill: Any = None) -> Any:
-        replays.append(len(inputs.req_ids))
-        return replay(inputs, fill)
-
-    def split(inputs: Any, fill: Any = None) -> Any:
-        replays.append(-inputs.num_tokens)
-        return pieces(inputs, fill)
-
-    runner.graphs.run, runner.pieces.run = counted, split
-    assert greedy(graphs) == want
-    graphs.shutdown()
-    # decode steps of several batch sizes replayed decode graphs (the experts' kernel captured
-    # in them); prefill chunks (mixed with decode rows) replayed piecewise graphs
-    assert len({n for n in replays if n > 0}) > 2 and any(n < 0 for n in replays)
+    """Eager, then decode CUDA graphs of several batch sizes (the kernel captured in them) and
+    piecewise graphs for prefill chunks (mixed with decode rows): Hugging Face's tokens."""
+    assert_eager_and_graphs_equal(
+        models[name], hf_greedy(models[name], PROMPTS), kernel_calls, **KW
+    )
 
 
 def test_bfloat16_is_close_to_float32(models: dict[str, Path]) -> None:
-    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    path = str(models["qwen3_moe"])
-    bf16 = LLM(model=path, **KW)
-    assert bf16.config.model.dtype == "bfloat16"
-    low = bf16.generate(prompts, params, use_tqdm=False)
-    bf16.shutdown()
-    fp32 = LLM(model=path, dtype="float32", **KW)
-    high = fp32.generate(prompts, params, use_tqdm=False)
-    fp32.shutdown()
-    for a, b in zip(low, high, strict=True):
-        la, lb = a.outputs[0].logprobs, b.outputs[0].logprobs
-        assert la is not None and lb is not None
-        shared = set(la[0]) & set(lb[0])
-        assert len(shared) >= 3
-        assert all(abs(la[0][t].logprob - lb[0][t].logprob) < 0.1 for t in shared)
+    assert_bfloat16_close_to_float32(models["qwen3_moe"], PROMPTS, **KW)
 
 
 def test_async_scheduling_steps_never_sync(models: dict[str, Path]) -> None:
     """Routing, the experts' alignment by expert and their GEMMs read nothing back to the host
     inside a step (CUDA's sync check raises on any such call)."""
-    path = str(models["qwen3_moe"])
-    want = greedy(LLM(model=path, dtype="float32", async_scheduling=False, **KW))
-    llm = LLM(model=path, dtype="float32", **KW)
-    assert llm.config.scheduler.async_scheduling
-    greedy(llm)  # warm: first-use allocations may sync
-    with warnings.catch_warnings():  # "a prototype feature", says torch: we know
-        warnings.simplefilter("ignore", UserWarning)
-        torch.cuda.set_sync_debug_mode("error")
-    try:
-        got = greedy(llm)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert got == want
+    assert_async_steps_never_sync(models["qwen3_moe"], **KW)
 
 
 @pytest.mark.parametrize(
@@ -172,6 +100,6 @@ def test_two_gpus_equal_hugging_face(models: dict[str, Path], ep: bool) -> None:
     llm = LLM(model=str(path), dtype="float32", tensor_parallel_size=2,
               enable_expert_parallel=ep, **KW)  # fmt: skip
     try:
-        assert greedy(llm) == hf_greedy(path)
+        assert greedy(llm, PROMPTS) == hf_greedy(path, PROMPTS)
     finally:
         llm.shutdown()

@@ -4,16 +4,22 @@ prefill, the recurrent decode step, the short convolution), the decode steps in 
 against eager execution and Hugging Face on the CPU (float32); in bfloat16 close to float32;
 no host sync inside a step."""
 
-import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from baton import LLM, SamplingParams
+from baton import LLM
 from baton.tiny_model import make_tiny_model
-from tests.integration.test_qwen3_5 import GREEDY, PROMPTS, hf_reference
+from tests.gpu.common import (
+    assert_bfloat16_close_to_float32,
+    count_replays,
+    greedy,
+    hf_greedy,
+    no_host_sync,
+)
+from tests.integration.test_qwen3_5 import GREEDY, MAX_NEW, PROMPTS, hf_reference
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,87 +35,29 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("qwen3_5-gpu") / "m", arch="qwen3_5")
 
 
-def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def hf_long(path: Path) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    hf: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    out = []
-    for ids in LONG:
-        seq = hf.generate(torch.tensor([ids]), max_new_tokens=GREEDY.max_tokens,
-                          min_new_tokens=GREEDY.max_tokens, do_sample=False)  # fmt: skip
-        out.append(seq[0, len(ids) :].tolist())
-    return out
-
-
 def test_graphs_and_eager_equal_hugging_face(model: Path) -> None:
-    want = hf_reference(str(model))[0] + hf_long(model)
+    want = hf_reference(str(model))[0] + hf_greedy(model, LONG, MAX_NEW)
     prompts = PROMPTS + LONG
-    eager = LLM(model=str(model), dtype="float32", enforce_eager=True, **KW)
-    try:
-        assert greedy(eager, prompts) == want
-    finally:
-        eager.shutdown()
-    graphs = LLM(model=str(model), dtype="float32", **KW)
-    try:
-        runner = graphs.client.core.executor.worker.runner  # type: ignore[attr-defined]
-        assert runner.graphs is not None and runner.pieces is None  # (no piecewise graphs)
-        replays: list[int] = []
-        replay = runner.graphs.run
-
-        def counted(inputs: Any, fill: Any = None) -> Any:
-            replays.append(len(inputs.req_ids))
-            return replay(inputs, fill)
-
-        runner.graphs.run = counted
-        assert greedy(graphs, prompts) == want
-        assert greedy(graphs, prompts) == want  # again: prefix hits from the checkpoints
+    with LLM(model=str(model), dtype="float32", enforce_eager=True, **KW) as eager:
+        assert greedy(eager, prompts, GREEDY) == want
+    with LLM(model=str(model), dtype="float32", **KW) as graphs:
+        replays = count_replays(graphs, pieces=False)  # (no piecewise graphs)
+        assert greedy(graphs, prompts, GREEDY) == want
+        assert greedy(graphs, prompts, GREEDY) == want  # again: prefix hits from checkpoints
         assert graphs.get_stats().prefix_hit_tokens > 0
-    finally:
-        graphs.shutdown()
     assert len(set(replays)) > 2  # decode batches of several sizes replayed their graphs
 
 
 def test_bfloat16_is_close_to_float32(model: Path) -> None:
-    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS + LONG]
-    bf16 = LLM(model=str(model), **KW)
-    try:
-        assert bf16.config.model.dtype == "bfloat16"
-        low = bf16.generate(prompts, params, use_tqdm=False)
-    finally:
-        bf16.shutdown()
-    fp32 = LLM(model=str(model), dtype="float32", **KW)
-    try:
-        high = fp32.generate(prompts, params, use_tqdm=False)
-    finally:
-        fp32.shutdown()
-    for a, b in zip(low, high, strict=True):
-        la, lb = a.outputs[0].logprobs, b.outputs[0].logprobs
-        assert la is not None and lb is not None
-        shared = set(la[0]) & set(lb[0])
-        assert len(shared) >= 3
-        assert all(abs(la[0][t].logprob - lb[0][t].logprob) < 0.1 for t in shared)
+    assert_bfloat16_close_to_float32(model, PROMPTS + LONG, **KW)
 
 
 def test_async_scheduling_steps_never_sync(model: Path) -> None:
     """The state pages' indices, the convolution and the delta rule read nothing back to the
     host inside a step (CUDA's sync check raises on any such call)."""
-    llm = LLM(model=str(model), dtype="float32", **KW)
-    try:
+    with LLM(model=str(model), dtype="float32", **KW) as llm:
         assert llm.config.scheduler.async_scheduling
-        want = greedy(llm, PROMPTS)  # warm: first-use allocations may sync
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            got = greedy(llm, PROMPTS)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    finally:
-        llm.shutdown()
+        want = greedy(llm, PROMPTS, GREEDY)  # warm: first-use allocations may sync
+        with no_host_sync():
+            got = greedy(llm, PROMPTS, GREEDY)
     assert got == want
