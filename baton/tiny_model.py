@@ -83,6 +83,13 @@ _QWEN3_5 = {
                         "partial_rotary_factor": 0.25},
 }  # fmt: skip
 
+# Qwen3-Next: Qwen3.5's layers (its projections stored by key head) with mixture-of-experts
+# feed-forward layers of 8 experts, 2 a token, and a gated shared expert; layer 1 dense
+_QWEN3_NEXT = {
+    **_QWEN3_5, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "mlp_only_layers": [1],
+}  # fmt: skip
+
 # Architecture → (transformers config class, extra config fields). Sizes are shared below.
 ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {}),
@@ -109,11 +116,12 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma3": ("Gemma3TextConfig", _GEMMA3),
     "gpt_oss": ("GptOssConfig", _GPT_OSS),
     "qwen3_5": ("Qwen3_5TextConfig", _QWEN3_5),
+    "qwen3_next": ("Qwen3NextConfig", _QWEN3_NEXT),
 }
 # decoder layers where an arch needs more than make_tiny_model's default 2 (gemma3: two
-# rounds of its sliding, sliding, global pattern; gpt_oss: two of sliding, full; qwen3_5: one
-# of three linear-attention layers and a full one)
-DEFAULT_LAYERS = {"gemma3": 6, "gpt_oss": 4, "qwen3_5": 4}
+# rounds of its sliding, sliding, global pattern; gpt_oss: two of sliding, full; qwen3_5 and
+# qwen3_next: one of three linear-attention layers and a full one)
+DEFAULT_LAYERS = {"gemma3": 6, "gpt_oss": 4, "qwen3_5": 4, "qwen3_next": 4}
 
 
 def corpus() -> list[str]:
@@ -214,7 +222,7 @@ def make_tiny_model(
         _spread_routers(model, ROUTER_SCALE[arch])
     if arch == "deepseek_v3":
         _random_correction_bias(model)
-    if arch in ("gemma3", "qwen3_5"):  # norms of 1 + w start at w = 0: random, tested
+    if arch in ("gemma3", "qwen3_5", "qwen3_next"):  # norms of 1 + w start at 0: random, tested
         _random_norms(model)
     if arch == "gpt_oss":
         _random_expert_biases(model)
@@ -244,7 +252,7 @@ def make_tiny_model(
 # summation order, two ranks) could flip; scaled, each token's choice is clear and its tokens
 # still spread over most experts (tests/integration/test_moe_models.py counts them)
 ROUTER_SCALE = {"qwen3_moe": 4.0, "mixtral": 4.0, "deepseek_v2": 4.0, "deepseek_v3": 4.0,
-                "gpt_oss": 4.0}  # fmt: skip
+                "gpt_oss": 4.0, "qwen3_next": 4.0}  # fmt: skip
 
 
 def _spread_routers(model: Any, scale: float) -> None:

@@ -102,6 +102,24 @@ SHAPES = {
                             "partial_rotary_factor": 0.25},
         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "eos_token_id": 0,
     },
+    # Qwen/Qwen3-Next-80B-A3B-Instruct's config as published (the layer kinds as an interval,
+    # the rotary's keys at the top): Qwen3.5's layers at 2048 wide (16 key heads, 32 value
+    # heads of 128; attention 16 heads, 2 KV heads of 256), every layer 512 experts of 512,
+    # 10 a token, and a gated shared expert of 512; 80B parameters (FP8 to fit one H200)
+    "qwen3-next-80b-a3b": {
+        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5120,
+        "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2,
+        "head_dim": 256, "hidden_act": "silu", "full_attention_interval": 4,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+        "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "rope_theta": 10000000,
+        "partial_rotary_factor": 0.25, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "eos_token_id": 0,
+    },
 }  # fmt: skip
 SHAPES["qwen3.5-27b"]["layer_types"] *= 16  # type: ignore[operator]
 

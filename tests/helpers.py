@@ -264,3 +264,21 @@ def assert_matches_reference(
         for position, row in zip(out.logprobs, steps, strict=True):
             for token_id, lp in position.items():
                 assert abs(lp.logprob - row[token_id]) < atol
+
+
+def experts_chosen(path: Path, ids: list[int]) -> dict[int, set[int]]:
+    """Hugging Face's model at ``path`` (float32) run over ``ids``: the experts each MoE layer's
+    router chose for any of them, by layer index (a router returns (logits, weights, ids))."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    used: dict[int, set[int]] = {}
+    for i, layer in enumerate(model.model.layers):
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None:
+            gate.register_forward_hook(lambda mod, args, out, i=i: used.setdefault(i, set())
+                                       .update(out[2].flatten().tolist()))  # fmt: skip
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    return used

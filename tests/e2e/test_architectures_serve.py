@@ -9,7 +9,8 @@ for token.
   the decode worker decodes on past the window from the pulled blocks;
 - a tiny Qwen3.5 (three Gated DeltaNet layers to each full-attention one): the decode worker
   pulls the attention's blocks and each recurrent layer's state at the prompt's end, and a
-  killed decode worker's streams resume elsewhere."""
+  killed decode worker's streams resume elsewhere; a tiny Qwen3-Next (the same with experts
+  and a gated shared expert) likewise."""
 
 import json
 import signal
@@ -32,7 +33,9 @@ from tests.e2e.conftest import (
 )
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "gpt_oss", "gemma3", "qwen3_5"])
+@pytest.fixture(
+    scope="module", params=["deepseek_v3", "gpt_oss", "gemma3", "qwen3_5", "qwen3_next"]
+)
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param)
 

@@ -20,11 +20,11 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from baton import LLM, SamplingParams
 from baton.tiny_model import make_tiny_model
-from tests.helpers import FP8_GREEDY, FP8_PROMPTS, check_against_fp8_reference
+from tests.helpers import FP8_GREEDY, FP8_PROMPTS, check_against_fp8_reference, experts_chosen
 
 MAX_NEW = 16
 LOGPROB_ATOL = 1e-4
@@ -116,17 +116,9 @@ def test_a_prompts_tokens_spread_over_most_experts(moe_models: dict[str, Path], 
     """Routing that sent every token to the same few experts would leave most experts' weights
     (their loading, their slicing over ranks) untested."""
     path = moe_models[name]
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    used: dict[int, set[int]] = {}
-    for i, layer in enumerate(model.model.layers):
-        gate = getattr(layer.mlp, "gate", None)
-        if gate is not None:  # (a MoE layer: its router returns (logits, weights, ids))
-            gate.register_forward_hook(lambda mod, args, out, i=i: used.setdefault(i, set())
-                                       .update(out[2].flatten().tolist()))  # fmt: skip
-    ids = AutoTokenizer.from_pretrained(path)(_LONG, return_tensors="pt")["input_ids"]
-    with torch.no_grad():
-        model(ids)
-    experts = model.config.num_local_experts if name == "mixtral" else model.config.num_experts
+    used = experts_chosen(path, AutoTokenizer.from_pretrained(path)(_LONG)["input_ids"])
+    config = AutoConfig.from_pretrained(path)
+    experts = config.num_local_experts if name == "mixtral" else config.num_experts
     assert sorted(used) == ([0, 2] if name == "qwen3_moe" else [0, 1])  # (qwen3_moe: 1 dense)
     assert all(len(chosen) >= 0.75 * experts for chosen in used.values()), used
 

@@ -1,6 +1,7 @@
-"""Qwen3.5's configs as the engine reads them: the published multimodal checkpoints' text model
-(``model_config.text_config``), its layers' cache kinds, and the block size its recurrent
-state raises (``config.state_block_size``), from the 27B shape's config."""
+"""Qwen3.5's and Qwen3-Next's configs as the engine reads them: Qwen3.5's published
+multimodal checkpoints' text model (``model_config.text_config``), the layers' cache kinds, and
+the block size a recurrent state raises (``config.state_block_size``), from the 27B shape's
+config and Qwen3-Next-80B-A3B's."""
 
 from benchmarks.shapes import SHAPES
 from services.worker.engine.config import state_block_size
@@ -40,3 +41,20 @@ def test_the_27b_shapes_kinds_and_block_size() -> None:
     assert state_block_size(arch, 16, 2, 2) == 800  # each rank half the state, half the heads
     assert state_block_size(arch, 16, 8, 2) == 400  # an eighth of the state, 1 KV head of 4
     assert state_block_size(arch, 1024, 1, 2) == 1024  # already large enough
+
+
+def test_qwen3_next_80bs_published_config() -> None:
+    """Its config gives the layer kinds as ``full_attention_interval`` (read as transformers
+    derives them) and the rotary at the top; every layer a mixture of experts with a gated
+    shared expert."""
+    arch = load_arch_config("", dict(SHAPES["qwen3-next-80b-a3b"]))
+    assert arch.layer_cache_kinds() == (RECURRENT, RECURRENT, RECURRENT, None) * 12
+    assert arch.partial_rotary_factor == 0.25 and arch.rope.theta == 1e7
+    assert arch.moe is not None and arch.moe.sparse_layers == tuple(range(48))
+    assert (arch.moe.num_experts, arch.moe.top_k) == (512, 10)
+    assert arch.moe.shared_intermediate_size == 512 and arch.moe.shared_expert_gate
+    # a float32 state of 3 × 8,192 conv values + 32 × 128 × 128: 2,195,456 bytes; a bf16 slot
+    # 2 × 2 KV heads × 256 × 2 = 2,048 bytes a token: 1,072 tokens
+    assert arch.linear_attention is not None
+    assert arch.linear_attention.state_elements() * 4 == 2_195_456
+    assert state_block_size(arch, 16, 1, 2) == 1072

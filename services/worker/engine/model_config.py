@@ -35,7 +35,8 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """A mixture-of-experts decoder's feed-forward layers (Qwen3-MoE, Mixtral, DeepSeek-V2/V3).
+    """A mixture-of-experts decoder's feed-forward layers (Qwen3-MoE, Qwen3-Next, Mixtral,
+    DeepSeek-V2/V3, gpt-oss).
 
     Routing: ``scoring`` (softmax | sigmoid) of the router's logits, plus a learned per-expert
     ``correction_bias`` for the choice only (DeepSeek-V3's ``noaux_tc``); the experts split in
@@ -61,6 +62,9 @@ class MoEConfig:
     # shared experts beside the routed ones, as one dense MLP of this intermediate size
     # (DeepSeek: n_shared_experts × moe_intermediate_size); 0: none
     shared_intermediate_size: int = 0
+    # the shared experts' output scaled per token by σ(x · w), w [1, hidden] (Qwen3-Next's
+    # ``shared_expert_gate``)
+    shared_expert_gate: bool = False
     # which decoder layers are MoE (the others are dense MLPs of ``ArchConfig.intermediate_size``)
     sparse_layers: tuple[int, ...] = ()
     # gpt-oss: a bias on the router's logits, and on every expert's gate, up and down
@@ -234,8 +238,8 @@ def _sliding_window(cfg: dict[str, Any]) -> int | None:
 
 
 def _moe(cfg: dict[str, Any], num_layers: int) -> MoEConfig | None:
-    """The MoE fields of a Qwen3-MoE, Mixtral, DeepSeek-V2/V3 or gpt-oss config; None for a
-    dense one."""
+    """The MoE fields of a Qwen3-MoE, Qwen3-Next, Mixtral, DeepSeek-V2/V3 or gpt-oss config;
+    None for a dense one."""
     experts = cfg.get("num_experts", cfg.get("num_local_experts", cfg.get("n_routed_experts")))
     if not experts:
         return None
@@ -264,13 +268,15 @@ def _moe(cfg: dict[str, Any], num_layers: int) -> MoEConfig | None:
     if model_type == "mixtral":
         return MoEConfig(int(experts), top_k, int(cfg["intermediate_size"]),
                          router_float32=False, sparse_layers=tuple(range(num_layers)))  # fmt: skip
-    if model_type == "qwen3_moe":
+    if model_type in ("qwen3_moe", "qwen3_next"):
         step = int(cfg.get("decoder_sparse_step") or 1)
         dense = set(cfg.get("mlp_only_layers") or [])
         sparse = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+        shared = int(cfg.get("shared_expert_intermediate_size") or 0)  # (Qwen3-Next's)
         return MoEConfig(int(experts), top_k, int(cfg["moe_intermediate_size"]),
                          norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-                         router_float32=False, sparse_layers=sparse)  # fmt: skip
+                         router_float32=False, shared_intermediate_size=shared,
+                         shared_expert_gate=shared > 0, sparse_layers=sparse)  # fmt: skip
     if model_type == "gpt_oss":
         return MoEConfig(int(experts), top_k, int(cfg["intermediate_size"]),
                          scoring="softmax_of_topk", router_bias=True, expert_bias=True,
@@ -306,8 +312,9 @@ def _layer_ropes(cfg: dict[str, Any]) -> tuple[RopeConfig, RopeConfig | None]:
 
 
 def _layer_types(cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:
-    """The config's ``layer_types``; an older Gemma 3 config's every ``sliding_window_pattern``
-    -th layer global (as transformers derives them)."""
+    """The config's ``layer_types``, or where it gives none, the kinds transformers derives: an
+    older Gemma 3 config's every ``sliding_window_pattern``-th layer global, gpt-oss's even
+    layers sliding, Qwen3-Next's and Qwen3.5's every ``full_attention_interval``-th attending."""
     kinds = cfg.get("layer_types")
     if kinds is None and cfg.get("model_type") == "gemma3_text":
         every = int(cfg.get("sliding_window_pattern") or 6)
@@ -316,6 +323,12 @@ def _layer_types(cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:
     if kinds is None and cfg.get("model_type") == "gpt_oss" and _sliding_window(cfg):
         # (transformers' default: the even layers slide)
         kinds = ["full_attention" if i % 2 else "sliding_attention" for i in range(num_layers)]
+    if kinds is None and cfg.get("model_type") in ("qwen3_next", "qwen3_5_text"):
+        # every ``full_attention_interval``-th layer attends, the others are Gated DeltaNet
+        # (Qwen3-Next's published configs give the interval, not the list)
+        every = int(cfg.get("full_attention_interval") or 4)
+        kinds = ["linear_attention" if (i + 1) % every else "full_attention"
+                 for i in range(num_layers)]  # fmt: skip
     if kinds is not None and len(kinds) != num_layers:
         raise ValueError(f"layer_types names {len(kinds)} layers, the model has {num_layers}")
     return tuple(str(kind) for kind in kinds or ())
@@ -339,8 +352,10 @@ def _mla(cfg: dict[str, Any]) -> MLAConfig | None:
     )
 
 
-def _linear_attention(cfg: dict[str, Any]) -> LinearAttentionConfig | None:
-    if "linear_attention" not in (cfg.get("layer_types") or ()):
+def _linear_attention(
+    cfg: dict[str, Any], layer_types: tuple[str, ...]
+) -> LinearAttentionConfig | None:
+    if "linear_attention" not in layer_types:
         return None
     return LinearAttentionConfig(
         conv_kernel=int(cfg.get("linear_conv_kernel_dim") or 4),
@@ -413,6 +428,7 @@ def load_arch_config(model_dir: str | Path, cfg: dict[str, Any] | None = None) -
         ]
     model_type = str(cfg.get("model_type", ""))
     rope, rope_local = _layer_ropes(cfg)
+    layer_types = _layer_types(cfg, int(cfg["num_hidden_layers"]))
     return ArchConfig(
         architecture=str(archs[0]),
         model_type=model_type,
@@ -438,12 +454,12 @@ def load_arch_config(model_dir: str | Path, cfg: dict[str, Any] | None = None) -
         bos_token_id=cfg.get("bos_token_id"),
         moe=_moe(cfg, int(cfg["num_hidden_layers"])),
         mla=_mla(cfg),
-        layer_types=_layer_types(cfg, int(cfg["num_hidden_layers"])),
+        layer_types=layer_types,
         rope_local=rope_local,
         query_pre_attn_scalar=_optional_float(cfg.get("query_pre_attn_scalar")),
         final_logit_softcapping=_optional_float(cfg.get("final_logit_softcapping")),
         attn_logit_softcapping=_optional_float(cfg.get("attn_logit_softcapping")),
-        linear_attention=_linear_attention(cfg),
+        linear_attention=_linear_attention(cfg, layer_types),
         partial_rotary_factor=float(
             cfg.get("partial_rotary_factor")
             or (cfg.get("rope_parameters") or {}).get("partial_rotary_factor")

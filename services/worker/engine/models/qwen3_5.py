@@ -1,4 +1,5 @@
-"""Qwen3.5's text decoder (``Qwen3_5ForCausalLM``, model_type ``qwen3_5_text``): a hybrid of
+"""Qwen3.5's text decoder (``Qwen3_5ForCausalLM``, model_type ``qwen3_5_text``) and Qwen3-Next
+(``Qwen3NextForCausalLM``, the same decoder with mixture-of-experts layers): a hybrid of
 Gated DeltaNet layers (``layers/gated_delta_net.py``, a fixed-size recurrent state per request)
 and full-attention layers, three of the first for every one of the second, after Hugging
 Face's ``modeling_qwen3_5.py``.
@@ -13,7 +14,8 @@ What sets it apart from the Llama family (models/llama.py):
   (``partial_rotary_factor``, 0.25);
 - its RMSNorms scale by (1 + w) in float32, as Gemma's (``GemmaRMSNorm``).
 
-The feed-forward layers are Llama's dense SiLU MLPs. The rotary stays unfused (the fused kernel
+The feed-forward layers are Llama's dense SiLU MLPs (Qwen3-Next's: experts, ``MoEBlock``,
+beside dense ones where ``mlp_only_layers`` says). The rotary stays unfused (the fused kernel
 turns whole heads), and the backend stores the keys.
 """
 
@@ -27,6 +29,7 @@ from services.worker.engine.model_config import ArchConfig
 from services.worker.engine.models.context import ModelContext
 from services.worker.engine.models.gemma3 import GemmaRMSNorm
 from services.worker.engine.models.layers.gated_delta_net import GatedDeltaNet
+from services.worker.engine.models.layers.moe import MoEBlock, expert_target
 from services.worker.engine.models.layers.rotary import RotaryEmbedding
 from services.worker.engine.models.llama import (
     CausalLM,
@@ -36,6 +39,7 @@ from services.worker.engine.models.llama import (
     LlamaMLP,
     PreNormDecoderLayer,
 )
+from services.worker.engine.models.weights import CheckpointTarget
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -55,14 +59,20 @@ class Qwen3_5Attention(LlamaAttention):
 
 
 class Qwen3_5DecoderLayer(PreNormDecoderLayer):
-    def __init__(self, arch: ArchConfig, ctx: ModelContext, rotary: RotaryEmbedding, kind: str):
+    def __init__(
+        self, arch: ArchConfig, ctx: ModelContext, rotary: RotaryEmbedding, index: int
+    ) -> None:
         super().__init__()
-        self.kind = kind
-        if kind == LINEAR:
+        self.kind = arch.layer_types[index]
+        if self.kind == LINEAR:
             self.linear_attn = GatedDeltaNet(arch, ctx)
         else:
             self.self_attn = Qwen3_5Attention(arch, ctx, rotary)
-        self.mlp = LlamaMLP(arch, ctx)
+        self.mlp: LlamaMLP | MoEBlock
+        if arch.moe is not None and index in arch.moe.sparse_layers:  # (Qwen3-Next)
+            self.mlp = MoEBlock(arch, ctx)
+        else:
+            self.mlp = LlamaMLP(arch, ctx)
         self.input_layernorm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -77,16 +87,16 @@ class Qwen3_5Model(DecoderModel):
         kinds = arch.layer_types
         unknown = set(kinds) - {LINEAR, FULL}
         if not kinds or unknown:
-            raise ValueError(f"Qwen3.5 needs layer_types of {LINEAR} and {FULL}, got "
+            raise ValueError(f"Qwen3.5 and Qwen3-Next need layer_types of {LINEAR} and {FULL}, got "
                              f"{sorted(unknown) or 'none'}")  # fmt: skip
         if arch.linear_attention is None:
-            raise ValueError("Qwen3.5's linear_attention layers need the linear_* config fields")
+            raise ValueError("linear_attention layers need the linear_* config fields")
         rotary_dim = int(arch.head_dim * arch.partial_rotary_factor)
         rotary = RotaryEmbedding(arch.head_dim, ctx.max_positions, arch.rope,
                                  rotary_dim=rotary_dim)  # fmt: skip
 
         def layer(arch: ArchConfig, ctx: ModelContext, i: int) -> nn.Module:
-            return Qwen3_5DecoderLayer(arch, ctx, rotary, kinds[i])
+            return Qwen3_5DecoderLayer(arch, ctx, rotary, i)
 
         super().__init__(arch, ctx, layer)
         self.rotary = rotary
@@ -132,3 +142,40 @@ class Qwen3_5ForCausalLM(CausalLM):
 
     def cache_layers(self) -> list[nn.Module]:
         return [layer.mixer for layer in self.decoder_layers()]
+
+
+class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3-Next: Qwen3.5's decoder (its layers came first) with mixture-of-experts
+    feed-forward layers (``layers/moe.py``: softmax top-k, and a shared expert scaled by a
+    per-token sigmoid gate) where ``MoEConfig.sparse_layers`` says, and its Gated DeltaNet
+    projections stored by key head (``GatedDeltaNetProjection``)."""
+
+    packed_modules: ClassVar[dict[str, tuple[str, str | int]]] = {
+        **LlamaForCausalLM.packed_modules,
+        "in_proj_qkvz": ("in_proj", "qkvz"),
+        "in_proj_ba": ("in_proj", "ba"),
+    }
+
+    def checkpoint_target(self, name: str) -> CheckpointTarget | None:
+        """A routed expert's projection (``layers/moe.expert_target``); the shared expert's
+        (``mlp.shared_expert.*``, gate and up stacked) and its gate, which are our
+        ``mlp.shared_experts``. None: the packed-module table maps it (models/loader.py)."""
+        target = expert_target(name)
+        if target is not None or ".mlp.shared_expert" not in name:
+            return target
+        if name.endswith(".mlp.shared_expert_gate.weight"):
+            return CheckpointTarget(name.replace("shared_expert_gate.weight",
+                                                 "shared_experts.output_gate"), None)  # fmt: skip
+        for theirs, (ours, shard) in _SHARED_EXPERT.items():
+            if f".mlp.shared_expert.{theirs}." in name:
+                return CheckpointTarget(
+                    name.replace(f".shared_expert.{theirs}.", f".shared_experts.{ours}."), shard
+                )
+        return None
+
+
+# Qwen3-Next's shared expert's projections → ours (``layers/moe.SharedExperts``), shard
+_SHARED_EXPERT: dict[str, tuple[str, int | None]] = {
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", None),
+}  # fmt: skip

@@ -22,6 +22,7 @@ _MODELS: dict[str, str] = {
     "Qwen3_5ForCausalLM": "services.worker.engine.models.qwen3_5:Qwen3_5ForCausalLM",
     # (its text decoder: the vision encoder's weights are not loaded, images are refused)
     "Qwen3_5ForConditionalGeneration": "services.worker.engine.models.qwen3_5:Qwen3_5ForCausalLM",
+    "Qwen3NextForCausalLM": "services.worker.engine.models.qwen3_5:Qwen3NextForCausalLM",
 }
 
 

@@ -1,5 +1,6 @@
 """Gated DeltaNet, the linear-attention token mixer of Qwen3.5 and Qwen3-Next (after Hugging
-Face's ``Qwen3_5GatedDeltaNet``), on the flattened batch and a state kept in the KV cache's pages.
+Face's ``Qwen3_5GatedDeltaNet`` and ``Qwen3NextGatedDeltaNet``), on the flattened batch and a
+state kept in the KV cache's pages.
 
     x ─ in_proj ─┬─ q, k, v ─ causal conv (kernel K, SiLU) ─ L2-norm q, k ─┐
                  ├─ b ─ σ ─────────────────────────────────── β ───────────┤ gated delta rule
@@ -40,32 +41,56 @@ STATE_DTYPE = torch.float32
 
 
 class GatedDeltaNetProjection(MergedColumnParallelLinear):
-    """q ‖ k ‖ v ‖ z ‖ b ‖ a in one GEMM, each rank its heads of each. The checkpoint's
-    ``in_proj_qkv`` holds the first three (shard "qkv"), ``in_proj_z``/``_b``/``_a`` one
-    each (shards 3, 4, 5)."""
+    """q ‖ k ‖ v ‖ z ‖ b ‖ a in one GEMM, each rank its heads of each (parts 0 to 5).
+
+    Qwen3.5's checkpoints: ``in_proj_qkv`` holds q, k, v one after another (shard "qkv");
+    ``in_proj_z``/``_b``/``_a`` one part each (shards 3, 4, 5). Qwen3-Next's hold them by key
+    head: ``in_proj_qkvz`` (shard "qkvz") is, for each key head g in turn, its q, its k, and
+    the v and z of the r = Hv / Hk value heads it serves (g·r to g·r + r - 1);
+    ``in_proj_ba`` (shard "ba") the b and a of those r heads the same way."""
 
     def __init__(self, hidden: int, la: LinearAttentionConfig, ctx: ModelContext):
         kd, vd, hv = la.key_dim, la.value_dim, la.num_value_heads
+        self.la = la
         self.full_sizes = [kd, kd, vd, vd, hv, hv]
         super().__init__(hidden, self.full_sizes, False, ctx.linear)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None
     ) -> None:
-        if shard_id != "qkv":
+        la = self.la
+        r = la.num_value_heads // la.num_key_heads
+        # a checkpoint's spelling of several parts: (its parts, each part's rows per key head)
+        spans = {
+            "qkv": None,
+            "qkvz": ([0, 1, 2, 3], [la.key_head_dim] * 2 + [r * la.value_head_dim] * 2),
+            "ba": ([4, 5], [r, r]),
+        }
+        if shard_id not in spans:
             super().weight_loader(param, loaded, shard_id)
             return
-        if loaded.dim() != 2 or loaded.shape[0] != sum(self.full_sizes[:3]):
+        span = spans[shard_id]
+        parts = span[0] if span is not None else [0, 1, 2]
+        rows = sum(self.full_sizes[p] for p in parts)
+        if loaded.dim() != 2 or loaded.shape[0] != rows:
             raise ValueError(
-                f"in_proj_qkv: a tensor of shape {tuple(loaded.shape)} (an FP8 checkpoint's "
-                "scales?) is not supported: load the model's bf16 checkpoint (with "
-                "--quantization fp8 to quantize it at load)"
+                f"in_proj_{shard_id}: a tensor of shape {tuple(loaded.shape)} (an FP8 "
+                "checkpoint's scales?) is not supported: load the model's bf16 checkpoint "
+                "(with --quantization fp8 to quantize it at load)"
             )
-        offset = 0
-        for part in range(3):
-            size = self.full_sizes[part]
-            super().weight_loader(param, loaded.narrow(0, offset, size), part)
-            offset += size
+        if span is None:  # one part after another
+            offset = 0
+            for part in parts:
+                size = self.full_sizes[part]
+                super().weight_loader(param, loaded.narrow(0, offset, size), part)
+                offset += size
+            return
+        # by key head: each part's rows gathered from every head's group, in head order
+        # (every rank reads the whole tensor: a small one beside the model's)
+        whole = full(loaded)
+        grouped = whole.view(la.num_key_heads, rows // la.num_key_heads, whole.shape[1])
+        for part, piece in zip(parts, grouped.split(span[1], dim=1), strict=True):
+            super().weight_loader(param, piece.reshape(-1, whole.shape[1]), part)
 
 
 class ShortConv(nn.Module):

@@ -1,4 +1,5 @@
-"""Mixture-of-experts feed-forward layers (Qwen3-MoE, Mixtral, DeepSeek-V2/V3, gpt-oss).
+"""Mixture-of-experts feed-forward layers (Qwen3-MoE, Qwen3-Next, Mixtral, DeepSeek-V2/V3,
+gpt-oss).
 
     MoEBlock(x) = all_reduce( FusedMoE(x, select_experts(gate(x)))  +  shared_experts(x) )
 
@@ -6,9 +7,10 @@
 router kept in float32 as Hugging Face computes it. ``FusedMoE`` holds every expert's gate and
 up projections stacked in ``w13_weight`` [E, 2I, H] and the down projections in ``w2_weight``
 [E, H, I]; how they are kept and multiplied is its method's (``quantization/moe.py``: the
-model's dtype or FP8; ``ops/fused_moe.py`` on a GPU). The shared experts are one dense MLP.
-gpt-oss adds biases to the router and to every expert's projections, and a clamped SwiGLU
-(``MoEConfig.activation``): those layers run the methods' plain path, which applies them.
+model's dtype or FP8; ``ops/fused_moe.py`` on a GPU). The shared experts are one dense MLP
+(Qwen3-Next's scaled by a per-token sigmoid gate). gpt-oss adds biases to the router and to
+every expert's projections, and a clamped SwiGLU (``MoEConfig.activation``): those layers run
+the methods' plain path, which applies them.
 
 Tensor parallelism. Attention stays tensor-parallel, so every rank holds every token's hidden
 state after it: that replicated input is the dispatch, and the one all-reduce at the end of
@@ -314,18 +316,27 @@ class _PartialRowLinear(RowParallelLinear):
 
 
 class SharedExperts(nn.Module):
-    """The shared experts as one dense MLP (gate ‖ up column-parallel, down row-parallel)."""
+    """The shared experts as one dense MLP (gate ‖ up column-parallel, down row-parallel);
+    ``gated``: its output scaled per token by σ(x · ``output_gate``ᵀ), a [1, hidden] weight
+    every rank holds whole (Qwen3-Next's ``shared_expert_gate``: each rank scales its partial
+    sum by the same factor)."""
 
-    def __init__(self, hidden: int, intermediate: int, ctx: ModelContext):
+    def __init__(self, hidden: int, intermediate: int, ctx: ModelContext, gated: bool = False):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden, [intermediate, intermediate], False, ctx.linear
         )
         self.down_proj = _PartialRowLinear(intermediate, hidden, False, ctx.linear)
         self.act = SiluAndMul(ctx.kernels, feeds=self.down_proj)
+        self.output_gate: nn.Parameter | None = None
+        if gated:
+            self.output_gate = nn.Parameter(torch.empty(1, hidden), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        out = self.down_proj(self.act(self.gate_up_proj(x)))
+        if self.output_gate is not None:
+            out = out * torch.sigmoid(F.linear(x, self.output_gate))
+        return out
 
 
 class MoEBlock(nn.Module):
@@ -346,7 +357,7 @@ class MoEBlock(nn.Module):
         self.shared_experts: SharedExperts | None = None
         if moe.shared_intermediate_size:
             self.shared_experts = SharedExperts(arch.hidden_size, moe.shared_intermediate_size,
-                                                ctx)  # fmt: skip
+                                                ctx, moe.shared_expert_gate)  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.moe, self.gate.e_score_correction_bias)

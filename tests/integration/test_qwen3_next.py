@@ -1,0 +1,97 @@
+"""Qwen3-Next, Qwen3.5's Gated DeltaNet hybrid with mixture-of-experts feed-forward layers,
+against Hugging Face ``transformers`` in float32, on a tiny checkpoint of four layers (three
+Gated DeltaNet layers, then a gated full-attention one; 8 experts, 2 a token, and a shared
+expert scaled by a sigmoid gate; layer 1 dense): greedy tokens equal token for token and
+logprobs within 1e-4, with whole prompts and chunked prefill, with prefix hits resumed from the
+recurrent state's checkpoints; two ranks with expert parallelism (each rank half the experts
+whole, half the Gated DeltaNet heads); disaggregated, the decode engine pulling the attention
+blocks and each recurrent group's end state. Its checkpoints store the Gated DeltaNet
+projections by key head (``in_proj_qkvz``, ``in_proj_ba``): a loader that read them as
+Qwen3.5's would give other tokens, as would a shared expert without its gate.
+"""
+
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from baton import LLM
+from baton.tiny_model import make_tiny_model
+from services.worker.engine.kv_transfer.params import NO_BLOCK
+from tests.helpers import (
+    assert_matches_reference,
+    disaggregated_equals_colocated,
+    experts_chosen,
+    generate_in_three_batches,
+    hf_greedy_with_rows,
+)
+from tests.integration.test_qwen3_5 import GREEDY, LOGPROB_ATOL, MAX_NEW, MODES, PROMPTS
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("qwen3_next") / "m", arch="qwen3_next")
+
+
+@cache
+def hf_reference(path: str) -> tuple[list[list[int]], list[list[list[float]]]]:
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return hf_greedy_with_rows(model, PROMPTS, MAX_NEW)
+
+
+def _run(path: Path, **kw: Any) -> tuple[list[Any], Any]:
+    with LLM(model=str(path), show_progress=False, dtype="float32", **kw) as llm:
+        outs = generate_in_three_batches(llm, PROMPTS, GREEDY)
+        return outs, llm.get_stats()
+
+
+def test_the_config_reads_as_a_hybrid_of_experts(qwen3_next: Path) -> None:
+    from services.worker.engine.model_config import load_arch_config
+
+    arch = load_arch_config(qwen3_next)
+    assert arch.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert arch.moe is not None and arch.linear_attention is not None
+    assert arch.moe.sparse_layers == (0, 2, 3)  # (mlp_only_layers: 1)
+    assert arch.moe.shared_intermediate_size == 32 and arch.moe.shared_expert_gate
+    assert not arch.moe.router_float32  # (its router computes in the model's dtype)
+
+
+def test_a_prompts_tokens_spread_over_most_experts(qwen3_next: Path) -> None:
+    used = experts_chosen(qwen3_next, PROMPTS[3])
+    assert sorted(used) == [0, 2, 3]
+    assert all(len(chosen) >= 6 for chosen in used.values()), used  # of 8
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_greedy_matches_hugging_face(qwen3_next: Path, mode: str) -> None:
+    outs, stats = _run(qwen3_next, **MODES[mode])
+    assert_matches_reference(outs, *hf_reference(str(qwen3_next)), LOGPROB_ATOL)
+    assert stats.prefix_hit_tokens == 32 + 16  # (as Qwen3.5's: test_qwen3_5.py)
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_two_ranks_with_expert_parallelism_equal_hugging_face(qwen3_next: Path) -> None:
+    """Each rank half the experts whole, a slice of the shared expert (its gate whole: each
+    rank scales its partial sum), one of the two key heads and two of the four value heads of
+    every Gated DeltaNet layer; chunked prefill and prefix hits as above."""
+    outs, _ = _run(qwen3_next, tensor_parallel_size=2, enable_expert_parallel=True,
+                   **MODES["chunked-prefill"])  # fmt: skip
+    assert_matches_reference(outs, *hf_reference(str(qwen3_next)), LOGPROB_ATOL)
+
+
+def test_disaggregated_equals_colocated(qwen3_next: Path) -> None:
+    """Prefill and decode engines over NIXL (UCX): the handle lists the full group's five
+    blocks of the 70-token prompt and each recurrent group's page of its end state."""
+    ids = [(7 * i) % 390 + 5 for i in range(70)]
+    kw: dict[str, Any] = {"num_kv_blocks": 64, "max_model_len": 256, "show_progress": False,
+                          "dtype": "float32"}  # fmt: skip
+    first, stats = disaggregated_equals_colocated(qwen3_next, ids, LOGPROB_ATOL, **kw)
+    handle = first.kv_handle
+    assert handle is not None and handle.num_groups == 4
+    full, *recurrent = handle.group_block_ids()
+    assert NO_BLOCK not in full and len(full) == 5
+    assert all(pages[:4] == [NO_BLOCK] * 4 and pages[4] != NO_BLOCK for pages in recurrent)
+    assert stats.kv_pulls == 1 and stats.kv_pull_failures == 0
