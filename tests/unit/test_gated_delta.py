@@ -243,13 +243,20 @@ def test_kernels_equal_the_torch_path(case: str, dtype: str) -> None:
         _close(got, want, tol)
 
 
-@pytest.mark.parametrize("dtype", sorted(DTYPES))
-def test_chunked_kernels_over_wider_heads_equal_the_torch_path(dtype: str) -> None:
-    """The chunked kernels' slices and blocks: dk 40 (three slices of 16, the last partial), dv
-    72 (three blocks of 32 columns); sequences of several chunks, the last ones partial, the
-    third in place; a fresh source page filled with values it must not read."""
+# dk 40 (three slices of 16, the last partial), dv 72 (three blocks of 32 columns); and the
+# real models' heads of 128 (Qwen3.5's and Qwen3-Next's), in bfloat16 as they run
+WIDE = {"40x72-float32": ((1, 2, 40, 72), "float32"),
+        "40x72-bfloat16": ((1, 2, 40, 72), "bfloat16"),
+        "128x128-bfloat16": ((1, 2, 128, 128), "bfloat16")}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(WIDE))
+def test_chunked_kernels_over_wider_heads_equal_the_torch_path(case: str) -> None:
+    """The chunked kernels' slices and blocks over wider heads; sequences of several chunks,
+    the last ones partial, the third in place; a fresh source page filled with values it must
+    not read."""
     torch.manual_seed(4)
-    dims = (1, 2, 40, 72)
+    dims, dtype = WIDE[case]
     lengths = [150, 129, 200, 70]
     act, tol = DTYPES[dtype]
     routes = _routes(lengths)
