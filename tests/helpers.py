@@ -226,6 +226,21 @@ def copy_checkpoint(src: Path, dst: Path) -> Path:
     return dst
 
 
+def hf_greedy(path: Path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """Hugging Face's greedy tokens of the checkpoint at ``path``, float32 on the CPU,
+    ``max_new`` of them for each prompt (EOS or not)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    out = []
+    for ids in prompts:
+        seq = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
+                             min_new_tokens=max_new)  # fmt: skip
+        out.append(seq[0, len(ids) :].tolist())
+    return out
+
+
 def hf_greedy_with_rows(
     model: Any, prompts: list[list[int]], max_new: int
 ) -> tuple[list[list[int]], list[list[list[float]]]]:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from baton import LLM, SamplingParams
+from tests import helpers
 
 MAX_NEW = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -28,16 +29,8 @@ PROMPTS = [[(5 * i) % 250 + 3 for i in range(150)], [*_SHARED, 40, 41], [*_SHARE
 
 
 def hf_greedy(path: Path, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
-    """Hugging Face's greedy tokens, float32 on the CPU, ``max_new`` of them (EOS or not)."""
-    from transformers import AutoModelForCausalLM
-
-    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    out = []
-    for ids in prompts:
-        seq = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
-                             min_new_tokens=max_new)  # fmt: skip
-        out.append(seq[0, len(ids) :].tolist())
-    return out
+    """Hugging Face's greedy tokens, float32 on the CPU (``tests/helpers.hf_greedy``)."""
+    return helpers.hf_greedy(path, prompts, max_new)
 
 
 def greedy(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:

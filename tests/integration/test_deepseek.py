@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
 
 from baton import LLM, SamplingParams
 from baton.tiny_model import make_tiny_model
 from services.worker.engine.config import EngineArgs
 from services.worker.engine.kv_transfer.params import KVTransferParams
+from tests import helpers
 from tests.helpers import disaggregated, wait_all_free
 
 ARCHS = ("deepseek_v2", "deepseek_v3")
@@ -67,13 +67,7 @@ def _add_mtp_layer(path: Path) -> None:
 
 @cache
 def hf_greedy(path: str) -> list[list[int]]:
-    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    out = []
-    for ids in PROMPTS:
-        seq = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
-                             min_new_tokens=MAX_NEW)  # fmt: skip
-        out.append(seq[0, len(ids) :].tolist())
-    return out
+    return helpers.hf_greedy(Path(path), PROMPTS, MAX_NEW)
 
 
 def _generate(llm: LLM) -> list[Any]:
