@@ -9,8 +9,9 @@ for token.
   the decode worker decodes on past the window from the pulled blocks;
 - a tiny Qwen3.5 (three Gated DeltaNet layers to each full-attention one): the decode worker
   pulls the attention's blocks and each recurrent layer's state at the prompt's end, and a
-  killed decode worker's streams resume elsewhere; a tiny Qwen3-Next (the same with experts
-  and a gated shared expert) likewise."""
+  killed decode worker's streams resume elsewhere;
+- a tiny Qwen3-Next (Qwen3.5's layers with experts and a gated shared expert): the same pull
+  (the resume test runs gpt-oss and Qwen3.5)."""
 
 import json
 import signal

@@ -2,7 +2,8 @@
 six-layer checkpoint (a window of 8 tokens on four layers) through the Triton and
 FlashAttention backends' sliding-window paths, with the fused rotary storing the keys, decode
 CUDA graphs and piecewise graphs for prefill chunks, against eager execution and Hugging Face
-on the CPU (float32); in bfloat16 close to float32."""
+on the CPU (float32); in bfloat16 close to float32. Every prompt of ``common.PROMPTS`` but the
+short ones is longer than the window."""
 
 from pathlib import Path
 
@@ -24,7 +25,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
-# every prompt but the short ones is longer than the window
 
 
 @pytest.fixture(scope="module")

@@ -234,4 +234,15 @@ def test_a_shared_prefix_hits_from_its_second_sharer_on() -> None:
         step(kv, b, b.num_tokens - b.num_computed_tokens)
         kv.free(b)
     assert hits == [0, 8, 8]
-    assert kv.get_computed_blocks(tokens_request("c", list(range(1, 14))))[1] == 12
+    again = tokens_request("c", list(range(1, 14)))
+    assert kv.get_computed_blocks(again)[1] == 12
+    assert kv.checkpoint_aligned(again, 0, 13) == 12  # (as if it took no hit)
+
+
+def test_no_step_stops_where_a_checkpoint_is_held_already() -> None:
+    """A request that takes no hit (it asks for its prompt's logprobs) over a prefix cached
+    with its checkpoint at the end: its step goes on to its own boundary."""
+    kv = manager()
+    _cache_prompt_in_one_step(kv, list(range(1, 14)))  # checkpoint at 12
+    request = tokens_request("r", [*range(1, 14), *range(70, 80)])
+    assert kv.checkpoint_aligned(request, 0, 23) == 20

@@ -273,8 +273,10 @@ def _moe(cfg: dict[str, Any], num_layers: int) -> MoEConfig | None:
         dense = set(cfg.get("mlp_only_layers") or [])
         sparse = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
         shared = int(cfg.get("shared_expert_intermediate_size") or 0)  # (Qwen3-Next's)
+        # (transformers' defaults where a config leaves it out: Qwen3-MoE's False, Next's True)
+        norm = cfg.get("norm_topk_prob", model_type == "qwen3_next")
         return MoEConfig(int(experts), top_k, int(cfg["moe_intermediate_size"]),
-                         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                         norm_topk_prob=bool(norm),
                          router_float32=False, shared_intermediate_size=shared,
                          shared_expert_gate=shared > 0, sparse_layers=sparse)  # fmt: skip
     if model_type == "gpt_oss":

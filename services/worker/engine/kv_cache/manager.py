@@ -164,9 +164,9 @@ class KVCacheManager:
 
         Before those, a step stops where a prefix other requests share ends: the end of the
         run of blocks from ``start`` on that the attention groups hold cached (another request
-        computed them) but no checkpoint closes. A prompt computed in one step leaves no state
-        inside it, so the first request to share a prefix with it (a system prompt) hits
-        nothing in the recurrent groups; stopping there leaves the checkpoint every later
+        computed them), when no checkpoint is held there. A prompt computed in one step leaves
+        no state inside it, so the first request to share a prefix with it (a system prompt)
+        hits nothing in the recurrent groups; stopping there leaves the checkpoint every later
         sharer resumes from."""
         if not self._recurrent or not self.enable_caching or num_new <= 1:
             return num_new
@@ -179,16 +179,20 @@ class KVCacheManager:
 
     def _shared_end(self, request: Request, start: int, limit: int) -> int:
         """The index of the first block from the one holding ``start`` that some attention
-        group does not hold cached, when that is a boundary before ``limit`` a cached run
-        ends at; 0 otherwise (no run, or one reaching ``limit``)."""
-        hashes, bs = request.block_hashes, self.block_size
+        group does not hold cached, when that is a boundary before ``limit`` that a cached run
+        ends at and no checkpoint holds yet; 0 otherwise (no run, one reaching ``limit``, or
+        its checkpoint there already: a request that takes no hit, asking its prompt's
+        logprobs, need not write it again)."""
+        hashes, bs, cached = request.block_hashes, self.block_size, self.pool.get_cached_block
         first = start // bs
         stop = min(limit // bs, len(hashes))
         full = [g for g, w in enumerate(self._windows) if w is None]
         i = first
-        while i < stop and all(self.pool.get_cached_block(hashes[i], g) is not None for g in full):
+        while i < stop and all(cached(hashes[i], g) is not None for g in full):
             i += 1
-        return i if first < i < stop else 0
+        if not first < i < stop or all(cached(hashes[i - 1], g) for g in self._recurrent):
+            return 0
+        return i
 
     def allocate_slots(
         self,
