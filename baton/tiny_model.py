@@ -90,6 +90,16 @@ _QWEN3_NEXT = {
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "mlp_only_layers": [1],
 }  # fmt: skip
 
+# GLM-4.5: DeepSeek-V3's routing (sigmoid scores, a correction bias, 4 groups of which the best
+# 2 are eligible, weights scaled by 2.5) over 8 experts, 2 a token, one shared expert, layer 0
+# dense; q/k/v biases, q/k norms, a rotary over half of each head of 32
+_GLM4_MOE = {
+    "head_dim": 32, "n_routed_experts": 8, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
+    "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+    "use_qk_norm": True, "attention_bias": True, "partial_rotary_factor": 0.5,
+}  # fmt: skip
+
 # Architecture → (transformers config class, extra config fields). Sizes are shared below.
 ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {}),
@@ -117,6 +127,7 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt_oss": ("GptOssConfig", _GPT_OSS),
     "qwen3_5": ("Qwen3_5TextConfig", _QWEN3_5),
     "qwen3_next": ("Qwen3NextConfig", _QWEN3_NEXT),
+    "glm4_moe": ("Glm4MoeConfig", _GLM4_MOE),
 }
 # decoder layers where an arch needs more than make_tiny_model's default 2 (gemma3: two
 # rounds of its sliding, sliding, global pattern; gpt_oss: two of sliding, full; qwen3_5 and
@@ -220,13 +231,13 @@ def make_tiny_model(
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if arch in ROUTER_SCALE:
         _spread_routers(model, ROUTER_SCALE[arch])
-    if arch == "deepseek_v3":
+    if arch in ("deepseek_v3", "glm4_moe"):
         _random_correction_bias(model)
     if arch in ("gemma3", "qwen3_5", "qwen3_next"):  # norms of 1 + w start at 0: random, tested
         _random_norms(model)
     if arch == "gpt_oss":
         _random_expert_biases(model)
-    if arch == "qwen2":  # random q/k/v biases, so loading them is really tested
+    if arch in ("qwen2", "glm4_moe"):  # random q/k/v biases, so loading them is really tested
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.1)
@@ -252,7 +263,7 @@ def make_tiny_model(
 # summation order, two ranks) could flip; scaled, each token's choice is clear and its tokens
 # still spread over most experts (tests/integration/test_moe_models.py counts them)
 ROUTER_SCALE = {"qwen3_moe": 4.0, "mixtral": 4.0, "deepseek_v2": 4.0, "deepseek_v3": 4.0,
-                "gpt_oss": 4.0, "qwen3_next": 4.0}  # fmt: skip
+                "gpt_oss": 4.0, "qwen3_next": 4.0, "glm4_moe": 4.0}  # fmt: skip
 
 
 def _spread_routers(model: Any, scale: float) -> None:

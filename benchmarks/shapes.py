@@ -120,6 +120,21 @@ SHAPES = {
         "partial_rotary_factor": 0.25, "tie_word_embeddings": False,
         "torch_dtype": "bfloat16", "eos_token_id": 0,
     },
+    # zai-org/GLM-4.5-Air (transformers' Glm4MoeConfig defaults): 46 layers of 96 heads and 8 KV
+    # heads of 128, half of each rotated, q/k/v biases; 128 experts of 1,408, 8 a token, one
+    # shared expert, layer 0 dense; 106B parameters (its FP8 checkpoint fits one H200)
+    "glm-4.5-air": {
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
+        "vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 10944,
+        "num_hidden_layers": 46, "num_attention_heads": 96, "num_key_value_heads": 8,
+        "head_dim": 128, "hidden_act": "silu", "attention_bias": True, "use_qk_norm": False,
+        "partial_rotary_factor": 0.5, "rope_theta": 1000000.0,
+        "n_routed_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 1408,
+        "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+        "routed_scaling_factor": 1.0, "norm_topk_prob": True,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "eos_token_id": 0,
+    },
 }  # fmt: skip
 SHAPES["qwen3.5-27b"]["layer_types"] *= 16  # type: ignore[operator]
 

@@ -1,5 +1,7 @@
 """Mixture-of-experts models on CPU against their oracles: Qwen3-MoE (16 experts, 4 a token,
-a dense layer among the MoE ones) and Mixtral (8 experts, 2 a token).
+a dense layer among the MoE ones), Mixtral (8 experts, 2 a token) and GLM-4.5 (DeepSeek-V3's
+routing over 8 experts, 2 a token, and a shared expert; q/k/v biases, q/k norms and a rotary
+over half of each head; its first layer dense).
 
 - Greedy tokens identical to Hugging Face float32, logprobs within 1e-4, with whole prompts
   (a prompt sharing a long prefix with another: a prefix hit) and with chunked prefill.
@@ -44,7 +46,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=3, ignore_eo
 MODELS: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"arch": "qwen3_moe", "num_layers": 3},  # layers 0, 2 MoE; 1 dense
     "mixtral": {"arch": "mixtral"},
+    "glm4_moe": {"arch": "glm4_moe", "num_layers": 3},  # layer 0 dense; 1, 2 MoE
 }
+MOE_LAYERS = {"qwen3_moe": [0, 2], "mixtral": [0, 1], "glm4_moe": [1, 2]}
 MODES: dict[str, dict[str, Any]] = {
     "whole-prompts": {"enable_chunked_prefill": False},
     "chunked-prefill": {"max_num_batched_tokens": 8, "max_num_seqs": 4},
@@ -100,7 +104,7 @@ def test_greedy_matches_hugging_face(moe_models: dict[str, Path], name: str, mod
 
 
 # each rank a slice of every expert; half the experts whole (expert parallelism)
-TP_CASES = [("qwen3_moe", False), ("qwen3_moe", True), ("mixtral", True)]
+TP_CASES = [("qwen3_moe", False), ("qwen3_moe", True), ("mixtral", True), ("glm4_moe", False)]
 
 
 @pytest.mark.parametrize(("name", "ep"), TP_CASES)
@@ -118,8 +122,8 @@ def test_a_prompts_tokens_spread_over_most_experts(moe_models: dict[str, Path], 
     path = moe_models[name]
     used = experts_chosen(path, AutoTokenizer.from_pretrained(path)(_LONG)["input_ids"])
     config = AutoConfig.from_pretrained(path)
-    experts = config.num_local_experts if name == "mixtral" else config.num_experts
-    assert sorted(used) == ([0, 2] if name == "qwen3_moe" else [0, 1])  # (qwen3_moe: 1 dense)
+    experts = config.num_local_experts if name in ("mixtral", "glm4_moe") else config.num_experts
+    assert sorted(used) == MOE_LAYERS[name]
     assert all(len(chosen) >= 0.75 * experts for chosen in used.values()), used
 
 
@@ -130,13 +134,16 @@ FP8_CASES: dict[str, dict[str, Any]] = {
     "fp8-channel": {"quantize": "fp8-channel"},
     "fp8-block": {"quantize": "fp8-block", "hidden_size": 128, "moe_intermediate_size": 128,
                   "num_heads": 8},
+    # GLM-4.5's FP8 checkpoints are DeepSeek's format: 128 × 128 blocks (biases on q/k/v kept)
+    "glm4_moe-fp8-block": {"arch": "glm4_moe", "quantize": "fp8-block", "hidden_size": 128,
+                           "moe_intermediate_size": 128, "num_heads": 8},
 }  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def fp8_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("moe-fp8")
-    return {fmt: make_tiny_model(root / fmt, arch="qwen3_moe", num_layers=3, **kw)
+    return {fmt: make_tiny_model(root / fmt, num_layers=3, **{"arch": "qwen3_moe", **kw})
             for fmt, kw in FP8_CASES.items()}  # fmt: skip
 
 

@@ -65,6 +65,20 @@ def test_deepseek_v3_routing(tmp_path: Path) -> None:
     assert moe.sparse_layers[0] == 3 and len(moe.sparse_layers) == 58
 
 
+def test_glm_4_5_air_shape(tmp_path: Path) -> None:
+    """GLM-4.5: DeepSeek-V3's routing (sigmoid, a correction bias, ``noaux_tc`` without saying
+    so) over grouped-query attention with biases and a rotary over half of each head."""
+    arch = _arch(tmp_path, SHAPES["glm-4.5-air"])
+    assert arch.mla is None and arch.moe is not None
+    moe = arch.moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size) == (128, 8, 1408)
+    assert moe.scoring == "sigmoid" and moe.correction_bias and moe.norm_topk_prob
+    assert moe.shared_intermediate_size == 1408 and moe.sparse_layers == tuple(range(1, 46))
+    assert arch.attention_bias and not arch.qk_norm and arch.partial_rotary_factor == 0.5
+    assert arch.kv_cache_entry() == (2, 8, 128)
+    assert _arch(tmp_path, {**SHAPES["glm-4.5-air"], "use_qk_norm": True}).qk_norm
+
+
 def test_mixtral_every_layer_sparse(tmp_path: Path) -> None:
     cfg = dict(SHAPES["llama-3.1-8b"], architectures=["MixtralForCausalLM"],
                model_type="mixtral", num_local_experts=8, num_experts_per_tok=2)  # fmt: skip

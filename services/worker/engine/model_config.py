@@ -148,7 +148,7 @@ class ArchConfig:
     rope: RopeConfig
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
-    qk_norm: bool  # RMSNorm on q and k per head (Qwen3)
+    qk_norm: bool  # RMSNorm on q and k per head (Qwen3; GLM-4.5's ``use_qk_norm``)
     mlp_bias: bool
     hidden_act: str
     torch_dtype: str  # as written in the checkpoint, e.g. "bfloat16"
@@ -238,18 +238,19 @@ def _sliding_window(cfg: dict[str, Any]) -> int | None:
 
 
 def _moe(cfg: dict[str, Any], num_layers: int) -> MoEConfig | None:
-    """The MoE fields of a Qwen3-MoE, Qwen3-Next, Mixtral, DeepSeek-V2/V3 or gpt-oss config;
-    None for a dense one."""
+    """The MoE fields of a Qwen3-MoE, Qwen3-Next, Mixtral, DeepSeek-V2/V3, GLM-4.5 or gpt-oss
+    config; None for a dense one."""
     experts = cfg.get("num_experts", cfg.get("num_local_experts", cfg.get("n_routed_experts")))
     if not experts:
         return None
     model_type = str(cfg.get("model_type", ""))
     top_k = int(cfg["num_experts_per_tok"])
-    if model_type.startswith("deepseek"):
+    if model_type.startswith("deepseek") or model_type == "glm4_moe":  # (GLM-4.5: V3's MoE)
         first_dense = int(cfg.get("first_k_dense_replace") or 0)
         freq = int(cfg.get("moe_layer_freq") or 1)
         sparse = tuple(i for i in range(first_dense, num_layers) if i % freq == 0)
-        method = cfg.get("topk_method") or ("noaux_tc" if model_type == "deepseek_v3" else "greedy")
+        v3 = model_type in ("deepseek_v3", "glm4_moe")
+        method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
         if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
             raise ValueError(f"unsupported DeepSeek topk_method {method!r}")
         grouped = method != "greedy"
@@ -257,7 +258,8 @@ def _moe(cfg: dict[str, Any], num_layers: int) -> MoEConfig | None:
         scoring = cfg.get("scoring_func") or ("sigmoid" if method == "noaux_tc" else "softmax")
         return MoEConfig(
             num_experts=int(experts), top_k=top_k, intermediate_size=inter,
-            scoring=str(scoring), norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            scoring=str(scoring),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type == "glm4_moe")),
             num_groups=int(cfg.get("n_group") or 1) if grouped else 1,
             topk_groups=int(cfg.get("topk_group") or 1) if grouped else 1,
             correction_bias=method == "noaux_tc",
@@ -446,7 +448,7 @@ def load_arch_config(model_dir: str | Path, cfg: dict[str, Any] | None = None) -
         rope=rope,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "gemma3_text")),
         attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe") or bool(cfg.get("use_qk_norm")),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         # (Gemma's ``hidden_activation`` is the one it runs; its ``hidden_act`` is ignored)
         hidden_act=str(cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")),

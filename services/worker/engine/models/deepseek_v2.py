@@ -9,7 +9,6 @@ The surface is ``LlamaForCausalLM``'s: ``forward`` over a flattened batch, ``com
 on the rows the runner samples, ``attention_layers`` for the runner to bind each layer's cache.
 """
 
-import re
 from typing import ClassVar
 
 from services.worker.engine.model_config import ArchConfig
@@ -19,8 +18,6 @@ from services.worker.engine.models.layers.moe import MoEBlock, expert_target
 from services.worker.engine.models.layers.norm import RMSNorm
 from services.worker.engine.models.llama import CausalLM, LlamaMLP, PreNormDecoderLayer
 from services.worker.engine.models.weights import CheckpointTarget
-
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class DeepseekDecoderLayer(PreNormDecoderLayer):
@@ -53,7 +50,4 @@ class DeepseekV2ForCausalLM(CausalLM):
         return expert_target(name)
 
     def unused_checkpoint_tensor(self, name: str) -> bool:
-        """DeepSeek-V3's multi-token-prediction layers, ``model.layers.<n>.*`` past the
-        decoder's (a draft model for speculative decoding, which this engine does not run)."""
-        m = _LAYER.match(name)
-        return m is not None and int(m[1]) >= self.arch.num_layers
+        return self.draft_layer(name)  # (DeepSeek-V3's multi-token-prediction layers)

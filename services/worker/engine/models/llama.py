@@ -7,6 +7,7 @@ runner will sample from. Every layer is built from one ``ModelContext`` (models/
 the attention backend, the engine's kernels on or off, and the quantization methods.
 """
 
+import re
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -28,6 +29,8 @@ from services.worker.engine.models.layers.norm import ResidualNorm, RMSNorm
 from services.worker.engine.models.layers.rotary import RotaryEmbedding
 from services.worker.engine.models.weights import CheckpointTarget, Loaded
 from services.worker.engine.quantization.fp8_math import Codes
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 # (the layer, q, k, v, the step's metadata) → the attention's output, [tokens, heads, head_dim]
 AttentionSplit = Callable[
@@ -60,7 +63,13 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.head_dim = d
         self.o_proj = RowParallelLinear(arch.num_heads * d, arch.hidden_size, o_bias, ctx.linear)
-        self.rotary = rotary or RotaryEmbedding(d, ctx.max_positions, arch.rope, fused)
+        if rotary is None:
+            # a partial rotary (GLM-4.5's: each head's first half turns) is not the fused
+            # kernel's: the keys go to the backend, the q/k norms run before the rotary
+            rotary_dim = int(d * arch.partial_rotary_factor)
+            fused = fused and rotary_dim == d
+            rotary = RotaryEmbedding(d, ctx.max_positions, arch.rope, fused, rotary_dim)
+        self.rotary = rotary
         # the fused rotary stores the step's keys (rotated) and values in the KV cache itself,
         # and the backend skips its write: one launch and one pass over the keys fewer a layer
         self.stores_kv = fused
@@ -268,6 +277,13 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def draft_layer(self, name: str) -> bool:
+        """A tensor of ``model.layers.<n>`` past the decoder's layers: the multi-token-
+        prediction layers DeepSeek-V3's and GLM-4.5's checkpoints ship (a draft model for
+        speculative decoding, which this engine does not run)."""
+        m = _LAYER.match(name)
+        return m is not None and int(m[1]) >= self.arch.num_layers
+
 
 class LlamaForCausalLM(CausalLM):
     packed_modules: ClassVar[dict[str, tuple[str, str | int]]] = {
@@ -287,3 +303,13 @@ class LlamaForCausalLM(CausalLM):
         if target is None and renamed != name:
             return CheckpointTarget(renamed, None)
         return target
+
+
+class Glm4MoeForCausalLM(LlamaForCausalLM):
+    """GLM-4.5 and its successors (``Glm4MoeForCausalLM``): Llama's decoder with q/k/v biases,
+    q/k norms where ``use_qk_norm`` says, a rotary over each head's first half, and
+    DeepSeek-V3's mixture of experts (sigmoid scores with a correction bias, group-limited
+    top-k, a routed scaling factor, a shared expert; the first layers dense)."""
+
+    def unused_checkpoint_tensor(self, name: str) -> bool:
+        return self.draft_layer(name)

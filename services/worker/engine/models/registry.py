@@ -18,6 +18,7 @@ _MODELS: dict[str, str] = {
     "Qwen3MoeForCausalLM": "services.worker.engine.models.llama:LlamaForCausalLM",
     "MixtralForCausalLM": "services.worker.engine.models.llama:LlamaForCausalLM",
     "GptOssForCausalLM": "services.worker.engine.models.gpt_oss:GptOssForCausalLM",
+    "Glm4MoeForCausalLM": "services.worker.engine.models.llama:Glm4MoeForCausalLM",
     "Gemma3ForCausalLM": "services.worker.engine.models.gemma3:Gemma3ForCausalLM",
     "Qwen3_5ForCausalLM": "services.worker.engine.models.qwen3_5:Qwen3_5ForCausalLM",
     # (its text decoder: the vision encoder's weights are not loaded, images are refused)
