@@ -297,3 +297,19 @@ def experts_chosen(path: Path, ids: list[int]) -> dict[int, set[int]]:
     with torch.no_grad():
         model(torch.tensor([ids]))
     return used
+
+
+def add_draft_layer(path: Path, num_layers: int) -> None:
+    """A multi-token-prediction module as DeepSeek-V3's and GLM-4.5's checkpoints keep it:
+    ``model.layers.<num_layers>.*``, past the decoder's layers (a copy of the last layer's
+    tensors and an ``eh_proj``), which the engine must skip."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    last, draft = f"model.layers.{num_layers - 1}.", f"model.layers.{num_layers}."
+    for name in [n for n in tensors if n.startswith(last)]:
+        tensors[name.replace(last, draft)] = tensors[name].clone()
+    tensors[f"{draft}eh_proj.weight"] = torch.zeros(64, 128)
+    save_file(tensors, str(file), metadata={"format": "pt"})

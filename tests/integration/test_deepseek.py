@@ -17,15 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 from baton import LLM, SamplingParams
 from baton.tiny_model import make_tiny_model
 from services.worker.engine.config import EngineArgs
 from services.worker.engine.kv_transfer.params import KVTransferParams
 from tests import helpers
-from tests.helpers import disaggregated, wait_all_free
+from tests.helpers import add_draft_layer, disaggregated, wait_all_free
 
 ARCHS = ("deepseek_v2", "deepseek_v3")
 MAX_NEW = 16
@@ -50,19 +48,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logp
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("deepseek")
     paths = {arch: make_tiny_model(root / arch, arch=arch) for arch in ARCHS}
-    _add_mtp_layer(paths["deepseek_v3"])
+    add_draft_layer(paths["deepseek_v3"], 2)  # (its multi-token-prediction module)
     return paths
-
-
-def _add_mtp_layer(path: Path) -> None:
-    """DeepSeek-V3 keeps its multi-token-prediction module as ``model.layers.<n>``, past the
-    decoder's layers (here n = 2)."""
-    file = path / "model.safetensors"
-    tensors = load_file(file)
-    for name in [n for n in tensors if n.startswith("model.layers.1.")]:
-        tensors[name.replace("model.layers.1.", "model.layers.2.")] = tensors[name].clone()
-    tensors["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)
-    save_file(tensors, str(file), metadata={"format": "pt"})
 
 
 @cache

@@ -26,7 +26,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from baton import LLM, SamplingParams
 from baton.tiny_model import make_tiny_model
-from tests.helpers import FP8_GREEDY, FP8_PROMPTS, check_against_fp8_reference, experts_chosen
+from tests.helpers import (
+    FP8_GREEDY,
+    FP8_PROMPTS,
+    add_draft_layer,
+    check_against_fp8_reference,
+    experts_chosen,
+)
 
 MAX_NEW = 16
 LOGPROB_ATOL = 1e-4
@@ -58,7 +64,9 @@ MODES: dict[str, dict[str, Any]] = {
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("moe")
-    return {name: make_tiny_model(root / name, **kw) for name, kw in MODELS.items()}
+    paths = {name: make_tiny_model(root / name, **kw) for name, kw in MODELS.items()}
+    add_draft_layer(paths["glm4_moe"], 3)  # (its multi-token-prediction module, skipped)
+    return paths
 
 
 @cache
