@@ -100,6 +100,14 @@ _GLM4_MOE = {
     "use_qk_norm": True, "attention_bias": True, "partial_rotary_factor": 0.5,
 }  # fmt: skip
 
+# MiniMax-M2: 8 experts, 2 a token, by sigmoid scores with a (random) correction bias; q and k
+# normed over all heads at once; a rotary over half of each head of 32 (its ``rotary_dim``)
+_MINIMAX_M2 = {
+    "head_dim": 32, "num_local_experts": 8, "num_experts_per_tok": 2,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                        "partial_rotary_factor": 0.5},
+}  # fmt: skip
+
 # Architecture → (transformers config class, extra config fields). Sizes are shared below.
 ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {}),
@@ -128,6 +136,7 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_5": ("Qwen3_5TextConfig", _QWEN3_5),
     "qwen3_next": ("Qwen3NextConfig", _QWEN3_NEXT),
     "glm4_moe": ("Glm4MoeConfig", _GLM4_MOE),
+    "minimax_m2": ("MiniMaxM2Config", _MINIMAX_M2),
 }
 # decoder layers where an arch needs more than make_tiny_model's default 2 (gemma3: two
 # rounds of its sliding, sliding, global pattern; gpt_oss: two of sliding, full; qwen3_5 and
@@ -231,8 +240,10 @@ def make_tiny_model(
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if arch in ROUTER_SCALE:
         _spread_routers(model, ROUTER_SCALE[arch])
-    if arch in ("deepseek_v3", "glm4_moe"):
+    if arch in ("deepseek_v3", "glm4_moe", "minimax_m2"):
         _random_correction_bias(model)
+    if arch in ("glm4_moe", "minimax_m2"):  # q/k norms of w start at w = 1: random, tested
+        _random_qk_norms(model)
     if arch in ("gemma3", "qwen3_5", "qwen3_next"):  # norms of 1 + w start at 0: random, tested
         _random_norms(model)
     if arch == "gpt_oss":
@@ -263,7 +274,7 @@ def make_tiny_model(
 # summation order, two ranks) could flip; scaled, each token's choice is clear and its tokens
 # still spread over most experts (tests/integration/test_moe_models.py counts them)
 ROUTER_SCALE = {"qwen3_moe": 4.0, "mixtral": 4.0, "deepseek_v2": 4.0, "deepseek_v3": 4.0,
-                "gpt_oss": 4.0, "qwen3_next": 4.0, "glm4_moe": 4.0}  # fmt: skip
+                "gpt_oss": 4.0, "qwen3_next": 4.0, "glm4_moe": 4.0, "minimax_m2": 4.0}  # fmt: skip
 
 
 def _spread_routers(model: Any, scale: float) -> None:
@@ -307,6 +318,15 @@ def _random_norms(model: Any) -> None:
                 param.normal_(1.0, 0.2)
             elif name.endswith("norm.weight"):
                 param.normal_(0.0, 0.2)
+
+
+def _random_qk_norms(model: Any) -> None:
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.normal_(1.0, 0.2)
 
 
 def _param_bytes(model: Any) -> int:

@@ -1,7 +1,8 @@
 """Mixture-of-experts models on CPU against their oracles: Qwen3-MoE (16 experts, 4 a token,
 a dense layer among the MoE ones), Mixtral (8 experts, 2 a token) and GLM-4.5 (DeepSeek-V3's
 routing over 8 experts, 2 a token, and a shared expert; q/k/v biases, q/k norms and a rotary
-over half of each head; its first layer dense).
+over half of each head; its first layer dense) and MiniMax-M2 (sigmoid routing with a
+correction bias; q and k normed over all heads at once, summed over the ranks).
 
 - Greedy tokens identical to Hugging Face float32, logprobs within 1e-4, with whole prompts
   (a prompt sharing a long prefix with another: a prefix hit) and with chunked prefill.
@@ -53,8 +54,10 @@ MODELS: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"arch": "qwen3_moe", "num_layers": 3},  # layers 0, 2 MoE; 1 dense
     "mixtral": {"arch": "mixtral"},
     "glm4_moe": {"arch": "glm4_moe", "num_layers": 3},  # layer 0 dense; 1, 2 MoE
+    # one KV head: over two ranks both hold it, and its norm's sum of squares counts it once
+    "minimax_m2": {"arch": "minimax_m2", "num_kv_heads": 1},
 }
-MOE_LAYERS = {"qwen3_moe": [0, 2], "mixtral": [0, 1], "glm4_moe": [1, 2]}
+MOE_LAYERS = {"qwen3_moe": [0, 2], "mixtral": [0, 1], "glm4_moe": [1, 2], "minimax_m2": [0, 1]}
 MODES: dict[str, dict[str, Any]] = {
     "whole-prompts": {"enable_chunked_prefill": False},
     "chunked-prefill": {"max_num_batched_tokens": 8, "max_num_seqs": 4},
@@ -112,7 +115,8 @@ def test_greedy_matches_hugging_face(moe_models: dict[str, Path], name: str, mod
 
 
 # each rank a slice of every expert; half the experts whole (expert parallelism)
-TP_CASES = [("qwen3_moe", False), ("qwen3_moe", True), ("mixtral", True), ("glm4_moe", False)]
+TP_CASES = [("qwen3_moe", False), ("qwen3_moe", True), ("mixtral", True), ("glm4_moe", False),
+            ("minimax_m2", False)]  # fmt: skip
 
 
 @pytest.mark.parametrize(("name", "ep"), TP_CASES)
@@ -130,7 +134,8 @@ def test_a_prompts_tokens_spread_over_most_experts(moe_models: dict[str, Path], 
     path = moe_models[name]
     used = experts_chosen(path, AutoTokenizer.from_pretrained(path)(_LONG)["input_ids"])
     config = AutoConfig.from_pretrained(path)
-    experts = config.num_local_experts if name in ("mixtral", "glm4_moe") else config.num_experts
+    local = ("mixtral", "glm4_moe", "minimax_m2")  # (their configs' name for the count)
+    experts = config.num_local_experts if name in local else config.num_experts
     assert sorted(used) == MOE_LAYERS[name]
     assert all(len(chosen) >= 0.75 * experts for chosen in used.values()), used
 
@@ -145,6 +150,9 @@ FP8_CASES: dict[str, dict[str, Any]] = {
     # GLM-4.5's FP8 checkpoints are DeepSeek's format: 128 × 128 blocks (biases on q/k/v kept)
     "glm4_moe-fp8-block": {"arch": "glm4_moe", "quantize": "fp8-block", "hidden_size": 128,
                            "moe_intermediate_size": 128, "num_heads": 8},
+    # MiniMax-M2 is published in the same format (its experts 256 wide here: 2 × hidden)
+    "minimax_m2-fp8-block": {"arch": "minimax_m2", "quantize": "fp8-block", "hidden_size": 128,
+                             "num_heads": 8},
 }  # fmt: skip
 
 

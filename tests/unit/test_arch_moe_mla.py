@@ -79,6 +79,32 @@ def test_glm_4_5_air_shape(tmp_path: Path) -> None:
     assert _arch(tmp_path, {**SHAPES["glm-4.5-air"], "use_qk_norm": True}).qk_norm
 
 
+# MiniMaxAI/MiniMax-M2's config.json as published (the rotary as ``rotary_dim``)
+MINIMAX_M2 = {
+    "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2",
+    "vocab_size": 200064, "hidden_size": 3072, "intermediate_size": 1536,
+    "num_hidden_layers": 62, "num_attention_heads": 48, "num_key_value_heads": 8,
+    "head_dim": 128, "rotary_dim": 64, "rope_theta": 5000000, "num_local_experts": 256,
+    "num_experts_per_tok": 8, "scoring_func": "sigmoid", "use_routing_bias": True,
+    "use_qk_norm": True, "qk_norm_type": "per_layer", "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 196608, "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+def test_minimax_m2_config(tmp_path: Path) -> None:
+    arch = _arch(tmp_path, MINIMAX_M2)
+    assert arch.partial_rotary_factor == 0.5 and arch.rope.theta == 5e6
+    assert not arch.qk_norm  # (its norms are over all heads: the model's own)
+    moe = arch.moe
+    assert moe is not None and (moe.num_experts, moe.top_k, moe.intermediate_size) == (256, 8, 1536)
+    assert moe.scoring == "sigmoid" and moe.correction_bias and moe.norm_topk_prob
+    assert moe.num_groups == 1 and moe.shared_intermediate_size == 0
+    assert moe.sparse_layers == tuple(range(62))
+    for field, value in (("scoring_func", "softmax"), ("qk_norm_type", "per_head")):
+        with pytest.raises(ValueError, match=field):
+            _arch(tmp_path, {**MINIMAX_M2, field: value})
+
+
 def test_mixtral_every_layer_sparse(tmp_path: Path) -> None:
     cfg = dict(SHAPES["llama-3.1-8b"], architectures=["MixtralForCausalLM"],
                model_type="mixtral", num_local_experts=8, num_experts_per_tok=2)  # fmt: skip

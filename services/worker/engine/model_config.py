@@ -238,8 +238,8 @@ def _sliding_window(cfg: dict[str, Any]) -> int | None:
 
 
 def _moe(cfg: dict[str, Any], num_layers: int) -> MoEConfig | None:
-    """The MoE fields of a Qwen3-MoE, Qwen3-Next, Mixtral, DeepSeek-V2/V3, GLM-4.5 or gpt-oss
-    config; None for a dense one."""
+    """The MoE fields of a Qwen3-MoE, Qwen3-Next, Mixtral, DeepSeek-V2/V3, GLM-4.5, MiniMax-M2
+    or gpt-oss config; None for a dense one."""
     experts = cfg.get("num_experts", cfg.get("num_local_experts", cfg.get("n_routed_experts")))
     if not experts:
         return None
@@ -281,6 +281,15 @@ def _moe(cfg: dict[str, Any], num_layers: int) -> MoEConfig | None:
                          norm_topk_prob=bool(norm),
                          router_float32=False, shared_intermediate_size=shared,
                          shared_expert_gate=shared > 0, sparse_layers=sparse)  # fmt: skip
+    if model_type == "minimax_m2":  # sigmoid scores, a correction bias, no groups, no sharing
+        # (the variants its published configs name: others are refused, not run as these)
+        if (cfg.get("scoring_func") or "sigmoid") != "sigmoid":
+            raise ValueError(f"unsupported MiniMax-M2 scoring_func {cfg['scoring_func']!r}")
+        if (cfg.get("qk_norm_type") or "per_layer") != "per_layer":
+            raise ValueError(f"unsupported MiniMax-M2 qk_norm_type {cfg['qk_norm_type']!r}")
+        return MoEConfig(int(experts), top_k, int(cfg["intermediate_size"]), scoring="sigmoid",
+                         correction_bias=True, router_float32=False,
+                         sparse_layers=tuple(range(num_layers)))  # fmt: skip
     if model_type == "gpt_oss":
         return MoEConfig(int(experts), top_k, int(cfg["intermediate_size"]),
                          scoring="softmax_of_topk", router_bias=True, expert_bias=True,
@@ -336,6 +345,17 @@ def _layer_types(cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:
     if kinds is not None and len(kinds) != num_layers:
         raise ValueError(f"layer_types names {len(kinds)} layers, the model has {num_layers}")
     return tuple(str(kind) for kind in kinds or ())
+
+
+def _partial_rotary_factor(cfg: dict[str, Any]) -> float:
+    """The share of each head's dims the rotary turns: the config's ``partial_rotary_factor``
+    (at the top or in ``rope_parameters``), or MiniMax-M2's ``rotary_dim`` over ``head_dim``."""
+    factor = cfg.get("partial_rotary_factor") or (cfg.get("rope_parameters") or {}).get(
+        "partial_rotary_factor"
+    )
+    if factor is None and cfg.get("rotary_dim") and cfg.get("head_dim"):
+        factor = int(cfg["rotary_dim"]) / int(cfg["head_dim"])
+    return float(factor or 1.0)
 
 
 def _optional_float(value: Any) -> float | None:
@@ -448,7 +468,8 @@ def load_arch_config(model_dir: str | Path, cfg: dict[str, Any] | None = None) -
         rope=rope,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "gemma3_text")),
         attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-        qk_norm=model_type in ("qwen3", "qwen3_moe") or bool(cfg.get("use_qk_norm")),
+        qk_norm=model_type in ("qwen3", "qwen3_moe")
+        or (model_type == "glm4_moe" and bool(cfg.get("use_qk_norm"))),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         # (Gemma's ``hidden_activation`` is the one it runs; its ``hidden_act`` is ignored)
         hidden_act=str(cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")),
@@ -464,9 +485,5 @@ def load_arch_config(model_dir: str | Path, cfg: dict[str, Any] | None = None) -
         final_logit_softcapping=_optional_float(cfg.get("final_logit_softcapping")),
         attn_logit_softcapping=_optional_float(cfg.get("attn_logit_softcapping")),
         linear_attention=_linear_attention(cfg, layer_types),
-        partial_rotary_factor=float(
-            cfg.get("partial_rotary_factor")
-            or (cfg.get("rope_parameters") or {}).get("partial_rotary_factor")
-            or 1.0
-        ),
+        partial_rotary_factor=_partial_rotary_factor(cfg),
     )

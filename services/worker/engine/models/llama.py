@@ -191,9 +191,11 @@ class PreNormDecoderLayer(nn.Module):
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
+    attention: ClassVar[type[LlamaAttention]] = LlamaAttention  # (a model's own: MiniMax-M2's)
+
     def __init__(self, arch: ArchConfig, ctx: ModelContext, index: int):
         super().__init__()
-        self.self_attn = LlamaAttention(arch, ctx)
+        self.self_attn = self.attention(arch, ctx)
         self.mlp: LlamaMLP | MoEBlock
         # each norm hands the projection after it its input as that projection takes it (the
         # experts' router takes the norm itself)

@@ -19,6 +19,7 @@ _MODELS: dict[str, str] = {
     "MixtralForCausalLM": "services.worker.engine.models.llama:LlamaForCausalLM",
     "GptOssForCausalLM": "services.worker.engine.models.gpt_oss:GptOssForCausalLM",
     "Glm4MoeForCausalLM": "services.worker.engine.models.llama:Glm4MoeForCausalLM",
+    "MiniMaxM2ForCausalLM": "services.worker.engine.models.minimax_m2:MiniMaxM2ForCausalLM",
     "Gemma3ForCausalLM": "services.worker.engine.models.gemma3:Gemma3ForCausalLM",
     "Qwen3_5ForCausalLM": "services.worker.engine.models.qwen3_5:Qwen3_5ForCausalLM",
     # (its text decoder: the vision encoder's weights are not loaded, images are refused)
