@@ -147,10 +147,11 @@ FP8_CASES: dict[str, dict[str, Any]] = {
     "fp8-channel": {"quantize": "fp8-channel"},
     "fp8-block": {"quantize": "fp8-block", "hidden_size": 128, "moe_intermediate_size": 128,
                   "num_heads": 8},
-    # GLM-4.5's FP8 checkpoints are DeepSeek's format: 128 × 128 blocks (biases on q/k/v kept)
+    # GLM-4.5 in both formats (q/k/v biases kept float)
+    "glm4_moe-fp8-channel": {"arch": "glm4_moe", "quantize": "fp8-channel"},
     "glm4_moe-fp8-block": {"arch": "glm4_moe", "quantize": "fp8-block", "hidden_size": 128,
                            "moe_intermediate_size": 128, "num_heads": 8},
-    # MiniMax-M2 is published in the same format (its experts 256 wide here: 2 × hidden)
+    # MiniMax-M2 is published in 128 × 128 blocks (its experts 256 wide here: 2 × hidden)
     "minimax_m2-fp8-block": {"arch": "minimax_m2", "quantize": "fp8-block", "hidden_size": 128,
                              "num_heads": 8},
 }  # fmt: skip

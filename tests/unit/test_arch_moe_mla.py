@@ -105,6 +105,41 @@ def test_minimax_m2_config(tmp_path: Path) -> None:
             _arch(tmp_path, {**MINIMAX_M2, field: value})
 
 
+def test_minimax_m2s_published_fp8_config_reads_as_blocks() -> None:
+    """MiniMax-M2 is published in FP8 only: ``float8_e4m3fn`` (DeepSeek's ``e4m3``) in 128 ×
+    128 blocks, its routers and correction biases kept float, which Baton keeps float anyway;
+    a module kept float that Baton would quantize is refused."""
+    from services.worker.engine.quantization.config import parse_quantization
+
+    qc = {"activation_scheme": "dynamic", "fmt": "float8_e4m3fn", "quant_method": "fp8",
+          "weight_block_size": [128, 128],
+          "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}  # fmt: skip
+    quant = parse_quantization({**MINIMAX_M2, "quantization_config": qc}, None)
+    assert quant is not None and quant.weights == "block"
+    with pytest.raises(ValueError, match="self_attn"):
+        parse_quantization({"quantization_config": {**qc, "modules_to_not_convert": [
+            "gate", "model.layers.0.self_attn"]}}, None)  # fmt: skip
+    with pytest.raises(ValueError, match="e5m2"):
+        parse_quantization({"quantization_config": {**qc, "fmt": "e5m2"}}, None)
+
+
+def test_fields_a_config_leaves_out_take_transformers_defaults(tmp_path: Path) -> None:
+    """GLM-4.5's rotary turns half of each head, its first layer is dense, it has a shared
+    expert and an epsilon of 1e-5; MiniMax-M2's heads are 128 wide, its rotary base 5e6."""
+    glm = {k: v for k, v in SHAPES["glm-4.5-air"].items()
+           if k not in ("partial_rotary_factor", "first_k_dense_replace", "n_shared_experts",
+                        "rms_norm_eps")}  # fmt: skip
+    arch = _arch(tmp_path, glm)
+    assert arch.partial_rotary_factor == 0.5 and arch.rms_norm_eps == 1e-5
+    assert arch.moe is not None and arch.moe.sparse_layers[0] == 1
+    assert arch.moe.shared_intermediate_size == 1408
+    minimax = {k: v for k, v in MINIMAX_M2.items() if k not in ("head_dim", "rope_theta")}
+    arch = _arch(tmp_path, minimax)
+    assert arch.head_dim == 128 and arch.partial_rotary_factor == 0.5 and arch.rope.theta == 5e6
+    with pytest.raises(ValueError, match="shared experts"):
+        _arch(tmp_path, {**MINIMAX_M2, "shared_intermediate_size": 256})
+
+
 def test_mixtral_every_layer_sparse(tmp_path: Path) -> None:
     cfg = dict(SHAPES["llama-3.1-8b"], architectures=["MixtralForCausalLM"],
                model_type="mixtral", num_local_experts=8, num_experts_per_tok=2)  # fmt: skip

@@ -287,6 +287,8 @@ def _moe(cfg: dict[str, Any], num_layers: int) -> MoEConfig | None:
             raise ValueError(f"unsupported MiniMax-M2 scoring_func {cfg['scoring_func']!r}")
         if (cfg.get("qk_norm_type") or "per_layer") != "per_layer":
             raise ValueError(f"unsupported MiniMax-M2 qk_norm_type {cfg['qk_norm_type']!r}")
+        if cfg.get("shared_intermediate_size"):
+            raise ValueError("MiniMax-M2 configs with shared experts are not supported")
         return MoEConfig(int(experts), top_k, int(cfg["intermediate_size"]), scoring="sigmoid",
                          correction_bias=True, router_float32=False,
                          sparse_layers=tuple(range(num_layers)))  # fmt: skip
@@ -355,7 +357,7 @@ def _partial_rotary_factor(cfg: dict[str, Any]) -> float:
     )
     if factor is None and cfg.get("rotary_dim") and cfg.get("head_dim"):
         factor = int(cfg["rotary_dim"]) / int(cfg["head_dim"])
-    return float(factor or 1.0)
+    return float(factor or _PARTIAL_ROTARY.get(str(cfg.get("model_type")), 1.0))
 
 
 def _optional_float(value: Any) -> float | None:
@@ -431,6 +433,16 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+# transformers' defaults for fields a config may leave out where they differ from the generic
+# ones read below (a config written by transformers holds them all; a hand-written one may not)
+_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "glm4_moe": {"first_k_dense_replace": 1, "n_shared_experts": 1, "rms_norm_eps": 1e-5},
+    "minimax_m2": {"head_dim": 128, "rope_theta": 5_000_000.0},
+}
+# the share of each head the rotary turns where a config names none (Glm4MoeConfig's 0.5)
+_PARTIAL_ROTARY = {"glm4_moe": 0.5}
+
+
 def load_arch_config(model_dir: str | Path, cfg: dict[str, Any] | None = None) -> ArchConfig:
     """Parse ``config.json`` (``cfg`` when the caller has read it already: ``load_hf_config``)
     and ``generation_config.json`` for extra eos ids. A multimodal checkpoint's: its text
@@ -439,6 +451,7 @@ def load_arch_config(model_dir: str | Path, cfg: dict[str, Any] | None = None) -
     if cfg is None:
         cfg = load_hf_config(path)
     cfg = text_config(cfg)
+    cfg = {**_TYPE_DEFAULTS.get(str(cfg.get("model_type", "")), {}), **cfg}
     archs = cfg.get("architectures") or []
     if not archs:
         raise ValueError(f"the config of {path} names no 'architectures'")

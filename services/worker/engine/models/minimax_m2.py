@@ -22,9 +22,9 @@ from services.worker.engine.models.weights import CheckpointTarget, Loaded, copy
 class ProjectionRMSNorm(nn.Module):
     """RMSNorm over a projection's whole output, every head at once ([T, heads, head_dim] in
     and out; the statistic in float32, the weight applied in the input's dtype). Each rank
-    holds its heads: the sum of squares is summed over the ranks, and where ranks share a
-    head (``replicas`` of them hold each KV head when there are more ranks than KV heads) it
-    counts once."""
+    holds its heads, so the statistic is a sum over the ranks (``squares`` on each, summed,
+    then ``scale``); where ranks share a head (``replicas`` of them hold each KV head when
+    there are more ranks than KV heads) its share counts once."""
 
     def __init__(self, num_heads: int, total_heads: int, head_dim: int, eps: float):
         super().__init__()
@@ -39,12 +39,13 @@ class ProjectionRMSNorm(nn.Module):
     ) -> None:
         copy_weight(param, loaded.narrow(0, self.first, param.shape[0]))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float().flatten(1)
-        squares = xf.pow(2).sum(-1, keepdim=True)
-        if tp_size() > 1:
-            squares = all_reduce(squares) / self.replicas
-        xf = xf * torch.rsqrt(squares / self.total + self.eps)
+    def squares(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of each token's sum of squares, [T, 1] float32."""
+        return x.float().flatten(1).pow(2).sum(-1, keepdim=True) / self.replicas
+
+    def scale(self, x: torch.Tensor, squares: torch.Tensor) -> torch.Tensor:
+        """``x`` normed by the sum of squares over every rank."""
+        xf = x.float().flatten(1) * torch.rsqrt(squares / self.total + self.eps)
         return (self.weight * xf.to(x.dtype)).view_as(x)
 
 
@@ -52,12 +53,15 @@ class MiniMaxM2Attention(LlamaAttention):
     def __init__(self, arch: ArchConfig, ctx: ModelContext):
         super().__init__(arch, ctx)
         d, eps = arch.head_dim, arch.rms_norm_eps
-        self.q_norm = ProjectionRMSNorm(self.num_heads, arch.num_heads, d, eps)
-        self.k_norm = ProjectionRMSNorm(self.num_kv_heads, arch.num_kv_heads, d, eps)
+        self.q_norm: ProjectionRMSNorm = ProjectionRMSNorm(self.num_heads, arch.num_heads, d, eps)
+        self.k_norm: ProjectionRMSNorm = ProjectionRMSNorm(
+            self.num_kv_heads, arch.num_kv_heads, d, eps
+        )
 
     def normed(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        assert self.q_norm is not None and self.k_norm is not None
-        return self.q_norm(q), self.k_norm(k), None
+        """q's and k's statistics summed over the ranks in one all-reduce."""
+        squares = all_reduce(torch.cat([self.q_norm.squares(q), self.k_norm.squares(k)], -1))
+        return self.q_norm.scale(q, squares[:, :1]), self.k_norm.scale(k, squares[:, 1:]), None
 
 
 class MiniMaxM2DecoderLayer(LlamaDecoderLayer):

@@ -78,8 +78,13 @@ def _parse(hf: dict[str, Any], requested: str | None) -> QuantConfig | None:
             raise ValueError(
                 "fp8 block checkpoints with static activation scales are not supported"
             )
-        if qc.get("fmt", "e4m3") != "e4m3":
+        if qc.get("fmt", "e4m3") not in ("e4m3", "float8_e4m3fn"):  # (MiniMax's spelling)
             raise ValueError(f"unsupported fp8 format {qc.get('fmt')!r} (e4m3 only)")
+        # what stays float: what Baton keeps float anyway, or the checkpoint is refused
+        floats = [n for n in qc.get("modules_to_not_convert") or [] if not _kept_float(n)]
+        if floats:
+            raise ValueError(f"fp8 modules_to_not_convert other than lm_head and the MoE "
+                             f"routers are not supported: {floats[:4]}")  # fmt: skip
         return QuantConfig("block", "token_group", method="fp8 (128x128 blocks)")
     if method == "mxfp4":  # (openai/gpt-oss as published)
         raise ValueError("MXFP4 checkpoints are not supported; load a bfloat16 copy of the "
@@ -119,11 +124,14 @@ def _compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
 
 
 def _kept_float(ignored: str) -> bool:
-    """An ``ignore`` entry (a name, or ``re:`` and a pattern) naming what Baton keeps float
-    anyway: the LM head, and a mixture of experts' routers (``mlp.gate``, Mixtral's
-    ``block_sparse_moe.gate``: models/layers/moe.py keeps them in float32)."""
+    """An ``ignore`` (``modules_to_not_convert``) entry, a name or ``re:`` and a pattern, naming
+    what Baton keeps float anyway: the LM head, and a mixture of experts' routers (``mlp.gate``,
+    Mixtral's ``block_sparse_moe.gate``, MiniMax's bare ``gate``, their correction bias:
+    models/layers/moe.py keeps them unquantized)."""
     name = ignored.removeprefix("re:").removesuffix("$")
-    return name == "lm_head" or name.endswith(("mlp.gate", "block_sparse_moe.gate"))
+    return name in ("lm_head", "gate", "e_score_correction_bias") or name.endswith(
+        ("mlp.gate", "block_sparse_moe.gate", "e_score_correction_bias")
+    )
 
 
 def _kv_cache_scheme(kv: dict[str, Any] | None) -> bool:
