@@ -10,42 +10,26 @@ projections by key head (``in_proj_qkvz``, ``in_proj_ba``): a loader that read t
 Qwen3.5's would give other tokens, as would a shared expert without its gate.
 """
 
-from functools import cache
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
-from baton import LLM
 from baton.tiny_model import make_tiny_model
 from services.worker.engine.kv_transfer.params import NO_BLOCK
 from tests.helpers import (
     assert_matches_reference,
     disaggregated_equals_colocated,
     experts_chosen,
-    generate_in_three_batches,
-    hf_greedy_with_rows,
 )
-from tests.integration.test_qwen3_5 import GREEDY, LOGPROB_ATOL, MAX_NEW, MODES, PROMPTS
+
+# (the same prompts, modes and runs as Qwen3.5's, against this checkpoint's reference)
+from tests.integration.test_qwen3_5 import LOGPROB_ATOL, MODES, PROMPTS, _run, hf_reference
 
 
 @pytest.fixture(scope="module")
 def qwen3_next(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("qwen3_next") / "m", arch="qwen3_next")
-
-
-@cache
-def hf_reference(path: str) -> tuple[list[list[int]], list[list[list[float]]]]:
-    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return hf_greedy_with_rows(model, PROMPTS, MAX_NEW)
-
-
-def _run(path: Path, **kw: Any) -> tuple[list[Any], Any]:
-    with LLM(model=str(path), show_progress=False, dtype="float32", **kw) as llm:
-        outs = generate_in_three_batches(llm, PROMPTS, GREEDY)
-        return outs, llm.get_stats()
 
 
 def test_the_config_reads_as_a_hybrid_of_experts(qwen3_next: Path) -> None:
