@@ -154,13 +154,18 @@ def test_ray_rank_killed_fails_the_engine(tiny_model: Path, local_ray: Any) -> N
         llm.shutdown()
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-def test_a_rank_killed_fails_the_engine_within_a_bound(tiny_model: Path, rank: int) -> None:
+# (the rank killed, seconds before the next call): right away, the call reaches its dying
+# socket; a second later the socket has no peer, where an unbounded send would wait forever
+@pytest.mark.parametrize(("rank", "settle"), [(0, 0.0), (1, 0.0), (1, 1.0)])
+def test_a_rank_killed_fails_the_engine_within_a_bound(
+    tiny_model: Path, rank: int, settle: float
+) -> None:
     llm = LLM(model=str(tiny_model), tensor_parallel_size=2, show_progress=False)
     executor = llm.client.core.executor  # type: ignore[attr-defined]
     try:
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
         os.kill(executor.procs[rank].pid, signal.SIGKILL)
+        time.sleep(settle)
         start = time.monotonic()
         with pytest.raises(RankFailedError, match=f"rank {rank} .* exited with code -9"):
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)

@@ -56,6 +56,9 @@ class MultiprocExecutor(RankExecutor):
         self.calls = []
         for rank in range(self.world_size):
             sock = self.ctx.socket(zmq.PUSH)
+            # a dead rank leaves its socket without a peer, where a send would wait forever:
+            # sends give up every POLL_MS to look for exited ranks (``_send``)
+            sock.setsockopt(zmq.SNDTIMEO, POLL_MS)
             sock.bind(f"ipc://{self.tmp}/rank-{rank}")
             self.calls.append(sock)
         env = dict(os.environ)
@@ -103,9 +106,24 @@ class MultiprocExecutor(RankExecutor):
         raw = self.encoder.encode(call)
         rest = raw if others is None else self.encoder.encode(others)
         for rank, sock in enumerate(self.calls):
-            sock.send(raw if rank == 0 else rest, copy=False)
+            self._send(sock, raw if rank == 0 else rest)
         ranks = answered_by(call, self.world_size, self.kv_transfer)
         return self._await(self.seq, ranks, CALL_TIMEOUT_S, ANSWERS.get(type(call)))
+
+    def _send(self, sock: zmq.Socket, payload: bytes) -> None:
+        """One call to one rank, within ``CALL_TIMEOUT_S``: a rank that has exited (its socket
+        then has no peer to take it) fails the engine within ``POLL_MS``."""
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        while True:
+            try:
+                sock.send(payload)
+                return
+            except zmq.Again:
+                exited = self._exited()
+                if exited:
+                    self._fail(exited)
+                if time.monotonic() > deadline:
+                    self._fail(f"a tensor-parallel rank took no call within {CALL_TIMEOUT_S:.0f} s")
 
     def _await(self, seq: int, ranks: range, timeout_s: float, kind: type | None) -> dict[int, Any]:
         got: dict[int, Any] = {}
