@@ -146,15 +146,15 @@ def test_the_engine_reports_its_groups(qwen3_5: Path) -> None:
     assert info.recurrent_state_bytes == 3 * STATE_PAGE
 
 
-def test_disaggregated_pulls_the_full_blocks_and_the_end_state(qwen3_5: Path) -> None:
-    """Prefill and decode engines over NIXL (UCX): the handle lists the full group's five
-    blocks of the 70-token prompt and, of each recurrent group, only the page of the state
-    after its last token; the decode engine pulls those eight pages and decodes on to the
-    colocated engine's tokens and logprobs."""
+def pulls_the_full_blocks_and_the_end_state(model: Path) -> Any:
+    """Prefill and decode engines over NIXL (UCX) on a 70-token prompt: the handle lists the
+    full group's five blocks and, of each recurrent group, only the page of the state after
+    its last token; the decode engine decodes on to the colocated engine's tokens and
+    logprobs. Returns the decode engine's stats. (Qwen3-Next's test runs it too.)"""
     ids = [(7 * i) % 390 + 5 for i in range(70)]
     kw: dict[str, Any] = {"num_kv_blocks": 64, "max_model_len": 256, "show_progress": False,
                           "dtype": "float32"}  # fmt: skip
-    first, stats = disaggregated_equals_colocated(qwen3_5, ids, LOGPROB_ATOL, **kw)
+    first, stats = disaggregated_equals_colocated(model, ids, LOGPROB_ATOL, **kw)
     handle = first.kv_handle
     assert handle is not None and handle.num_groups == 4
     full, *recurrent = handle.group_block_ids()
@@ -162,6 +162,12 @@ def test_disaggregated_pulls_the_full_blocks_and_the_end_state(qwen3_5: Path) ->
     for pages in recurrent:
         assert pages[:4] == [NO_BLOCK] * 4 and pages[4] != NO_BLOCK
     assert stats.kv_pulls == 1 and stats.kv_pull_failures == 0
+    return stats
+
+
+def test_disaggregated_pulls_the_full_blocks_and_the_end_state(qwen3_5: Path) -> None:
+    """The decode engine pulls eight pages: five blocks and three end states."""
+    stats = pulls_the_full_blocks_and_the_end_state(qwen3_5)
     assert stats.kv_pull_bytes == 8 * STATE_PAGE
 
 

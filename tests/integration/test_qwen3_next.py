@@ -11,20 +11,24 @@ Qwen3.5's would give other tokens, as would a shared expert without its gate.
 """
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from baton.tiny_model import make_tiny_model
-from services.worker.engine.kv_transfer.params import NO_BLOCK
 from tests.helpers import (
     assert_matches_reference,
-    disaggregated_equals_colocated,
     experts_chosen,
 )
 
 # (the same prompts, modes and runs as Qwen3.5's, against this checkpoint's reference)
-from tests.integration.test_qwen3_5 import LOGPROB_ATOL, MODES, PROMPTS, _run, hf_reference
+from tests.integration.test_qwen3_5 import (
+    LOGPROB_ATOL,
+    MODES,
+    PROMPTS,
+    _run,
+    hf_reference,
+    pulls_the_full_blocks_and_the_end_state,
+)
 
 
 @pytest.fixture(scope="module")
@@ -67,15 +71,5 @@ def test_two_ranks_with_expert_parallelism_equal_hugging_face(qwen3_next: Path) 
 
 
 def test_disaggregated_equals_colocated(qwen3_next: Path) -> None:
-    """Prefill and decode engines over NIXL (UCX): the handle lists the full group's five
-    blocks of the 70-token prompt and each recurrent group's page of its end state."""
-    ids = [(7 * i) % 390 + 5 for i in range(70)]
-    kw: dict[str, Any] = {"num_kv_blocks": 64, "max_model_len": 256, "show_progress": False,
-                          "dtype": "float32"}  # fmt: skip
-    first, stats = disaggregated_equals_colocated(qwen3_next, ids, LOGPROB_ATOL, **kw)
-    handle = first.kv_handle
-    assert handle is not None and handle.num_groups == 4
-    full, *recurrent = handle.group_block_ids()
-    assert NO_BLOCK not in full and len(full) == 5
-    assert all(pages[:4] == [NO_BLOCK] * 4 and pages[4] != NO_BLOCK for pages in recurrent)
-    assert stats.kv_pulls == 1 and stats.kv_pull_failures == 0
+    """As Qwen3.5's: the full group's blocks and each recurrent group's end state pulled."""
+    pulls_the_full_blocks_and_the_end_state(qwen3_next)
