@@ -32,14 +32,24 @@ from typing import Any
 FORMATS = ("fp8-tensor", "fp8-channel", "fp8-block")
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
            # DeepSeek's latent attention (its FP8 checkpoints quantize them all)
-           "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # fmt: skip
+           "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+           # Gated DeltaNet's (Qwen3.5's, Qwen3-Next's spelling): its b and a projections stay
+           # float, as in the published checkpoints (``_FLOAT``)
+           "in_proj_qkv", "in_proj_z", "in_proj_qkvz", "out_proj")  # fmt: skip
 # the checkpoint's quantized tensors: the linear layers', and each expert's (Mixtral's w1 gate,
 # w3 up, w2 down)
 _QUANTIZED = (*LINEARS, "w1", "w2", "w3")
 # one expert's weight in a checkpoint → (layer prefix, expert, projection)
 _EXPERT = re.compile(r"^(.+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
 BLOCK = 128
-_SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # one fused matmul
+# one fused matmul
+_SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"),
+                 ("in_proj_qkv", "in_proj_z"))  # fmt: skip
+# the layers the published checkpoints leave float and list so (``modules_to_not_convert``,
+# compressed-tensors' ``ignore``): a router, Qwen3-Next's shared-expert gate, Gated DeltaNet's
+# b and a projections and its convolution
+_FLOAT = re.compile(r"\.(mlp\.gate|mlp\.shared_expert_gate|linear_attn\.(in_proj_[ab]|"
+                    r"in_proj_ba|conv1d))$")  # fmt: skip
 _CALIBRATION = "The quick brown fox jumps over the lazy dog. import os, sys; return a sorted list."
 
 
@@ -200,9 +210,13 @@ def quantize_checkpoint(
         f.unlink()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = _quantization_config(fmt)
+    config["quantization_config"] = qc = _quantization_config(fmt)
     if experts and fmt != "fp8-block":  # (compressed-tensors: the routers are left float)
-        config["quantization_config"]["ignore"].append("re:.*mlp.gate$")
+        qc["ignore"].append("re:.*mlp.gate$")
+    floats = [n for n, m in model.named_modules() if _FLOAT.search(n) and hasattr(m, "weight")]
+    if floats:  # each by its name, as the published checkpoints list them
+        key = "ignore" if "ignore" in qc else "modules_to_not_convert"
+        qc[key] = [*qc.get(key, ["lm_head"]), *floats]
     if kv_scales:
         config["quantization_config"]["kv_cache_scheme"] = {
             "num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,

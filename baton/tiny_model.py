@@ -198,7 +198,9 @@ def make_tiny_model(
     quantize: str | None = None,  # fp8-tensor | fp8-channel | fp8-block (baton/tiny_fp8.py)
     kv_scales: bool = False,  # with quantize: KV cache scales per layer too
     initializer_range: float | None = None,  # None: 0.1, or 0.03 for an FP8 checkpoint
-    moe_intermediate_size: int | None = None,  # Qwen3-MoE, DeepSeek: one expert's (None: 32)
+    # Qwen3-MoE, DeepSeek: one expert's (Qwen3-Next: its shared expert's too; None: 32)
+    moe_intermediate_size: int | None = None,
+    linear_head_dim: int | None = None,  # Gated DeltaNet's key and value heads' (None: 16)
 ) -> Path:
     import torch
     import transformers
@@ -213,6 +215,13 @@ def make_tiny_model(
     num_layers = num_layers or DEFAULT_LAYERS.get(arch, 2)
     if moe_intermediate_size is not None:
         extra = {**extra, "moe_intermediate_size": moe_intermediate_size}
+        if "shared_expert_intermediate_size" in extra:
+            extra["shared_expert_intermediate_size"] = moe_intermediate_size
+    if linear_head_dim is not None:
+        if "linear_key_head_dim" not in extra:
+            raise ValueError(f"{arch} has no Gated DeltaNet layers (linear_head_dim)")
+        extra = {**extra, "linear_key_head_dim": linear_head_dim,
+                 "linear_value_head_dim": linear_head_dim}  # fmt: skip
     if cls_name.startswith("Deepseek"):  # MLA: every head reads the one latent
         num_kv_heads = num_heads
     config = getattr(transformers, cls_name)(

@@ -58,3 +58,34 @@ def test_qwen3_next_80bs_published_config() -> None:
     assert arch.linear_attention is not None
     assert arch.linear_attention.state_elements() * 4 == 2_195_456
     assert state_block_size(arch, 16, 1, 2) == 1072
+
+
+def test_the_published_fp8_configs_read_as_blocks() -> None:
+    """Qwen3.5's FP8 checkpoints list, each by its full name, the layers they leave float: per
+    Gated DeltaNet layer its convolution and b and a projections, per layer the router and the
+    shared-expert gate, and the embeddings, the LM head, the vision encoder and the
+    multi-token-prediction layers. Baton keeps all of those float (or does not load them); a
+    list naming a layer Baton quantizes (a whole ``linear_attn``) is refused."""
+    import pytest
+
+    from services.worker.engine.quantization.config import parse_quantization
+
+    layer = "model.language_model.layers"
+    floats = ["lm_head", "model.language_model.embed_tokens", "model.visual.blocks.0.attn.qkv",
+              "mtp.fc", "mtp.layers.0.mlp.gate", "mtp.layers.0.mlp.shared_expert_gate"]  # fmt: skip
+    for i in range(4):
+        floats += [f"{layer}.{i}.mlp.gate", f"{layer}.{i}.mlp.shared_expert_gate"]
+        if i % 4 != 3:  # a Gated DeltaNet layer
+            floats += [f"{layer}.{i}.linear_attn.{n}" for n in ("conv1d", "in_proj_a", "in_proj_b")]
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+          "modules_to_not_convert": floats}  # fmt: skip
+    quant = parse_quantization({**TEXT, "quantization_config": qc}, None)
+    assert quant is not None and quant.weights == "block"
+    # (Qwen3-Next's spelling of b and a)
+    qc_next = {**qc, "modules_to_not_convert": ["model.layers.0.linear_attn.in_proj_ba"]}
+    assert parse_quantization({"quantization_config": qc_next}, None) is not None
+    for kept in ("model.layers.0.linear_attn.in_proj_qkv", "re:.*linear_attn.*",
+                 "model.layers.0.linear_attn.out_proj"):  # fmt: skip
+        with pytest.raises(ValueError, match="Baton quantizes"):
+            parse_quantization({"quantization_config": {
+                **qc, "modules_to_not_convert": [*floats, kept]}}, None)  # fmt: skip

@@ -117,10 +117,10 @@ class Qwen3_5Model(DecoderModel):
 class Qwen3_5ForCausalLM(CausalLM):
     packed_modules: ClassVar[dict[str, tuple[str, str | int]]] = {
         **LlamaForCausalLM.packed_modules,
-        "in_proj_qkv": ("in_proj", "qkv"),
-        "in_proj_z": ("in_proj", 3),
-        "in_proj_b": ("in_proj", 4),
-        "in_proj_a": ("in_proj", 5),
+        "in_proj_qkv": ("in_proj_qkvz", "qkv"),
+        "in_proj_z": ("in_proj_qkvz", 3),
+        "in_proj_b": ("in_proj_ba", 0),
+        "in_proj_a": ("in_proj_ba", 1),
     }
 
     # Qwen3_5ForConditionalGeneration's checkpoints: the text decoder under
@@ -152,8 +152,8 @@ class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
 
     packed_modules: ClassVar[dict[str, tuple[str, str | int]]] = {
         **LlamaForCausalLM.packed_modules,
-        "in_proj_qkvz": ("in_proj", "qkvz"),
-        "in_proj_ba": ("in_proj", "ba"),
+        "in_proj_qkvz": ("in_proj_qkvz", "qkvz"),
+        "in_proj_ba": ("in_proj_ba", "ba"),
     }
 
     def checkpoint_target(self, name: str) -> CheckpointTarget | None:

@@ -83,8 +83,8 @@ def _parse(hf: dict[str, Any], requested: str | None) -> QuantConfig | None:
         # what stays float: what Baton keeps float anyway, or the checkpoint is refused
         floats = [n for n in qc.get("modules_to_not_convert") or [] if not _kept_float(n)]
         if floats:
-            raise ValueError(f"fp8 modules_to_not_convert other than lm_head and the MoE "
-                             f"routers are not supported: {floats[:4]}")  # fmt: skip
+            raise ValueError(f"fp8 modules_to_not_convert naming layers that Baton quantizes "
+                             f"are not supported: {floats[:4]}")  # fmt: skip
         return QuantConfig("block", "token_group", method="fp8 (128x128 blocks)")
     if method == "mxfp4":  # (openai/gpt-oss as published)
         raise ValueError("MXFP4 checkpoints are not supported; load a bfloat16 copy of the "
@@ -99,8 +99,8 @@ def _compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
                          "(float-quantized only)")  # fmt: skip
     ignored = [name for name in qc.get("ignore", []) if not _kept_float(name)]
     if ignored:
-        raise ValueError(f"compressed-tensors ignore lists other than lm_head and the MoE "
-                         f"routers are not supported: {ignored[:4]}")  # fmt: skip
+        raise ValueError(f"compressed-tensors ignore lists naming layers that Baton quantizes "
+                         f"are not supported: {ignored[:4]}")  # fmt: skip
     groups = list(qc.get("config_groups", {}).values())
     if len(groups) != 1:
         raise ValueError(f"one compressed-tensors config group is supported, got {len(groups)}")
@@ -125,13 +125,23 @@ def _compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
 
 def _kept_float(ignored: str) -> bool:
     """An ``ignore`` (``modules_to_not_convert``) entry, a name or ``re:`` and a pattern, naming
-    what Baton keeps float anyway: the LM head, and a mixture of experts' routers (``mlp.gate``,
-    Mixtral's ``block_sparse_moe.gate``, MiniMax's bare ``gate``, their correction bias:
-    models/layers/moe.py keeps them unquantized)."""
-    name = ignored.removeprefix("re:").removesuffix("$")
-    return name in ("lm_head", "gate", "e_score_correction_bias") or name.endswith(
-        ("mlp.gate", "block_sparse_moe.gate", "e_score_correction_bias")
-    )
+    what Baton keeps float anyway: the embeddings and the LM head; a mixture of experts'
+    routers (``mlp.gate``, Mixtral's ``block_sparse_moe.gate``, MiniMax's bare ``gate``, their
+    correction bias) and Qwen3-Next's shared-expert gate (models/layers/moe.py keeps them
+    unquantized); Gated DeltaNet's b and a projections and its convolution
+    (models/layers/gated_delta_net.py); or what Baton does not load (a multimodal
+    checkpoint's vision encoder, Qwen's multi-token-prediction layers)."""
+    name = ignored.removeprefix("re:").removesuffix("$").removeprefix(".*")
+    if name.startswith(_NOT_LOADED):
+        return True
+    return name in ("lm_head", "gate", "e_score_correction_bias") or name.endswith(_FLOAT)
+
+
+# (a name's end, with the dot before it where a bare word would match others)
+_FLOAT = ("embed_tokens", "mlp.gate", "block_sparse_moe.gate", "e_score_correction_bias",
+          "shared_expert_gate", "linear_attn.in_proj_a", "linear_attn.in_proj_b",
+          "linear_attn.in_proj_ba", "linear_attn.conv1d")  # fmt: skip
+_NOT_LOADED = ("model.visual.", "visual.", "mtp.")
 
 
 def _kv_cache_scheme(kv: dict[str, Any] | None) -> bool:

@@ -2,10 +2,12 @@
 Face's ``Qwen3_5GatedDeltaNet`` and ``Qwen3NextGatedDeltaNet``), on the flattened batch and a
 state kept in the KV cache's pages.
 
-    x ─ in_proj ─┬─ q, k, v ─ causal conv (kernel K, SiLU) ─ L2-norm q, k ─┐
-                 ├─ b ─ σ ─────────────────────────────────── β ───────────┤ gated delta rule
-                 ├─ a ─ -exp(A_log) · softplus(a + dt_bias) ─ g (log decay)┘ (ops/gated_delta)
-                 └─ z ───────────────────────────────── RMSNorm(o) · SiLU(z) ─ out_proj ─►
+    x ─ in_proj_qkvz ─┬─ q, k, v ─ causal conv (kernel K, SiLU) ─ L2-norm q, k ─┐
+                      └─ z ──────────────────────────────┐                      │
+    x ─ in_proj_ba ───┬─ b ─ σ ──────────────────────────│─── β ────────────────┤ gated delta rule
+                      └─ a ─ -exp(A_log) · softplus(a + dt_bias) ─ g ───────────┘ (ops/gated_delta)
+                                                         │                          │ o
+                                                         └─ RMSNorm(o) · SiLU(z) ◄──┘ ─ out_proj ─►
 
 The state a request carries from step to step is per layer: the convolution's last K - 1
 inputs and, per value head, the delta rule's [key dim × value dim] matrix, in float32. It
@@ -14,10 +16,12 @@ lives in one layer slot of a page of the layer's recurrent KV cache group
 reads the state of the page at block (c - 1) // bs (none at c = 0) and writes the page at
 block (end - 1) // bs (``state_pages``).
 
-Tensor parallelism splits the heads: the projection's q, k, v, z, b and a parts, the
+Tensor parallelism splits the heads: the projections' q, k, v, z, b and a parts, the
 convolution's channels of each, ``A_log`` and ``dt_bias`` (each rank its heads'); the output
 projection is row-parallel.
 """
+
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +37,8 @@ from services.worker.engine.models.layers.linear import (
 )
 from services.worker.engine.models.weights import Loaded, copy_weight, full
 from services.worker.engine.ops.gated_delta import causal_conv1d, gated_delta_rule
+from services.worker.engine.quantization.base import Shard
+from services.worker.engine.quantization.registry import linear_method
 
 # the state's dtype whatever the model's (a bfloat16 state would round the delta rule's sums
 # at every step; Qwen3.5's checkpoints ask for float32, ``mamba_ssm_dtype``): the page slot's
@@ -41,56 +47,64 @@ STATE_DTYPE = torch.float32
 
 
 class GatedDeltaNetProjection(MergedColumnParallelLinear):
-    """q ‖ k ‖ v ‖ z ‖ b ‖ a in one GEMM, each rank its heads of each (parts 0 to 5).
+    """Parts of Gated DeltaNet's input projection in one GEMM, each rank its heads of each:
+    q ‖ k ‖ v ‖ z (``qkvz``, in the model's linear method: FP8 checkpoints quantize it) or
+    b ‖ a (``ba``, [Hv] rows each: always in the model's dtype, as the published FP8
+    checkpoints keep them, in ``modules_to_not_convert``: they feed the gates' sigmoid and
+    softplus, and are narrower than a 128-row block).
 
-    Qwen3.5's checkpoints: ``in_proj_qkv`` holds q, k, v one after another (shard "qkv");
-    ``in_proj_z``/``_b``/``_a`` one part each (shards 3, 4, 5). Qwen3-Next's hold them by key
-    head: ``in_proj_qkvz`` (shard "qkvz") is, for each key head g in turn, its q, its k, and
-    the v and z of the r = Hv / Hk value heads it serves (g·r to g·r + r - 1);
-    ``in_proj_ba`` (shard "ba") the b and a of those r heads the same way."""
+    The checkpoints' spellings (a shard id of the packed-module table): a part's own tensor
+    (its index: Qwen3.5's ``in_proj_z`` 3, ``in_proj_b`` 0, ``in_proj_a`` 1); ``"qkv"``,
+    Qwen3.5's ``in_proj_qkv``, q, k and v one after another; ``"qkvz"`` and ``"ba"``,
+    Qwen3-Next's, stored by key head: for each key head g in turn, its q and k and the v and z
+    (b and a) of the r = Hv / Hk value heads it serves (g·r to g·r + r - 1). Every spelling
+    loads as runs of rows (``Shard``), so that an FP8 checkpoint's scales follow their
+    weights' rows (a block scale by the block its row falls in)."""
 
-    def __init__(self, hidden: int, la: LinearAttentionConfig, ctx: ModelContext):
+    def __init__(self, hidden: int, la: LinearAttentionConfig, parts: str, ctx: ModelContext):
         kd, vd, hv = la.key_dim, la.value_dim, la.num_value_heads
         self.la = la
-        self.full_sizes = [kd, kd, vd, vd, hv, hv]
-        super().__init__(hidden, self.full_sizes, False, ctx.linear)
+        self.full_sizes = [kd, kd, vd, vd] if parts == "qkvz" else [hv, hv]
+        method = ctx.linear if parts == "qkvz" else linear_method(None, ctx.kernels)
+        super().__init__(hidden, self.full_sizes, False, method)
+        # a spelling of several parts → (its parts, whether stored by key head)
+        self.spellings: dict[str | int, tuple[list[int], bool]] = (
+            {"qkv": ([0, 1, 2], False), "qkvz": ([0, 1, 2, 3], True)}
+            if parts == "qkvz" else {"ba": ([0, 1], True)}
+        )  # fmt: skip
 
     def weight_loader(
         self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None
     ) -> None:
-        la = self.la
-        r = la.num_value_heads // la.num_key_heads
-        # a checkpoint's spelling of several parts: (its parts, each part's rows per key head)
-        spans = {
-            "qkv": None,
-            "qkvz": ([0, 1, 2, 3], [la.key_head_dim] * 2 + [r * la.value_head_dim] * 2),
-            "ba": ([4, 5], [r, r]),
-        }
-        if shard_id not in spans:
+        if shard_id not in self.spellings:
             super().weight_loader(param, loaded, shard_id)
             return
-        span = spans[shard_id]
-        parts = span[0] if span is not None else [0, 1, 2]
+        parts, by_key_head = self.spellings[shard_id]
         rows = sum(self.full_sizes[p] for p in parts)
-        if loaded.dim() != 2 or loaded.shape[0] != rows:
-            raise ValueError(
-                f"in_proj_{shard_id}: a tensor of shape {tuple(loaded.shape)} (an FP8 "
-                "checkpoint's scales?) is not supported: load the model's bf16 checkpoint "
-                "(with --quantization fp8 to quantize it at load)"
-            )
-        if span is None:  # one part after another
-            offset = 0
-            for part in parts:
-                size = self.full_sizes[part]
-                super().weight_loader(param, loaded.narrow(0, offset, size), part)
-                offset += size
-            return
-        # by key head: each part's rows gathered from every head's group, in head order
-        # (every rank reads the whole tensor: a small one beside the model's)
-        whole = full(loaded)
-        grouped = whole.view(la.num_key_heads, rows // la.num_key_heads, whole.shape[1])
-        for part, piece in zip(parts, grouped.split(span[1], dim=1), strict=True):
-            super().weight_loader(param, piece.reshape(-1, whole.shape[1]), part)
+        if param is self.weight and (loaded.dim() != 2 or loaded.shape[0] != rows):
+            raise ValueError(f"a weight of shape {tuple(loaded.shape)}, expected {rows} rows")
+        for shard in self._runs(parts, by_key_head, rows):
+            self.load_shard(param, loaded, shard)
+
+    def _runs(self, parts: list[int], by_key_head: bool, rows: int) -> list[Shard]:
+        """Where this rank's rows of a tensor holding ``parts`` (``rows`` in all) go."""
+        dst = [sum(self.out_sizes[:p]) for p in range(len(self.out_sizes))]
+        if not by_key_head:  # one part after another: each rank its slice of each
+            runs, src = [], 0
+            for p in parts:
+                mine = self.out_sizes[p]
+                runs.append(Shard(dst[p], mine, src + self.tp_rank * mine, rows))
+                src += self.full_sizes[p]
+            return runs
+        heads = self.la.num_key_heads
+        mine = heads // self.tp_size  # this rank's key heads: whole groups of rows
+        per = [self.full_sizes[p] // heads for p in parts]  # a part's rows in one group
+        runs = []
+        for j in range(mine):
+            group = (self.tp_rank * mine + j) * (rows // heads)  # the group's first row
+            for p, size, offset in zip(parts, per, accumulate([0, *per]), strict=False):
+                runs.append(Shard(dst[p] + j * size, size, group + offset, rows))
+        return runs
 
 
 class ShortConv(nn.Module):
@@ -156,7 +170,8 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv = la.key_head_dim, la.value_head_dim
         self.key_dim, self.value_dim = self.num_k_heads * self.dk, self.num_v_heads * self.dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.in_proj = GatedDeltaNetProjection(arch.hidden_size, la, ctx)
+        self.in_proj_qkvz = GatedDeltaNetProjection(arch.hidden_size, la, "qkvz", ctx)
+        self.in_proj_ba = GatedDeltaNetProjection(arch.hidden_size, la, "ba", ctx)
         self.conv1d = ShortConv(la)
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
@@ -207,8 +222,8 @@ class GatedDeltaNet(nn.Module):
         meta = meta.group(self.kv_group)
         src, dst, has_state = state_pages(meta, self.block_size)
         kd, vd, hv = self.key_dim, self.value_dim, self.num_v_heads
-        proj = self.in_proj(x)
-        qkv, z, b, a = proj.split([2 * kd + vd, vd, hv, hv], dim=-1)
+        qkv, z = self.in_proj_qkvz(x).split([2 * kd + vd, vd], dim=-1)
+        b, a = self.in_proj_ba(x).split([hv, hv], dim=-1)
         qsl = meta.query_start_loc
         qkv = causal_conv1d(qkv.contiguous(), self.conv1d.weight, self.conv_state, qsl, src,
                             dst, has_state)  # fmt: skip

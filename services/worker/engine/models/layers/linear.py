@@ -68,7 +68,11 @@ class LinearBase(nn.Module):
     def weight_loader(
         self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None
     ) -> None:
-        shard = self.shard(shard_id)
+        self.load_shard(param, loaded, self.shard(shard_id))
+
+    def load_shard(self, param: nn.Parameter, loaded: Loaded, shard: Shard) -> None:
+        """Copy the checkpoint rows ``shard`` names into the parameter's (a weight through
+        its method, which also reads a scale's rows of ``shard.total``)."""
         if param is self.bias and loaded.dim() == 1:
             if self.split_dim == 1:  # row-parallel: the bias is added once, on rank 0 only
                 if self.tp_rank == 0:
