@@ -57,7 +57,7 @@ def _make_tiny_model(args: argparse.Namespace) -> None:
 # keeps the two lists equal; the CLI does not import transformers to print its help)
 TINY_ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
               "deepseek_v2", "deepseek_v3", "gemma3", "gpt_oss", "qwen3_5",
-              "qwen3_next", "glm4_moe", "minimax_m2"]  # fmt: skip
+              "qwen3_next", "qwen3_5_moe", "glm4_moe", "minimax_m2"]  # fmt: skip
 
 DEMO_PROMPTS = ["The quick brown fox", "Return a new list containing", "This module provides"]
 DEMO_CHAT = "What does the json module do?"

@@ -286,7 +286,7 @@ def dequantized_reference(path: str | Path, quantize_activations: bool = True) -
             else:
                 t = t.float() * scale.float().reshape(-1, 1)
         state[k] = t.float()
-    missing, unexpected = model.load_state_dict(_fused_experts(state), strict=False)
+    missing, unexpected = model.load_state_dict(stack_experts(state), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     if config.get("tie_word_embeddings"):
         model.tie_weights()
@@ -312,7 +312,7 @@ def dequantized_reference(path: str | Path, quantize_activations: bool = True) -
     return model.train(False)  # inference mode
 
 
-def _fused_experts(state: dict[str, Any]) -> dict[str, Any]:
+def stack_experts(state: dict[str, Any]) -> dict[str, Any]:
     """``state`` with each layer's per-expert weights stacked as ``transformers`` keeps them
     (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]; Mixtral's
     ``block_sparse_moe`` is its ``mlp``)."""

@@ -90,6 +90,14 @@ _QWEN3_NEXT = {
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "mlp_only_layers": [1],
 }  # fmt: skip
 
+# Qwen3.5-MoE: Qwen3.5's layers with mixture-of-experts feed-forward layers everywhere (8
+# experts, 2 a token, and a gated shared expert); its experts saved stacked, as transformers
+# keeps them (``experts.gate_up_proj``)
+_QWEN3_5_MOE = {
+    **_QWEN3_5, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+}  # fmt: skip
+
 # GLM-4.5: DeepSeek-V3's routing (sigmoid scores, a correction bias, 4 groups of which the best
 # 2 are eligible, weights scaled by 2.5) over 8 experts, 2 a token, one shared expert, layer 0
 # dense; q/k/v biases, q/k norms, a rotary over half of each head of 32
@@ -135,13 +143,14 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt_oss": ("GptOssConfig", _GPT_OSS),
     "qwen3_5": ("Qwen3_5TextConfig", _QWEN3_5),
     "qwen3_next": ("Qwen3NextConfig", _QWEN3_NEXT),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", _QWEN3_5_MOE),
     "glm4_moe": ("Glm4MoeConfig", _GLM4_MOE),
     "minimax_m2": ("MiniMaxM2Config", _MINIMAX_M2),
 }
 # decoder layers where an arch needs more than make_tiny_model's default 2 (gemma3: two
 # rounds of its sliding, sliding, global pattern; gpt_oss: two of sliding, full; qwen3_5 and
 # qwen3_next: one of three linear-attention layers and a full one)
-DEFAULT_LAYERS = {"gemma3": 6, "gpt_oss": 4, "qwen3_5": 4, "qwen3_next": 4}
+DEFAULT_LAYERS = {"gemma3": 6, "gpt_oss": 4, "qwen3_5": 4, "qwen3_next": 4, "qwen3_5_moe": 4}
 
 
 def corpus() -> list[str]:
@@ -159,8 +168,13 @@ def corpus() -> list[str]:
     return texts
 
 
-def train_tokenizer(out_dir: Path, vocab_size: int = 1024) -> int:
-    """Train byte-level BPE, save it as a transformers fast tokenizer; returns its size."""
+def train_tokenizer(out_dir: Path, vocab_size: int = 1024, splits_like: str | None = None) -> int:
+    """Train byte-level BPE, save it as a transformers fast tokenizer; returns its size.
+    ``splits_like``: a ``transformers`` tokenizer class whose normalizer and pre-tokenizer the
+    saved one takes (for model types whose tokenizer transformers rebuilds from the vocabulary
+    and merges with its own splitting, whatever the checkpoint's says, as the published
+    checkpoints' own tokenizer.json splits: the engine's tokenizer and the gateway's agree)."""
+    import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -181,6 +195,10 @@ def train_tokenizer(out_dir: Path, vocab_size: int = 1024) -> int:
         chat_template=CHAT_TEMPLATE,
     )
     fast.save_pretrained(out_dir)
+    if splits_like is not None:
+        rebuilt = getattr(transformers, splits_like).from_pretrained(out_dir).backend_tokenizer
+        tok.normalizer, tok.pre_tokenizer = rebuilt.normalizer, rebuilt.pre_tokenizer
+        tok.save(str(Path(out_dir) / "tokenizer.json"))
     return len(fast)
 
 
@@ -209,7 +227,7 @@ def make_tiny_model(
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(sorted(ARCHS))}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    vocab = train_tokenizer(out)
+    vocab = train_tokenizer(out, splits_like=SPLITS_LIKE.get(arch))
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     cls_name, extra = ARCHS[arch]
     num_layers = num_layers or DEFAULT_LAYERS.get(arch, 2)
@@ -253,7 +271,7 @@ def make_tiny_model(
         _random_correction_bias(model)
     if arch in ("glm4_moe", "minimax_m2"):  # q/k norms of w start at w = 1: random, tested
         _random_qk_norms(model)
-    if arch in ("gemma3", "qwen3_5", "qwen3_next"):  # norms of 1 + w start at 0: random, tested
+    if arch in ("gemma3", "qwen3_5", "qwen3_next", "qwen3_5_moe"):  # norms of 1 + w start at 0
         _random_norms(model)
     if arch == "gpt_oss":
         _random_expert_biases(model)
@@ -265,6 +283,8 @@ def make_tiny_model(
         f"{max(1, _param_bytes(model) // num_shards // 1000 + 1)}KB" if num_shards > 1 else "5GB"
     )
     model.save_pretrained(out, max_shard_size=shard)
+    if arch in STACKED_EXPERTS:
+        _stack_experts(out)
     if quantize is not None:
         from baton.tiny_fp8 import quantize_checkpoint
 
@@ -283,7 +303,30 @@ def make_tiny_model(
 # summation order, two ranks) could flip; scaled, each token's choice is clear and its tokens
 # still spread over most experts (tests/integration/test_moe_models.py counts them)
 ROUTER_SCALE = {"qwen3_moe": 4.0, "mixtral": 4.0, "deepseek_v2": 4.0, "deepseek_v3": 4.0,
-                "gpt_oss": 4.0, "qwen3_next": 4.0, "glm4_moe": 4.0, "minimax_m2": 4.0}  # fmt: skip
+                "gpt_oss": 4.0, "qwen3_next": 4.0, "glm4_moe": 4.0, "minimax_m2": 4.0,
+                "qwen3_5_moe": 4.0}  # fmt: skip
+
+
+# archs whose tokenizer transformers rebuilds with its own splitting (its
+# MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS; Qwen2's and MiniMax-M2's split as this byte-level
+# BPE does) → that tokenizer class
+SPLITS_LIKE = {"qwen3_5_moe": "Qwen3_5Tokenizer"}
+
+# archs whose published bf16 checkpoints keep a layer's experts stacked as transformers holds
+# them (``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]), where
+# ``save_pretrained`` writes each expert's projections apart
+STACKED_EXPERTS = ("qwen3_5_moe",)
+
+
+def _stack_experts(out: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from baton.tiny_fp8 import stack_experts
+
+    files = list(out.glob("*.safetensors"))
+    if len(files) != 1:
+        raise ValueError("stacked experts are written to one safetensors file (num_shards=1)")
+    save_file(stack_experts(load_file(files[0])), str(files[0]), metadata={"format": "pt"})
 
 
 def _spread_routers(model: Any, scale: float) -> None:

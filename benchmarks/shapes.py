@@ -120,6 +120,24 @@ SHAPES = {
         "partial_rotary_factor": 0.25, "tie_word_embeddings": False,
         "torch_dtype": "bfloat16", "eos_token_id": 0,
     },
+    # Qwen/Qwen3.5-35B-A3B's text model (transformers' Qwen3_5MoeTextConfig defaults, its
+    # shipped rotary): Qwen3-Next's layers at 2048 wide (16 key heads, 32 value heads of 128;
+    # attention 16 heads, 2 KV heads of 256), 40 layers, every one 256 experts of 512, 8 a
+    # token, and a gated shared expert of 512; 35B parameters (70 GB in bf16: one H200)
+    "qwen3.5-35b-a3b": {
+        "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
+        "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
+        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+        "hidden_act": "silu", "full_attention_interval": 4,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+        "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                            "partial_rotary_factor": 0.25},
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "eos_token_id": 0,
+    },
     # zai-org/GLM-4.5-Air (transformers' Glm4MoeConfig defaults): 46 layers of 96 heads and 8 KV
     # heads of 128, half of each rotated, q/k/v biases; 128 experts of 1,408, 8 a token, one
     # shared expert, layer 0 dense; 106B parameters (its FP8 checkpoint fits one H200)

@@ -10,8 +10,9 @@ for token.
 - a tiny Qwen3.5 (three Gated DeltaNet layers to each full-attention one): the decode worker
   pulls the attention's blocks and each recurrent layer's state at the prompt's end, and a
   killed decode worker's streams resume elsewhere;
-- a tiny Qwen3-Next (Qwen3.5's layers with experts and a gated shared expert): the same pull
-  (the resume test runs gpt-oss and Qwen3.5)."""
+- a tiny Qwen3-Next (Qwen3.5's layers with experts and a gated shared expert) and a tiny
+  Qwen3.5-MoE (experts in every layer, stacked in its checkpoint): the same pull (the resume
+  test runs gpt-oss and Qwen3.5)."""
 
 import json
 import signal
@@ -35,7 +36,8 @@ from tests.e2e.conftest import (
 
 
 @pytest.fixture(
-    scope="module", params=["deepseek_v3", "gpt_oss", "gemma3", "qwen3_5", "qwen3_next"]
+    scope="module",
+    params=["deepseek_v3", "gpt_oss", "gemma3", "qwen3_5", "qwen3_next", "qwen3_5_moe"],
 )
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param)

@@ -1,6 +1,6 @@
-"""FP8 checkpoints of the Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next) as they are published:
-128 × 128 blocks over q ‖ k ‖ v ‖ z and the output projection, the b and a projections, the
-convolution, the routers and the shared-expert gate left float and listed in
+"""FP8 checkpoints of the Gated DeltaNet hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) as they are
+published: 128 × 128 blocks over q ‖ k ‖ v ‖ z and the output projection, the b and a
+projections, the convolution, the routers and the shared-expert gate left float and listed in
 ``modules_to_not_convert`` (compressed-tensors per channel: in ``ignore``). The engine's greedy
 tokens are checked against a plain-PyTorch reference that dequantizes the same weights
 (``baton/tiny_fp8``), as for the dense and MoE FP8 layers.
@@ -28,6 +28,8 @@ CASES: dict[str, dict[str, Any]] = {
     "qwen3_5-fp8-block": {"arch": "qwen3_5", **_BLOCK},
     # (experts and the shared expert 256 wide: two ranks split the shared one in whole groups)
     "qwen3_next-fp8-block": {"arch": "qwen3_next", **_BLOCK, "moe_intermediate_size": 256},
+    # (Qwen3.5-MoE's FP8 checkpoints keep each expert's projections apart, its bf16 ones stacked)
+    "qwen3_5_moe-fp8-block": {"arch": "qwen3_5_moe", **_BLOCK, "moe_intermediate_size": 256},
     "qwen3_5-fp8-channel": {"arch": "qwen3_5", "quantize": "fp8-channel"},
 }
 

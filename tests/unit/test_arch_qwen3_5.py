@@ -60,6 +60,23 @@ def test_qwen3_next_80bs_published_config() -> None:
     assert state_block_size(arch, 16, 1, 2) == 1072
 
 
+def test_qwen3_5_35b_a3bs_config() -> None:
+    """Qwen3.5-MoE's config names no dense MLP and no ``norm_topk_prob``: every layer is a
+    mixture of experts, its top-k weights renormalized (as transformers' router does); the
+    layer kinds from the interval; the state as Qwen3-Next's, at the same block size."""
+    cfg = {k: v for k, v in SHAPES["qwen3.5-35b-a3b"].items() if k != "rope_parameters"}
+    arch = load_arch_config("", cfg)
+    assert arch.layer_cache_kinds() == (RECURRENT, RECURRENT, RECURRENT, None) * 10
+    assert arch.partial_rotary_factor == 0.25  # (transformers' default where none is named)
+    assert arch.moe is not None and arch.moe.sparse_layers == tuple(range(40))
+    assert (arch.moe.num_experts, arch.moe.top_k) == (256, 8) and arch.moe.norm_topk_prob
+    assert arch.moe.shared_intermediate_size == 512 and arch.moe.shared_expert_gate
+    assert state_block_size(arch, 16, 1, 2) == 1072
+    multimodal = {"architectures": ["Qwen3_5MoeForConditionalGeneration"],
+                  "model_type": "qwen3_5_moe", "text_config": cfg}  # fmt: skip
+    assert load_arch_config("", multimodal).moe == arch.moe
+
+
 def test_the_published_fp8_configs_read_as_blocks() -> None:
     """Qwen3.5's FP8 checkpoints list, each by its full name, the layers they leave float: per
     Gated DeltaNet layer its convolution and b and a projections, per layer the router and the

@@ -238,8 +238,8 @@ def _sliding_window(cfg: dict[str, Any]) -> int | None:
 
 
 def _moe(cfg: dict[str, Any], num_layers: int) -> MoEConfig | None:
-    """The MoE fields of a Qwen3-MoE, Qwen3-Next, Mixtral, DeepSeek-V2/V3, GLM-4.5, MiniMax-M2
-    or gpt-oss config; None for a dense one."""
+    """The MoE fields of a Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral, DeepSeek-V2/V3,
+    GLM-4.5, MiniMax-M2 or gpt-oss config; None for a dense one."""
     experts = cfg.get("num_experts", cfg.get("num_local_experts", cfg.get("n_routed_experts")))
     if not experts:
         return None
@@ -270,13 +270,16 @@ def _moe(cfg: dict[str, Any], num_layers: int) -> MoEConfig | None:
     if model_type == "mixtral":
         return MoEConfig(int(experts), top_k, int(cfg["intermediate_size"]),
                          router_float32=False, sparse_layers=tuple(range(num_layers)))  # fmt: skip
-    if model_type in ("qwen3_moe", "qwen3_next"):
-        step = int(cfg.get("decoder_sparse_step") or 1)
-        dense = set(cfg.get("mlp_only_layers") or [])
-        sparse = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
-        shared = int(cfg.get("shared_expert_intermediate_size") or 0)  # (Qwen3-Next's)
-        # (transformers' defaults where a config leaves it out: Qwen3-MoE's False, Next's True)
-        norm = cfg.get("norm_topk_prob", model_type == "qwen3_next")
+    if model_type in ("qwen3_moe", "qwen3_next", "qwen3_5_moe_text"):
+        sparse = tuple(range(num_layers))  # (Qwen3.5-MoE: every layer, whatever the config)
+        norm = True  # (and always renormalized)
+        if model_type != "qwen3_5_moe_text":
+            step = int(cfg.get("decoder_sparse_step") or 1)
+            dense = set(cfg.get("mlp_only_layers") or [])
+            sparse = tuple(i for i in sparse if i not in dense and (i + 1) % step == 0)
+            # (transformers' default where a config leaves it out: Qwen3-MoE's False)
+            norm = cfg.get("norm_topk_prob", model_type == "qwen3_next")
+        shared = int(cfg.get("shared_expert_intermediate_size") or 0)  # (Qwen3-Next's, 3.5's)
         return MoEConfig(int(experts), top_k, int(cfg["moe_intermediate_size"]),
                          norm_topk_prob=bool(norm),
                          router_float32=False, shared_intermediate_size=shared,
@@ -326,6 +329,9 @@ def _layer_ropes(cfg: dict[str, Any]) -> tuple[RopeConfig, RopeConfig | None]:
     return _rope(cfg, _GEMMA3_THETA["full_attention"]), RopeConfig(theta=local)
 
 
+_GATED_DELTA_NET = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # (their model_types)
+
+
 def _layer_types(cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:
     """The config's ``layer_types``, or where it gives none, the kinds transformers derives: an
     older Gemma 3 config's every ``sliding_window_pattern``-th layer global, gpt-oss's even
@@ -338,7 +344,7 @@ def _layer_types(cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:
     if kinds is None and cfg.get("model_type") == "gpt_oss" and _sliding_window(cfg):
         # (transformers' default: the even layers slide)
         kinds = ["full_attention" if i % 2 else "sliding_attention" for i in range(num_layers)]
-    if kinds is None and cfg.get("model_type") in ("qwen3_next", "qwen3_5_text"):
+    if kinds is None and cfg.get("model_type") in _GATED_DELTA_NET:
         # every ``full_attention_interval``-th layer attends, the others are Gated DeltaNet
         # (Qwen3-Next's published configs give the interval, not the list)
         every = int(cfg.get("full_attention_interval") or 4)
@@ -412,7 +418,7 @@ def load_hf_config(model: str | Path) -> dict[str, Any]:
 # multimodal checkpoints whose text model the engine serves alone: model_type → its text
 # config's (Qwen3.5's published checkpoints are Qwen3_5ForConditionalGeneration: a vision
 # encoder beside the text decoder, whose config sits in ``text_config``)
-_TEXT_OF_MULTIMODAL = {"qwen3_5": "qwen3_5_text"}
+_TEXT_OF_MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -438,9 +444,11 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
 _TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
     "glm4_moe": {"first_k_dense_replace": 1, "n_shared_experts": 1, "rms_norm_eps": 1e-5},
     "minimax_m2": {"head_dim": 128, "rope_theta": 5_000_000.0},
+    # (every layer a mixture of experts: its configs name no dense MLP)
+    "qwen3_5_moe_text": {"intermediate_size": 0},
 }
 # the share of each head the rotary turns where a config names none (Glm4MoeConfig's 0.5)
-_PARTIAL_ROTARY = {"glm4_moe": 0.5}
+_PARTIAL_ROTARY = {"glm4_moe": 0.5, **dict.fromkeys(_GATED_DELTA_NET, 0.25)}
 
 
 def load_arch_config(model_dir: str | Path, cfg: dict[str, Any] | None = None) -> ArchConfig:

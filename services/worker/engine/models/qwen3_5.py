@@ -1,5 +1,6 @@
-"""Qwen3.5's text decoder (``Qwen3_5ForCausalLM``, model_type ``qwen3_5_text``) and Qwen3-Next
-(``Qwen3NextForCausalLM``, the same decoder with mixture-of-experts layers): a hybrid of
+"""Qwen3.5's text decoder (``Qwen3_5ForCausalLM``, model_type ``qwen3_5_text``), Qwen3.5-MoE's
+(``Qwen3_5MoeForCausalLM``) and Qwen3-Next (``Qwen3NextForCausalLM``), the same decoder with
+mixture-of-experts layers: a hybrid of
 Gated DeltaNet layers (``layers/gated_delta_net.py``, a fixed-size recurrent state per request)
 and full-attention layers, three of the first for every one of the second, after Hugging
 Face's ``modeling_qwen3_5.py``.
@@ -14,8 +15,9 @@ What sets it apart from the Llama family (models/llama.py):
   (``partial_rotary_factor``, 0.25);
 - its RMSNorms scale by (1 + w) in float32, as Gemma's (``GemmaRMSNorm``).
 
-The feed-forward layers are Llama's dense SiLU MLPs (Qwen3-Next's: experts, ``MoEBlock``,
-beside dense ones where ``mlp_only_layers`` says). The rotary stays unfused (the fused kernel
+The feed-forward layers are Llama's dense SiLU MLPs (Qwen3.5-MoE's and Qwen3-Next's: experts,
+``MoEBlock``, with a gated shared expert; Qwen3-Next's beside dense ones where
+``mlp_only_layers`` says). The rotary stays unfused (the fused kernel
 turns whole heads), and the backend stores the keys.
 """
 
@@ -29,7 +31,11 @@ from services.worker.engine.model_config import ArchConfig
 from services.worker.engine.models.context import ModelContext
 from services.worker.engine.models.gemma3 import GemmaRMSNorm
 from services.worker.engine.models.layers.gated_delta_net import GatedDeltaNet
-from services.worker.engine.models.layers.moe import MoEBlock, expert_target
+from services.worker.engine.models.layers.moe import (
+    MoEBlock,
+    expert_target,
+    stacked_expert_target,
+)
 from services.worker.engine.models.layers.rotary import RotaryEmbedding
 from services.worker.engine.models.llama import (
     CausalLM,
@@ -172,6 +178,20 @@ class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
                     name.replace(f".shared_expert.{theirs}.", f".shared_experts.{ours}."), shard
                 )
         return None
+
+
+class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
+    """Qwen3.5-MoE (the 35B-A3B to the 397B-A17B, and the published
+    ``Qwen3_5MoeForConditionalGeneration`` checkpoints' text model): Qwen3-Next's decoder,
+    every layer's feed-forward a mixture of experts, with Qwen3.5's Gated DeltaNet projections
+    (``in_proj_qkv``, ``_z``, ``_b``, ``_a``). Its bf16 checkpoints keep a layer's experts
+    stacked as ``transformers`` does (``experts.gate_up_proj`` [E, 2I, H], ``down_proj``
+    [E, H, I]); its FP8 ones each expert's projections apart, as Qwen3-Next's."""
+
+    packed_modules: ClassVar[dict[str, tuple[str, str | int]]] = Qwen3_5ForCausalLM.packed_modules
+
+    def checkpoint_target(self, name: str) -> CheckpointTarget | None:
+        return stacked_expert_target(name, interleaved=False) or super().checkpoint_target(name)
 
 
 # Qwen3-Next's shared expert's projections → ours (``layers/moe.SharedExperts``), shard

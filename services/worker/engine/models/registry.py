@@ -25,7 +25,10 @@ _MODELS: dict[str, str] = {
     # (its text decoder: the vision encoder's weights are not loaded, images are refused)
     "Qwen3_5ForConditionalGeneration": "services.worker.engine.models.qwen3_5:Qwen3_5ForCausalLM",
     "Qwen3NextForCausalLM": "services.worker.engine.models.qwen3_5:Qwen3NextForCausalLM",
+    "Qwen3_5MoeForCausalLM": "services.worker.engine.models.qwen3_5:Qwen3_5MoeForCausalLM",
 }
+_QWEN3_5_MOE = "services.worker.engine.models.qwen3_5:Qwen3_5MoeForCausalLM"
+_MODELS["Qwen3_5MoeForConditionalGeneration"] = _QWEN3_5_MOE  # (its text decoder, as above)
 
 
 # the architectures whose models apply the config's sliding window (on its ``layer_types``); the

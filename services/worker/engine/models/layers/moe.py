@@ -58,16 +58,24 @@ class ExpertShard:
 
 @dataclass(frozen=True, slots=True)
 class StackedExperts:
-    """The shard id of a checkpoint tensor that holds every expert's projection at once, as
-    gpt-oss's checkpoints keep them, each expert's weight transposed ([in, out]):
+    """The shard id of a checkpoint tensor that holds every expert's projection at once, in one
+    of two layouts. gpt-oss's checkpoints keep each expert's weight transposed ([in, out]),
+    gate and up interleaved (``interleaved``):
 
         gate_up_proj       [E, H, 2I]   the last dim interleaved: g0 u0 g1 u1 ... (gate, up)
         gate_up_proj_bias  [E, 2I]      the same interleaving
         down_proj          [E, I, H]
         down_proj_bias     [E, H]
+
+    ``transformers``' own (Qwen3.5-MoE's checkpoints) keeps each as it multiplies, [out, in],
+    gate then up:
+
+        gate_up_proj       [E, 2I, H]   rows: gate's I, then up's I
+        down_proj          [E, H, I]
     """
 
     gate_up: bool  # gate_up_proj(_bias); else down_proj(_bias)
+    interleaved: bool = True  # gpt-oss's layout; else transformers'
 
 
 ACTIVATIONS = ("silu", "swiglu_clamped")  # MoEConfig.activation's values (FusedMoE.activate)
@@ -97,16 +105,17 @@ _STACKED = re.compile(
 )
 
 
-def stacked_expert_target(name: str) -> CheckpointTarget | None:
+def stacked_expert_target(name: str, interleaved: bool = True) -> CheckpointTarget | None:
     """``<prefix>.experts.gate_up_proj`` (``down_proj``, each ``_bias``) → ``w13_weight``
-    (``w2_weight``, ``w13_bias``, ``w2_bias``) with a ``StackedExperts`` shard; None for
-    another name. Only a model whose checkpoints use this layout asks (gpt-oss)."""
+    (``w2_weight``, ``w13_bias``, ``w2_bias``) with a ``StackedExperts`` shard of the layout
+    ``interleaved`` says; None for another name. Only a model whose checkpoints use such a
+    layout asks (gpt-oss; Qwen3.5-MoE, transformers' layout)."""
     m = _STACKED.match(name)
     if m is None:
         return None
     gate_up = m["proj"] == "gate_up_proj"
     param = f"{m['prefix']}.{'w13' if gate_up else 'w2'}_{'bias' if m['bias'] else 'weight'}"
-    return CheckpointTarget(param, StackedExperts(gate_up))
+    return CheckpointTarget(param, StackedExperts(gate_up, interleaved))
 
 
 def select_experts(
@@ -230,7 +239,7 @@ class FusedMoE(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: object) -> None:
         if isinstance(shard_id, StackedExperts):
-            self._load_stacked(param, loaded, shard_id.gate_up)
+            self._load_stacked(param, loaded, shard_id)
             return
         assert isinstance(shard_id, ExpertShard)  # (the model's checkpoint_target is ours)
         if not 0 <= shard_id.expert < self.total_experts:
@@ -261,12 +270,23 @@ class FusedMoE(nn.Module):
             return
         copy_weight(expert_part(param, expert, proj), self.rank_slice(loaded, proj))
 
-    def _load_stacked(self, param: nn.Parameter, loaded: Loaded, gate_up: bool) -> None:
-        """Every expert's weight or bias in one tensor (``StackedExperts`` draws the layout):
+    def _load_stacked(self, param: nn.Parameter, loaded: Loaded, layout: StackedExperts) -> None:
+        """Every expert's weight or bias in one tensor (``StackedExperts`` draws the layouts):
         this rank's experts are read whole, then each loads as one expert's tensors do."""
+        if loaded.dim() < 2 or loaded.shape[0] != self.total_experts:
+            raise ValueError(f"stacked experts of shape {tuple(loaded.shape)}, expected "
+                             f"{self.total_experts} (the config's num_experts) first")  # fmt: skip
         mine = full(loaded.narrow(0, self.first_expert, self.num_experts))
         for e, t in enumerate(mine):
-            if not gate_up:
+            if not layout.interleaved:  # [out, in], gate's rows then up's
+                if layout.gate_up:
+                    gate, up = t.chunk(2, dim=0)
+                    self._load_expert(param, gate, e, "gate")
+                    self._load_expert(param, up, e, "up")
+                else:
+                    self._load_expert(param, t, e, "down")
+                continue
+            if not layout.gate_up:
                 self._load_expert(param, t.T if t.dim() == 2 else t, e, "down")
                 continue
             halves: tuple[tuple[Proj, torch.Tensor], ...] = (("gate", t[..., 0::2]),
