@@ -1,8 +1,9 @@
-"""Qwen3.5 (Gated DeltaNet hybrid) and Qwen3-Next (the same with experts) on the GPU (the CPU
-suites are tests/integration/test_qwen3_5.py and test_qwen3_next.py): the Triton kernels of
-``ops/gated_delta.py`` (the chunked prefill, the recurrent decode step, the short
-convolution), the decode steps in CUDA graphs, against eager execution and Hugging Face on the
-CPU (float32); in bfloat16 close to float32; no host sync inside a step."""
+"""Qwen3.5 (Gated DeltaNet hybrid), Qwen3-Next and Qwen3.5-MoE (the same with experts) on the
+GPU (the CPU suites are tests/integration/test_qwen3_5.py, test_qwen3_next.py and
+test_qwen3_5_moe.py): the Triton kernels of ``ops/gated_delta.py`` (the chunked prefill, the
+recurrent decode step, the short convolution), the decode steps in CUDA graphs, against eager
+execution and Hugging Face on the CPU (float32); in bfloat16 close to float32; no host sync
+inside a step."""
 
 from pathlib import Path
 from typing import Any
@@ -30,10 +31,10 @@ KW: dict[str, Any] = {"max_num_batched_tokens": 64, "max_num_seqs": 8, "show_pro
 LONG = [[(13 * i) % 900 + 4 for i in range(n)] for n in (150, 200)]
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next", "qwen3_5_moe"])
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Qwen3.5's tiny checkpoint, and Qwen3-Next's (the same layers, with experts: the fused
-    MoE kernel captured beside the Gated DeltaNet kernels)."""
+    """Qwen3.5's tiny checkpoint, Qwen3-Next's and Qwen3.5-MoE's (the same layers, with
+    experts: the fused MoE kernel captured beside the Gated DeltaNet kernels)."""
     arch = request.param
     return make_tiny_model(tmp_path_factory.mktemp(f"{arch}-gpu") / "m", arch=arch)
 
