@@ -21,6 +21,11 @@ Mixture-of-experts models (Qwen3-MoE, Mixtral) quantize every expert's projectio
 own tensors (``experts.<e>.gate_proj``, ``w1``, ...: the names real checkpoints have, which
 ``save_pretrained`` writes too); the router stays float (compressed-tensors lists it in
 ``ignore``). Their activations are dynamic (fp8-channel, fp8-block).
+
+Gated DeltaNet hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) quantize q ‖ k ‖ v ‖ z and the output
+projection; their b and a projections, convolution, routers and shared-expert gates stay float
+and are listed by name (``modules_to_not_convert``, or ``ignore``), as the published FP8
+checkpoints list them.
 """
 
 import contextlib

@@ -81,8 +81,9 @@ def test_the_published_fp8_configs_read_as_blocks() -> None:
     """Qwen3.5's FP8 checkpoints list, each by its full name, the layers they leave float: per
     Gated DeltaNet layer its convolution and b and a projections, per layer the router and the
     shared-expert gate, and the embeddings, the LM head, the vision encoder and the
-    multi-token-prediction layers. Baton keeps all of those float (or does not load them); a
-    list naming a layer Baton quantizes (a whole ``linear_attn``) is refused."""
+    multi-token-prediction layers (norms and the decays' parameters too, in some). Baton keeps
+    all of those float (or does not load them); a list naming a layer Baton quantizes, or a
+    module holding one, by name or by a pattern matching it, is refused."""
     import pytest
 
     from services.worker.engine.quantization.config import parse_quantization
@@ -94,6 +95,7 @@ def test_the_published_fp8_configs_read_as_blocks() -> None:
         floats += [f"{layer}.{i}.mlp.gate", f"{layer}.{i}.mlp.shared_expert_gate"]
         if i % 4 != 3:  # a Gated DeltaNet layer
             floats += [f"{layer}.{i}.linear_attn.{n}" for n in ("conv1d", "in_proj_a", "in_proj_b")]
+    floats += [f"{layer}.0.input_layernorm", f"{layer}.0.linear_attn.A_log", "re:.*mlp\\.gate$"]
     qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
           "modules_to_not_convert": floats}  # fmt: skip
     quant = parse_quantization({**TEXT, "quantization_config": qc}, None)
@@ -102,7 +104,8 @@ def test_the_published_fp8_configs_read_as_blocks() -> None:
     qc_next = {**qc, "modules_to_not_convert": ["model.layers.0.linear_attn.in_proj_ba"]}
     assert parse_quantization({"quantization_config": qc_next}, None) is not None
     for kept in ("model.layers.0.linear_attn.in_proj_qkv", "re:.*linear_attn.*",
-                 "model.layers.0.linear_attn.out_proj"):  # fmt: skip
+                 "model.layers.7.linear_attn.out_proj", "model.language_model.layers.3.mlp",
+                 "re:.*gate", "re:.*mlp\\.shared_expert$", "re:.*mlp.gate"):  # fmt: skip
         with pytest.raises(ValueError, match="Baton quantizes"):
             parse_quantization({"quantization_config": {
                 **qc, "modules_to_not_convert": [*floats, kept]}}, None)  # fmt: skip

@@ -335,3 +335,47 @@ def test_an_expert_past_the_configs_count_is_refused() -> None:
     tensors[f"layer.experts.{moe.num_experts}.gate_proj.weight"] = torch.zeros(16, H)
     with pytest.raises(ValueError, match=f"expert {moe.num_experts} of a layer of"):
         _build(moe, H, tensors)
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["tp-slices", "expert-parallel"])
+def test_stacked_experts_load_each_ranks_rows_and_read_only_them(ep: bool, tmp_path: Path) -> None:
+    """transformers' stacked layout (Qwen3.5-MoE's bf16 checkpoints: ``gate_up_proj``
+    [E, 2I, H], gate's rows then up's; ``down_proj`` [E, H, I]) loads as the per-expert
+    tensors do, and a rank reads from the file only its share: half of every expert's rows
+    (or its half of the experts)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from services.worker.engine.models.layers.moe import stacked_expert_target
+    from services.worker.engine.models.weights import CheckpointTensor, ReadCounter
+
+    moe = _moe()
+    tensors = _checkpoint(moe, H)
+    per = [("w1", "w3", "w2") if e % 2 else ("gate_proj", "up_proj", "down_proj")
+           for e in range(moe.num_experts)]  # fmt: skip
+    w = {n: [tensors[f"layer.experts.{e}.{p[k]}.weight"] for e, p in enumerate(per)]
+         for k, n in enumerate(("gate", "up", "down"))}  # fmt: skip
+    stacked = {
+        "layer.experts.gate_up_proj": torch.stack(
+            [torch.cat([g, u]) for g, u in zip(w["gate"], w["up"], strict=True)]),
+        "layer.experts.down_proj": torch.stack(w["down"]),
+    }  # fmt: skip
+    save_file(stacked, str(tmp_path / "experts.safetensors"))
+    whole = sum(t.numel() * 4 for t in stacked.values())
+    for rank in range(2):
+        with use_tp_group(GroupCoordinator(rank, 2)):
+            want = _build(moe, H, tensors, ep=ep)
+            layer = FusedMoE(moe, H, moe_method(None, kernels=False), ep)
+            params = dict(layer.named_parameters())
+            counter = ReadCounter()
+            with safe_open(str(tmp_path / "experts.safetensors"), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    target = stacked_expert_target(name, interleaved=False)
+                    assert target is not None
+                    param = params[target.param.removeprefix("layer.experts.")]
+                    layer.weight_loader(param, CheckpointTensor.of(f.get_slice(name), counter),
+                                        target.shard)  # fmt: skip
+        assert layer.unloaded_weights() == []
+        for name in ("w13_weight", "w2_weight"):
+            torch.testing.assert_close(getattr(layer, name), getattr(want, name), rtol=0, atol=0)
+        assert counter.bytes == whole // 2

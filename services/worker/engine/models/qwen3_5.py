@@ -75,7 +75,7 @@ class Qwen3_5DecoderLayer(PreNormDecoderLayer):
         else:
             self.self_attn = Qwen3_5Attention(arch, ctx, rotary)
         self.mlp: LlamaMLP | MoEBlock
-        if arch.moe is not None and index in arch.moe.sparse_layers:  # (Qwen3-Next)
+        if arch.moe is not None and index in arch.moe.sparse_layers:  # (Qwen3-Next, 3.5-MoE)
             self.mlp = MoEBlock(arch, ctx)
         else:
             self.mlp = LlamaMLP(arch, ctx)

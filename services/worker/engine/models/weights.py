@@ -29,6 +29,8 @@ class CheckpointTensor:
     shape: tuple[int, ...]
     counter: ReadCounter
     region: tuple[slice, ...] = field(default=())  # one slice per dimension; () = all of it
+    # the handle's first dimension is one entry of it (``entry``), not shown in ``shape``
+    entry_of: bool = False
 
     @classmethod
     def of(cls, handle: Any, counter: ReadCounter) -> "CheckpointTensor":
@@ -44,18 +46,30 @@ class CheckpointTensor:
             raise ValueError(
                 f"slice [{start}, {start + length}) of dimension {dim} is outside {self.shape}"
             )
-        base = self.region[dim].start
+        at = dim + int(self.entry_of)  # (the region's dimension)
+        base = self.region[at].start
         region = list(self.region)
-        region[dim] = slice(base + start, base + start + length)
+        region[at] = slice(base + start, base + start + length)
         shape = list(self.shape)
         shape[dim] = length
-        return CheckpointTensor(self.handle, tuple(shape), self.counter, tuple(region))
+        return CheckpointTensor(self.handle, tuple(shape), self.counter, tuple(region),
+                                self.entry_of)  # fmt: skip
+
+    def entry(self, index: int) -> "CheckpointTensor":
+        """Entry ``index`` of the first dimension (one expert of a stacked tensor), as lazy:
+        its narrowing reads only what is narrowed to."""
+        if self.entry_of or not self.shape:
+            raise ValueError("an entry of an entry (or of a scalar) is not supported")
+        one = self.narrow(0, index, 1)
+        return CheckpointTensor(self.handle, one.shape[1:], self.counter, one.region, True)
 
     def load(self) -> torch.Tensor:
-        if not self.shape:  # a scalar (a KV cache scale): safetensors cannot slice it
-            t = self.handle[()]
+        if not self.region:  # a scalar (a KV cache scale): safetensors cannot slice it
+            t = self.handle[()] if not self.shape else self.handle[:]
         else:
-            t = self.handle[self.region] if self.region else self.handle[:]
+            t = self.handle[self.region]
+        if self.entry_of:
+            t = t[0]
         self.counter.bytes += t.numel() * t.element_size()
         self.counter.tensors += 1
         return t

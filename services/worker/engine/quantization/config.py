@@ -3,6 +3,7 @@ that configuration (and the CLI) never imports torch. The formats are described 
 package's docstring; the methods that run them are chosen in ``registry.py``.
 """
 
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -81,7 +82,7 @@ def _parse(hf: dict[str, Any], requested: str | None) -> QuantConfig | None:
         if qc.get("fmt", "e4m3") not in ("e4m3", "float8_e4m3fn"):  # (MiniMax's spelling)
             raise ValueError(f"unsupported fp8 format {qc.get('fmt')!r} (e4m3 only)")
         # what stays float: what Baton keeps float anyway, or the checkpoint is refused
-        floats = [n for n in qc.get("modules_to_not_convert") or [] if not _kept_float(n)]
+        floats = [n for n in qc.get("modules_to_not_convert") or [] if _names_quantized(n)]
         if floats:
             raise ValueError(f"fp8 modules_to_not_convert naming layers that Baton quantizes "
                              f"are not supported: {floats[:4]}")  # fmt: skip
@@ -97,7 +98,7 @@ def _compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
     if qc.get("format") != "float-quantized":
         raise ValueError(f"compressed-tensors format {qc.get('format')!r} is not supported "
                          "(float-quantized only)")  # fmt: skip
-    ignored = [name for name in qc.get("ignore", []) if not _kept_float(name)]
+    ignored = [name for name in qc.get("ignore", []) if _names_quantized(name)]
     if ignored:
         raise ValueError(f"compressed-tensors ignore lists naming layers that Baton quantizes "
                          f"are not supported: {ignored[:4]}")  # fmt: skip
@@ -123,25 +124,41 @@ def _compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
     return QuantConfig(w["strategy"], acts, method=method, kv_scales=kv_scales)
 
 
-def _kept_float(ignored: str) -> bool:
-    """An ``ignore`` (``modules_to_not_convert``) entry, a name or ``re:`` and a pattern, naming
-    what Baton keeps float anyway: the embeddings and the LM head; a mixture of experts'
-    routers (``mlp.gate``, Mixtral's ``block_sparse_moe.gate``, MiniMax's bare ``gate``, their
-    correction bias) and Qwen3-Next's shared-expert gate (models/layers/moe.py keeps them
-    unquantized); Gated DeltaNet's b and a projections and its convolution
-    (models/layers/gated_delta_net.py); or what Baton does not load (a multimodal
-    checkpoint's vision encoder, Qwen's multi-token-prediction layers)."""
-    name = ignored.removeprefix("re:").removesuffix("$").removeprefix(".*")
-    if name.startswith(_NOT_LOADED):
-        return True
-    return name in ("lm_head", "gate", "e_score_correction_bias") or name.endswith(_FLOAT)
+def _names_quantized(entry: str) -> bool:
+    """Whether an ``ignore`` (``modules_to_not_convert``) entry, a module's name or ``re:``
+    and a pattern (matched from the name's start, as compressed-tensors and the fp8 method
+    match them), names a layer Baton quantizes, or a module holding one: the checkpoint would
+    keep float what Baton runs in FP8. Anything else (the LM head, the embeddings, norms, a
+    router, Gated DeltaNet's b and a projections, a vision encoder) Baton keeps float anyway,
+    or does not load."""
+    if entry.startswith("re:"):
+        try:
+            pattern = re.compile(entry[3:])
+        except re.error as e:
+            raise ValueError(f"an ignore entry {entry!r} is not a regular expression: {e}") from e
+        return any(pattern.match(name) for name in _HOLDING_QUANTIZED)
+    module = "." + re.sub(r"\.\d+(?=\.|$)", ".0", entry) + "."  # (any layer's index as 0)
+    return any(module in f".{name}." for name in _QUANTIZED_LAYERS)
 
 
-# (a name's end, with the dot before it where a bare word would match others)
-_FLOAT = ("embed_tokens", "mlp.gate", "block_sparse_moe.gate", "e_score_correction_bias",
-          "shared_expert_gate", "linear_attn.in_proj_a", "linear_attn.in_proj_b",
-          "linear_attn.in_proj_ba", "linear_attn.conv1d")  # fmt: skip
-_NOT_LOADED = ("model.visual.", "visual.", "mtp.")
+# every kind of linear layer Baton quantizes, as checkpoints name them (layer and expert 0)
+_QUANTIZED_LAYERS = tuple(
+    f"{top}layers.0.{layer}"
+    for top in ("model.", "model.language_model.")
+    for layer in (
+        *(f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj",
+                                     "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")),
+        *(f"{mlp}.{p}" for mlp in ("mlp", "mlp.shared_expert", "mlp.shared_experts",
+                                   "mlp.experts.0") for p in ("gate_proj", "up_proj", "down_proj")),
+        "mlp.gate_up_proj", "mlp.experts.gate_up_proj", "mlp.experts.down_proj",
+        *(f"block_sparse_moe.experts.0.{w}" for w in ("w1", "w2", "w3")),
+        *(f"linear_attn.{p}" for p in ("in_proj_qkv", "in_proj_z", "in_proj_qkvz", "out_proj")),
+    )
+)  # fmt: skip
+# those and every module holding one (``model.layers.0.mlp``, ...)
+_HOLDING_QUANTIZED = frozenset(
+    name.rsplit(".", cut)[0] for name in _QUANTIZED_LAYERS for cut in range(name.count(".") + 1)
+)
 
 
 def _kv_cache_scheme(kv: dict[str, Any] | None) -> bool:

@@ -14,7 +14,9 @@ Each layer has ``weight_loader(param, loaded, shard_id)`` that copies this rank'
 checkpoint tensor into the right rows of its parameter, so the loader never needs to know the
 layout (models/loader.py calls the loader of the module that owns each parameter). ``loaded`` is
 lazy (models/weights.py): narrowing it reads nothing, so a rank reads only its slice. A
-subclass says only where a shard's rows go (``shard``).
+subclass says only where a shard's rows go (``shard``); one whose checkpoint tensors hold its
+parts in several runs of rows loads each run with ``load_shard`` (models/layers/
+gated_delta_net.py).
 """
 
 import torch

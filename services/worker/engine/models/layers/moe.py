@@ -43,7 +43,13 @@ from services.worker.engine.models.layers.linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
 )
-from services.worker.engine.models.weights import CheckpointTarget, Loaded, copy_weight, full
+from services.worker.engine.models.weights import (
+    CheckpointTarget,
+    CheckpointTensor,
+    Loaded,
+    copy_weight,
+    full,
+)
 from services.worker.engine.quantization.base import MoEMethod, Proj, expert_part
 from services.worker.engine.quantization.fp8_math import Codes
 
@@ -271,21 +277,25 @@ class FusedMoE(nn.Module):
         copy_weight(expert_part(param, expert, proj), self.rank_slice(loaded, proj))
 
     def _load_stacked(self, param: nn.Parameter, loaded: Loaded, layout: StackedExperts) -> None:
-        """Every expert's weight or bias in one tensor (``StackedExperts`` draws the layouts):
-        this rank's experts are read whole, then each loads as one expert's tensors do."""
+        """Every expert's weight or bias in one tensor (``StackedExperts`` draws the layouts),
+        each expert loaded as one expert's tensors are. In transformers' layout a rank reads
+        only its rows of each of its experts; gpt-oss's interleaved columns are read whole."""
         if loaded.dim() < 2 or loaded.shape[0] != self.total_experts:
             raise ValueError(f"stacked experts of shape {tuple(loaded.shape)}, expected "
                              f"{self.total_experts} (the config's num_experts) first")  # fmt: skip
+        if not layout.interleaved:  # [out, in], gate's rows then up's
+            for e in range(self.num_experts):
+                g = self.first_expert + e
+                one = loaded.entry(g) if isinstance(loaded, CheckpointTensor) else loaded[g]
+                if not layout.gate_up:
+                    self._load_expert(param, one, e, "down")
+                    continue
+                rows = one.shape[0] // 2
+                self._load_expert(param, one.narrow(0, 0, rows), e, "gate")
+                self._load_expert(param, one.narrow(0, rows, rows), e, "up")
+            return
         mine = full(loaded.narrow(0, self.first_expert, self.num_experts))
         for e, t in enumerate(mine):
-            if not layout.interleaved:  # [out, in], gate's rows then up's
-                if layout.gate_up:
-                    gate, up = t.chunk(2, dim=0)
-                    self._load_expert(param, gate, e, "gate")
-                    self._load_expert(param, up, e, "up")
-                else:
-                    self._load_expert(param, t, e, "down")
-                continue
             if not layout.gate_up:
                 self._load_expert(param, t.T if t.dim() == 2 else t, e, "down")
                 continue
