@@ -187,6 +187,19 @@ FP8_PROMPTS = [
 FP8_GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
 
 
+def fp8_generate(path: Path, **kw: Any) -> list[Any]:
+    """The engine's greedy outputs of ``FP8_PROMPTS`` on the FP8 checkpoint at ``path``
+    (``kw``: engine arguments), checked to run quantized."""
+    from baton import LLM
+
+    llm = LLM(model=str(path), show_progress=False, **kw)
+    try:
+        assert llm.config.model.quantization is not None
+        return llm.generate(FP8_PROMPTS, FP8_GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
 def check_against_fp8_reference(
     path: Path, outs: list[Any], median_atol: float = 1e-3, tie: float = FP8_TIE
 ) -> int:

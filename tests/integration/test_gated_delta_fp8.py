@@ -16,9 +16,8 @@ from typing import Any
 
 import pytest
 
-from baton import LLM
 from baton.tiny_model import make_tiny_model
-from tests.helpers import FP8_GREEDY, FP8_PROMPTS, check_against_fp8_reference
+from tests.helpers import FP8_GREEDY, FP8_PROMPTS, check_against_fp8_reference, fp8_generate
 
 # hidden 128 and 8 heads of 32: the attention's output projection takes 256 columns, which two
 # ranks split in whole 128-column groups; value heads 4 × 64 = 256 columns do the same for
@@ -40,15 +39,6 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: make_tiny_model(root / name, **kw) for name, kw in CASES.items()}
 
 
-def _generate(path: Path, **kw: Any) -> list[Any]:
-    llm = LLM(model=str(path), show_progress=False, **kw)
-    try:
-        assert llm.config.model.quantization is not None
-        return llm.generate(FP8_PROMPTS, FP8_GREEDY, use_tqdm=False)
-    finally:
-        llm.shutdown()
-
-
 def _exact_enough(path: Path, outs: list[Any]) -> None:
     # (the median logprob's tolerance is test_fp8.py's for two ranks: a rounding that float
     # noise flips in the prefill, e4m3's step where the engine's sum and the reference's
@@ -61,7 +51,7 @@ def _exact_enough(path: Path, outs: list[Any]) -> None:
 def test_published_layout_matches_its_dequantizing_reference(
     models: dict[str, Path], name: str
 ) -> None:
-    _exact_enough(models[name], _generate(models[name]))
+    _exact_enough(models[name], fp8_generate(models[name]))
 
 
 def test_the_checkpoint_lists_what_it_leaves_float(models: dict[str, Path]) -> None:
@@ -86,7 +76,7 @@ def test_two_ranks_load_their_key_heads_blocks(models: dict[str, Path]) -> None:
     """Each rank one key head of Qwen3-Next's by-key-head projection, with its blocks' scales,
     and half the experts whole."""
     path = models["qwen3_next-fp8-block"]
-    _exact_enough(path, _generate(path, tensor_parallel_size=2, enable_expert_parallel=True))
+    _exact_enough(path, fp8_generate(path, tensor_parallel_size=2, enable_expert_parallel=True))
 
 
 def test_a_float_checkpoint_quantized_at_load(models: dict[str, Path]) -> None:
@@ -94,6 +84,6 @@ def test_a_float_checkpoint_quantized_at_load(models: dict[str, Path]) -> None:
     from it: q ‖ k ‖ v ‖ z and the output projections quantized as the checkpoint's, b and a
     kept float as it keeps them."""
     path = models["qwen3_5-fp8-channel"]
-    online = _generate(path / "unquantized", quantization="fp8")
-    stored = _generate(path)
+    online = fp8_generate(path / "unquantized", quantization="fp8")
+    stored = fp8_generate(path)
     assert [o.outputs[0].token_ids for o in online] == [o.outputs[0].token_ids for o in stored]

@@ -33,6 +33,7 @@ from tests.helpers import (
     add_draft_layer,
     check_against_fp8_reference,
     experts_chosen,
+    fp8_generate,
 )
 
 MAX_NEW = 16
@@ -164,20 +165,11 @@ def fp8_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             for fmt, kw in FP8_CASES.items()}  # fmt: skip
 
 
-def _fp8_generate(path: Path, **kw: Any) -> list[Any]:
-    llm = LLM(model=str(path), show_progress=False, **kw)
-    try:
-        assert llm.config.model.quantization is not None
-        return llm.generate(FP8_PROMPTS, FP8_GREEDY, use_tqdm=False)
-    finally:
-        llm.shutdown()
-
-
 @pytest.mark.parametrize("fmt", sorted(FP8_CASES))
 def test_fp8_experts_match_their_dequantizing_reference(
     fp8_models: dict[str, Path], fmt: str
 ) -> None:
-    exact = check_against_fp8_reference(fp8_models[fmt], _fp8_generate(fp8_models[fmt]))
+    exact = check_against_fp8_reference(fp8_models[fmt], fp8_generate(fp8_models[fmt]))
     assert exact >= 0.9 * len(FP8_PROMPTS) * (FP8_GREEDY.max_tokens or 0)
 
 
@@ -185,7 +177,7 @@ def test_fp8_block_experts_over_two_ranks(fp8_models: dict[str, Path]) -> None:
     """Expert parallelism: each rank loads its experts' weights and block scales whole. (Two
     ranks sum in another order than one: the median tolerance is test_fp8.py's for TP=2.)"""
     path = fp8_models["fp8-block"]
-    outs = _fp8_generate(path, tensor_parallel_size=2, enable_expert_parallel=True)
+    outs = fp8_generate(path, tensor_parallel_size=2, enable_expert_parallel=True)
     exact = check_against_fp8_reference(path, outs, median_atol=5e-3)
     assert exact >= 0.9 * len(FP8_PROMPTS) * (FP8_GREEDY.max_tokens or 0)
 
@@ -194,6 +186,6 @@ def test_a_float_moe_checkpoint_quantized_at_load(fp8_models: dict[str, Path]) -
     """``quantization="fp8"`` on the float model gives exactly the per-channel checkpoint made
     from it: every expert's weights and scales quantized as the checkpoint's were."""
     path = fp8_models["fp8-channel"]
-    online = _fp8_generate(path / "unquantized", quantization="fp8")
-    stored = _fp8_generate(path)
+    online = fp8_generate(path / "unquantized", quantization="fp8")
+    stored = fp8_generate(path)
     assert [o.outputs[0].token_ids for o in online] == [o.outputs[0].token_ids for o in stored]
