@@ -208,3 +208,22 @@ def test_block_fp8_experts_that_straddle_ranks_are_refused_before_any_rank_start
     with pytest.raises(ValueError, match=r"768 / 4 = 192\) to be a multiple of 128"):
         config(4)
     assert config(4, ep=True)
+
+
+def test_glm_4_5_airs_published_fp8_config_reads_as_channels() -> None:
+    """GLM-4.5-Air-FP8 is compressed-tensors per channel with dynamic per-token activations,
+    its ignore list the LM head and every layer's router by name (the draft layer's too)."""
+    from services.worker.engine.quantization.config import parse_quantization
+
+    weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True,
+               "dynamic": False, "group_size": None, "block_structure": None}  # fmt: skip
+    acts = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
+    qc = {"quant_method": "compressed-tensors", "format": "float-quantized",
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                        "input_activations": acts}},
+          "ignore": ["lm_head", *[f"model.layers.{n}.mlp.gate" for n in range(47)]]}  # fmt: skip
+    quant = parse_quantization({**SHAPES["glm-4.5-air"], "quantization_config": qc}, None)
+    assert quant is not None and (quant.weights, quant.activations) == ("channel", "token")
+    qc["ignore"] = [*qc["ignore"], "model.layers.1.mlp.shared_experts"]  # (Baton quantizes it)
+    with pytest.raises(ValueError, match="shared_experts"):
+        parse_quantization({"quantization_config": qc}, None)
