@@ -129,9 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-position-embeddings", type=int, default=1024,
                    help="its context length, in tokens")  # fmt: skip
     p.add_argument(
-        "--quantize", choices=["fp8-tensor", "fp8-channel", "fp8-block"], default=None,
+        "--quantize", choices=["fp8-tensor", "fp8-channel", "fp8-block", "mxfp4"], default=None,
         help="write an FP8 checkpoint: compressed-tensors with per-tensor (static activations) "
-        "or per-channel scales, or the fp8 method's 128x128 blocks (default: float weights)",
+        "or per-channel scales, or the fp8 method's 128x128 blocks; or (gpt_oss) its experts "
+        "in MXFP4, as openai publishes them (default: float weights)",
     )  # fmt: skip
     p.add_argument(
         "--kv-cache-scales", action="store_true",

@@ -213,7 +213,8 @@ def make_tiny_model(
     num_layers: int | None = None,  # None: 2, or the arch's DEFAULT_LAYERS
     num_heads: int = 4,
     num_kv_heads: int = 2,
-    quantize: str | None = None,  # fp8-tensor | fp8-channel | fp8-block (baton/tiny_fp8.py)
+    # fp8-tensor | fp8-channel | fp8-block (baton/tiny_fp8.py) | mxfp4 (gpt_oss's experts)
+    quantize: str | None = None,
     kv_scales: bool = False,  # with quantize: KV cache scales per layer too
     initializer_range: float | None = None,  # None: 0.1, or 0.03 for an FP8 checkpoint
     # Qwen3-MoE, DeepSeek: one expert's (Qwen3-Next: its shared expert's too; None: 32)
@@ -285,7 +286,9 @@ def make_tiny_model(
     model.save_pretrained(out, max_shard_size=shard)
     if arch in STACKED_EXPERTS:
         _stack_experts(out)
-    if quantize is not None:
+    if quantize == "mxfp4":
+        _mxfp4_experts(out, arch)
+    elif quantize is not None:
         from baton.tiny_fp8 import quantize_checkpoint
 
         quantize_checkpoint(out, model, tokenizer, quantize, seed, kv_scales)
@@ -327,6 +330,36 @@ def _stack_experts(out: Path) -> None:
     if len(files) != 1:
         raise ValueError("stacked experts are written to one safetensors file (num_shards=1)")
     save_file(stack_experts(load_file(files[0])), str(files[0]), metadata={"format": "pt"})
+
+
+def _mxfp4_experts(out: Path, arch: str) -> None:
+    """The checkpoint's experts in MXFP4, as openai publishes gpt-oss: each projection's
+    [out, in] weights as ``<proj>_blocks`` and ``<proj>_scales`` (quantization/mxfp4.py), the
+    biases and every other layer as they were, and the config's ``quantization_config`` as
+    the published one (attention, routers, embeddings and the LM head not converted)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from services.worker.engine.quantization.mxfp4 import quantize
+
+    if arch != "gpt_oss":
+        raise ValueError("MXFP4 checkpoints are written for gpt_oss (its experts)")
+    file = out / "model.safetensors"
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in load_file(file).items():
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            # ([E, in, out] as transformers keeps them; the blocks are of [out, in] rows)
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = quantize(t.transpose(1, 2))
+        else:
+            tensors[name] = t
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                   "model.embed_tokens", "lm_head"],
+    }  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def _spread_routers(model: Any, scale: float) -> None:

@@ -192,3 +192,40 @@ def test_two_ranks_equal_hugging_face(gpt_oss: Path, ep: bool) -> None:
         llm.shutdown()
     _assert_hugging_faces(gpt_oss, outs)
     assert stats.prefix_hit_tokens == 32 + 16
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same model with its experts in MXFP4, as openai publishes gpt-oss."""
+    path = tmp_path_factory.mktemp("gpt_oss_mxfp4") / "m"
+    return make_tiny_model(path, arch="gpt_oss", quantize="mxfp4")
+
+
+_RANKS = [{}, {"tensor_parallel_size": 2},
+          {"tensor_parallel_size": 2, "enable_expert_parallel": True}]  # fmt: skip
+
+
+@pytest.mark.parametrize("kw", _RANKS, ids=["one-rank", "tp-slices", "expert-parallel"])
+def test_the_published_mxfp4_checkpoint_equals_hugging_face(
+    gpt_oss_mxfp4: Path, gpt_oss: Path, kw: dict[str, Any]
+) -> None:
+    """The engine dequantizes the experts' blocks and scales at load (each rank its share of
+    them) and equals Hugging Face, which dequantizes the same checkpoint, token for token. The
+    float model they were quantized from gives other tokens: the MXFP4 weights are the ones
+    run."""
+    with LLM(model=str(gpt_oss_mxfp4), show_progress=False, dtype="float32",
+             **kw, **MODES["chunked-prefill"]) as llm:  # fmt: skip
+        assert llm.config.model.quantization is None  # (dequantized: run as a float model)
+        outs = _generate(llm)
+    _assert_hugging_faces(gpt_oss_mxfp4, outs)
+    assert hf_reference(str(gpt_oss_mxfp4))[0] != hf_reference(str(gpt_oss))[0]
+
+
+def test_an_mxfp4_checkpoint_quantized_to_fp8_at_load(gpt_oss_mxfp4: Path) -> None:
+    """``quantization="fp8"``: the dequantized experts are quantized again as a float
+    checkpoint's are (per channel), and the model serves."""
+    with LLM(model=str(gpt_oss_mxfp4), show_progress=False, quantization="fp8") as llm:
+        quant = llm.config.model.quantization
+        assert quant is not None and quant.online
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], GREEDY)
+    assert all(len(o.outputs[0].token_ids) == MAX_NEW for o in outs)

@@ -1,7 +1,8 @@
 """gpt-oss's layers on CPU against Hugging Face's own modules: the router (a bias, the top-k
 logits weighed by their softmax), the experts (the checkpoint's stacked, interleaved tensors,
 biases, the clamped SwiGLU) whole and split over two ranks (a slice of every expert, or whole
-experts), YaRN without truncation; the config of the real gpt-oss-20b read; MXFP4 refused."""
+experts), YaRN without truncation; the config of the real gpt-oss-20b read; MXFP4's
+dequantization against transformers'."""
 
 import json
 from pathlib import Path
@@ -193,8 +194,28 @@ def test_layers_alternate_and_names_map(tmp_path: Path) -> None:
     assert model.checkpoint_target("model.layers.1.self_attn.q_proj.bias") is None  # (packed)
 
 
-def test_mxfp4_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="MXFP4 checkpoints are not supported"):
-        parse_quantization({"quantization_config": {"quant_method": "mxfp4"}}, None)
-    with pytest.raises(ValueError, match="MXFP4 experts are not supported"):
-        _model(tmp_path).checkpoint_target("model.layers.0.mlp.experts.gate_up_proj_blocks")
+def test_mxfp4_reads_as_transformers_dequantizes_it(tmp_path: Path) -> None:
+    """MXFP4 (openai's gpt-oss experts): our dequantization equals transformers' on random
+    codes and exponents; a weight quantized and dequantized again is unchanged; the checkpoint's
+    blocks and scales map to the experts' weights; the config reads as a float checkpoint's
+    (its experts dequantized at load), or as one quantized at load to FP8."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from services.worker.engine.quantization import mxfp4
+
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 40, 4, 16), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(110, 140, (3, 40, 4), dtype=torch.uint8, generator=gen)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+    ours = mxfp4.dequantize(blocks, scales, torch.float32)  # [E, out, in]
+    assert torch.equal(ours, theirs.transpose(1, 2))
+    again = mxfp4.dequantize(*mxfp4.quantize(ours), torch.float32)
+    assert torch.equal(again, ours)
+    with pytest.raises(ValueError, match="do not match"):
+        mxfp4.dequantize(blocks, scales[..., :3], torch.float32)
+    target = _model(tmp_path).checkpoint_target("model.layers.0.mlp.experts.gate_up_proj_blocks")
+    assert target is not None and target.param == "model.layers.0.mlp.experts.w13_weight"
+    qc = {"quantization_config": {"quant_method": "mxfp4"}}
+    assert parse_quantization(qc, None) is None
+    online = parse_quantization(qc, "fp8")
+    assert online is not None and online.online

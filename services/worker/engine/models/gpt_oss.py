@@ -7,9 +7,9 @@ are weighed by their softmax, experts with biases and a clamped SwiGLU). YaRN ro
     attention: sliding  full    sliding  full          them, even layers slide)
 
 The checkpoint keeps each layer's experts stacked (``layers/moe.StackedExperts``) and calls the
-router ``mlp.router``; an MXFP4 checkpoint (the experts as ``*_blocks`` and ``*_scales``, as
-openai publishes the weights) is refused: a bfloat16 copy of it loads. The KV cache holds every
-layer's whole context for now; a sliding layer reads only its window of it.
+router ``mlp.router``. openai publishes the experts in MXFP4 (``*_blocks`` and ``*_scales``,
+``layers/moe.Mxfp4Experts``): they are dequantized at load into the model's dtype (or, with
+``--quantization fp8``, quantized again to FP8 as a float checkpoint's are).
 
 The surface is ``LlamaForCausalLM``'s: ``forward`` over a flattened batch, ``compute_logits`` on
 the rows the runner samples, ``attention_layers`` for the runner to bind each layer's cache.
@@ -23,7 +23,11 @@ from torch import nn
 from services.worker.engine.distributed import tp_rank, tp_size
 from services.worker.engine.model_config import ArchConfig
 from services.worker.engine.models.context import ModelContext
-from services.worker.engine.models.layers.moe import MoEBlock, stacked_expert_target
+from services.worker.engine.models.layers.moe import (
+    MoEBlock,
+    mxfp4_expert_target,
+    stacked_expert_target,
+)
 from services.worker.engine.models.layers.norm import RMSNorm
 from services.worker.engine.models.llama import CausalLM, LlamaAttention, PreNormDecoderLayer
 from services.worker.engine.models.weights import CheckpointTarget, Loaded, copy_weight
@@ -78,12 +82,10 @@ class GptOssForCausalLM(CausalLM):
         super().__init__(arch, ctx)
 
     def checkpoint_target(self, name: str) -> CheckpointTarget | None:
-        """The stacked experts (``layers/moe.stacked_expert_target``) and the router, which
-        is our ``mlp.gate``. None: the packed-module table maps it (models/loader.py)."""
-        if ".mlp.experts." in name and name.endswith(("_blocks", "_scales")):
-            raise ValueError(f"{name}: MXFP4 experts are not supported; load a bfloat16 copy "
-                             "of the model (experts.gate_up_proj, experts.down_proj)")  # fmt: skip
-        target = stacked_expert_target(name)
+        """The stacked experts (``layers/moe.stacked_expert_target``; MXFP4's blocks and
+        scales, ``mxfp4_expert_target``) and the router, which is our ``mlp.gate``. None: the
+        packed-module table maps it (models/loader.py)."""
+        target = stacked_expert_target(name) or mxfp4_expert_target(name)
         if target is None and ".mlp.router." in name:
             return CheckpointTarget(name.replace(".mlp.router.", ".mlp.gate."), None)
         return target

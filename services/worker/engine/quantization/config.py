@@ -66,9 +66,11 @@ def _parse(hf: dict[str, Any], requested: str | None) -> QuantConfig | None:
         if requested != "fp8":
             raise ValueError(f"quantization must be fp8 or unset, got {requested!r}")
         return QuantConfig("channel", "token", online=True, method="fp8 (quantized at load)")
+    method = qc.get("quant_method")
+    if method == "mxfp4":  # (openai/gpt-oss as published: its experts dequantized at load)
+        return _parse({}, requested)  # a float checkpoint's, which they are then
     if requested not in (None, "fp8"):
         raise ValueError(f"quantization={requested!r}, but the checkpoint is quantized already")
-    method = qc.get("quant_method")
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
     if method == "fp8":
@@ -87,9 +89,6 @@ def _parse(hf: dict[str, Any], requested: str | None) -> QuantConfig | None:
             raise ValueError(f"fp8 modules_to_not_convert naming layers that Baton quantizes "
                              f"are not supported: {floats[:4]}")  # fmt: skip
         return QuantConfig("block", "token_group", method="fp8 (128x128 blocks)")
-    if method == "mxfp4":  # (openai/gpt-oss as published)
-        raise ValueError("MXFP4 checkpoints are not supported; load a bfloat16 copy of the "
-                         "model (its experts dequantized)")  # fmt: skip
     raise ValueError(f"unknown quantization method {method!r} (supported: compressed-tensors "
                      "float-quantized, fp8)")  # fmt: skip
 

@@ -50,6 +50,7 @@ from services.worker.engine.models.weights import (
     copy_weight,
     full,
 )
+from services.worker.engine.quantization import mxfp4
 from services.worker.engine.quantization.base import MoEMethod, Proj, expert_part
 from services.worker.engine.quantization.fp8_math import Codes
 
@@ -84,6 +85,18 @@ class StackedExperts:
     interleaved: bool = True  # gpt-oss's layout; else transformers'
 
 
+@dataclass(frozen=True, slots=True)
+class Mxfp4Experts:
+    """The shard id of one of the two tensors an MXFP4 checkpoint keeps every expert's
+    projection in (gpt-oss as openai publishes it: ``gate_up_proj_blocks`` and ``_scales``,
+    rows [2I] with gate and up interleaved; ``down_proj_blocks`` and ``_scales``, rows [H];
+    quantization/mxfp4.py draws the format). The layer dequantizes them into its weights once
+    it holds both."""
+
+    gate_up: bool  # gate_up_proj_*; else down_proj_*
+    part: str  # "blocks" or "scales"
+
+
 ACTIVATIONS = ("silu", "swiglu_clamped")  # MoEConfig.activation's values (FusedMoE.activate)
 
 _EXPERT = re.compile(
@@ -109,6 +122,22 @@ def expert_target(name: str) -> CheckpointTarget | None:
 _STACKED = re.compile(
     r"^(?P<prefix>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)(?P<bias>_bias)?$"
 )
+
+
+_MXFP4 = re.compile(
+    r"^(?P<prefix>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)_(?P<part>blocks|scales)$"
+)
+
+
+def mxfp4_expert_target(name: str) -> CheckpointTarget | None:
+    """``<prefix>.experts.gate_up_proj_blocks`` (``_scales``; ``down_proj_*``) → ``w13_weight``
+    (``w2_weight``) with an ``Mxfp4Experts`` shard; None for another name."""
+    m = _MXFP4.match(name)
+    if m is None:
+        return None
+    gate_up = m["proj"] == "gate_up_proj"
+    param = f"{m['prefix']}.{'w13' if gate_up else 'w2'}_weight"
+    return CheckpointTarget(param, Mxfp4Experts(gate_up, m["part"]))
 
 
 def stacked_expert_target(name: str, interleaved: bool = True) -> CheckpointTarget | None:
@@ -236,6 +265,8 @@ class FusedMoE(nn.Module):
         self.method.create_weights(self)
         self._loaded: set[tuple[int, Proj]] = set()  # (expert, proj) weights read
         self._scaled: set[tuple[int, Proj]] = set()  # (expert, proj) weight scales read
+        # an MXFP4 projection's blocks or scales read before its other half: gate_up → part
+        self._mxfp4: dict[bool, dict[str, Loaded]] = {}
 
     def rank_slice(self, loaded: Loaded, proj: Proj) -> Loaded:
         """This rank's share of one expert's weight: its rows of gate or up ([I, H]), its
@@ -246,6 +277,9 @@ class FusedMoE(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: object) -> None:
         if isinstance(shard_id, StackedExperts):
             self._load_stacked(param, loaded, shard_id)
+            return
+        if isinstance(shard_id, Mxfp4Experts):
+            self._load_mxfp4(param, loaded, shard_id)
             return
         assert isinstance(shard_id, ExpertShard)  # (the model's checkpoint_target is ours)
         if not 0 <= shard_id.expert < self.total_experts:
@@ -303,6 +337,30 @@ class FusedMoE(nn.Module):
                                                             ("up", t[..., 1::2]))  # fmt: skip
             for proj, part in halves:
                 self._load_expert(param, part.T if part.dim() == 2 else part, e, proj)
+
+    def _load_mxfp4(self, param: nn.Parameter, loaded: Loaded, shard: Mxfp4Experts) -> None:
+        """Hold an MXFP4 projection's blocks (or scales) until its other half comes, then
+        dequantize this rank's experts, one at a time, and load each as one expert's [out, in]
+        tensors (gate and up: the even and the odd rows)."""
+        held = self._mxfp4.setdefault(shard.gate_up, {})
+        held[shard.part] = loaded
+        if len(held) < 2:
+            return
+        del self._mxfp4[shard.gate_up]
+        blocks, scales = held["blocks"], held["scales"]
+        for t in (blocks, scales):
+            if t.dim() < 3 or t.shape[0] != self.total_experts:
+                raise ValueError(f"MXFP4 experts of shape {tuple(t.shape)}, expected "
+                                 f"{self.total_experts} (num_experts) first")  # fmt: skip
+        for e in range(self.num_experts):
+            g = self.first_expert + e
+            codes, exponents = (full(t.narrow(0, g, 1))[0] for t in (blocks, scales))
+            w = mxfp4.dequantize(codes, exponents, torch.float32)  # [out, in]
+            if not shard.gate_up:
+                self._load_expert(param, w, e, "down")
+                continue
+            self._load_expert(param, w[0::2], e, "gate")
+            self._load_expert(param, w[1::2], e, "up")
 
     def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2I] (gate ‖ up) → [T, I]: silu(gate) · up, or gpt-oss's clamped SwiGLU."""
