@@ -287,6 +287,8 @@ def make_tiny_model(
     if arch in STACKED_EXPERTS:
         _stack_experts(out)
     if quantize == "mxfp4":
+        if kv_scales:
+            raise ValueError("KV cache scales come with an FP8 checkpoint, not MXFP4")
         _mxfp4_experts(out, arch)
     elif quantize is not None:
         from baton.tiny_fp8 import quantize_checkpoint
@@ -345,6 +347,8 @@ def _mxfp4_experts(out: Path, arch: str) -> None:
     if arch != "gpt_oss":
         raise ValueError("MXFP4 checkpoints are written for gpt_oss (its experts)")
     file = out / "model.safetensors"
+    if not file.is_file():
+        raise ValueError("MXFP4 experts are written to one safetensors file (num_shards=1)")
     tensors: dict[str, torch.Tensor] = {}
     for name, t in load_file(file).items():
         if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):

@@ -10,19 +10,21 @@ Face with the window widened past every prompt, or the sinks at -inf, gives othe
 both are really applied; the router spreads a prompt's tokens over most experts.
 """
 
+import json
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Mxfp4Config
 
 from baton import LLM, SamplingParams
 from baton.tiny_model import make_tiny_model
 from services.worker.engine.kv_transfer.params import NO_BLOCK
 from tests.helpers import (
     assert_matches_reference,
+    copy_checkpoint,
     disaggregated_equals_colocated,
     generate_in_three_batches,
     hf_greedy_with_rows,
@@ -51,6 +53,9 @@ def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _hf_model(path: str, **config: Any) -> Any:
+    quant = json.loads((Path(path) / "config.json").read_text()).get("quantization_config")
+    if quant is not None and quant.get("quant_method") == "mxfp4":  # dequantized, always
+        config["quantization_config"] = Mxfp4Config(dequantize=True)
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **config)
 
 
@@ -221,11 +226,34 @@ def test_the_published_mxfp4_checkpoint_equals_hugging_face(
     assert hf_reference(str(gpt_oss_mxfp4))[0] != hf_reference(str(gpt_oss))[0]
 
 
-def test_an_mxfp4_checkpoint_quantized_to_fp8_at_load(gpt_oss_mxfp4: Path) -> None:
+def test_an_mxfp4_checkpoint_quantized_to_fp8_at_load(gpt_oss_mxfp4: Path, tmp_path: Path) -> None:
     """``quantization="fp8"``: the dequantized experts are quantized again as a float
-    checkpoint's are (per channel), and the model serves."""
-    with LLM(model=str(gpt_oss_mxfp4), show_progress=False, quantization="fp8") as llm:
-        quant = llm.config.model.quantization
-        assert quant is not None and quant.online
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], GREEDY)
-    assert all(len(o.outputs[0].token_ids) == MAX_NEW for o in outs)
+    checkpoint's are (per channel): the same tokens and logprobs as a float copy of the
+    dequantized model quantized at load."""
+    from safetensors.torch import load_file, save_file
+
+    from services.worker.engine.quantization import mxfp4
+
+    copy = copy_checkpoint(gpt_oss_mxfp4, tmp_path / "float")
+    tensors = load_file(copy / "model.safetensors")
+    for name in [n for n in tensors if n.endswith("_blocks")]:
+        base = name.removesuffix("_blocks")  # [E, out, in] → transformers' [E, in, out]
+        w = mxfp4.dequantize(tensors.pop(name), tensors.pop(f"{base}_scales"), torch.float32)
+        tensors[base] = w.transpose(1, 2).contiguous()
+    save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((copy / "config.json").read_text())
+    del config["quantization_config"]
+    (copy / "config.json").write_text(json.dumps(config))
+    outs = []
+    for path in (gpt_oss_mxfp4, copy):
+        with LLM(model=str(path), show_progress=False, dtype="float32",
+                 quantization="fp8") as llm:  # fmt: skip
+            quant = llm.config.model.quantization
+            assert quant is not None and quant.online
+            outs.append(_generate(llm))
+    (mx, fl) = outs
+    assert [o.token_ids for o in mx] == [o.token_ids for o in fl]
+    for a, b in zip(mx, fl, strict=True):
+        for x, y, t in zip(a.logprobs, b.logprobs, a.token_ids,
+                           strict=True):  # fmt: skip
+            assert x[t].logprob == pytest.approx(y[t].logprob, abs=1e-5)

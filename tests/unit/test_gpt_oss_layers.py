@@ -215,7 +215,42 @@ def test_mxfp4_reads_as_transformers_dequantizes_it(tmp_path: Path) -> None:
         mxfp4.dequantize(blocks, scales[..., :3], torch.float32)
     target = _model(tmp_path).checkpoint_target("model.layers.0.mlp.experts.gate_up_proj_blocks")
     assert target is not None and target.param == "model.layers.0.mlp.experts.w13_weight"
-    qc = {"quantization_config": {"quant_method": "mxfp4"}}
+    qc = {"architectures": ["GptOssForCausalLM"], "quantization_config": {"quant_method": "mxfp4"}}
     assert parse_quantization(qc, None) is None
     online = parse_quantization(qc, "fp8")
     assert online is not None and online.online
+    with pytest.raises(ValueError, match="gpt-oss's experts only"):
+        parse_quantization({**qc, "architectures": ["Qwen3MoeForCausalLM"]}, None)
+
+
+def test_an_mxfp4_projection_without_its_scales_is_refused() -> None:
+    """Blocks without their scales (or the other way round) leave the experts unloaded, which
+    the loader refuses, naming them; with both, each rank holds its share of every expert."""
+    from services.worker.engine.models.layers.moe import mxfp4_expert_target
+    from services.worker.engine.quantization import mxfp4
+
+    moe = MoEConfig(num_experts=4, top_k=2, intermediate_size=64, expert_bias=True,
+                    activation="swiglu_clamped", scoring="softmax_of_topk")  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    w13 = torch.randn(4, 128, H, generator=gen)  # [E, 2I, H]: gate and up rows interleaved
+    w2 = torch.randn(4, H, 64, generator=gen)
+    tensors = {}
+    for name, w in (("gate_up_proj", w13), ("down_proj", w2)):
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = mxfp4.quantize(w)
+    for rank in range(2):
+        with use_tp_group(GroupCoordinator(rank, 2)):
+            layer = FusedMoE(moe, H, moe_method(None, kernels=False), False)
+        params = dict(layer.named_parameters())
+        for name, t in tensors.items():
+            if name == "down_proj_scales":
+                continue  # (left out)
+            target = mxfp4_expert_target(f"layer.experts.{name}")
+            assert target is not None
+            with use_tp_group(GroupCoordinator(rank, 2)):
+                layer.weight_loader(params[target.param.removeprefix("layer.experts.")], t,
+                                    target.shard)  # fmt: skip
+        assert layer.unloaded_weights() == [f"experts.{e}.down_proj" for e in range(4)]
+        gate = mxfp4.dequantize(tensors["gate_up_proj_blocks"], tensors["gate_up_proj_scales"],
+                                torch.float32)[:, 0::2]  # fmt: skip
+        mine = gate[:, rank * 32 : (rank + 1) * 32]
+        torch.testing.assert_close(layer.w13_weight[:, :32], mine, rtol=0, atol=0)

@@ -64,7 +64,7 @@ class CheckpointTensor:
         return CheckpointTensor(self.handle, one.shape[1:], self.counter, one.region, True)
 
     def load(self) -> torch.Tensor:
-        if not self.region:  # a scalar (a KV cache scale): safetensors cannot slice it
+        if not self.region:  # a scalar (safetensors cannot slice it), or one made without one
             t = self.handle[()] if not self.shape else self.handle[:]
         else:
             t = self.handle[self.region]

@@ -68,6 +68,9 @@ def _parse(hf: dict[str, Any], requested: str | None) -> QuantConfig | None:
         return QuantConfig("channel", "token", online=True, method="fp8 (quantized at load)")
     method = qc.get("quant_method")
     if method == "mxfp4":  # (openai/gpt-oss as published: its experts dequantized at load)
+        if "GptOssForCausalLM" not in (hf.get("architectures") or []):
+            raise ValueError(f"MXFP4 checkpoints are read for gpt-oss's experts only, not "
+                             f"{hf.get('architectures')}")  # fmt: skip
         return _parse({}, requested)  # a float checkpoint's, which they are then
     if requested not in (None, "fp8"):
         raise ValueError(f"quantization={requested!r}, but the checkpoint is quantized already")

@@ -32,7 +32,7 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales "
                          f"{tuple(scales.shape)} (16 bytes a block of 32)")  # fmt: skip
     table = torch.tensor(E2M1, dtype=torch.float32, device=blocks.device)
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [..., 32]
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).int()  # [..., 32]
     exponents = scales.to(torch.int32) - SCALE_BIAS
     values = torch.ldexp(table[codes], exponents.unsqueeze(-1))
     return values.flatten(-2).to(dtype)

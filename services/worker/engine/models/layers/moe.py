@@ -340,8 +340,8 @@ class FusedMoE(nn.Module):
 
     def _load_mxfp4(self, param: nn.Parameter, loaded: Loaded, shard: Mxfp4Experts) -> None:
         """Hold an MXFP4 projection's blocks (or scales) until its other half comes, then
-        dequantize this rank's experts, one at a time, and load each as one expert's [out, in]
-        tensors (gate and up: the even and the odd rows)."""
+        dequantize this rank's share of its experts, one at a time, and load each as one
+        expert's [out, in] tensors (gate and up: the even and the odd rows)."""
         held = self._mxfp4.setdefault(shard.gate_up, {})
         held[shard.part] = loaded
         if len(held) < 2:
@@ -352,15 +352,26 @@ class FusedMoE(nn.Module):
             if t.dim() < 3 or t.shape[0] != self.total_experts:
                 raise ValueError(f"MXFP4 experts of shape {tuple(t.shape)}, expected "
                                  f"{self.total_experts} (num_experts) first")  # fmt: skip
+        start, size, total = (
+            self.intermediate_start,
+            self.intermediate_size,
+            self.intermediate_total,
+        )
         for e in range(self.num_experts):
             g = self.first_expert + e
-            codes, exponents = (full(t.narrow(0, g, 1))[0] for t in (blocks, scales))
-            w = mxfp4.dequantize(codes, exponents, torch.float32)  # [out, in]
-            if not shard.gate_up:
-                self._load_expert(param, w, e, "down")
+            one = [t.narrow(0, g, 1) for t in (blocks, scales)]
+            if shard.gate_up:  # this rank's gate and up rows: one run of the interleaved rows
+                codes, exponents = (full(t.narrow(1, 2 * start, 2 * size))[0] for t in one)
+                w = mxfp4.dequantize(codes, exponents, torch.float32)  # [2 · size, H]
+                self._load_expert(param, _placed(w[0::2], 0, start, total), e, "gate")
+                self._load_expert(param, _placed(w[1::2], 0, start, total), e, "up")
                 continue
-            self._load_expert(param, w[0::2], e, "gate")
-            self._load_expert(param, w[1::2], e, "up")
+            # down [H, I]: the 32-column blocks this rank's columns fall in
+            first, last = start // mxfp4.BLOCK, -(-(start + size) // mxfp4.BLOCK)
+            codes, exponents = (full(t.narrow(2, first, last - first))[0] for t in one)
+            w = mxfp4.dequantize(codes, exponents, torch.float32)  # [H, covering columns]
+            mine = w.narrow(1, start - first * mxfp4.BLOCK, size)
+            self._load_expert(param, _placed(mine, 1, start, total), e, "down")
 
     def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2I] (gate ‖ up) → [T, I]: silu(gate) · up, or gpt-oss's clamped SwiGLU."""
@@ -393,6 +404,19 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:
         """This rank's experts' weighted sum, not yet summed over ranks."""
         return self.method.apply(self, x, topk_weights, topk_ids)
+
+
+def _placed(share: torch.Tensor, dim: int, start: int, total: int) -> torch.Tensor:
+    """A tensor of ``total`` along ``dim`` holding ``share`` at ``start`` (zeros elsewhere):
+    one expert's weight of which only this rank's share was dequantized, which is all that
+    ``FusedMoE.rank_slice`` takes of it."""
+    if share.shape[dim] == total:
+        return share
+    shape = list(share.shape)
+    shape[dim] = total
+    whole = share.new_zeros(shape)
+    whole.narrow(dim, start, share.shape[dim]).copy_(share)
+    return whole
 
 
 class _PartialRowLinear(RowParallelLinear):
