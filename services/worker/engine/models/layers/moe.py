@@ -361,14 +361,18 @@ class FusedMoE(nn.Module):
             g = self.first_expert + e
             one = [t.narrow(0, g, 1) for t in (blocks, scales)]
             if shard.gate_up:  # this rank's gate and up rows: one run of the interleaved rows
-                codes, exponents = (full(t.narrow(1, 2 * start, 2 * size))[0] for t in one)
+                codes, exponents = (
+                    full(t.narrow(1, 2 * start, 2 * size))[0].to(param.device) for t in one
+                )  # (dequantized where the weights live: on a GPU, there)
                 w = mxfp4.dequantize(codes, exponents, torch.float32)  # [2 · size, H]
                 self._load_expert(param, _placed(w[0::2], 0, start, total), e, "gate")
                 self._load_expert(param, _placed(w[1::2], 0, start, total), e, "up")
                 continue
             # down [H, I]: the 32-column blocks this rank's columns fall in
             first, last = start // mxfp4.BLOCK, -(-(start + size) // mxfp4.BLOCK)
-            codes, exponents = (full(t.narrow(2, first, last - first))[0] for t in one)
+            codes, exponents = (
+                full(t.narrow(2, first, last - first))[0].to(param.device) for t in one
+            )
             w = mxfp4.dequantize(codes, exponents, torch.float32)  # [H, covering columns]
             mine = w.narrow(1, start - first * mxfp4.BLOCK, size)
             self._load_expert(param, _placed(mine, 1, start, total), e, "down")
