@@ -336,13 +336,13 @@ def _stack_experts(out: Path) -> None:
 
 def _mxfp4_experts(out: Path, arch: str) -> None:
     """The checkpoint's experts in MXFP4, as openai publishes gpt-oss: each projection's
-    [out, in] weights as ``<proj>_blocks`` and ``<proj>_scales`` (quantization/mxfp4.py), the
+    [out, in] weights as ``<proj>_blocks`` and ``<proj>_scales`` (models/mxfp4.py), the
     biases and every other layer as they were, and the config's ``quantization_config`` as
     the published one (attention, routers, embeddings and the LM head not converted)."""
     import torch
     from safetensors.torch import load_file, save_file
 
-    from services.worker.engine.quantization.mxfp4 import quantize
+    from services.worker.engine.models.mxfp4 import quantize
 
     if arch != "gpt_oss":
         raise ValueError("MXFP4 checkpoints are written for gpt_oss (its experts)")

@@ -232,7 +232,7 @@ def test_an_mxfp4_checkpoint_quantized_to_fp8_at_load(gpt_oss_mxfp4: Path, tmp_p
     dequantized model quantized at load."""
     from safetensors.torch import load_file, save_file
 
-    from services.worker.engine.quantization import mxfp4
+    from services.worker.engine.models import mxfp4
 
     copy = copy_checkpoint(gpt_oss_mxfp4, tmp_path / "float")
     tensors = load_file(copy / "model.safetensors")

@@ -201,7 +201,7 @@ def test_mxfp4_reads_as_transformers_dequantizes_it(tmp_path: Path) -> None:
     (its experts dequantized at load), or as one quantized at load to FP8."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from services.worker.engine.quantization import mxfp4
+    from services.worker.engine.models import mxfp4
 
     gen = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (3, 40, 4, 16), dtype=torch.uint8, generator=gen)
@@ -226,8 +226,8 @@ def test_mxfp4_reads_as_transformers_dequantizes_it(tmp_path: Path) -> None:
 def test_an_mxfp4_projection_without_its_scales_is_refused() -> None:
     """Blocks without their scales (or the other way round) leave the experts unloaded, which
     the loader refuses, naming them; with both, each rank holds its share of every expert."""
+    from services.worker.engine.models import mxfp4
     from services.worker.engine.models.layers.moe import mxfp4_expert_target
-    from services.worker.engine.quantization import mxfp4
 
     moe = MoEConfig(num_experts=4, top_k=2, intermediate_size=64, expert_bias=True,
                     activation="swiglu_clamped", scoring="softmax_of_topk")  # fmt: skip

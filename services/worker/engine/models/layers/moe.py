@@ -37,6 +37,7 @@ from torch import nn
 
 from services.worker.engine.distributed import all_reduce, tp_rank, tp_size
 from services.worker.engine.model_config import ArchConfig, MoEConfig
+from services.worker.engine.models import mxfp4
 from services.worker.engine.models.context import ModelContext
 from services.worker.engine.models.layers.activation import SiluAndMul
 from services.worker.engine.models.layers.linear import (
@@ -50,7 +51,6 @@ from services.worker.engine.models.weights import (
     copy_weight,
     full,
 )
-from services.worker.engine.quantization import mxfp4
 from services.worker.engine.quantization.base import MoEMethod, Proj, expert_part
 from services.worker.engine.quantization.fp8_math import Codes
 
@@ -90,7 +90,7 @@ class Mxfp4Experts:
     """The shard id of one of the two tensors an MXFP4 checkpoint keeps every expert's
     projection in (gpt-oss as openai publishes it: ``gate_up_proj_blocks`` and ``_scales``,
     rows [2I] with gate and up interleaved; ``down_proj_blocks`` and ``_scales``, rows [H];
-    quantization/mxfp4.py draws the format). The layer dequantizes them into its weights once
+    models/mxfp4.py draws the format). The layer dequantizes them into its weights once
     it holds both."""
 
     gate_up: bool  # gate_up_proj_*; else down_proj_*
