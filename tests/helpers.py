@@ -239,6 +239,15 @@ def copy_checkpoint(src: Path, dst: Path) -> Path:
     return dst
 
 
+def hf_continue(model: Any, ids: Any, max_new: int, **kw: Any) -> Any:
+    """Hugging Face's greedy ``generate`` of ``max_new`` tokens after ``ids`` with EOS an
+    ordinary token, as the engine's ``ignore_eos`` has it: no stop at EOS, and no ban on it
+    either (``min_new_tokens`` would mask EOS until the last token, so where EOS is the
+    argmax Hugging Face would continue with the runner-up: seen on a GPU, tiny Mixtral)."""
+    model.generation_config.eos_token_id = None
+    return model.generate(ids, max_new_tokens=max_new, do_sample=False, **kw)
+
+
 def hf_greedy(path: Path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
     """Hugging Face's greedy tokens of the checkpoint at ``path``, float32 on the CPU,
     ``max_new`` of them for each prompt (EOS or not)."""
@@ -248,8 +257,7 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new: int) -> list[list[i
     model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     out = []
     for ids in prompts:
-        seq = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
-                             min_new_tokens=max_new)  # fmt: skip
+        seq = hf_continue(model, torch.tensor([ids]), max_new)
         out.append(seq[0, len(ids) :].tolist())
     return out
 
@@ -263,9 +271,8 @@ def hf_greedy_with_rows(
 
     tokens, rows = [], []
     for ids in prompts:
-        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
-                             min_new_tokens=max_new, output_logits=True,
-                             return_dict_in_generate=True)  # fmt: skip
+        out = hf_continue(model, torch.tensor([ids]), max_new, output_logits=True,
+                          return_dict_in_generate=True)  # fmt: skip
         tokens.append(out.sequences[0, len(ids) :].tolist())
         rows.append([step[0].float().log_softmax(-1).tolist() for step in out.logits])
     return tokens, rows

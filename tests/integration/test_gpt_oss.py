@@ -27,6 +27,7 @@ from tests.helpers import (
     copy_checkpoint,
     disaggregated_equals_colocated,
     generate_in_three_batches,
+    hf_continue,
     hf_greedy_with_rows,
 )
 
@@ -130,9 +131,7 @@ def test_windowed_layers_hold_only_their_window(gpt_oss: Path) -> None:
     assert info.kv_request_bytes == 6 * page  # 4 full blocks, 2 windowed
     assert info.kv_full_attention_request_bytes == 4 * 4 * page // 2  # 4 blocks of 4 layers
     assert stats.num_preemptions == 0 and stats.num_free_blocks == stats.num_blocks == 6
-    want = _hf_model(str(gpt_oss)).generate(
-        torch.tensor([prompt]), max_new_tokens=14, min_new_tokens=14, do_sample=False
-    )
+    want = hf_continue(_hf_model(str(gpt_oss)), torch.tensor([prompt]), 14)
     assert out.token_ids == want[0, len(prompt) :].tolist()
 
 

@@ -34,6 +34,7 @@ from tests.helpers import (
     check_against_fp8_reference,
     experts_chosen,
     fp8_generate,
+    hf_continue,
 )
 
 MAX_NEW = 16
@@ -81,9 +82,7 @@ def hf_reference(path: Path) -> tuple[list[list[int]], list[list[list[float]]]]:
     tokens, rows = [], []
     for prompt in PROMPTS:
         ids = tok(prompt, return_tensors="pt")["input_ids"]
-        out = model.generate(ids, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
-                             do_sample=False, output_logits=True,
-                             return_dict_in_generate=True)  # fmt: skip
+        out = hf_continue(model, ids, MAX_NEW, output_logits=True, return_dict_in_generate=True)
         tokens.append(out.sequences[0, ids.shape[1] :].tolist())
         rows.append([step[0].float().log_softmax(-1).tolist() for step in out.logits])
     return tokens, rows

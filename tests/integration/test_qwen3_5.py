@@ -26,6 +26,7 @@ from tests.helpers import (
     assert_matches_reference,
     disaggregated_equals_colocated,
     generate_in_three_batches,
+    hf_continue,
     hf_greedy_with_rows,
 )
 
@@ -222,8 +223,7 @@ def test_the_multimodal_checkpoints_text_model(qwen3_5: Path, tmp_path: Path) ->
         if f.name.startswith(("tokenizer", "special_tokens", "generation")):
             shutil.copy(f, out / f.name)
     prompt = PROMPTS[1]
-    want = full.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
-                         do_sample=False)[0, len(prompt) :].tolist()  # fmt: skip
+    want = hf_continue(full, torch.tensor([prompt]), MAX_NEW)[0, len(prompt) :].tolist()
     with LLM(model=str(out), show_progress=False, dtype="float32") as llm:
         assert llm.config.model.arch.architecture == "Qwen3_5ForConditionalGeneration"
         got = llm.generate([{"prompt_token_ids": prompt}], GREEDY)[0].outputs[0].token_ids

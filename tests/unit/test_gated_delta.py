@@ -105,9 +105,13 @@ def _hf_conv(
 def _hf_gdn(
     inputs: dict[str, torch.Tensor], prev: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence, Hugging Face's token loop: (o [L, Hv, dv], the final state)."""
+    """One sequence, Hugging Face's token loop: (o [L, Hv, dv], the final state). q and k are
+    repeated to the value heads first, as Hugging Face's layer does (some transformers
+    versions' loop takes them so, others repeat them itself)."""
+    r = inputs["v"].shape[1] // inputs["q"].shape[1]
+    qk = {n: inputs[n].repeat_interleave(r, dim=1) for n in ("q", "k")}
     o, s = torch_recurrent_gated_delta_rule(
-        *(inputs[n][None].float() for n in ("q", "k", "v", "g", "beta")),
+        *({**inputs, **qk}[n][None].float() for n in ("q", "k", "v", "g", "beta")),
         initial_state=None if prev is None else prev[None].float(),
         output_final_state=True, use_qk_l2norm_in_kernel=True,
     )  # fmt: skip
