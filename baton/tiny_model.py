@@ -6,6 +6,7 @@ download), loadable by both Baton and ``transformers``. For tests, the demo and 
 import importlib
 import json
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -323,15 +324,22 @@ SPLITS_LIKE = {"qwen3_5_moe": "Qwen3_5Tokenizer"}
 STACKED_EXPERTS = ("qwen3_5_moe",)
 
 
-def _stack_experts(out: Path) -> None:
+def _rewrite_tensors(
+    out: Path, what: str, rewrite: Callable[[dict[str, Any]], dict[str, Any]]
+) -> None:
+    """The checkpoint's one safetensors file, its tensors rewritten by ``rewrite``."""
     from safetensors.torch import load_file, save_file
 
+    file = out / "model.safetensors"
+    if not file.is_file():
+        raise ValueError(f"{what} are written to one safetensors file (num_shards=1)")
+    save_file(rewrite(load_file(file)), str(file), metadata={"format": "pt"})
+
+
+def _stack_experts(out: Path) -> None:
     from baton.tiny_fp8 import stack_experts
 
-    files = list(out.glob("*.safetensors"))
-    if len(files) != 1:
-        raise ValueError("stacked experts are written to one safetensors file (num_shards=1)")
-    save_file(stack_experts(load_file(files[0])), str(files[0]), metadata={"format": "pt"})
+    _rewrite_tensors(out, "stacked experts", stack_experts)
 
 
 def _mxfp4_experts(out: Path, arch: str) -> None:
@@ -339,24 +347,22 @@ def _mxfp4_experts(out: Path, arch: str) -> None:
     [out, in] weights as ``<proj>_blocks`` and ``<proj>_scales`` (models/mxfp4.py), the
     biases and every other layer as they were, and the config's ``quantization_config`` as
     the published one (attention, routers, embeddings and the LM head not converted)."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
     from services.worker.engine.models.mxfp4 import quantize
 
     if arch != "gpt_oss":
         raise ValueError("MXFP4 checkpoints are written for gpt_oss (its experts)")
-    file = out / "model.safetensors"
-    if not file.is_file():
-        raise ValueError("MXFP4 experts are written to one safetensors file (num_shards=1)")
-    tensors: dict[str, torch.Tensor] = {}
-    for name, t in load_file(file).items():
-        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
-            # ([E, in, out] as transformers keeps them; the blocks are of [out, in] rows)
-            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = quantize(t.transpose(1, 2))
-        else:
-            tensors[name] = t
-    save_file(tensors, str(file), metadata={"format": "pt"})
+
+    def experts_in_mxfp4(state: dict[str, Any]) -> dict[str, Any]:
+        tensors: dict[str, Any] = {}
+        for name, t in state.items():
+            if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+                # ([E, in, out] as transformers keeps them; the blocks are of [out, in] rows)
+                tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = quantize(t.transpose(1, 2))
+            else:
+                tensors[name] = t
+        return tensors
+
+    _rewrite_tensors(out, "MXFP4 experts", experts_in_mxfp4)
     config = json.loads((out / "config.json").read_text())
     config["quantization_config"] = {
         "quant_method": "mxfp4",

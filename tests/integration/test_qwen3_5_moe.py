@@ -30,6 +30,7 @@ from tests.integration.test_qwen3_5 import (
     PROMPTS,
     _run,
     hf_reference,
+    matches_hugging_face_with_hits,
     pulls_the_full_blocks_and_the_end_state,
 )
 
@@ -66,10 +67,7 @@ def test_a_prompts_tokens_spread_over_most_experts(qwen3_5_moe: Path) -> None:
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_greedy_matches_hugging_face(qwen3_5_moe: Path, mode: str) -> None:
-    outs, stats = _run(qwen3_5_moe, **MODES[mode])
-    assert_matches_reference(outs, *hf_reference(str(qwen3_5_moe)), LOGPROB_ATOL)
-    assert stats.prefix_hit_tokens == 32 + 16  # (as Qwen3.5's: test_qwen3_5.py)
-    assert stats.num_free_blocks == stats.num_blocks
+    matches_hugging_face_with_hits(qwen3_5_moe, mode)
 
 
 @pytest.mark.parametrize("expert_parallel", [True, False], ids=["experts-whole", "experts-split"])

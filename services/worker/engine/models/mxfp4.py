@@ -16,6 +16,8 @@ exact in bfloat16 and float32): the experts then run as a bf16 checkpoint's woul
 
 import torch
 
+from services.worker.engine.models.weights import Loaded, full
+
 # an e2m1 code's value (sign bit 3, then two exponent bits and one mantissa bit)
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 BLOCK = 32  # values a scale covers
@@ -55,3 +57,33 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = nearest | ((scaled < 0) & (nearest > 0)).long() << 3
     packed = (codes[..., 0::2] | codes[..., 1::2] << 4).to(torch.uint8)
     return packed, (exponents + SCALE_BIAS).to(torch.uint8)
+
+
+class Mxfp4Slices:
+    """One expert's projection of an MXFP4 checkpoint as ``CheckpointTensor`` reads a handle
+    (as ``weights.GGUFSlices`` does a GGUF tensor): the shape of its values, [rows, cols], and
+    any region of them dequantized from only the codes and exponents it needs (its rows, and
+    the 32-column blocks its columns fall in), on ``device``. ``every`` and ``first`` pick the
+    stored rows it is made of (gpt-oss's gate: every second row from 0; its up: from 1), so a
+    tensor-parallel rank's narrowing reads only its rows."""
+
+    def __init__(self, blocks: Loaded, scales: Loaded, device: torch.device,
+                 every: int = 1, first: int = 0):  # fmt: skip
+        self.blocks, self.scales, self.device = blocks, scales, device
+        self.every, self.first = every, first
+
+    def get_shape(self) -> tuple[int, int]:
+        rows, groups = self.blocks.shape[0], self.blocks.shape[1]
+        return (rows - self.first + self.every - 1) // self.every, groups * BLOCK
+
+    def __getitem__(self, region: tuple[slice, ...]) -> torch.Tensor:
+        rows, cols = region
+        start = self.first + rows.start * self.every  # the stored rows: one run, then a step
+        count = (rows.stop - rows.start - 1) * self.every + 1
+        lo, hi = cols.start // BLOCK, -(-cols.stop // BLOCK)
+        codes, exponents = (
+            full(t.narrow(0, start, count).narrow(1, lo, hi - lo))[:: self.every].to(self.device)
+            for t in (self.blocks, self.scales)
+        )
+        values = dequantize(codes, exponents, torch.float32)
+        return values[:, cols.start - lo * BLOCK : cols.stop - lo * BLOCK]

@@ -107,6 +107,12 @@ def full(t: Loaded) -> torch.Tensor:
     return t.load() if isinstance(t, CheckpointTensor) else t
 
 
+def entry(t: Loaded, index: int) -> Loaded:
+    """Entry ``index`` of a (lazy) checkpoint tensor's first dimension: one expert of a stacked
+    tensor, still lazy where the tensor is."""
+    return t.entry(index) if isinstance(t, CheckpointTensor) else t[index]
+
+
 def one_value(t: Loaded, what: str) -> torch.Tensor:
     """A per-tensor scale as float32 of shape [1]; refuses one of more values."""
     value = full(t).float().reshape(-1)

@@ -48,7 +48,9 @@ from services.worker.engine.models.weights import (
     CheckpointTarget,
     CheckpointTensor,
     Loaded,
+    ReadCounter,
     copy_weight,
+    entry,
     full,
 )
 from services.worker.engine.quantization.base import MoEMethod, Proj, expert_part
@@ -320,7 +322,7 @@ class FusedMoE(nn.Module):
         if not layout.interleaved:  # [out, in], gate's rows then up's
             for e in range(self.num_experts):
                 g = self.first_expert + e
-                one = loaded.entry(g) if isinstance(loaded, CheckpointTensor) else loaded[g]
+                one = entry(loaded, g)
                 if not layout.gate_up:
                     self._load_expert(param, one, e, "down")
                     continue
@@ -352,30 +354,21 @@ class FusedMoE(nn.Module):
             if t.dim() < 3 or t.shape[0] != self.total_experts:
                 raise ValueError(f"MXFP4 experts of shape {tuple(t.shape)}, expected "
                                  f"{self.total_experts} (num_experts) first")  # fmt: skip
-        start, size, total = (
-            self.intermediate_start,
-            self.intermediate_size,
-            self.intermediate_total,
-        )
+        counter = blocks.counter if isinstance(blocks, CheckpointTensor) else ReadCounter()
         for e in range(self.num_experts):
             g = self.first_expert + e
-            one = [t.narrow(0, g, 1) for t in (blocks, scales)]
-            if shard.gate_up:  # this rank's gate and up rows: one run of the interleaved rows
-                codes, exponents = (
-                    full(t.narrow(1, 2 * start, 2 * size))[0].to(param.device) for t in one
-                )  # (dequantized where the weights live: on a GPU, there)
-                w = mxfp4.dequantize(codes, exponents, torch.float32)  # [2 · size, H]
-                self._load_expert(param, _placed(w[0::2], 0, start, total), e, "gate")
-                self._load_expert(param, _placed(w[1::2], 0, start, total), e, "up")
+            # (each a lazy tensor of the expert's values: rank_slice narrows it to this
+            # rank's rows or columns, and only those are read and dequantized, on the
+            # weights' device)
+            code, exponent = (entry(t, g) for t in (blocks, scales))
+            if not shard.gate_up:
+                down = mxfp4.Mxfp4Slices(code, exponent, param.device)
+                self._load_expert(param, CheckpointTensor.of(down, counter), e, "down")
                 continue
-            # down [H, I]: the 32-column blocks this rank's columns fall in
-            first, last = start // mxfp4.BLOCK, -(-(start + size) // mxfp4.BLOCK)
-            codes, exponents = (
-                full(t.narrow(2, first, last - first))[0].to(param.device) for t in one
-            )
-            w = mxfp4.dequantize(codes, exponents, torch.float32)  # [H, covering columns]
-            mine = w.narrow(1, start - first * mxfp4.BLOCK, size)
-            self._load_expert(param, _placed(mine, 1, start, total), e, "down")
+            halves: tuple[tuple[Proj, int], ...] = (("gate", 0), ("up", 1))  # (interleaved)
+            for proj, first in halves:
+                rows = mxfp4.Mxfp4Slices(code, exponent, param.device, every=2, first=first)
+                self._load_expert(param, CheckpointTensor.of(rows, counter), e, proj)
 
     def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2I] (gate ‖ up) → [T, I]: silu(gate) · up, or gpt-oss's clamped SwiGLU."""
@@ -408,19 +401,6 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:
         """This rank's experts' weighted sum, not yet summed over ranks."""
         return self.method.apply(self, x, topk_weights, topk_ids)
-
-
-def _placed(share: torch.Tensor, dim: int, start: int, total: int) -> torch.Tensor:
-    """A tensor of ``total`` along ``dim`` holding ``share`` at ``start`` (zeros elsewhere):
-    one expert's weight of which only this rank's share was dequantized, which is all that
-    ``FusedMoE.rank_slice`` takes of it."""
-    if share.shape[dim] == total:
-        return share
-    shape = list(share.shape)
-    shape[dim] = total
-    whole = share.new_zeros(shape)
-    whole.narrow(dim, start, share.shape[dim]).copy_(share)
-    return whole
 
 
 class _PartialRowLinear(RowParallelLinear):
