@@ -2,7 +2,8 @@
 bandwidth, both measured in this run), and prefill of a long prompt as achieved TFLOP/s
 against the matmul peak measured in this run. Variants (CUDA graphs off, fused kernels off)
 run in the same process so their ratios are side by side; each is a set of engine options
-(``LLM(**kwargs)``) or a checkpoint format, nothing of the product patched.
+(``LLM(**kwargs)``) or a checkpoint format, except ``moe_grouped``, which sets
+``ops/fused_moe.GEMV_TOKENS`` for its run (the engine core runs in this process).
 
     python benchmarks/latency.py --shape llama-3.1-8b --variants graphs eager unfused
 """
@@ -24,6 +25,7 @@ from baton import LLM, SamplingParams
 from benchmarks.profiling import device_span_us, kernel_rows
 from benchmarks.roofline import ModelCost, fp8_matmul_peak, limits, limits_seen
 from benchmarks.shapes import write_shape
+from services.worker.engine.ops import fused_moe
 
 VARIANTS: dict[str, dict[str, Any]] = {
     # the default: CUDA graphs (whole decode steps; prefill steps piecewise) + fused kernels +
@@ -52,6 +54,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # a checkpoint stored in FP8 128 × 128 blocks (benchmarks/shapes.CHECKPOINT_FORMATS): the
     # block kernels at every row count (fp8_block.fp8_block_mm)
     "fp8_block": {"checkpoint": "fp8-block"},
+    # a mixture of experts' layers at a few tokens through the grouped GEMMs, not the two GEMV
+    # launches (ops/fused_moe.GEMV_TOKENS set to 0 in this process): the A/B of that path
+    "moe_grouped": {"moe_gemv_tokens": 0},
+    "fp8_moe_grouped": {"quantization": "fp8", "moe_gemv_tokens": 0},
 }
 
 
@@ -67,6 +73,17 @@ def _timed(llm: LLM, ids: list[int], max_tokens: int) -> float:
 
 def measure(model: str, variant: str, args: argparse.Namespace) -> dict[str, Any]:
     engine_args = dict(VARIANTS[variant])
+    gemv_tokens = fused_moe.GEMV_TOKENS
+    fused_moe.GEMV_TOKENS = engine_args.pop("moe_gemv_tokens", gemv_tokens)
+    try:
+        return _measure(model, variant, engine_args, args)
+    finally:
+        fused_moe.GEMV_TOKENS = gemv_tokens
+
+
+def _measure(
+    model: str, variant: str, engine_args: dict[str, Any], args: argparse.Namespace
+) -> dict[str, Any]:
     checkpoint = engine_args.pop("checkpoint", None)
     if checkpoint is not None:  # the shape's config as that format stores it, beside the model
         model = str(write_shape(args.shape, Path(model).parent / checkpoint, checkpoint))

@@ -1,7 +1,9 @@
 """A mixture-of-experts layer's experts alone on a GPU: the fused Triton kernels
 (``ops/fused_moe.fused_moe``) against the same computation with one GEMM per expert
 (``fused_moe_reference``, the loop a layer without the kernels runs), at each token count of
-``--tokens``, bf16 and FP8 with 128 × 128 weight blocks, at Qwen3-30B-A3B's expert shape.
+``--tokens``, bf16 and FP8 with 128 × 128 weight blocks, at Qwen3-30B-A3B's expert shape. Up
+to twice ``GEMV_TOKENS`` tokens both of its paths as well (``gemv_ms``, ``grouped_ms``): the
+two GEMV launches and the grouped GEMMs.
 
 Each call is timed by CUDA events with the L2 cleared before it (a step reads the weights from
 HBM: one token's 8 FP8 experts would fit in the L2), over ``--routings`` different random
@@ -37,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.roofline import copy_bandwidth
 from benchmarks.shapes import SHAPES
 from services.worker.engine.ops.fused_moe import (
+    GEMV_TOKENS,
     MoELaunch,
     fused_moe,
     fused_moe_reference,
@@ -151,6 +154,11 @@ def case(shape: dict[str, int], fmt: str, t: int, args: argparse.Namespace,
                            "fused_eager_ms": round(eager_ms, 4),
                            "per_expert_loop_ms": round(loop_ms, 4),
                            "speedup": round(loop_ms / fused_ms, 2)}  # fmt: skip
+    if t <= 2 * GEMV_TOKENS:  # both paths side by side: where GEMV_TOKENS should lie
+        for name, gemv in (("gemv_ms", True), ("grouped_ms", False)):
+            fn = lambda g=gemv: fused_moe(inp.x, w["w13"], w["w2"], inp.weights, inp.ids,  # noqa: E731
+                                          out=out, gemv=g, **extra)  # fmt: skip
+            row[name] = round(time_ms(fn, inp, args.reps, graph=cuda), 4)
     if t == 1:
         nbytes = chosen_bytes(w, shape["num_experts_per_tok"])
         row["chosen_expert_bytes"] = nbytes
@@ -191,7 +199,7 @@ MOE_SHAPES = [n for n in SHAPES if "moe_intermediate_size" in SHAPES[n]]
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="qwen3-30b-a3b", choices=MOE_SHAPES)
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 4096])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 64, 512, 4096])
     p.add_argument("--formats", nargs="+", default=["bf16", "fp8-block"],
                    choices=["bf16", "fp8-block"])  # fmt: skip
     p.add_argument("--reps", type=int, default=50)

@@ -112,17 +112,22 @@ TIGHT = {"bf16": 2e-3, "fp8-channel": 1e-2, "fp8-block": 1e-2}
 LOOSE = {"bf16": 4e-3, "fp8-channel": 5e-2, "fp8-block": 5e-2}
 
 
+# (tokens, path): the GEMVs at one token (with PDL) and 4; the grouped GEMMs there too
+CALLS = [(1, None), (4, True), (1, False), (4, False), (64, None), (512, None)]
+CALL_IDS = ["1-gemv", "4-gemv", "1-grouped", "4-grouped", "64", "512"]
+
+
 @pytest.mark.parametrize("scheme", list(SCHEMES))
-@pytest.mark.parametrize("t", [1, 4, 64, 512])
+@pytest.mark.parametrize(("t", "gemv"), CALLS, ids=CALL_IDS)
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_fused_moe_is_the_reference(shape: str, t: int, scheme: str) -> None:
+def test_fused_moe_is_the_reference(shape: str, t: int, gemv: bool | None, scheme: str) -> None:
     e, k, h, _ = SHAPES[shape]
     w = _experts(shape, scheme)
     x = torch.randn(t, h, device="cuda", generator=torch.Generator("cuda").manual_seed(t))
     x = (x * 2).bfloat16()
     weights, ids = _routing(t, e, k, seed=t)
     assert supported(x, w["w13"])
-    got = fused_moe(x, topk_weights=weights, topk_ids=ids, **w)
+    got = fused_moe(x, topk_weights=weights, topk_ids=ids, gemv=gemv, **w)
     assert got.dtype == torch.bfloat16 and got.shape == (t, h)
     exact = _kernel_arithmetic(x, w, weights, ids)
     assert _relative_error(got, exact) < TIGHT[scheme]
@@ -132,14 +137,15 @@ def test_fused_moe_is_the_reference(shape: str, t: int, scheme: str) -> None:
 
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
-def test_half_the_experts_on_this_rank(scheme: str) -> None:
+@pytest.mark.parametrize("t", [1, 64], ids=["gemv", "grouped"])
+def test_half_the_experts_on_this_rank(t: int, scheme: str) -> None:
     """Expert parallelism over two ranks: each rank's sum over its experts; the two add up to
     the sum over all of them (each rounded to bf16 once more)."""
     e, k, h, _ = SHAPES["qwen3-30b-a3b"]
     w = _experts("qwen3-30b-a3b", scheme)
-    x = torch.randn(64, h, device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    x = torch.randn(t, h, device="cuda", generator=torch.Generator("cuda").manual_seed(5))
     x = x.bfloat16()
-    weights, ids = _routing(64, e, k, seed=5)
+    weights, ids = _routing(t, e, k, seed=5)
     ranks = []
     for rank in range(2):
         mine = slice(rank * e // 2, (rank + 1) * e // 2)
@@ -169,24 +175,26 @@ def test_the_activation_codes_are_the_dense_layers_rounding(block: int | None) -
 
 
 @pytest.mark.parametrize("scheme", ["bf16", "fp8-block"])
-def test_a_captured_call_replays_on_new_inputs(scheme: str) -> None:
-    """fused_moe at T = 4 in a CUDA graph: no host sync in it (the capture would fail), and a
-    replay over new tokens and routing gives their eager result."""
+@pytest.mark.parametrize(("t", "gemv"), [(1, None), (4, True), (4, False)],
+                         ids=["1-gemv-pdl", "4-gemv", "4-grouped"])  # fmt: skip
+def test_a_captured_call_replays_on_new_inputs(t: int, gemv: bool | None, scheme: str) -> None:
+    """fused_moe in a CUDA graph: no host sync in it (the capture would fail), and a replay
+    over new tokens and routing gives their eager result."""
     e, k, h, _ = SHAPES["qwen3-30b-a3b"]
     w = _experts("qwen3-30b-a3b", scheme)
-    x = torch.randn(4, h, device="cuda").bfloat16()
-    weights, ids = _routing(4, e, k, seed=1)
+    x = torch.randn(t, h, device="cuda").bfloat16()
+    weights, ids = _routing(t, e, k, seed=1)
     out = torch.empty_like(x)
-    fused_moe(x, topk_weights=weights, topk_ids=ids, out=out, **w)
+    fused_moe(x, topk_weights=weights, topk_ids=ids, out=out, gemv=gemv, **w)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fused_moe(x, topk_weights=weights, topk_ids=ids, out=out, **w)
-    new_weights, new_ids = _routing(4, e, k, seed=2)
-    x.copy_(torch.randn(4, h, device="cuda").bfloat16())
+        fused_moe(x, topk_weights=weights, topk_ids=ids, out=out, gemv=gemv, **w)
+    new_weights, new_ids = _routing(t, e, k, seed=2)
+    x.copy_(torch.randn(t, h, device="cuda").bfloat16())
     weights.copy_(new_weights)
     ids.copy_(new_ids)
     graph.replay()
     torch.cuda.synchronize()
-    eager = fused_moe(x, topk_weights=weights, topk_ids=ids, **w)
+    eager = fused_moe(x, topk_weights=weights, topk_ids=ids, gemv=gemv, **w)
     assert torch.equal(out, eager)

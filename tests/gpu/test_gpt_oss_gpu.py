@@ -2,10 +2,13 @@
 checkpoint (a window of 8 tokens on two layers, sinks in every head) through the attention
 backends' sliding-window and sink paths, with the fused rotary storing the keys, decode CUDA
 graphs and piecewise graphs for prefill chunks, against eager execution and Hugging Face on the
-CPU (float32). The experts have biases and a clamped SwiGLU, which the fused MoE kernel does
-not compute: they run the plain path (each expert's tokens gathered; while a graph captures,
-every expert on every token), and the kernel is never called. In bfloat16 close to float32;
-two GPUs equal to one."""
+CPU (float32). The experts' biases and clamped SwiGLU run in the fused MoE kernels (the
+grouped GEMMs, and the GEMVs at a few tokens). In bfloat16 close to float32; two GPUs equal to
+one.
+
+Hugging Face's gpt-oss differs between transformers versions: on a GPU host with 5.17.0 the
+reference's tokens differ from the first, while the engine on that host's CPU and GPU agree
+(docs/results/h100-2026-12-05d); the CPU suite holds the engine to the pinned version."""
 
 from pathlib import Path
 
@@ -67,7 +70,7 @@ def test_graphs_and_eager_equal_hugging_face(
         runner = graphs.client.core.executor.worker.runner  # type: ignore[attr-defined]
         assert runner.graphs is not None and runner.pieces is not None
         assert greedy(graphs, PROMPTS) == want
-    assert kernel_calls == []  # (biases, the clamped SwiGLU: the plain path)
+    assert kernel_calls and max(kernel_calls) > 1  # (biases, the clamped SwiGLU: the kernels)
 
 
 def test_bfloat16_is_close_to_float32(gpt_oss: Path) -> None:

@@ -80,10 +80,13 @@ def test_async_scheduling_steps_never_sync(models: dict[str, Path]) -> None:
 def test_fp8_experts_match_their_dequantizing_reference(
     tmp_path: Path, kw: dict[str, Any], kernel_calls: list[int]
 ) -> None:
-    """As the dense FP8 layers on the GPU (tests/integration/test_fp8.py): the kernel rounds
-    activations exactly as the reference does; a near-tie may flip, nine in ten are exact."""
+    """As the dense FP8 layers (tests/integration/test_fp8.py), in float32 as the reference
+    computes: the kernel rounds activations exactly as the reference does; a near-tie may
+    flip, nine in ten are exact. (On an H100 the median logprob difference was 0.0078 and
+    0.0102 in bf16, 0.0026 and 0.0085 in float32, with fast accumulation or without: above
+    the 1e-3 this asks, cause not found; docs/results/h100-2026-12-05d.)"""
     path = make_tiny_model(tmp_path / "fp8", arch="qwen3_moe", num_layers=3, **kw)
-    llm = LLM(model=str(path), show_progress=False)
+    llm = LLM(model=str(path), dtype="float32", show_progress=False)
     try:
         outs = llm.generate(FP8_PROMPTS, FP8_GREEDY, use_tqdm=False)
     finally:

@@ -76,16 +76,21 @@ def test_align_groups_the_local_pairs_in_padded_runs(t: int, k: int, local_half:
     assert (rows[~real] == t * k).all()
 
 
+PATHS = {"grouped": False, "gemv": True}  # the grouped GEMMs or the few-token GEMVs
+
+
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("t", [1, 5, 33])
-def test_fused_moe_is_the_reference(t: int, k: int, dtype: torch.dtype) -> None:
-    """Half the experts on this rank (k = 2) or all of them (k = 1): the reference's sums over
-    the local experts, rounded at the same points (one float16 step at most)."""
-    weights, ids, emap = _routing(t, k, local_half=k == 2, seed=t + k)
+def test_fused_moe_is_the_reference(t: int, k: int, dtype: torch.dtype, path: str) -> None:
+    """Half the experts on this rank (k = 2, 3: a top-k not a power of two) or all of them
+    (k = 1): the reference's sums over the local experts, rounded at the same points (one
+    float16 step at most), by either path."""
+    weights, ids, emap = _routing(t, k, local_half=k > 1, seed=t + k)
     w13, w2 = (w.to(dtype) for w in _weights(seed=t))
     x = _tokens(t).to(dtype)
-    got = fused_moe(x, w13, w2, weights, ids, expert_map=emap)
+    got = fused_moe(x, w13, w2, weights, ids, expert_map=emap, gemv=PATHS[path])
     want = fused_moe_reference(x, w13, w2, weights, ids, expert_map=emap)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     assert got.dtype == dtype and got.shape == (t, H)
@@ -95,9 +100,10 @@ def test_fused_moe_is_the_reference(t: int, k: int, dtype: torch.dtype) -> None:
         assert (everything - want).abs().max() > 100 * tol
 
 
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("t", [1, 5, 33])
-def test_gpt_oss_experts_biases_and_clamped_swiglu(t: int, dtype: torch.dtype) -> None:
+def test_gpt_oss_experts_biases_and_clamped_swiglu(t: int, dtype: torch.dtype, path: str) -> None:
     """gpt-oss's experts in the kernels: the gate/up and down biases and the clamped SwiGLU
     (limit 1, so the clamps bind at these scales) equal the reference's, which
     ``FusedMoE.activate``'s arithmetic defines; without them the result is another."""
@@ -109,7 +115,7 @@ def test_gpt_oss_experts_biases_and_clamped_swiglu(t: int, dtype: torch.dtype) -
     x = _tokens(t, 3.0).to(dtype)
     kw: dict[str, Any] = {"expert_map": emap, "w13_bias": b13, "w2_bias": b2,
                           "swiglu_limit": 1.0, "swiglu_alpha": 1.702}  # fmt: skip
-    got = fused_moe(x, w13, w2, weights, ids, **kw)
+    got = fused_moe(x, w13, w2, weights, ids, **kw, gemv=PATHS[path])
     want = fused_moe_reference(x, w13, w2, weights, ids, **kw)
     tol = 1e-5 if dtype == torch.float32 else 4e-3
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
@@ -119,11 +125,31 @@ def test_gpt_oss_experts_biases_and_clamped_swiglu(t: int, dtype: torch.dtype) -
         assert (fused_moe_reference(x, w13, w2, weights, ids, **other) - want).abs().max() > 0.01
 
 
-def test_fused_moe_writes_out_and_takes_int64_ids() -> None:
-    weights, ids, _ = _routing(6, 2, local_half=False, seed=3)
+@pytest.mark.parametrize("path", list(PATHS))
+def test_a_tokens_slots_are_added_in_slot_order(path: str) -> None:
+    """Three slots of three identical experts, weighted 2^24, 1, 1: each slot's row is exactly
+    v · weight (v: one slot's row, weight 1), and their float32 sum depends on the order; the
+    kernels add them in slot order (0, 1, 2), as the sum step has always done."""
+    w13, w2 = (w[:1].repeat(3, 1, 1) for w in _weights(seed=7))
+    x = _tokens(1)
+    first = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    one = fused_moe(x, w13, w2, torch.ones(1, 1, device=DEVICE), first, gemv=PATHS[path])
+    big = torch.tensor(2.0**24, device=DEVICE)
+    ids = torch.tensor([[0, 1, 2]], dtype=torch.int32, device=DEVICE)
+    weights = torch.stack([big, torch.ones_like(big), torch.ones_like(big)]).reshape(1, 3)
+    got = fused_moe(x, w13, w2, weights, ids, gemv=PATHS[path])
+    in_order = (one * big + one) + one
+    reversed_order = (one + one) + one * big
+    assert not torch.equal(in_order, reversed_order)  # (the order shows)
+    assert torch.equal(got, in_order)
+
+
+@pytest.mark.parametrize("t", [2, 6], ids=["gemv", "grouped"])  # (each path's default)
+def test_fused_moe_writes_out_and_takes_int64_ids(t: int) -> None:
+    weights, ids, _ = _routing(t, 2, local_half=False, seed=3)
     w13, w2 = _weights(seed=4)
-    x = _tokens(6)
-    out = torch.full((6, H), float("nan"), device=DEVICE)
+    x = _tokens(t)
+    out = torch.full((t, H), float("nan"), device=DEVICE)
     got = fused_moe(x, w13, w2, weights, ids.long(), out=out)
     assert got is out
     torch.testing.assert_close(out, fused_moe_reference(x, w13, w2, weights, ids))
@@ -166,9 +192,10 @@ def _product_of_codes(
     return out
 
 
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("block", [None, 32], ids=["channel", "block32"])
 @pytest.mark.parametrize("t", [1, 5, 33])
-def test_fp8_experts_are_the_product_of_their_codes(t: int, block: int | None) -> None:
+def test_fp8_experts_are_the_product_of_their_codes(t: int, block: int | None, path: str) -> None:
     """Per-channel and block (32 × 32 here: H and I of two blocks) e4m3 experts, half on this
     rank: the product of the activations' codes and scales (x's per token or per token and
     group, h's likewise) with the dequantized weights; and the reference's result to within
@@ -178,12 +205,13 @@ def test_fp8_experts_are_the_product_of_their_codes(t: int, block: int | None) -
     (q13, s13), (q2, s2) = _fp8(w13, block), _fp8(w2, block)
     x = _tokens(t, torch.linspace(0.1, 4, H))
     kw = {"expert_map": emap, "w13_scale": s13, "w2_scale": s2, "block": block}
-    got = fused_moe(x, q13, q2, weights, ids, **kw)  # type: ignore[arg-type]
+    got = fused_moe(x, q13, q2, weights, ids, **kw, gemv=PATHS[path])  # type: ignore[arg-type]
     exact = _product_of_codes(x, q13, s13, q2, s2, weights, ids, emap, block)
     torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5 * float(exact.abs().max()))
     want = fused_moe_reference(x, q13, q2, weights, ids, **kw)  # type: ignore[arg-type]
     assert (got - want).norm() < 0.2 * want.norm()
-    if block is not None:  # h's codes from a pass after GEMM 1, or its epilogue (a tile a group)
+    if block is not None and path == "grouped":  # h's codes from a pass after GEMM 1, or its
+        # epilogue (a tile a group)
         fused = MoELaunch(block_m=16, block_n=2 * block, block_k=block)
         assert torch.equal(fused_moe(x, q13, q2, weights, ids, **kw, config=fused), got)  # type: ignore[arg-type]
 

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from services.worker.engine.model_config import MoEConfig
+from services.worker.engine.ops.dependent_launch import await_inputs, launch_options
 
 _SCORING = {"softmax": 0, "sigmoid": 1, "softmax_of_topk": 2}
 
@@ -26,12 +27,13 @@ _SCORING = {"softmax": 0, "sigmoid": 1, "softmax_of_topk": 2}
 def _route_kernel(
     LOGITS, BIAS, WEIGHTS, IDS, E, stride_l, scaling,
     K: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One token: ids[t, :K] its experts in descending score, weights[t, :K] theirs."""
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     ok = e < E
+    await_inputs(USE_PDL)
     logits = tl.load(LOGITS + t * stride_l + e, mask=ok, other=float("-inf")).to(tl.float32)
     if SCORING == 0:  # softmax over every expert
         z = tl.exp(logits - tl.max(logits, 0))
@@ -90,6 +92,6 @@ def route(
         logits, bias, weights, ids, e, logits.stride(0), float(moe.routed_scaling_factor),
         K=k, SCORING=_SCORING[moe.scoring], HAS_BIAS=correction_bias is not None, NORM=norm,
         BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(k),
-        num_warps=1 if e <= 256 else 4,
+        num_warps=1 if e <= 256 else 4, **launch_options(logits),
     )  # fmt: skip
     return weights, ids

@@ -203,11 +203,14 @@ class Router(nn.Module):
     the dtype its model's Hugging Face gate computes them (``MoEConfig.router_float32``:
     DeepSeek's in float32, the others' in the model's dtype, which also saves a decode step
     the cast of x and a float32 GEMV a layer), and DeepSeek-V3's ``e_score_correction_bias``
-    (float32). ``select_experts`` takes the logits to float32."""
+    (float32). ``select_experts`` takes the logits to float32. With ``kernels``, one token's
+    logits on a GPU are the Triton GEMV's (``ops/gemv.py``, as the linear layers' at one token:
+    one launch, overlapping the one before)."""
 
-    def __init__(self, hidden: int, moe: MoEConfig):
+    def __init__(self, hidden: int, moe: MoEConfig, kernels: bool = False):
         super().__init__()
         e = moe.num_experts
+        self.kernels = kernels
         self.float32 = moe.router_float32
         dtype = torch.float32 if self.float32 else torch.get_default_dtype()
         self.weight = nn.Parameter(torch.empty(e, hidden, dtype=dtype), requires_grad=False)
@@ -221,7 +224,12 @@ class Router(nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float() if self.float32 else x, self.weight, self.bias)
+        x = x.float() if self.float32 else x
+        if self.kernels and x.is_cuda and x.shape[0] == 1:
+            from services.worker.engine.ops.gemv import gemv
+
+            return gemv(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class FusedMoE(nn.Module):
@@ -448,7 +456,7 @@ class MoEBlock(nn.Module):
         if arch.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {arch.hidden_act!r}; supported: silu")
         self.moe = moe
-        self.gate = Router(arch.hidden_size, moe)
+        self.gate = Router(arch.hidden_size, moe, ctx.kernels)
         self.experts = FusedMoE(moe, arch.hidden_size, ctx.moe, ctx.expert_parallel)
         self.shared_experts: SharedExperts | None = None
         if moe.shared_intermediate_size:
