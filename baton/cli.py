@@ -44,6 +44,7 @@ def _make_tiny_model(args: argparse.Namespace) -> None:
         max_position_embeddings=args.max_position_embeddings,
         quantize=args.quantize,
         kv_scales=args.kv_cache_scales,
+        keep_float=tuple(args.keep_float),
     )
     fp8 = (
         f" ({args.quantize}{', KV cache scales' if args.kv_cache_scales else ''})"
@@ -138,6 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-scales", action="store_true",
         help="with --quantize fp8-tensor|fp8-channel: a key and a value scale per layer too "
         "(compressed-tensors kv_cache_scheme), calibrated on a text",
+    )  # fmt: skip
+    p.add_argument(
+        "--keep-float", nargs="+", default=[], metavar="NAME",
+        help="with an fp8 --quantize: layers left float and listed in the checkpoint's ignore "
+        "list, by name or as re:PATTERN (llm-compressor's recipes: re:.*linear_attn.*, ...)",
     )  # fmt: skip
     p.set_defaults(func=_make_tiny_model)
 

@@ -138,11 +138,22 @@ def rounding_kv_cache(path: str | Path) -> Iterator[None]:
         yield
 
 
+def kept_float(name: str, entries: tuple[str, ...]) -> bool:
+    """Whether an ignore list's ``entries`` name the module ``name``: ``re:`` and a pattern
+    matched from the name's start (as compressed-tensors matches them), or a module's name,
+    the whole name or whole dotted parts of it."""
+    return any(re.match(e[3:], name) if e.startswith("re:") else f".{e}." in f".{name}."
+               for e in entries)  # fmt: skip
+
+
 def quantize_checkpoint(
-    out: Path, model: Any, tokenizer: Any, fmt: str, seed: int, kv_scales: bool = False
-) -> None:
+    out: Path, model: Any, tokenizer: Any, fmt: str, seed: int, kv_scales: bool = False,
+    keep_float: tuple[str, ...] = (),
+) -> None:  # fmt: skip
     """Replace ``out``'s weights with an FP8 checkpoint of ``model`` in format ``fmt`` (with
-    ``kv_scales``, KV cache scales too)."""
+    ``kv_scales``, KV cache scales too); the layers ``keep_float`` names (``kept_float``) stay
+    float and join the checkpoint's ignore list, as llm-compressor's recipes leave a Gated
+    DeltaNet's projections, the attention or a first layer."""
     import json
 
     import torch
@@ -191,7 +202,8 @@ def quantize_checkpoint(
     if model.config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     quantized = [k.removesuffix(".weight") for k in tensors
-                 if k.endswith(".weight") and k.rsplit(".", 2)[1] in _QUANTIZED]  # fmt: skip
+                 if k.endswith(".weight") and k.rsplit(".", 2)[1] in _QUANTIZED
+                 and not kept_float(k.removesuffix(".weight"), keep_float)]  # fmt: skip
     for name in quantized:
         w = tensors[f"{name}.weight"].float()
         if fmt == "fp8-tensor":
@@ -222,6 +234,9 @@ def quantize_checkpoint(
     if floats:  # each by its name, as the published checkpoints list them
         key = "ignore" if "ignore" in qc else "modules_to_not_convert"
         qc[key] = [*qc.get(key, ["lm_head"]), *floats]
+    if keep_float:
+        key = "ignore" if "ignore" in qc else "modules_to_not_convert"
+        qc[key] = [*qc.get(key, ["lm_head"]), *keep_float]
     if kv_scales:
         config["quantization_config"]["kv_cache_scheme"] = {
             "num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
@@ -299,6 +314,8 @@ def dequantized_reference(path: str | Path, quantize_activations: bool = True) -
         for name, lin in _linears(model).items():
             if name.endswith("kv_b_proj"):  # the engine multiplies the latent by its weight
                 continue  # unrounded, in prefill as in decode (models/layers/mla.py)
+            if getattr(tensors.get(f"{name}.weight"), "dtype", None) != q.FP8:
+                continue  # a layer the checkpoint keeps float: its input as it is
             static = tensors.get(f"{name}.input_scale")
             if quant.activations == "static":  # the engine's q/k/v (gate/up) share the largest
                 prefix, _, own = name.rpartition(".")
@@ -312,8 +329,12 @@ def dequantized_reference(path: str | Path, quantize_activations: bool = True) -
                         .reshape(x.shape),)  # fmt: skip
 
             lin.register_forward_pre_hook(hook)
-        for experts in _experts(model).values():
-            _rounding_experts(experts, quant.activations, quant.block)
+        for name, experts in _experts(model).items():
+            # expert 0's gate in either spelling (Mixtral's w1 under block_sparse_moe)
+            mixtral = name.replace(".mlp.", ".block_sparse_moe.")
+            gates = [f"{n}.0.{p}.weight" for n in (name, mixtral) for p in ("gate_proj", "w1")]
+            if any(getattr(tensors.get(g), "dtype", None) == q.FP8 for g in gates):
+                _rounding_experts(experts, quant.activations, quant.block)  # (else float)
     return model.train(False)  # inference mode
 
 

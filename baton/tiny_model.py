@@ -217,6 +217,8 @@ def make_tiny_model(
     # fp8-tensor | fp8-channel | fp8-block (baton/tiny_fp8.py) | mxfp4 (gpt_oss's experts)
     quantize: str | None = None,
     kv_scales: bool = False,  # with quantize: KV cache scales per layer too
+    # with fp8 quantize: layers left float and listed so (names, or ``re:`` patterns)
+    keep_float: tuple[str, ...] = (),
     initializer_range: float | None = None,  # None: 0.1, or 0.03 for an FP8 checkpoint
     # Qwen3-MoE, DeepSeek: one expert's (Qwen3-Next: its shared expert's too; None: 32)
     moe_intermediate_size: int | None = None,
@@ -287,6 +289,9 @@ def make_tiny_model(
     model.save_pretrained(out, max_shard_size=shard)
     if arch in STACKED_EXPERTS:
         _stack_experts(out)
+    if keep_float and (quantize is None or not quantize.startswith("fp8")):
+        raise ValueError("keep_float names layers an FP8 checkpoint leaves float (give an fp8 "
+                         "quantize)")  # fmt: skip
     if quantize == "mxfp4":
         if kv_scales:
             raise ValueError("KV cache scales come with an FP8 checkpoint, not MXFP4")
@@ -294,7 +299,7 @@ def make_tiny_model(
     elif quantize is not None:
         from baton.tiny_fp8 import quantize_checkpoint
 
-        quantize_checkpoint(out, model, tokenizer, quantize, seed, kv_scales)
+        quantize_checkpoint(out, model, tokenizer, quantize, seed, kv_scales, keep_float)
     elif kv_scales:
         raise ValueError("KV cache scales come with an FP8 checkpoint (give quantize)")
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")

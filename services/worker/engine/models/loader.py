@@ -83,39 +83,102 @@ def load_gguf(model: nn.Module, model_path: str | Path, show_progress: bool = Tr
     return counter
 
 
-def _load(
-    model: nn.Module, tensors: Iterable[tuple[str, CheckpointTensor, str]], source: str | Path
-) -> None:
-    """Load (our name, tensor, the checkpoint's name for it) triples; refuses a tensor without
-    a parameter, and a checkpoint that leaves a parameter (or an expert's weight) unloaded.
-
-    A name maps through the model's ``checkpoint_target(name)`` when it has one and answers
+class _Names:
+    """A checkpoint tensor's name → (our parameter's name, the shard it fills), as ``model``
+    maps it: through its ``checkpoint_target(name)`` when it has one and answers
     (``CheckpointTarget``: one expert's projection, a family's own spelling), else through its
-    ``packed_modules`` table (q/k/v into qkv_proj, gate/up into gate_up_proj)."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    modules = dict(model.named_modules())
-    packed: dict[str, tuple[str, str | int]] = getattr(model, "packed_modules", {})
-    hook: Callable[[str], CheckpointTarget | None] | None = getattr(
-        model, "checkpoint_target", None
-    )
-    tied = bool(getattr(getattr(model, "arch", None), "tie_word_embeddings", False))
-    # what a model does not run (DeepSeek-V3's multi-token-prediction layers)
-    unused: Callable[[str], bool] = getattr(model, "unused_checkpoint_tensor", lambda _: False)
-    # checkpoint name prefixes that are others of ours (a multimodal checkpoint's text decoder)
-    renames: dict[str, str] = getattr(model, "checkpoint_prefixes", {})
-    loaded: set[str] = set()
-    for name, tensor, label in tensors:
-        for theirs, ours in renames.items():
+    ``packed_modules`` table (q/k/v into qkv_proj, gate/up into gate_up_proj); None for a
+    tensor the model does not load."""
+
+    def __init__(self, model: nn.Module):
+        self.packed: dict[str, tuple[str, str | int]] = getattr(model, "packed_modules", {})
+        self.hook: Callable[[str], CheckpointTarget | None] | None = getattr(
+            model, "checkpoint_target", None
+        )
+        self.tied = bool(getattr(getattr(model, "arch", None), "tie_word_embeddings", False))
+        # what a model does not run (DeepSeek-V3's multi-token-prediction layers)
+        self.unused: Callable[[str], bool] = getattr(
+            model, "unused_checkpoint_tensor", lambda _: False
+        )
+        # checkpoint name prefixes that are others of ours (a multimodal checkpoint's decoder)
+        self.renames: dict[str, str] = getattr(model, "checkpoint_prefixes", {})
+
+    def target(self, name: str) -> CheckpointTarget | None:
+        for theirs, ours in self.renames.items():
             if name.startswith(theirs):
                 name = ours + name.removeprefix(theirs)
                 break
-        if name.endswith(_SKIPPED_SUFFIXES) or (tied and name == "lm_head.weight"):
-            continue
-        if unused(name):
-            continue
+        if name.endswith(_SKIPPED_SUFFIXES) or (self.tied and name == "lm_head.weight"):
+            return None
+        if self.unused(name):
+            return None
         ours = checkpoint_name(name)
-        found = hook(ours) if hook is not None else None
-        target, shard = found if found is not None else _map_name(ours, packed)
+        found = self.hook(ours) if self.hook is not None else None
+        return found if found is not None else CheckpointTarget(*_map_name(ours, self.packed))
+
+
+# safetensors' names of the floating-point dtypes a float layer's weight has
+_FLOAT_DTYPES = frozenset({"BF16", "F16", "F32"})
+# the parameters that hold a layer's weight (a linear layer's, the experts')
+_WEIGHTS = frozenset({"weight", "w13_weight", "w2_weight"})
+
+
+def keep_float(model: nn.Module, model_dir: str | Path) -> list[str]:
+    """Give each layer that a quantized checkpoint keeps in floating point its method's float
+    counterpart (``LinearMethod.float_method``), before any weight is loaded; returns their
+    names. A checkpoint's ignore list (compressed-tensors' ``ignore``, the fp8 method's
+    ``modules_to_not_convert``) says which those are in names and patterns of its own; the
+    tensors say it exactly: a layer whose every weight the file stores as a float tensor where
+    its method expects FP8. Reads only the files' headers. Refuses a layer whose parts differ
+    (q float and k in FP8, say): Baton computes them in one product. (Dummy weights have no
+    files: every layer keeps the model's method.)"""
+    names = _Names(model)
+    modules = dict(model.named_modules())
+    parts: dict[str, dict[str, bool]] = {}  # our layer → {its checkpoint weights: float}
+    for file in checkpoint_files(model_dir):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                found = names.target(name)
+                if found is None:
+                    continue
+                layer, _, param = found[0].rpartition(".")
+                method = getattr(modules.get(layer), "method", None)
+                if param not in _WEIGHTS or method is None or method.float_method() is None:
+                    continue
+                dtype = f.get_slice(name).get_dtype()
+                parts.setdefault(layer, {})[name] = dtype in _FLOAT_DTYPES
+    kept = []
+    for layer, weights in parts.items():
+        floats = sorted(n for n, is_float in weights.items() if is_float)
+        if not floats:
+            continue
+        if len(floats) != len(weights):
+            others = sorted(set(weights) - set(floats))
+            raise ValueError(
+                f"the checkpoint keeps {floats[0]} float but {others[0]} quantized: Baton "
+                f"computes both in one layer ({layer}), in one format"
+            )
+        module = modules[layer]
+        module.set_method(module.method.float_method())
+        kept.append(layer)
+    return kept
+
+
+def _load(
+    model: nn.Module, tensors: Iterable[tuple[str, CheckpointTensor, str]], source: str | Path
+) -> None:
+    """Load (our name, tensor, the checkpoint's name for it) triples (``_Names`` maps them);
+    refuses a tensor without a parameter, and a checkpoint that leaves a parameter (or an
+    expert's weight) unloaded."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules())
+    names = _Names(model)
+    loaded: set[str] = set()
+    for name, tensor, label in tensors:
+        found = names.target(name)
+        if found is None:
+            continue
+        target, shard = found
         if target not in params:
             raise ValueError(f"checkpoint tensor {label!r} has no matching parameter")
         param = params[target]
@@ -129,7 +192,7 @@ def _load(
         except ValueError as e:  # name the tensor: a wrong layout must be findable
             raise ValueError(f"checkpoint tensor {label!r}: {e}") from None
         loaded.add(target)
-    if tied:
+    if names.tied:
         loaded.add("lm_head.weight")
     for prefix, module in modules.items():  # what a layer computes at load, not reads
         derived = getattr(module, "derived_parameters", None)

@@ -110,6 +110,12 @@ class LinearMethod(ABC):
         layer, with the weights on their device."""
         return 0
 
+    def float_method(self) -> "LinearMethod | None":
+        """The method for a layer that the checkpoint keeps in floating point where this
+        method expects its own format (a quantized checkpoint's ignore list); None where a
+        float weight is what this method takes (the model's dtype, or quantized at load)."""
+        return None
+
     @abstractmethod
     def apply(
         self, layer: Linear, x: torch.Tensor | Codes, bias: torch.Tensor | None
@@ -183,6 +189,10 @@ class MoEMethod(ABC):
 
     def process_weights_after_loading(self, layer: Experts) -> None:
         """Derive what the kernels want from the loaded values (once, on the device)."""
+        return None
+
+    def float_method(self) -> "MoEMethod | None":
+        """As ``LinearMethod.float_method``, for experts the checkpoint keeps float."""
         return None
 
     @abstractmethod

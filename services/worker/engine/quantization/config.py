@@ -3,7 +3,6 @@ that configuration (and the CLI) never imports torch. The formats are described 
 package's docstring; the methods that run them are chosen in ``registry.py``.
 """
 
-import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -86,11 +85,8 @@ def _parse(hf: dict[str, Any], requested: str | None) -> QuantConfig | None:
             )
         if qc.get("fmt", "e4m3") not in ("e4m3", "float8_e4m3fn"):  # (MiniMax's spelling)
             raise ValueError(f"unsupported fp8 format {qc.get('fmt')!r} (e4m3 only)")
-        # what stays float: what Baton keeps float anyway, or the checkpoint is refused
-        floats = [n for n in qc.get("modules_to_not_convert") or [] if _names_quantized(n)]
-        if floats:
-            raise ValueError(f"fp8 modules_to_not_convert naming layers that Baton quantizes "
-                             f"are not supported: {floats[:4]}")  # fmt: skip
+        # (modules_to_not_convert: what stays float; the loader reads that from the tensors,
+        # models/loader.keep_float)
         return QuantConfig("block", "token_group", method="fp8 (128x128 blocks)")
     raise ValueError(f"unknown quantization method {method!r} (supported: compressed-tensors "
                      "float-quantized, fp8)")  # fmt: skip
@@ -100,10 +96,7 @@ def _compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
     if qc.get("format") != "float-quantized":
         raise ValueError(f"compressed-tensors format {qc.get('format')!r} is not supported "
                          "(float-quantized only)")  # fmt: skip
-    ignored = [name for name in qc.get("ignore", []) if _names_quantized(name)]
-    if ignored:
-        raise ValueError(f"compressed-tensors ignore lists naming layers that Baton quantizes "
-                         f"are not supported: {ignored[:4]}")  # fmt: skip
+    # (ignore: what stays float, read from the tensors as above)
     groups = list(qc.get("config_groups", {}).values())
     if len(groups) != 1:
         raise ValueError(f"one compressed-tensors config group is supported, got {len(groups)}")
@@ -124,43 +117,6 @@ def _compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
     kv_scales = _kv_cache_scheme(qc.get("kv_cache_scheme"))
     method = f"fp8 ({w['strategy']} weights, {acts} acts{', KV scales' if kv_scales else ''})"
     return QuantConfig(w["strategy"], acts, method=method, kv_scales=kv_scales)
-
-
-def _names_quantized(entry: str) -> bool:
-    """Whether an ``ignore`` (``modules_to_not_convert``) entry, a module's name or ``re:``
-    and a pattern (matched from the name's start, as compressed-tensors and the fp8 method
-    match them), names a layer Baton quantizes, or a module holding one: the checkpoint would
-    keep float what Baton runs in FP8. Anything else (the LM head, the embeddings, norms, a
-    router, Gated DeltaNet's b and a projections, a vision encoder) Baton keeps float anyway,
-    or does not load."""
-    if entry.startswith("re:"):
-        try:
-            pattern = re.compile(entry[3:])
-        except re.error as e:
-            raise ValueError(f"an ignore entry {entry!r} is not a regular expression: {e}") from e
-        return any(pattern.match(name) for name in _HOLDING_QUANTIZED)
-    module = "." + re.sub(r"\.\d+(?=\.|$)", ".0", entry) + "."  # (any layer's index as 0)
-    return any(module in f".{name}." for name in _QUANTIZED_LAYERS)
-
-
-# every kind of linear layer Baton quantizes, as checkpoints name them (layer and expert 0)
-_QUANTIZED_LAYERS = tuple(
-    f"{top}layers.0.{layer}"
-    for top in ("model.", "model.language_model.")
-    for layer in (
-        *(f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj",
-                                     "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")),
-        *(f"{mlp}.{p}" for mlp in ("mlp", "mlp.shared_expert", "mlp.shared_experts",
-                                   "mlp.experts.0") for p in ("gate_proj", "up_proj", "down_proj")),
-        "mlp.gate_up_proj", "mlp.experts.gate_up_proj", "mlp.experts.down_proj",
-        *(f"block_sparse_moe.experts.0.{w}" for w in ("w1", "w2", "w3")),
-        *(f"linear_attn.{p}" for p in ("in_proj_qkv", "in_proj_z", "in_proj_qkvz", "out_proj")),
-    )
-)  # fmt: skip
-# those and every module holding one (``model.layers.0.mlp``, ...)
-_HOLDING_QUANTIZED = frozenset(
-    name.rsplit(".", cut)[0] for name in _QUANTIZED_LAYERS for cut in range(name.count(".") + 1)
-)
 
 
 def _kv_cache_scheme(kv: dict[str, Any] | None) -> bool:

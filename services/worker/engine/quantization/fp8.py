@@ -39,6 +39,7 @@ from services.worker.engine.quantization.fp8_math import (
     quantize_activations,
     quantize_rows,
 )
+from services.worker.engine.quantization.unquantized import UnquantizedLinearMethod
 
 
 def _kernels_take(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -64,6 +65,9 @@ class Fp8LinearMethod(LinearMethod):
         static = self.quant.activations == "static"
         layer.register_parameter("input_scale", scale_parameter(1) if static else None)
         layer.register_buffer("scale_cols", None, persistent=False)  # (block layers: a map)
+
+    def float_method(self) -> LinearMethod | None:
+        return None if self.quant.online else UnquantizedLinearMethod(self.kernels)
 
     def load(self, layer: Linear, param: nn.Parameter, loaded: Loaded, shard: Shard) -> bool:
         if param is optional_tensor(layer, "input_scale"):

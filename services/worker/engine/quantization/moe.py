@@ -146,6 +146,9 @@ class Fp8MoEMethod(MoEMethod):
         self.description = quant.method
         self.derived_parameters = ("w13_weight_scale", "w2_weight_scale") if quant.online else ()
 
+    def float_method(self) -> MoEMethod | None:
+        return None if self.quant.online else UnquantizedMoEMethod(self.kernels)
+
     def create_weights(self, layer: Experts) -> None:
         if self.quant.activations == "static":
             raise ValueError("FP8 experts with static activation scales are not supported "

@@ -25,7 +25,12 @@ from services.worker.engine.kv_cache.layout import KVCacheLayout, layer_views
 from services.worker.engine.messages import ModelInfo, SampleLogprobs
 from services.worker.engine.models.context import ModelContext
 from services.worker.engine.models.layers.gated_delta_net import GatedDeltaNet
-from services.worker.engine.models.loader import load_dummy, load_gguf, load_safetensors
+from services.worker.engine.models.loader import (
+    keep_float,
+    load_dummy,
+    load_gguf,
+    load_safetensors,
+)
 from services.worker.engine.models.registry import resolve_model_class
 from services.worker.engine.models.weights import ReadCounter
 from services.worker.engine.ops.gumbel import greedy_argmax
@@ -148,6 +153,11 @@ class ModelRunner:
                 expert_parallel=self.config.parallel.enable_expert_parallel,
             )  # fmt: skip
             self.model = cls(cfg.arch, ctx)
+            if cfg.load_format not in ("dummy", "gguf"):
+                kept = keep_float(self.model, cfg.model)  # (new weights: this device, dtype)
+                if kept:
+                    logger.info("%d layers the checkpoint keeps in %s, not FP8, e.g. %s",
+                                len(kept), self.dtype, kept[0])  # fmt: skip
         if cfg.load_format == "dummy":
             load_dummy(self.model, cfg.seed)
         elif cfg.load_format == "gguf":

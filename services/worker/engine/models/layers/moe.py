@@ -278,6 +278,13 @@ class FusedMoE(nn.Module):
         # an MXFP4 projection's blocks or scales read before its other half: gate_up → part
         self._mxfp4: dict[bool, dict[str, Loaded]] = {}
 
+    def set_method(self, method: MoEMethod) -> None:
+        """As ``LinearBase.set_method``: a new method and its parameters (the biases stay)."""
+        for name in [n for n in self._parameters if n not in ("w13_bias", "w2_bias")]:
+            del self._parameters[name]
+        self.method = method
+        method.create_weights(self)
+
     def rank_slice(self, loaded: Loaded, proj: Proj) -> Loaded:
         """This rank's share of one expert's weight: its rows of gate or up ([I, H]), its
         columns of down ([H, I])."""
