@@ -201,9 +201,12 @@ def quantize_checkpoint(
     tensors = load_file(out / "unquantized" / "model.safetensors")
     if model.config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    quantized = [k.removesuffix(".weight") for k in tensors
-                 if k.endswith(".weight") and k.rsplit(".", 2)[1] in _QUANTIZED
-                 and not kept_float(k.removesuffix(".weight"), keep_float)]  # fmt: skip
+    candidates = [k.removesuffix(".weight") for k in tensors
+                  if k.endswith(".weight") and k.rsplit(".", 2)[1] in _QUANTIZED]  # fmt: skip
+    unmatched = [e for e in keep_float if not any(kept_float(n, (e,)) for n in candidates)]
+    if unmatched:
+        raise ValueError(f"keep_float entries naming no layer that would be quantized: {unmatched}")
+    quantized = [n for n in candidates if not kept_float(n, keep_float)]
     for name in quantized:
         w = tensors[f"{name}.weight"].float()
         if fmt == "fp8-tensor":

@@ -229,6 +229,9 @@ def make_tiny_model(
 
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(sorted(ARCHS))}")
+    if keep_float and (quantize is None or not quantize.startswith("fp8")):
+        raise ValueError("keep_float names layers an FP8 checkpoint leaves float (give an fp8 "
+                         "quantize)")  # fmt: skip
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     vocab = train_tokenizer(out, splits_like=SPLITS_LIKE.get(arch))
@@ -289,9 +292,6 @@ def make_tiny_model(
     model.save_pretrained(out, max_shard_size=shard)
     if arch in STACKED_EXPERTS:
         _stack_experts(out)
-    if keep_float and (quantize is None or not quantize.startswith("fp8")):
-        raise ValueError("keep_float names layers an FP8 checkpoint leaves float (give an fp8 "
-                         "quantize)")  # fmt: skip
     if quantize == "mxfp4":
         if kv_scales:
             raise ValueError("KV cache scales come with an FP8 checkpoint, not MXFP4")

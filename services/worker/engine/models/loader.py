@@ -118,7 +118,7 @@ class _Names:
 
 
 # safetensors' names of the floating-point dtypes a float layer's weight has
-_FLOAT_DTYPES = frozenset({"BF16", "F16", "F32"})
+_FLOAT_DTYPES = frozenset({"BF16", "F16", "F32", "F64"})
 # the parameters that hold a layer's weight (a linear layer's, the experts')
 _WEIGHTS = frozenset({"weight", "w13_weight", "w2_weight"})
 
@@ -132,8 +132,13 @@ def keep_float(model: nn.Module, model_dir: str | Path) -> list[str]:
     its method expects FP8. Reads only the files' headers. Refuses a layer whose parts differ
     (q float and k in FP8, say): Baton computes them in one product. (Dummy weights have no
     files: every layer keeps the model's method.)"""
-    names = _Names(model)
     modules = dict(model.named_modules())
+    if not any(
+        getattr(m, "method", None) is not None and m.method.float_method() is not None
+        for m in modules.values()
+    ):  # (a float model: nothing to read)
+        return []
+    names = _Names(model)
     parts: dict[str, dict[str, bool]] = {}  # our layer → {its checkpoint weights: float}
     for file in checkpoint_files(model_dir):
         with safe_open(str(file), framework="pt") as f:

@@ -26,7 +26,9 @@ FP8, as Baton runs it:
                  per output row ([out, 1]) or one per block column ([out, in/128])
     activations  quantized at each linear input: dynamic per token, dynamic per token and
                  128-column group (block checkpoints), or a static per-tensor scale
-    kept bf16    embeddings, norms, the LM head and the MoE routers (those in float32)
+    kept bf16    embeddings, norms, the LM head and the MoE routers (those in float32), and
+                 any layer the checkpoint stores float (its ignore list: models/loader.py's
+                 ``keep_float`` gives it ``LinearMethod.float_method``)
 
 Formats read (``config.parse_quantization``):
     compressed-tensors  ``format: float-quantized`` (``weight_scale``, and ``input_scale`` when

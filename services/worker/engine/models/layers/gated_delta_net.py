@@ -48,7 +48,8 @@ STATE_DTYPE = torch.float32
 
 class GatedDeltaNetProjection(MergedColumnParallelLinear):
     """Parts of Gated DeltaNet's input projection in one GEMM, each rank its heads of each:
-    q ‖ k ‖ v ‖ z (``qkvz``, in the model's linear method: FP8 checkpoints quantize it) or
+    q ‖ k ‖ v ‖ z (``qkvz``, in the model's linear method: FP8 checkpoints quantize it, unless
+    they keep it float, as llm-compressor's recipes do) or
     b ‖ a (``ba``, [Hv] rows each: always in the model's dtype, as the published FP8
     checkpoints keep them, in ``modules_to_not_convert``: they feed the gates' sigmoid and
     softplus, and are narrower than a 128-row block).

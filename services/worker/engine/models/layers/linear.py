@@ -54,11 +54,12 @@ class LinearBase(nn.Module):
         self._input_group: int | None = None  # answered on the first ask (the device is set)
 
     def set_method(self, method: LinearMethod) -> None:
-        """Replace the method and the parameters it registered (the bias stays), before any
-        weight is loaded: a layer the checkpoint keeps in another format than the model's
-        (``models/loader.keep_float``). The new parameters take the default device and dtype."""
+        """Replace the method, and the parameters and buffers it registered (the bias stays),
+        before any weight is loaded: a layer the checkpoint keeps in another format than the
+        model's (``models/loader.keep_float``). The new ones take the default device and dtype."""
         for name in [n for n in self._parameters if n != "bias"]:
             del self._parameters[name]
+        self._buffers.clear()  # (a layer's own are none: its methods')
         self.method = method
         method.create_weights(self)
         self._input_group = None

@@ -279,7 +279,8 @@ class FusedMoE(nn.Module):
         self._mxfp4: dict[bool, dict[str, Loaded]] = {}
 
     def set_method(self, method: MoEMethod) -> None:
-        """As ``LinearBase.set_method``: a new method and its parameters (the biases stay)."""
+        """As ``LinearBase.set_method``: a new method and its parameters (the biases and the
+        expert map stay)."""
         for name in [n for n in self._parameters if n not in ("w13_bias", "w2_bias")]:
             del self._parameters[name]
         self.method = method
