@@ -15,12 +15,19 @@ from torch import nn
 
 from baton import LLM
 from baton.tiny_model import make_tiny_model
-from tests.helpers import FP8_GREEDY, FP8_PROMPTS, check_against_fp8_reference
+from tests.helpers import FP8_GREEDY, FP8_PROMPTS, check_against_fp8_reference, fp8_generate
 
 CASES: dict[str, dict[str, Any]] = {
     # every Gated DeltaNet projection float (per-channel FP8 elsewhere)
     "qwen3_next-linear-attn": {"arch": "qwen3_next", "quantize": "fp8-channel",
                                "keep_float": ("re:.*linear_attn.*",)},
+    # the same in 128 x 128 blocks (heads 64 wide: q, k, v, z span blocks; two ranks split
+    # every FP8 layer in whole blocks)
+    "qwen3_next-linear-attn-block": {
+        "arch": "qwen3_next", "quantize": "fp8-block", "hidden_size": 128, "num_heads": 8,
+        "linear_head_dim": 64, "moe_intermediate_size": 256,
+        "keep_float": ("re:.*linear_attn.*",),
+    },
     # the attention, and the whole first layer (its experts too), float; 128 x 128 blocks
     "qwen3_moe-attention-and-layer-0": {
         "arch": "qwen3_moe", "num_layers": 3, "quantize": "fp8-block", "hidden_size": 128,
@@ -62,6 +69,18 @@ def test_the_float_layers_run_float_and_match_the_reference(
         assert "model.layers.0.mlp.experts" in floats
         assert "model.layers.2.mlp.experts" not in floats  # the other layers' experts: FP8
     # (the Gated DeltaNet's recurrent state keeps a flipped e4m3 rounding: test_gated_delta_fp8)
+    exact = check_against_fp8_reference(path, outs, median_atol=5e-3)
+    assert exact >= 0.9 * len(FP8_PROMPTS) * (FP8_GREEDY.max_tokens or 0)
+
+
+def test_two_ranks_with_expert_parallelism(models: dict[str, Path]) -> None:
+    """Each rank keeps the same layers float (every rank reads every header) and loads its
+    share of them: its heads of the float Gated DeltaNet projections, its half of the FP8
+    experts."""
+    # (blocks: per channel, a row-parallel layer's per-token activation scale is each rank's
+    # half of the row, not the reference's whole row, with or without float layers)
+    path = models["qwen3_next-linear-attn-block"]
+    outs = fp8_generate(path, tensor_parallel_size=2, enable_expert_parallel=True)
     exact = check_against_fp8_reference(path, outs, median_atol=5e-3)
     assert exact >= 0.9 * len(FP8_PROMPTS) * (FP8_GREEDY.max_tokens or 0)
 
