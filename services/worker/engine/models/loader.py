@@ -132,11 +132,10 @@ def keep_float(model: nn.Module, model_dir: str | Path) -> list[str]:
     its method expects FP8. Reads only the files' headers. Refuses a layer whose parts differ
     (q float and k in FP8, say): Baton computes them in one product. (Dummy weights have no
     files: every layer keeps the model's method.)"""
-    modules = dict(model.named_modules())
-    if not any(
-        getattr(m, "method", None) is not None and m.method.float_method() is not None
-        for m in modules.values()
-    ):  # (a float model: nothing to read)
+    # the layers whose method has a float counterpart (none in a float model: nothing to read)
+    swappable = {n: m for n, m in model.named_modules()
+                 if getattr(m, "method", None) is not None and m.method.float_method()}  # fmt: skip
+    if not swappable:
         return []
     names = _Names(model)
     parts: dict[str, dict[str, bool]] = {}  # our layer → {its checkpoint weights: float}
@@ -146,12 +145,10 @@ def keep_float(model: nn.Module, model_dir: str | Path) -> list[str]:
                 found = names.target(name)
                 if found is None:
                     continue
-                layer, _, param = found[0].rpartition(".")
-                method = getattr(modules.get(layer), "method", None)
-                if param not in _WEIGHTS or method is None or method.float_method() is None:
-                    continue
-                dtype = f.get_slice(name).get_dtype()
-                parts.setdefault(layer, {})[name] = dtype in _FLOAT_DTYPES
+                layer, _, param = found.param.rpartition(".")
+                if param in _WEIGHTS and layer in swappable:
+                    dtype = f.get_slice(name).get_dtype()
+                    parts.setdefault(layer, {})[name] = dtype in _FLOAT_DTYPES
     kept = []
     for layer, weights in parts.items():
         floats = sorted(n for n, is_float in weights.items() if is_float)
@@ -163,7 +160,7 @@ def keep_float(model: nn.Module, model_dir: str | Path) -> list[str]:
                 f"the checkpoint keeps {floats[0]} float but {others[0]} quantized: Baton "
                 f"computes both in one layer ({layer}), in one format"
             )
-        module = modules[layer]
+        module = swappable[layer]
         module.set_method(module.method.float_method())
         kept.append(layer)
     return kept

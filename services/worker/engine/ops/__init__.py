@@ -10,7 +10,9 @@
     fp8_block.py       the same for 128×128 block checkpoints (cuBLASLt's block scaling)
     fused_moe.py       mixture of experts: tokens sorted by expert, gate/up with SiLU·mul and
                        down over each expert's tokens, combined with the routing weights (bf16,
-                       FP8 per channel or 128×128 blocks); at a few tokens two GEMVs instead
+                       FP8 per channel or 128×128 blocks)
+    moe_gemv.py        the same at a few tokens: two GEMVs, no sorting (moe_common.py: what
+                       the two share)
     mla_decode.py      multi-head latent attention's decode over the paged latent cache, the
                        key and value up-projections absorbed (split over the context)
     gumbel.py          sampling: the Gumbel-max race and greedy argmax in slices

@@ -19,19 +19,9 @@ pairs 0, 1, 5, 7 and 8; ``·`` = the sentinel T·k, a padding row):
     num_padded = 12: the programs of M-blocks from 12 / BLOCK_M on return at once
 
 At a few tokens (``GEMV_TOKENS``) the pairs are too few to fill an M-block and the layer is a
-read of the chosen experts' weights, so it runs as two matrix-vector launches instead (with
-FP8, x's and h's quantization besides), with no align step and no slot sum (at one token with
-programmatic dependent launch, as the dense layers' GEMV: ``ops/dependent_launch.py``). Their
-tiles are the autotuner's, per token count (tuned by the eager forwards before a CUDA graph
-captures; as the dense GEMV's, the tiles chosen set the float32 summation order):
-
-    GEMV 1     a program per (pair, BLOCK_N rows of I): the pair's expert's gate and up rows
-               times x[token], the activation as GEMM 1's epilogue → h [T·k, I]
-    GEMV 2     a program per (token, BLOCK_N columns of H): every slot's expert's w2 rows times
-               h[slot], each row rounded and weighted as GEMM 2's epilogue, then summed over
-               the slots in slot order as the sum step → out
-
-The two paths round at the same points; their sums differ only in float32 summation order.
+read of the chosen experts' weights: ``ops/moe_gemv.py`` runs it as two matrix-vector launches
+instead, with no align step and no slot sum, rounding at the same points
+(``ops/moe_common.py``).
 
 A pair's row of x is ``pair // k``; its rows of h and y are ``pair``. Pairs whose expert is not
 on this rank (``expert_map`` → -1) are in no run and add nothing: the layer all-reduces after.
@@ -53,9 +43,17 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from services.worker.engine.ops.dependent_launch import await_inputs, launch_options
-from services.worker.engine.ops.fp8_block import group_codes_out, quantize_groups
-from services.worker.engine.ops.fp8_linear import _quantize, _scale_of, quantize_rows
+from services.worker.engine.ops.fp8_block import group_codes_out
+from services.worker.engine.ops.fp8_linear import _quantize, _scale_of
+from services.worker.engine.ops.moe_common import (
+    TL_DTYPES,
+    activate,
+    operand,
+    quantize_input,
+    weight_scales,
+    weighted,
+)
+from services.worker.engine.ops.moe_gemv import moe_gemv
 from services.worker.engine.quantization.fp8_math import (
     FP8,
     Codes,
@@ -286,31 +284,6 @@ def _moe_gemm_kernel(
 
 
 @triton.jit
-def _activate(gate, up, alpha, limit, DTYPE: tl.constexpr, CLAMPED: tl.constexpr):
-    """silu(gate) · up (``CLAMPED``: gpt-oss's SwiGLU) of float32 sums, in x's dtype, each
-    step rounded as ``FusedMoE.activate``'s tensors in x's dtype (the sums first, as a GEMM in
-    x's dtype writes them)."""
-    g = gate.to(DTYPE).to(tl.float32)
-    u = up.to(DTYPE).to(tl.float32)
-    if CLAMPED:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-        sig = tl.sigmoid((g * alpha).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
-        glu = (g * sig).to(DTYPE).to(tl.float32)
-        y = (u + 1.0).to(DTYPE).to(tl.float32) * glu
-    else:
-        y = (g * tl.sigmoid(g)).to(DTYPE).to(tl.float32) * u
-    return y.to(DTYPE)
-
-
-@triton.jit
-def _weighted(acc, weight, DTYPE: tl.constexpr):
-    """An expert's output (float32 sums) rounded to x's dtype, times its routing weight,
-    rounded again: Hugging Face's experts' ``(expert(x) * weight).to(dtype)``."""
-    return (acc.to(DTYPE).to(tl.float32) * weight).to(DTYPE)
-
-
-@triton.jit
 def _moe_epilogue(
     acc, acc_up, pairs, m_ok, rn, n_ok, pid_n, C, CS, WEIGHTS, stride_cm, stride_csm, stride_csg,
     alpha, limit, GATED: tl.constexpr, QUANT_OUT: tl.constexpr, GPU: tl.constexpr,
@@ -318,9 +291,9 @@ def _moe_epilogue(
 ):  # fmt: skip
     """The tile's outputs to their pairs' rows of C (see ``_moe_gemm_kernel``)."""
     if GATED:
-        y = _activate(acc, acc_up, alpha, limit, DTYPE, CLAMPED)
+        y = activate(acc, acc_up, alpha, limit, DTYPE, CLAMPED)
     else:
-        y = _weighted(acc, tl.load(WEIGHTS + pairs, mask=m_ok, other=0.0)[:, None], DTYPE)
+        y = weighted(acc, tl.load(WEIGHTS + pairs, mask=m_ok, other=0.0)[:, None], DTYPE)
     ok = m_ok[:, None] & n_ok[None, :]
     c_ptrs = C + pairs[:, None].to(tl.int64) * stride_cm + rn[None, :]
     if QUANT_OUT:  # the tile's columns are one group: per token and group, as quantize_groups
@@ -352,191 +325,16 @@ def _sum_slots_kernel(
     tl.store(OUT + t * stride_out + cols, acc.to(OUT.dtype.element_ty), mask=ok)
 
 
-@triton.jit
-def _gemv_up_kernel(
-    X, XS, W, WS, C, BIAS, IDS, MAP, T, K, INTER, top_k, stride_x, stride_xsm, stride_xsg,
-    stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_c, stride_be, alpha, limit,
-    HAS_MAP: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    CLAMPED: tl.constexpr, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
-):  # fmt: skip
-    """GEMV 1 (the module docstring): pair ``program_id(0)``'s rows ``BLOCK_N`` · program_id(1)
-    onward of h. W [E, 2·INTER, K]: gate rows n, up rows INTER + n. FP8 as
-    ``_moe_gemm_kernel``'s (X the codes, XS their scales; GROUP: BLOCK_K divides it, so a K
-    tile is in one group). A pair
-    whose expert is on another rank reads nothing and writes a row of zeros."""
-    pair = tl.program_id(0)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < INTER
-    await_inputs(USE_PDL)
-    e = tl.load(IDS + pair).to(tl.int32)
-    if HAS_MAP:
-        e = tl.load(MAP + e)
-    live = n_ok & (e >= 0)
-    expert = tl.maximum(e, 0).to(tl.int64)
-    x_row = X + (pair // top_k).to(tl.int64) * stride_x
-    gate_rows = W + expert * stride_we + rn[:, None].to(tl.int64) * stride_wn
-    up_rows = gate_rows + INTER * stride_wn
-    ws_row = WS + expert * stride_wse
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    gate = tl.zeros([BLOCK_N], tl.float32)  # (GROUP: the sums, scaled a K tile at a time)
-    up = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + rk
-        k_ok = cols < K
-        ok = live[:, None] & k_ok[None, :]
-        x = tl.load(x_row + cols, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        g = tl.load(gate_rows + cols[None, :], mask=ok, other=0.0).to(tl.float32) * x
-        u = tl.load(up_rows + cols[None, :], mask=ok, other=0.0).to(tl.float32) * x
-        if GROUP:
-            grp = k0 // GROUP
-            xs = tl.load(XS + (pair // top_k) * stride_xsm + grp * stride_xsg)
-            ws_g = tl.load(ws_row + (rn // GROUP) * stride_wsn + grp * stride_wsk, mask=live,
-                           other=0.0)  # fmt: skip
-            ws_u = tl.load(ws_row + ((INTER + rn) // GROUP) * stride_wsn + grp * stride_wsk,
-                           mask=live, other=0.0)  # fmt: skip
-            gate += tl.sum(g, 1) * (xs * ws_g)
-            up += tl.sum(u, 1) * (xs * ws_u)
-        else:
-            acc += g
-            acc_up += u
-    if not GROUP:
-        gate = tl.sum(acc, 1)
-        up = tl.sum(acc_up, 1)
-        if FP8:  # per channel: the token's and the row's scale, once
-            xs = tl.load(XS + (pair // top_k) * stride_xsm)
-            gate *= xs * tl.load(ws_row + rn * stride_wsn, mask=live, other=0.0)
-            up *= xs * tl.load(ws_row + (INTER + rn) * stride_wsn, mask=live, other=0.0)
-    if HAS_BIAS:
-        b_row = BIAS + expert * stride_be
-        gate += tl.load(b_row + rn, mask=live, other=0.0).to(tl.float32)
-        up += tl.load(b_row + INTER + rn, mask=live, other=0.0).to(tl.float32)
-    y = _activate(gate, up, alpha, limit, DTYPE, CLAMPED)
-    tl.store(C + pair.to(tl.int64) * stride_c + rn, y, mask=n_ok)
-
-
-@triton.jit
-def _gemv_down_kernel(
-    A, AS, W, WS, OUT, BIAS, WEIGHTS, IDS, MAP, T, N, K, top_k, stride_a, stride_asm, stride_asg,
-    stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_out, stride_be,
-    HAS_MAP: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    DTYPE: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
-):  # fmt: skip
-    """GEMV 2 (the module docstring): token ``program_id(0)``'s columns ``BLOCK_N`` ·
-    program_id(1) onward of out, every slot at once (a [SLOTS, BLOCK_N, BLOCK_K] tile of the
-    slots' experts' w2 rows a K step). A (h, or its codes with AS) [T·k, K]; W [E, N, K]."""
-    t = tl.program_id(0).to(tl.int64)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
-    j = tl.arange(0, SLOTS)
-    pairs = t * top_k + j
-    await_inputs(USE_PDL)
-    e = tl.load(IDS + pairs, mask=j < top_k, other=-1).to(tl.int32)
-    if HAS_MAP:
-        e = tl.load(MAP + tl.maximum(e, 0), mask=e >= 0, other=-1)
-    live = e >= 0
-    ok = live[:, None] & n_ok[None, :]  # [SLOTS, BLOCK_N]
-    expert = tl.maximum(e, 0).to(tl.int64)
-    w_rows = W + expert[:, None, None] * stride_we + rn[None, :, None].to(tl.int64) * stride_wn
-    a_rows = A + pairs[:, None] * stride_a
-    ws_rows = WS + expert[:, None] * stride_wse
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([SLOTS, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + rk
-        k_ok = cols < K
-        a = tl.load(a_rows + cols[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_rows + cols[None, None, :], mask=ok[:, :, None] & k_ok[None, None, :],
-                    other=0.0)  # fmt: skip
-        part = tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], 2)
-        if GROUP:
-            grp = k0 // GROUP
-            xs = tl.load(AS + pairs * stride_asm + grp * stride_asg, mask=live, other=0.0)
-            ws = tl.load(ws_rows + (rn // GROUP)[None, :] * stride_wsn + grp * stride_wsk,
-                         mask=ok, other=0.0)  # fmt: skip
-            acc += part * (xs[:, None] * ws)
-        else:
-            acc += part
-    if FP8 and not GROUP:
-        xs = tl.load(AS + pairs * stride_asm, mask=live, other=0.0)
-        acc *= xs[:, None] * tl.load(ws_rows + rn[None, :] * stride_wsn, mask=ok, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(BIAS + expert[:, None] * stride_be + rn[None, :], mask=ok,
-                       other=0.0).to(tl.float32)  # fmt: skip
-    weight = tl.load(WEIGHTS + pairs, mask=live, other=0.0)
-    y = tl.where(ok, _weighted(acc, weight[:, None], DTYPE).to(tl.float32), 0.0)
-    total = tl.zeros([BLOCK_N], tl.float32)
-    for slot in tl.static_range(SLOTS):  # in slot order, as the sum step (the rest add zeros)
-        total += tl.sum(tl.where(j[:, None] == slot, y, 0.0), 0)
-    tl.store(OUT + t * stride_out + rn, total.to(OUT.dtype.element_ty), mask=n_ok)
-
-
-_GEMV_UP_CONFIGS = [
-    triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-    for n, k, w, s in [
-        (2, 512, 4, 3), (4, 128, 4, 3), (4, 256, 4, 3), (4, 512, 4, 3), (4, 1024, 8, 3),
-        (8, 128, 4, 3), (8, 256, 4, 3), (8, 512, 8, 3), (16, 128, 4, 4), (16, 256, 8, 3),
-    ]
-]  # fmt: skip
-_GEMV_DOWN_CONFIGS = [
-    triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-    for n, k, w, s in [
-        (1, 256, 4, 3), (2, 128, 4, 3), (2, 256, 4, 3), (4, 64, 4, 4), (4, 128, 4, 3),
-        (4, 256, 8, 3), (8, 64, 4, 3), (8, 128, 8, 3),
-    ]
-]  # fmt: skip
-
-
-def _k_tiles_in_a_group(
-    configs: list[triton.Config], named_args: dict[str, object], **kwargs: object
-) -> list[triton.Config]:
-    """FP8 blocks: only the launches whose K tiles each lie in one block (none: K tiles of
-    one block)."""
-    group = int(kwargs.get("GROUP", named_args.get("GROUP", 0)))  # type: ignore[call-overload]
-    if not group:
-        return configs
-    kept = [c for c in configs if group % c.kwargs["BLOCK_K"] == 0]
-    return kept or [triton.Config({"BLOCK_N": 4, "BLOCK_K": group}, num_warps=4, num_stages=3)]
-
-
-_gemv_up_tuned = triton.autotune(
-    configs=_GEMV_UP_CONFIGS,
-    key=["T", "K", "INTER", "top_k", "FP8", "GROUP", "HAS_BIAS"],
-    prune_configs_by={"early_config_prune": _k_tiles_in_a_group},
-)(_gemv_up_kernel)
-_gemv_down_tuned = triton.autotune(
-    configs=_GEMV_DOWN_CONFIGS,
-    key=["T", "N", "K", "top_k", "FP8", "GROUP", "HAS_BIAS"],
-    prune_configs_by={"early_config_prune": _k_tiles_in_a_group},
-)(_gemv_down_kernel)
-
-
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
 def supported(x: torch.Tensor, w13: torch.Tensor) -> bool:
     """The kernels take these: CUDA tensors, x [T, H] in bf16, fp16 or float32, w13 [E, 2I, H]
     in x's dtype or e4m3 (FP8 tensor cores: compute capability 8.9 and up)."""
     if not (x.is_cuda and w13.is_cuda) or x.dim() != 2 or w13.dim() != 3:
         return False
-    if x.dtype not in _TL_DTYPES or w13.shape[2] != x.shape[1] or w13.shape[1] % 2:
+    if x.dtype not in TL_DTYPES or w13.shape[2] != x.shape[1] or w13.shape[1] % 2:
         return False
     if w13.dtype == FP8:
         return torch.cuda.get_device_capability(x.device) >= (8, 9)
     return w13.dtype == x.dtype
-
-
-def quantize_input(x: torch.Tensor, block: int | None) -> Codes:
-    """x's e4m3 codes as the FP8 experts multiply them: per token (``block`` None) or per token
-    and ``block`` columns; ``fp8_math.quantize_activations``' rounding ("token",
-    "token_group")."""
-    if block is None:
-        q, s = quantize_rows(x)
-        return Codes(q, s, x.dtype)
-    return quantize_groups(x, block)
 
 
 def fused_moe(
@@ -578,9 +376,9 @@ def fused_moe(
         return out
     fp8 = w13.dtype == FP8
     if gemv if gemv is not None else (config is None and t <= GEMV_TOKENS):
-        return _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale,
-                               w2_scale, block if fp8 else None, out, w13_bias, w2_bias,
-                               swiglu_limit, swiglu_alpha)  # fmt: skip
+        return moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale,
+                        block if fp8 else None, out, w13_bias, w2_bias, swiglu_limit,
+                        swiglu_alpha)  # fmt: skip
     config = config or launch_for(t, w13, block if fp8 else None)
     al = align(topk_ids, expert_map, num_experts, config.block_m)
     pairs = t * top_k
@@ -612,75 +410,6 @@ def fused_moe(
     return out
 
 
-def _fused_moe_gemv(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    expert_map: torch.Tensor | None,
-    w13_scale: torch.Tensor | None,
-    w2_scale: torch.Tensor | None,
-    block: int | None,
-    out: torch.Tensor,
-    w13_bias: torch.Tensor | None,
-    w2_bias: torch.Tensor | None,
-    swiglu_limit: float | None,
-    swiglu_alpha: float,
-) -> torch.Tensor:
-    """``fused_moe`` as GEMV 1 and GEMV 2 (the module docstring)."""
-    t, hidden = x.shape
-    top_k, inter = topk_ids.shape[1], w2.shape[2]
-    fp8 = w13.dtype == FP8
-    assert x.stride(-1) == 1 and w13.stride(-1) == 1 and w2.stride(-1) == 1, "rows contiguous"
-    assert out.stride(-1) == 1, "rows contiguous"
-    ids = topk_ids.contiguous()
-    k_tile = math.gcd(block, 32) if block else 32  # (the interpreter's)
-    emap = expert_map if expert_map is not None else ids
-    weights = topk_weights.reshape(-1).float().contiguous()
-    a = quantize_input(x, block) if fp8 else x
-    aq = a.codes if isinstance(a, Codes) else a
-    a_scales = a.scales if isinstance(a, Codes) else aq
-    h = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
-    s13 = w13_scale if w13_scale is not None else w13
-    s13_strides = (*s13.stride(), 0)[:3] if w13_scale is not None else (0, 0, 0)
-    common = {"HAS_MAP": expert_map is not None, "FP8": fp8, "GROUP": block or 0,
-              "DTYPE": _TL_DTYPES[x.dtype], **launch_options(x)}  # fmt: skip
-    up_args = (
-        aq, a_scales, w13, s13, h, w13_bias if w13_bias is not None else h, ids, emap, t,
-        hidden, inter, top_k, aq.stride(0), *(a_scales.stride() if fp8 else (0, 0)), w13.stride(0),
-        w13.stride(1), *s13_strides, h.stride(0),
-        w13_bias.stride(0) if w13_bias is not None else 0, float(swiglu_alpha),
-        float(swiglu_limit if swiglu_limit is not None else 0.0),
-    )  # fmt: skip
-    up = {**common, "HAS_BIAS": w13_bias is not None, "CLAMPED": swiglu_limit is not None}
-    if x.is_cuda:
-        _gemv_up_tuned[lambda m: (t * top_k, triton.cdiv(inter, m["BLOCK_N"]))](*up_args, **up)
-    else:  # Triton's interpreter (tests on CPU): one small tile
-        _gemv_up_kernel[(t * top_k, triton.cdiv(inter, 16))](
-            *up_args, **up, BLOCK_N=16, BLOCK_K=k_tile
-        )  # fmt: skip
-    hq: torch.Tensor | Codes = quantize_input(h, block) if fp8 else h
-    hc = hq.codes if isinstance(hq, Codes) else hq
-    h_scales = hq.scales if isinstance(hq, Codes) else hc
-    s2 = w2_scale if w2_scale is not None else w2
-    s2_strides = (*s2.stride(), 0)[:3] if w2_scale is not None else (0, 0, 0)
-    down_args = (
-        hc, h_scales, w2, s2, out, w2_bias if w2_bias is not None else out, weights, ids, emap,
-        t, hidden, inter, top_k, hc.stride(0), *(h_scales.stride() if fp8 else (0, 0)),
-        w2.stride(0), w2.stride(1), *s2_strides, out.stride(0),
-        w2_bias.stride(0) if w2_bias is not None else 0,
-    )  # fmt: skip
-    down = {**common, "HAS_BIAS": w2_bias is not None, "SLOTS": triton.next_power_of_2(top_k)}
-    if x.is_cuda:
-        _gemv_down_tuned[lambda m: (t, triton.cdiv(hidden, m["BLOCK_N"]))](*down_args, **down)
-    else:
-        _gemv_down_kernel[(t, triton.cdiv(hidden, 16))](
-            *down_args, **down, BLOCK_N=16, BLOCK_K=k_tile
-        )  # fmt: skip
-    return out
-
-
 def _gemm(
     al: Alignment,
     a: torch.Tensor | Codes,
@@ -701,26 +430,22 @@ def _gemm(
     None for SiLU·mul) or GEMM 2 (``row_div`` 1: A's rows are pairs)."""
     n, k = (w.shape[1] // 2 if gated else w.shape[1]), w.shape[2]
     block_n = config.block_n // 2 if gated else config.block_n  # (output columns)
-    aq = a.codes if isinstance(a, Codes) else a
-    cq = c.codes if isinstance(c, Codes) else c
+    aq, a_scales, a_scale_strides = operand(a)
+    cq, c_scales, c_scale_strides = operand(c)
     assert aq.stride(-1) == 1 and w.stride(-1) == 1 and cq.stride(-1) == 1, "rows contiguous"
     dtype = a.dtype  # (x's: Codes keep it)
-    a_scale_strides = a.scales.stride() if isinstance(a, Codes) else (0, 0)
-    ws = w_scale if w_scale is not None else w
-    ws_strides = (*ws.stride(), 0)[:3] if w_scale is not None else (0, 0, 0)
-    c_scale_strides = c.scales.stride() if isinstance(c, Codes) else (0, 0)
+    ws, ws_strides = weight_scales(w, w_scale)
     group = (block or 0) if isinstance(a, Codes) else 0
     grid = (al.max_blocks * triton.cdiv(n, block_n),)
     _moe_gemm_kernel[grid](
-        aq, a.scales if isinstance(a, Codes) else aq, w, ws, cq,
-        c.scales if isinstance(c, Codes) else cq, al.sorted_ids, al.block_expert, al.num_padded,
+        aq, a_scales, w, ws, cq, c_scales, al.sorted_ids, al.block_expert, al.num_padded,
         weights, bias if bias is not None else weights, n, k, weights.numel(), row_div, n,
         aq.stride(0), *a_scale_strides, w.stride(0), w.stride(1), *ws_strides, cq.stride(0),
         *c_scale_strides, bias.stride(0) if bias is not None else 0, float(act[0]),
         float(act[1] if act[1] is not None else 0.0),
         GATED=gated, FP8=isinstance(a, Codes), GROUP=group,
         QUANT_OUT=isinstance(c, Codes), IEEE=dtype == torch.float32, GPU=aq.is_cuda,
-        DTYPE=_TL_DTYPES[dtype], HAS_BIAS=bias is not None, CLAMPED=gated and act[1] is not None,
+        DTYPE=TL_DTYPES[dtype], HAS_BIAS=bias is not None, CLAMPED=gated and act[1] is not None,
         BLOCK_M=config.block_m, BLOCK_N=block_n,
         BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

@@ -25,12 +25,7 @@ from services.worker.engine.kv_cache.layout import KVCacheLayout, layer_views
 from services.worker.engine.messages import ModelInfo, SampleLogprobs
 from services.worker.engine.models.context import ModelContext
 from services.worker.engine.models.layers.gated_delta_net import GatedDeltaNet
-from services.worker.engine.models.loader import (
-    keep_float,
-    load_dummy,
-    load_gguf,
-    load_safetensors,
-)
+from services.worker.engine.models.loader import keep_float, load_dummy, load_gguf, load_safetensors
 from services.worker.engine.models.registry import resolve_model_class
 from services.worker.engine.models.weights import ReadCounter
 from services.worker.engine.ops.gumbel import greedy_argmax

@@ -1,0 +1,262 @@
+"""A mixture-of-experts layer's experts at a few tokens (``fused_moe.GEMV_TOKENS``): the
+(token, slot) pairs are too few to fill an M-block of ``ops/fused_moe.py``'s grouped GEMMs and
+the layer is a read of the chosen experts' weights, so it runs as two matrix-vector launches
+(with FP8, x's and h's quantization besides), with no align step and no slot sum (at one token
+with programmatic dependent launch, as the dense layers' GEMV: ``ops/dependent_launch.py``).
+Their tiles are the autotuner's, per token count (tuned by the eager forwards before a CUDA
+graph captures; as the dense GEMV's, the tiles chosen set the float32 summation order):
+
+    GEMV 1     a program per (pair, BLOCK_N rows of I): the pair's expert's gate and up rows
+               times x[token], the activation as GEMM 1's epilogue → h [T·k, I]
+    GEMV 2     a program per (token, BLOCK_N columns of H): every slot's expert's w2 rows times
+               h[slot], each row rounded and weighted as GEMM 2's epilogue, then summed over
+               the slots in slot order as the sum step → out
+
+The two paths round at the same points (``ops/moe_common.py``); their sums differ only in
+float32 summation order.
+
+A pair is (token t, slot j), pair index t·k + j, as in ``ops/fused_moe.py``; a pair whose expert
+is on another rank (``expert_map`` → -1) reads nothing and adds nothing.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from services.worker.engine.ops.dependent_launch import await_inputs, launch_options
+from services.worker.engine.ops.moe_common import (
+    TL_DTYPES,
+    activate,
+    operand,
+    quantize_input,
+    weight_scales,
+    weighted,
+)
+from services.worker.engine.quantization.fp8_math import FP8
+
+
+@triton.jit
+def _gemv_up_kernel(
+    X, XS, W, WS, C, BIAS, IDS, MAP, T, K, INTER, top_k, stride_x, stride_xsm, stride_xsg,
+    stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_c, stride_be, alpha, limit,
+    HAS_MAP: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    CLAMPED: tl.constexpr, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):  # fmt: skip
+    """GEMV 1 (the module docstring): pair ``program_id(0)``'s rows ``BLOCK_N`` · program_id(1)
+    onward of h. W [E, 2·INTER, K]: gate rows n, up rows INTER + n. FP8 as
+    ``_moe_gemm_kernel``'s (X the codes, XS their scales; GROUP: BLOCK_K divides it, so a K
+    tile is in one group). A pair
+    whose expert is on another rank reads nothing and writes a row of zeros."""
+    pair = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < INTER
+    await_inputs(USE_PDL)
+    e = tl.load(IDS + pair).to(tl.int32)
+    if HAS_MAP:
+        e = tl.load(MAP + e)
+    live = n_ok & (e >= 0)
+    expert = tl.maximum(e, 0).to(tl.int64)
+    x_row = X + (pair // top_k).to(tl.int64) * stride_x
+    gate_rows = W + expert * stride_we + rn[:, None].to(tl.int64) * stride_wn
+    up_rows = gate_rows + INTER * stride_wn
+    ws_row = WS + expert * stride_wse
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    gate = tl.zeros([BLOCK_N], tl.float32)  # (GROUP: the sums, scaled a K tile at a time)
+    up = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + rk
+        k_ok = cols < K
+        ok = live[:, None] & k_ok[None, :]
+        x = tl.load(x_row + cols, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        g = tl.load(gate_rows + cols[None, :], mask=ok, other=0.0).to(tl.float32) * x
+        u = tl.load(up_rows + cols[None, :], mask=ok, other=0.0).to(tl.float32) * x
+        if GROUP:
+            grp = k0 // GROUP
+            xs = tl.load(XS + (pair // top_k) * stride_xsm + grp * stride_xsg)
+            ws_g = tl.load(ws_row + (rn // GROUP) * stride_wsn + grp * stride_wsk, mask=live,
+                           other=0.0)  # fmt: skip
+            ws_u = tl.load(ws_row + ((INTER + rn) // GROUP) * stride_wsn + grp * stride_wsk,
+                           mask=live, other=0.0)  # fmt: skip
+            gate += tl.sum(g, 1) * (xs * ws_g)
+            up += tl.sum(u, 1) * (xs * ws_u)
+        else:
+            acc += g
+            acc_up += u
+    if not GROUP:
+        gate = tl.sum(acc, 1)
+        up = tl.sum(acc_up, 1)
+        if FP8:  # per channel: the token's and the row's scale, once
+            xs = tl.load(XS + (pair // top_k) * stride_xsm)
+            gate *= xs * tl.load(ws_row + rn * stride_wsn, mask=live, other=0.0)
+            up *= xs * tl.load(ws_row + (INTER + rn) * stride_wsn, mask=live, other=0.0)
+    if HAS_BIAS:
+        b_row = BIAS + expert * stride_be
+        gate += tl.load(b_row + rn, mask=live, other=0.0).to(tl.float32)
+        up += tl.load(b_row + INTER + rn, mask=live, other=0.0).to(tl.float32)
+    y = activate(gate, up, alpha, limit, DTYPE, CLAMPED)
+    tl.store(C + pair.to(tl.int64) * stride_c + rn, y, mask=n_ok)
+
+
+@triton.jit
+def _gemv_down_kernel(
+    A, AS, W, WS, OUT, BIAS, WEIGHTS, IDS, MAP, T, N, K, top_k, stride_a, stride_asm, stride_asg,
+    stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_out, stride_be,
+    HAS_MAP: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DTYPE: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):  # fmt: skip
+    """GEMV 2 (the module docstring): token ``program_id(0)``'s columns ``BLOCK_N`` ·
+    program_id(1) onward of out, every slot at once (a [SLOTS, BLOCK_N, BLOCK_K] tile of the
+    slots' experts' w2 rows a K step). A (h, or its codes with AS) [T·k, K]; W [E, N, K]."""
+    t = tl.program_id(0).to(tl.int64)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    j = tl.arange(0, SLOTS)
+    pairs = t * top_k + j
+    await_inputs(USE_PDL)
+    e = tl.load(IDS + pairs, mask=j < top_k, other=-1).to(tl.int32)
+    if HAS_MAP:
+        e = tl.load(MAP + tl.maximum(e, 0), mask=e >= 0, other=-1)
+    live = e >= 0
+    ok = live[:, None] & n_ok[None, :]  # [SLOTS, BLOCK_N]
+    expert = tl.maximum(e, 0).to(tl.int64)
+    w_rows = W + expert[:, None, None] * stride_we + rn[None, :, None].to(tl.int64) * stride_wn
+    a_rows = A + pairs[:, None] * stride_a
+    ws_rows = WS + expert[:, None] * stride_wse
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([SLOTS, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + rk
+        k_ok = cols < K
+        a = tl.load(a_rows + cols[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + cols[None, None, :], mask=ok[:, :, None] & k_ok[None, None, :],
+                    other=0.0)  # fmt: skip
+        part = tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], 2)
+        if GROUP:
+            grp = k0 // GROUP
+            xs = tl.load(AS + pairs * stride_asm + grp * stride_asg, mask=live, other=0.0)
+            ws = tl.load(ws_rows + (rn // GROUP)[None, :] * stride_wsn + grp * stride_wsk,
+                         mask=ok, other=0.0)  # fmt: skip
+            acc += part * (xs[:, None] * ws)
+        else:
+            acc += part
+    if FP8 and not GROUP:
+        xs = tl.load(AS + pairs * stride_asm, mask=live, other=0.0)
+        acc *= xs[:, None] * tl.load(ws_rows + rn[None, :] * stride_wsn, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(BIAS + expert[:, None] * stride_be + rn[None, :], mask=ok,
+                       other=0.0).to(tl.float32)  # fmt: skip
+    weight = tl.load(WEIGHTS + pairs, mask=live, other=0.0)
+    y = tl.where(ok, weighted(acc, weight[:, None], DTYPE).to(tl.float32), 0.0)
+    total = tl.zeros([BLOCK_N], tl.float32)
+    for slot in tl.static_range(SLOTS):  # in slot order, as the sum step (the rest add zeros)
+        total += tl.sum(tl.where(j[:, None] == slot, y, 0.0), 0)
+    tl.store(OUT + t * stride_out + rn, total.to(OUT.dtype.element_ty), mask=n_ok)
+
+
+_GEMV_UP_CONFIGS = [
+    triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+    for n, k, w, s in [
+        (2, 512, 4, 3), (4, 128, 4, 3), (4, 256, 4, 3), (4, 512, 4, 3), (4, 1024, 8, 3),
+        (8, 128, 4, 3), (8, 256, 4, 3), (8, 512, 8, 3), (16, 128, 4, 4), (16, 256, 8, 3),
+    ]
+]  # fmt: skip
+_GEMV_DOWN_CONFIGS = [
+    triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+    for n, k, w, s in [
+        (1, 256, 4, 3), (2, 128, 4, 3), (2, 256, 4, 3), (4, 64, 4, 4), (4, 128, 4, 3),
+        (4, 256, 8, 3), (8, 64, 4, 3), (8, 128, 8, 3),
+    ]
+]  # fmt: skip
+
+
+def _k_tiles_in_a_group(
+    configs: list[triton.Config], named_args: dict[str, object], **kwargs: object
+) -> list[triton.Config]:
+    """FP8 blocks: only the launches whose K tiles each lie in one block (none: K tiles of
+    one block)."""
+    group = int(kwargs.get("GROUP", named_args.get("GROUP", 0)))  # type: ignore[call-overload]
+    if not group:
+        return configs
+    kept = [c for c in configs if group % c.kwargs["BLOCK_K"] == 0]
+    return kept or [triton.Config({"BLOCK_N": 4, "BLOCK_K": group}, num_warps=4, num_stages=3)]
+
+
+_gemv_up_tuned = triton.autotune(
+    configs=_GEMV_UP_CONFIGS,
+    key=["T", "K", "INTER", "top_k", "FP8", "GROUP", "HAS_BIAS"],
+    prune_configs_by={"early_config_prune": _k_tiles_in_a_group},
+)(_gemv_up_kernel)
+_gemv_down_tuned = triton.autotune(
+    configs=_GEMV_DOWN_CONFIGS,
+    key=["T", "N", "K", "top_k", "FP8", "GROUP", "HAS_BIAS"],
+    prune_configs_by={"early_config_prune": _k_tiles_in_a_group},
+)(_gemv_down_kernel)
+
+
+def moe_gemv(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    block: int | None,
+    out: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    swiglu_limit: float | None,
+    swiglu_alpha: float,
+) -> torch.Tensor:
+    """``fused_moe.fused_moe`` (its arguments, all given) as GEMV 1 and GEMV 2."""
+    t, hidden = x.shape
+    top_k, inter = topk_ids.shape[1], w2.shape[2]
+    fp8 = w13.dtype == FP8
+    assert x.stride(-1) == 1 and w13.stride(-1) == 1 and w2.stride(-1) == 1, "rows contiguous"
+    assert out.stride(-1) == 1, "rows contiguous"
+    ids = topk_ids.contiguous()
+    k_tile = math.gcd(block, 32) if block else 32  # (the interpreter's)
+    emap = expert_map if expert_map is not None else ids
+    weights = topk_weights.reshape(-1).float().contiguous()
+    aq, a_scales, a_strides = operand(quantize_input(x, block) if fp8 else x)
+    h = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
+    s13, s13_strides = weight_scales(w13, w13_scale)
+    common = {"HAS_MAP": expert_map is not None, "FP8": fp8, "GROUP": block or 0,
+              "DTYPE": TL_DTYPES[x.dtype], **launch_options(x)}  # fmt: skip
+    up_args = (
+        aq, a_scales, w13, s13, h, w13_bias if w13_bias is not None else h, ids, emap, t,
+        hidden, inter, top_k, aq.stride(0), *a_strides, w13.stride(0),
+        w13.stride(1), *s13_strides, h.stride(0),
+        w13_bias.stride(0) if w13_bias is not None else 0, float(swiglu_alpha),
+        float(swiglu_limit if swiglu_limit is not None else 0.0),
+    )  # fmt: skip
+    up = {**common, "HAS_BIAS": w13_bias is not None, "CLAMPED": swiglu_limit is not None}
+    if x.is_cuda:
+        _gemv_up_tuned[lambda m: (t * top_k, triton.cdiv(inter, m["BLOCK_N"]))](*up_args, **up)
+    else:  # Triton's interpreter (tests on CPU): one small tile
+        _gemv_up_kernel[(t * top_k, triton.cdiv(inter, 16))](
+            *up_args, **up, BLOCK_N=16, BLOCK_K=k_tile
+        )  # fmt: skip
+    hc, h_scales, h_strides = operand(quantize_input(h, block) if fp8 else h)
+    s2, s2_strides = weight_scales(w2, w2_scale)
+    down_args = (
+        hc, h_scales, w2, s2, out, w2_bias if w2_bias is not None else out, weights, ids, emap,
+        t, hidden, inter, top_k, hc.stride(0), *h_strides,
+        w2.stride(0), w2.stride(1), *s2_strides, out.stride(0),
+        w2_bias.stride(0) if w2_bias is not None else 0,
+    )  # fmt: skip
+    down = {**common, "HAS_BIAS": w2_bias is not None, "SLOTS": triton.next_power_of_2(top_k)}
+    if x.is_cuda:
+        _gemv_down_tuned[lambda m: (t, triton.cdiv(hidden, m["BLOCK_N"]))](*down_args, **down)
+    else:
+        _gemv_down_kernel[(t, triton.cdiv(hidden, 16))](
+            *down_args, **down, BLOCK_N=16, BLOCK_K=k_tile
+        )  # fmt: skip
+    return out
