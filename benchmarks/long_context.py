@@ -37,6 +37,7 @@ from benchmarks.profiling import device_span_us, kernel_rows
 from benchmarks.roofline import ModelCost, limits
 from benchmarks.shapes import write_shape
 from services.worker.engine.config import state_block_size
+from services.worker.engine.kv_cache.groups import KVCacheGroups
 from services.worker.engine.model_config import load_arch_config
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -46,6 +47,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # an FP8 (e4m3) KV cache; with FP8 weights too
     "triton_fp8kv": {"attention_backend": "triton", "kv_cache_dtype": "fp8"},
     "fp8_fp8kv": {"attention_backend": "triton", "kv_cache_dtype": "fp8", "quantization": "fp8"},
+    # FP8 weights over a bf16 cache: a 27B hybrid's 32k batch beside its weights on one 80 GB GPU
+    "fp8": {"attention_backend": "triton", "quantization": "fp8"},
     "flash_attn_p128": {"attention_backend": "flash_attn", "block_size": 128},
     # flash_attn, its result copied into the step's output (the public wrapper) instead of
     # written in place: the A/B of FlashAttnBackend.WRITE_IN_PLACE
@@ -62,14 +65,25 @@ def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
     return time.perf_counter() - start
 
 
+def _hit_run(llm: LLM, prompts: list[list[int]], max_tokens: int, hit_tokens: list[int]) -> float:
+    """``_generate``, its prefix-cache hits (tokens) appended to ``hit_tokens``."""
+    before = llm.get_stats().prefix_hit_tokens
+    seconds = _generate(llm, prompts, max_tokens)
+    hit_tokens.append(llm.get_stats().prefix_hit_tokens - before)
+    return seconds
+
+
 def _prompt(n: int, seed: int) -> list[int]:
     """``n`` tokens no other seed's prompt shares a block with (its first token differs)."""
     return [seed + 1] + [(seed * 7919 + i) % 30000 + 1 for i in range(n - 1)]
 
 
 def _isolated_attention(llm: LLM, n: int, block_size: int) -> dict[str, float]:
-    """The engine's own backend object for layer 0, timed on its own over a paged cache."""
+    """The engine's own backend object for layer 0, timed on its own over a paged cache (none
+    for latent attention: its prefill decompresses the latents first, timed in the model)."""
     arch = llm.config.model.arch
+    if arch.mla is not None:
+        return {}
     args = argparse.Namespace(
         layers=len(llm.client.core.executor.worker.runner.model.attention_layers()),  # type: ignore[attr-defined]
         kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
@@ -96,7 +110,14 @@ def measure(model: str, variant: str, args: argparse.Namespace, decode: bool) ->
     max_len = top + 2 * bs + args.decode_steps
     batches = args.decode_batches if decode else []
     reqs = max([1, *batches])
-    blocks = reqs * (-(-max_len // bs)) + 2 * (-(-top // bs)) + 16
+    # every request's blocks in every KV cache group at once, and for each recurrent group two
+    # checkpoints besides (the one a repeat of the prompt resumes from, and the one its decode
+    # leaves at the next boundary): with less, one request's new pages evict another's
+    # checkpoint, and a repeat recomputes its whole prompt
+    groups = KVCacheGroups.plan(load_arch_config(model).layer_cache_kinds())
+    checkpoints = 2 * sum(g.recurrent for g in groups.groups)
+    per_request = groups.blocks_per_request(max_len, bs) + checkpoints
+    blocks = reqs * per_request + 2 * groups.blocks_per_request(top, bs) + 16
     llm = LLM(
         model=model, load_format="dummy", dtype="bfloat16", max_model_len=max_len,
         max_num_seqs=reqs, num_kv_blocks=blocks, show_progress=False,
@@ -125,9 +146,13 @@ def measure(model: str, variant: str, args: argparse.Namespace, decode: bool) ->
     for batch in batches:
         prompts = [_prompt(ctx, next(seed)) for _ in range(batch)]
         _generate(llm, prompts, 1)  # computes the prompts and leaves them in the prefix cache
-        hits = [_generate(llm, prompts, 1) for _ in range(2)]  # the last block, recomputed
-        wholes = [_generate(llm, prompts, 1 + args.decode_steps) for _ in range(2)]
+        hit_tokens: list[int] = []
+        hits = [_hit_run(llm, prompts, 1, hit_tokens) for _ in range(2)]  # the last block
+        wholes = [_hit_run(llm, prompts, 1 + args.decode_steps, hit_tokens) for _ in range(2)]
         hit, whole = min(hits), min(wholes)
+        # each run must hit all but the prompts' last blocks, or it timed a prefill too
+        if min(hit_tokens) < batch * (ctx - 2 * bs):
+            print(f"warning: a run recomputed prompts (hit tokens {hit_tokens})", flush=True)
         ms = (whole - hit) / args.decode_steps * 1e3
         context = batch * (ctx + args.decode_steps // 2)  # the mean context over the steps
         must_read = cost.read_bytes(context, batch)
@@ -139,6 +164,7 @@ def measure(model: str, variant: str, args: argparse.Namespace, decode: bool) ->
             # every run, s: the figure is a difference of the two minima
             "hit_runs_s": [round(t, 4) for t in hits],
             "whole_runs_s": [round(t, 4) for t in wholes],
+            "hit_tokens_per_run": hit_tokens,  # (the two hit runs, the two whole runs)
         })  # fmt: skip
         print(variant, json.dumps(rows[-1]), flush=True)
     del llm

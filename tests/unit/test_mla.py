@@ -102,13 +102,19 @@ def hf_forward(version: str, attn: Any, rope: Any, x: torch.Tensor) -> torch.Ten
     return attn(x[None], position_embeddings=emb, attention_mask=mask)[0][0]
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "triton"])
 @pytest.mark.parametrize("version", ["v2", "v3"])
 @torch.no_grad()
-def test_prefill_chunk_and_decode_equal_hugging_face(version: str, tmp_path: Path) -> None:
+def test_prefill_chunk_and_decode_equal_hugging_face(
+    version: str, kernel: bool, tmp_path: Path
+) -> None:
+    """``triton``: the prefill rows through ``ops.attention.contiguous_prefill`` (the GPU's
+    path; here Triton's interpreter), the values (12 wide) padded to the keys' 24."""
     cfg = hf_config(version, mscale=1.0, mscale_all_dim=0.8)
     attn, rope = hf_attention(version, cfg)
     arch = arch_of(cfg, tmp_path)
     layer = ours(arch, attn)
+    layer.attn.PREFILL_KERNEL = kernel
     cache = latent_cache(arch, 8)
     layer.kv_cache = cache
     torch.manual_seed(1)

@@ -32,6 +32,7 @@ Softmax runs in base 2 with float32 statistics (the flash-attention recurrence).
 read only device values (lengths, tables), so they can be captured in CUDA graphs.
 """
 
+import torch
 import triton
 import triton.language as tl
 
@@ -491,3 +492,42 @@ def cache_values(x, scale, dtype):
     if dtype == tl.float8e4nv:
         x = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), scale), -448.0), 448.0)
     return x.to(dtype)
+
+
+# the block size ``contiguous_prefill`` gives its rows (a fixed constexpr: no compile per length)
+CONTIGUOUS_BLOCK = 16
+
+
+def contiguous_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, scale: float
+) -> torch.Tensor:
+    """One request's causal attention through ``_prefill`` over keys and values that are not
+    paged: q [Q, H, D], the last Q of ``seq_len`` positions; k, v [L, H, D] (L >= seq_len, a
+    multiple of ``CONTIGUOUS_BLOCK``; the same strides; rows from ``seq_len`` on are not
+    read), taken as consecutive blocks of one table. Returns [Q, H, D] in q's dtype.
+
+    (MLA's prefill, over a context decompressed from latents: its values are padded to the
+    keys' width, so an output column past the values' own width is the padding's.)"""
+    heads, dim = q.shape[1], q.shape[2]
+    if k.stride() != v.stride() or k.stride(-1) != 1 or k.shape[0] % CONTIGUOUS_BLOCK:
+        raise ValueError("keys and values need one layout, L a multiple of the block size")
+    dev = q.device
+    blocks = k.shape[0] // CONTIGUOUS_BLOCK
+    table = torch.arange(blocks, dtype=torch.int32, device=dev)[None]
+    starts = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=dev)
+    lens = torch.tensor([seq_len], dtype=torch.int32, device=dev)
+    out = torch.empty_like(q)
+    gpu = q.is_cuda
+    block_m = block_n = 64 if gpu else 16
+    block_d = max(16, triton.next_power_of_2(dim))
+    _prefill[(heads, triton.cdiv(q.shape[0], block_m), 1)](
+        q, k, v, out, table, starts, lens, lens, 0,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        CONTIGUOUS_BLOCK * k.stride(0), k.stride(0), k.stride(1), table.stride(0),
+        scale * LOG2E, 1.0,
+        KV_BLOCK=CONTIGUOUS_BLOCK, GROUP=1, HEAD_DIM=dim, BLOCK_D=block_d,
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GPU=gpu,
+        **({"num_warps": 8 if block_d > 128 else 4, "num_stages": 2} if gpu else {}),
+    )  # fmt: skip
+    return out

@@ -46,6 +46,7 @@ from services.worker.engine.models.layers.linear import (
 )
 from services.worker.engine.models.layers.norm import RMSNorm
 from services.worker.engine.models.layers.rotary import RotaryEmbedding, yarn_mscale
+from services.worker.engine.ops.attention import CONTIGUOUS_BLOCK, contiguous_prefill
 from services.worker.engine.quantization.fp8_math import Codes
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm's and kv_a_layernorm's (DeepSeek's code gives none)
@@ -160,6 +161,11 @@ class LatentAttention(nn.Module):
     [T, 1, cache_dim]; returns [T, H, v_head_dim]. Rows past ``query_start_loc[-1]`` are
     padding: their latents go to the slots ``slot_mapping`` names, their output is left."""
 
+    # a prefill chunk through the Triton kernel ``ops.attention.contiguous_prefill`` (None: on
+    # CUDA; PyTorch's attention elsewhere, whose GPU fallback for these head sizes and a mask
+    # builds every head's [Q, L] scores: 64 GiB at 32k tokens and 16 heads)
+    PREFILL_KERNEL: bool | None = None
+
     def __init__(
         self,
         num_heads: int,
@@ -240,9 +246,20 @@ class LatentAttention(nn.Module):
         # unrounded: the product decode's absorbed form computes, so that a token attends alike
         # in a prefill chunk and in a decode step (a resumed request equals one that was not)
         c = c.to(q.dtype)
+        nope, rope, v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
         k_nope = torch.einsum("lr,hnr->lhn", c, self.w_uk)
         v = torch.einsum("lr,hrv->lhv", c, self.w_uv)
-        k_pe = k_pe.to(q.dtype).unsqueeze(1).expand(seq_len, heads, mla.qk_rope_head_dim)
+        k_pe = k_pe.to(q.dtype).unsqueeze(1).expand(seq_len, heads, rope)
+        if self.PREFILL_KERNEL if self.PREFILL_KERNEL is not None else q.is_cuda:
+            # the Triton prefill kernel (no [H, Q, L] scores), values padded to the keys' width
+            length = -(-seq_len // CONTIGUOUS_BLOCK) * CONTIGUOUS_BLOCK
+            width = max(nope + rope, v_dim)  # (zeros past q's and k's own width add nothing)
+            kv = q.new_zeros(2, length, heads, width)
+            kv[0, :seq_len, :, :nope] = k_nope
+            kv[0, :seq_len, :, nope : nope + rope] = k_pe
+            kv[1, :seq_len, :, :v_dim] = v
+            q = F.pad(q, (0, width - nope - rope)).contiguous()
+            return contiguous_prefill(q, kv[0], kv[1], seq_len, self.scale)[..., :v_dim]
         k = torch.cat((k_nope, k_pe), dim=-1)
         q_len = q.shape[0]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
