@@ -117,8 +117,10 @@ class ModelCost:
         # what a step reads: an untied input-embedding table only by the rows of its tokens
         # and of a mixture of experts' routed experts, the ones a token chose (top_k of them:
         # a batch-1 step's reads; batches of many tokens read more of them)
-        idle = 1.0 - getattr(info, "active_expert_fraction", 1.0)
-        idle_bytes = int(getattr(info, "routed_expert_bytes", 0) * idle)
+        self.active_expert_fraction = getattr(info, "active_expert_fraction", 1.0)
+        self.routed_expert_bytes = int(getattr(info, "routed_expert_bytes", 0))
+        idle = 1.0 - self.active_expert_fraction
+        idle_bytes = int(self.routed_expert_bytes * idle)
         self.read_weight_bytes = info.weight_bytes - info.untied_embedding_params * elsize
         self.read_weight_bytes -= idle_bytes
         self.kv_bytes_per_token = info.kv_bytes_per_token
@@ -136,6 +138,19 @@ class ModelCost:
         mla = getattr(arch, "mla", None)
         per_head = 2 * arch.head_dim if mla is None else mla.qk_head_dim + mla.v_head_dim
         self.flops_per_pair = 2 * attention_layers * arch.num_heads * per_head
+
+    def expert_fraction(self, tokens: int) -> float:
+        """The expected share of the routed experts that ``tokens`` tokens choose between
+        them, each token top_k of E at random: 1 - (1 - top_k/E)^tokens (top_k/E at one
+        token). Dummy weights route about uniformly; a trained router's favourites would
+        cover less."""
+        return 1.0 - (1.0 - self.active_expert_fraction) ** max(tokens, 1)
+
+    def weight_read_bytes(self, tokens: int = 1) -> int:
+        """The weight bytes a step of ``tokens`` tokens reads: ``read_weight_bytes`` (one
+        token's experts) and the further experts the other tokens choose."""
+        more = self.expert_fraction(tokens) - self.active_expert_fraction
+        return self.read_weight_bytes + int(self.routed_expert_bytes * more)
 
     def flops(self, tokens: int, sampled_rows: int, query_key_pairs: int) -> int:
         return self.linear_flops(tokens, sampled_rows) + self.flops_per_pair * query_key_pairs
@@ -161,7 +176,8 @@ class ModelCost:
         within one batch they can't (attention needs the q projection, the o projection needs
         attention), and splitting the batch to overlap them reads the weights once per part."""
         linear = max(
-            self.read_weight_bytes / bandwidth, self.linear_flops(tokens, sampled_rows) / peak
+            self.weight_read_bytes(tokens) / bandwidth,
+            self.linear_flops(tokens, sampled_rows) / peak,
         )
         attention = max(
             context_tokens * self.kv_bytes_per_token / bandwidth,
@@ -175,7 +191,8 @@ class ModelCost:
         kv = context_tokens * self.kv_bytes_per_token + requests * self.state_bytes
         return self.weight_bytes + kv
 
-    def read_bytes(self, context_tokens: int, requests: int = 1) -> int:
-        """What a step does read: the input-embedding table only by its tokens' rows."""
+    def read_bytes(self, context_tokens: int, requests: int = 1, tokens: int | None = None) -> int:
+        """What a step does read: the input-embedding table only by its tokens' rows, the
+        routed experts its ``tokens`` (default: one a request, a decode step) choose."""
         kv = context_tokens * self.kv_bytes_per_token + requests * self.state_bytes
-        return self.read_weight_bytes + kv
+        return self.weight_read_bytes(requests if tokens is None else tokens) + kv

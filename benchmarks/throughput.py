@@ -140,7 +140,7 @@ class StepTrace:
             b["seconds"] += t_next - t
             b["memory_s"] += cost.must_read_bytes(context, rows) / bandwidth
             b["roofline_s"] += max(
-                cost.read_bytes(context, rows) / bandwidth,
+                cost.read_bytes(context, rows, tokens) / bandwidth,
                 cost.flops(tokens, sampled, pairs) / peak,
             )
             b["serial_s"] += cost.serial_seconds(tokens, sampled, context, pairs, bandwidth, peak)
@@ -192,7 +192,7 @@ def _bounds(
     # (a recurrent state is read and written once a sampled row, about once a request a step)
     kv = kv_tokens * cost.kv_bytes_per_token + sampled * cost.state_bytes
     must_read = steps * cost.must_read_bytes(0, 0) + kv
-    read = steps * cost.read_bytes(0, 0) + kv
+    read = steps * cost.read_bytes(0, 0) + kv  # (one token's experts a step: a floor for MoE)
     flops = cost.flops(tokens, sampled, 0)  # the weights' FLOPs; attention's not counted
     return {
         "steps": steps,

@@ -149,3 +149,28 @@ def test_the_split_tune_times_each_case_with_the_launch_the_engine_gives_it() ->
     assert alone.pick([rule], rule) == (deep, rule)
     # a rule whose split count was not measured is never chosen
     assert engine.time(mid, (4, 4, 32), 0) == float("inf")  # 4 splits
+
+
+def test_a_batch_reads_the_experts_its_tokens_choose_between_them(tmp_path: Path) -> None:
+    """One token reads top_k of E routed experts; t tokens choosing at random cover
+    1 - (1 - top_k/E)^t of them in expectation (against a simulation of such choices), and
+    a long batch reads them all: every weight but an untied input table."""
+    from baton.tiny_model import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "moe", arch="qwen3_moe", num_layers=2)
+    with LLM(model=str(path), show_progress=False) as llm:
+        info, arch = llm.get_model_info(), llm.config.model.arch
+    cost = ModelCost(info, arch)
+    k, experts = arch.moe.top_k, arch.moe.num_experts
+    assert cost.active_expert_fraction == k / experts < 1 and cost.routed_expert_bytes > 0
+    assert cost.read_bytes(100, 1) == cost.read_weight_bytes + 100 * cost.kv_bytes_per_token
+    g = torch.Generator().manual_seed(0)
+    for t in (2, 3, 8):
+        picks = torch.rand(20000, t, experts, generator=g).topk(k, -1).indices.flatten(1)
+        simulated = torch.zeros(20000, experts).scatter_(1, picks, 1.0).mean().item()
+        assert cost.expert_fraction(t) == pytest.approx(simulated, abs=0.005)
+        more = cost.routed_expert_bytes * (cost.expert_fraction(t) - k / experts)
+        assert cost.read_bytes(0, t) - cost.read_bytes(0, 1) == pytest.approx(more, abs=1)
+    elsize = torch.empty((), dtype=getattr(torch, info.dtype)).element_size()
+    every_weight = info.weight_bytes - info.untied_embedding_params * elsize
+    assert cost.weight_read_bytes(10**4) == pytest.approx(every_weight, abs=2)

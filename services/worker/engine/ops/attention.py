@@ -513,13 +513,16 @@ def contiguous_prefill(
         raise ValueError("keys and values need one layout, L a multiple of the block size")
     dev = q.device
     blocks = k.shape[0] // CONTIGUOUS_BLOCK
+    # made on the device: a host list copied there would wait for the stream (and break a step
+    # that must not sync, under async scheduling)
     table = torch.arange(blocks, dtype=torch.int32, device=dev)[None]
-    starts = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=dev)
-    lens = torch.tensor([seq_len], dtype=torch.int32, device=dev)
+    starts = torch.arange(2, dtype=torch.int32, device=dev) * q.shape[0]
+    lens = torch.full((1,), seq_len, dtype=torch.int32, device=dev)
     out = torch.empty_like(q)
     gpu = q.is_cuda
-    block_m = block_n = 64 if gpu else 16
     block_d = max(16, triton.next_power_of_2(dim))
+    # (float32 tiles of a wide head in 64 x 64 would not fit a GPU's shared memory)
+    block_m = block_n = (32 if q.dtype == torch.float32 and block_d > 128 else 64) if gpu else 16
     _prefill[(heads, triton.cdiv(q.shape[0], block_m), 1)](
         q, k, v, out, table, starts, lens, lens, 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
