@@ -117,7 +117,8 @@ def measure(model: str, variant: str, args: argparse.Namespace, decode: bool) ->
     groups = KVCacheGroups.plan(load_arch_config(model).layer_cache_kinds())
     checkpoints = 2 * sum(g.recurrent for g in groups.groups)
     per_request = groups.blocks_per_request(max_len, bs) + checkpoints
-    blocks = reqs * per_request + 2 * groups.blocks_per_request(top, bs) + 16
+    # (and a prompt computed in one step: a windowed group holds its blocks under the whole chunk)
+    blocks = reqs * per_request + 2 * groups.blocks_per_request(top, bs, chunk=top) + 16
     llm = LLM(
         model=model, load_format="dummy", dtype="bfloat16", max_model_len=max_len,
         max_num_seqs=reqs, num_kv_blocks=blocks, show_progress=False,
