@@ -234,12 +234,9 @@ def quantize_checkpoint(
     if experts and fmt != "fp8-block":  # (compressed-tensors: the routers are left float)
         qc["ignore"].append("re:.*mlp.gate$")
     floats = [n for n, m in model.named_modules() if _FLOAT.search(n) and hasattr(m, "weight")]
-    if floats:  # each by its name, as the published checkpoints list them
+    if floats or keep_float:  # floats each by its name, as the published checkpoints list them
         key = "ignore" if "ignore" in qc else "modules_to_not_convert"
-        qc[key] = [*qc.get(key, ["lm_head"]), *floats]
-    if keep_float:
-        key = "ignore" if "ignore" in qc else "modules_to_not_convert"
-        qc[key] = [*qc.get(key, ["lm_head"]), *keep_float]
+        qc[key] = [*qc.get(key, ["lm_head"]), *floats, *keep_float]
     if kv_scales:
         config["quantization_config"]["kv_cache_scheme"] = {
             "num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,

@@ -11,6 +11,7 @@ compares it with cuBLAS and cuBLASLt per shape.
 """
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -87,3 +88,13 @@ def gemv(
             *args, HAS_BIAS=bias is not None, BLOCK_N=4, BLOCK_K=64
         )  # fmt: skip
     return y
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: bool
+) -> torch.Tensor:
+    """``F.linear``, or with ``kernels`` for one token on a GPU ``gemv`` (a float linear
+    layer's product, a router's)."""
+    if kernels and x.is_cuda and x.shape[0] == 1:
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)

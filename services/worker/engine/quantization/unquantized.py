@@ -3,9 +3,9 @@ GPU with the engine's kernels the Triton GEMV (``ops/gemv.py``: at one token a p
 weight read, which cuBLAS does at ≈ 3.1 TB/s on an 8B model's smaller projections)."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from services.worker.engine.ops.gemv import linear
 from services.worker.engine.quantization.base import Linear, LinearMethod, tensor
 from services.worker.engine.quantization.fp8_math import Codes
 
@@ -22,9 +22,4 @@ class UnquantizedLinearMethod(LinearMethod):
         self, layer: Linear, x: torch.Tensor | Codes, bias: torch.Tensor | None
     ) -> torch.Tensor:
         assert isinstance(x, torch.Tensor), "codes are for FP8 layers"
-        weight = tensor(layer, "weight")
-        if self.kernels and x.is_cuda and x.shape[0] == 1:
-            from services.worker.engine.ops.gemv import gemv
-
-            return gemv(x, weight, bias)
-        return F.linear(x, weight, bias)
+        return linear(x, tensor(layer, "weight"), bias, self.kernels)

@@ -254,10 +254,12 @@ class LatentAttention(nn.Module):
             # the Triton prefill kernel (no [H, Q, L] scores), values padded to the keys' width
             length = -(-seq_len // CONTIGUOUS_BLOCK) * CONTIGUOUS_BLOCK
             width = max(nope + rope, v_dim)  # (zeros past q's and k's own width add nothing)
-            kv = q.new_zeros(2, length, heads, width)
+            kv = q.new_empty(2, length, heads, width)  # (rows from seq_len on: never read)
             kv[0, :seq_len, :, :nope] = k_nope
             kv[0, :seq_len, :, nope : nope + rope] = k_pe
+            kv[0, :seq_len, :, nope + rope :] = 0.0
             kv[1, :seq_len, :, :v_dim] = v
+            kv[1, :seq_len, :, v_dim:] = 0.0
             q = F.pad(q, (0, width - nope - rope)).contiguous()
             return contiguous_prefill(q, kv[0], kv[1], seq_len, self.scale)[..., :v_dim]
         k = torch.cat((k_nope, k_pe), dim=-1)

@@ -53,6 +53,7 @@ from services.worker.engine.models.weights import (
     entry,
     full,
 )
+from services.worker.engine.ops.gemv import linear
 from services.worker.engine.quantization.base import MoEMethod, Proj, expert_part
 from services.worker.engine.quantization.fp8_math import Codes
 
@@ -224,12 +225,7 @@ class Router(nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.float() if self.float32 else x
-        if self.kernels and x.is_cuda and x.shape[0] == 1:
-            from services.worker.engine.ops.gemv import gemv
-
-            return gemv(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return linear(x.float() if self.float32 else x, self.weight, self.bias, self.kernels)
 
 
 class FusedMoE(nn.Module):
