@@ -17,9 +17,21 @@ bandwidth measured in the same run (``roofline.copy_bandwidth``).
 named beside the table's (what ``fused_moe``'s tables should keep). ``--smoke``: tiny shapes,
 a few reps, on CPU in Triton's interpreter where there is no GPU (a check that it runs, not a
 timing).
+
+``--tune DIR``: instead, the two GEMVs of one token (``ops/moe_gemv.py``) in each format, every
+launch of ``UP_SWEEP`` then ``DOWN_SWEEP`` (the other GEMV at its best, or the table's),
+timed as a decode step runs them: a CUDA graph of ``--routings`` calls back to back, each
+routing to other experts, so the weights come from HBM (the autotuner times one call on
+weights its repeats leave in the L2). The fastest of each are written into
+``DIR/<GPU name>.json`` over the kept file of this GPU (``ops/gemv_configs.py``'s ``moe_*``
+kinds; the µs of every launch under ``measured``).
+
+    python benchmarks/moe_layer.py --tune services/worker/engine/ops/configs/linear/ \
+        --formats bf16 fp8 fp8-block
 """
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -45,7 +57,8 @@ from services.worker.engine.ops.fused_moe import (
     fused_moe_reference,
     launch_for,
 )
-from services.worker.engine.quantization.fp8_math import quantize_blocks
+from services.worker.engine.ops.moe_gemv import moe_gemv
+from services.worker.engine.quantization.fp8_math import quantize_blocks, quantize_rows
 
 SMOKE = {"num_experts": 4, "num_experts_per_tok": 2, "hidden_size": 64, "moe_intermediate_size": 64}
 BLOCK = 128  # FP8 block checkpoints' blocks
@@ -58,6 +71,26 @@ SWEEP = [  # (weight rows a program: GEMM 1's half gate, half up; FP8 blocks: K 
         (128, 256, 64, 8, 4),
     ]
 ]  # fmt: skip
+FORMATS = ["bf16", "fp8", "fp8-block"]  # fp8: a scale per output channel, as FP8 at load
+# --tune's launches of GEMV 1 and GEMV 2: (BLOCK_N, BLOCK_K, warps, stages); a format in
+# blocks takes those whose K tiles divide its block. GEMV 1 holds two [BLOCK_N, BLOCK_K] sums
+# (gate, up), GEMV 2 one [SLOTS, BLOCK_N, BLOCK_K] tile a K step: kept within ~64 float32
+# registers a thread
+UP_SWEEP = [
+    (1, 512, 2, 1), (1, 1024, 4, 1), (1, 2048, 4, 1), (1, 2048, 8, 1), (2, 256, 2, 3),
+    (2, 512, 4, 1), (2, 512, 4, 3), (2, 1024, 4, 1), (2, 1024, 8, 1), (2, 2048, 8, 1),
+    (4, 128, 2, 3), (4, 128, 4, 3), (4, 256, 4, 1), (4, 256, 4, 3), (4, 512, 4, 1),
+    (4, 512, 8, 3), (4, 1024, 8, 1), (8, 128, 4, 1), (8, 128, 4, 3), (8, 256, 4, 3),
+    (8, 256, 8, 1), (8, 512, 8, 3), (16, 128, 4, 3), (16, 128, 8, 1), (16, 256, 8, 3),
+    (32, 128, 8, 3), (2, 128, 2, 3), (8, 128, 2, 3), (32, 128, 4, 3), (64, 128, 8, 3),
+    (8, 64, 4, 3), (16, 64, 4, 3),
+]  # fmt: skip
+DOWN_SWEEP = [
+    (1, 128, 4, 1), (1, 256, 4, 1), (1, 256, 8, 3), (2, 64, 2, 3), (2, 128, 4, 1),
+    (2, 128, 4, 3), (2, 256, 8, 1), (4, 32, 2, 3), (4, 64, 4, 1), (4, 64, 4, 3),
+    (4, 128, 8, 1), (4, 128, 8, 3), (8, 32, 4, 3), (8, 64, 8, 1), (8, 64, 8, 3),
+    (16, 32, 8, 3), (16, 64, 8, 3),
+]  # fmt: skip
 
 
 def model_dtype(dev: torch.device) -> torch.dtype:
@@ -65,18 +98,19 @@ def model_dtype(dev: torch.device) -> torch.dtype:
     return torch.bfloat16 if dev.type == "cuda" else torch.float32
 
 
-def experts(shape: dict[str, int], fp8: bool, dev: torch.device) -> dict[str, Any]:
-    """Random experts of ``shape`` ([E, 2I, H] and [E, H, I]), bf16 or in e4m3 blocks."""
+def experts(shape: dict[str, int], fmt: str, dev: torch.device) -> dict[str, Any]:
+    """Random experts of ``shape`` ([E, 2I, H] and [E, H, I]) in format ``fmt`` (FORMATS):
+    bf16, or e4m3 with a scale per row or per block."""
     e, h, i = shape["num_experts"], shape["hidden_size"], shape["moe_intermediate_size"]
     dtype = model_dtype(dev)
     w13 = (torch.randn(e, 2 * i, h, device=dev) * h**-0.5).to(dtype)
     w2 = (torch.randn(e, h, i, device=dev) * i**-0.5).to(dtype)
-    if not fp8:
+    if fmt == "bf16":
         return {"w13": w13, "w2": w2}
-    block = min(BLOCK, h, i)
-    out: dict[str, Any] = {"block": block}
+    block = min(BLOCK, h, i) if fmt == "fp8-block" else None
+    out: dict[str, Any] = {"block": block} if block else {}
     for name, w in (("w13", w13), ("w2", w2)):
-        parts = [quantize_blocks(we, block) for we in w]
+        parts = [quantize_blocks(we, block) if block else quantize_rows(we) for we in w]
         out[name] = torch.stack([q for q, _ in parts])
         out[f"{name}_scale"] = torch.stack([s for _, s in parts])
     return out
@@ -184,6 +218,100 @@ def sweep(shape: dict[str, int], fmt: str, t: int, args: argparse.Namespace,
             "table": f"{table.block_m}x{table.block_n}x{table.block_k}", "ms": times}  # fmt: skip
 
 
+def graph_us(calls: list[Callable[[], object]], reps: int) -> float:
+    """µs a call: ``calls`` captured back to back in one CUDA graph, the fastest of ``reps``
+    replays."""
+    for call in calls:  # compiles (and warms) outside the capture
+        call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / len(calls))
+    return best
+
+
+def gemv_calls(
+    x: torch.Tensor,
+    w: dict[str, Any],
+    routes: list[tuple[torch.Tensor, torch.Tensor]],
+    out: torch.Tensor,
+    launches: tuple[dict[str, int] | None, dict[str, int] | None],
+) -> list[Callable[[], object]]:
+    """One ``moe_gemv`` call a routing of ``routes`` over experts ``w`` (``experts``'), at
+    ``launches``."""
+    scales = (w.get("w13_scale"), w.get("w2_scale"), w.get("block"))
+    return [
+        functools.partial(moe_gemv, x, w["w13"], w["w2"], weights, ids, None, *scales, out,
+                          None, None, None, 1.702, launches=launches)
+        for weights, ids in routes
+    ]  # fmt: skip
+
+
+def host_us(calls: list[Callable[[], object]]) -> float:
+    """µs a call by the host's clock, each call once (the interpreter's: a check that every
+    launch runs, not a timing)."""
+    t0 = time.perf_counter()
+    for call in calls:
+        call()
+    return (time.perf_counter() - t0) * 1e6 / len(calls)
+
+
+def tune(shape: dict[str, int], args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
+    """--tune (the module docstring): each format's GEMV 1 then GEMV 2 launches; the fastest
+    written over the kept table of this GPU. Returns what was measured."""
+    from services.worker.engine.ops import gemv_configs, tuned_configs
+
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    kept = tuned_configs.read(Path(args.tune), gpu)
+    doc: dict[str, Any] = {k: dict(v) for k, v in kept.items() if k != "measured"}
+    measured: dict[str, Any] = {"gpu": gpu, "us": dict(kept.get("measured", {}).get("us", {}))}
+    x = torch.randn(1, shape["hidden_size"], device=dev).to(model_dtype(dev))
+    out = torch.empty_like(x)
+    routes = Inputs(shape, 1, args.routings, dev).routes  # a call each, its own experts
+    for fmt in args.formats:
+        w = experts(shape, fmt, dev)
+        block = w.get("block")
+        best: dict[str, dict[str, int]] = {}
+        for stage, sweep in (("up", UP_SWEEP), ("down", DOWN_SWEEP)):
+            weight = w["w13"] if stage == "up" else w["w2"]
+            kind = gemv_configs.moe_kind(stage, fmt != "bf16", block)
+            shape_key = f"{weight.shape[1]}x{weight.shape[2]}"
+            times: dict[str, tuple[float, dict[str, int]]] = {}
+            fits = [c for c in sweep if not block or block % c[1] == 0]
+            if args.smoke:  # the interpreter: the two widest (fewest programs)
+                fits = sorted(fits, key=lambda c: -c[0])[:2]
+            for bn, bk, warps, stages in fits:
+                entry = {"block_n": bn, "block_k": bk, "warps": warps, "stages": stages}
+                launch = gemv_configs.as_keywords(entry)
+                pair = (launch, best.get("down")) if stage == "up" else (best["up"], launch)
+                calls = gemv_calls(x, w, routes, out, pair)
+                us = graph_us(calls, args.reps) if dev.type == "cuda" else host_us(calls)
+                times["-".join(map(str, entry.values()))] = (us, entry)
+            name = min(times, key=lambda n: times[n][0])
+            doc.setdefault(kind, {})[shape_key] = times[name][1]
+            best[stage] = gemv_configs.as_keywords(times[name][1])
+            measured["us"][f"{kind} {shape_key}"] = {n: round(t, 2) for n, (t, _) in times.items()}
+            print(f"{kind:18s} {shape_key:10s} best {name} {times[name][0]:.2f} us a call "
+                  f"(of {len(times)})", flush=True)  # fmt: skip
+        del w
+        torch.cuda.empty_cache() if dev.type == "cuda" else None
+    doc["measured"] = measured
+    gemv_configs.parse(doc)  # what the kernels will read
+    path = Path(args.tune) / tuned_configs.config_file(gpu)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print("wrote", path)
+    return measured
+
+
 def expert_shape(name: str) -> dict[str, int]:
     """A model's expert dims (``benchmarks/shapes.py``; DeepSeek's config names its experts
     ``n_routed_experts``), under SMOKE's names."""
@@ -200,11 +328,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="qwen3-30b-a3b", choices=MOE_SHAPES)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 64, 512, 4096])
-    p.add_argument("--formats", nargs="+", default=["bf16", "fp8-block"],
-                   choices=["bf16", "fp8-block"])  # fmt: skip
+    p.add_argument("--formats", nargs="+", default=["bf16", "fp8-block"], choices=FORMATS)
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--routings", type=int, default=8, help="different routings, in turn")
     p.add_argument("--sweep", action="store_true", help="time every launch of SWEEP instead")
+    p.add_argument("--tune", metavar="DIR", help="instead: measure the one-token GEMVs' launches")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, a few reps (CPU too)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
@@ -214,9 +342,12 @@ def main() -> None:
     shape = SMOKE if args.smoke else expert_shape(args.shape)
     if args.smoke:
         args.tokens, args.reps, args.routings = [t for t in args.tokens if t <= 64], 3, 2
+    if args.tune:
+        tune(shape, args, dev)
+        return
     rows = []
     for fmt in args.formats:
-        w = experts(shape, fmt != "bf16", dev)
+        w = experts(shape, fmt, dev)
         for t in args.tokens:
             rows.append((sweep if args.sweep else case)(shape, fmt, t, args, dev, w))
             print(json.dumps(rows[-1]), flush=True)

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from services.worker.engine.ops import gemv_configs
 from services.worker.engine.ops.fused_moe import (
     MoELaunch,
     align,
@@ -22,7 +23,13 @@ from services.worker.engine.ops.fused_moe import (
     quantize_input,
     supported,
 )
-from services.worker.engine.quantization.fp8_math import Codes, quantize_blocks, quantize_rows
+from services.worker.engine.ops.moe_gemv import measured_launch, moe_gemv
+from services.worker.engine.quantization.fp8_math import (
+    FP8,
+    Codes,
+    quantize_blocks,
+    quantize_rows,
+)
 
 E, H, INTER = 4, 64, 64  # local experts, hidden, intermediate
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # (the interpreter's CPU tensors)
@@ -214,6 +221,60 @@ def test_fp8_experts_are_the_product_of_their_codes(t: int, block: int | None, p
         # epilogue (a tile a group)
         fused = MoELaunch(block_m=16, block_n=2 * block, block_k=block)
         assert torch.equal(fused_moe(x, q13, q2, weights, ids, **kw, config=fused), got)  # type: ignore[arg-type]
+
+
+LAUNCHES = [  # (GEMV 1's, GEMV 2's): tiles that divide the shapes, and rows that overhang them
+    ({"BLOCK_N": 8, "BLOCK_K": 16, "num_warps": 4, "num_stages": 3},
+     {"BLOCK_N": 4, "BLOCK_K": 16, "num_warps": 2, "num_stages": 1}),
+    ({"BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 8, "num_stages": 1},
+     {"BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("launches", LAUNCHES, ids=["dividing", "overhanging"])
+@pytest.mark.parametrize("block", [None, 32], ids=["float", "fp8-block32"])
+def test_the_gemvs_compute_the_same_at_any_given_launch(
+    launches: tuple[dict[str, int], dict[str, int]], block: int | None
+) -> None:
+    """``moe_gemv``'s given launches (the tuner's, or a GPU's measured table's) change its
+    tiles and grids, not its result: the default launch's up to float32 summation order."""
+    weights, ids, emap = _routing(1, 2, local_half=True, seed=3)
+    w13, w2 = _weights(seed=4)
+    x = _tokens(1, torch.linspace(0.1, 4, H))
+    s13 = s2 = None
+    if block:
+        (w13, s13), (w2, s2) = _fp8(w13, block), _fp8(w2, block)
+    args = (x, w13, w2, weights, ids, emap, s13, s2, block)
+    default = moe_gemv(*args, torch.empty_like(x), None, None, None, 1.702)
+    given = moe_gemv(*args, torch.empty_like(x), None, None, None, 1.702, launches=launches)
+    torch.testing.assert_close(given, default, rtol=1e-5, atol=1e-6)
+    assert given.abs().max() > 0
+
+
+def test_a_measured_launch_holds_at_one_token_within_its_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``measured_launch`` reads the kind of the weights' format and the expert's [N, K] from
+    the GPU's table (here a stand-in), at one token only, and never K tiles across scale
+    blocks."""
+    tile = {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+    asked: list[tuple[str, int, int]] = []
+
+    def table(kind: str, x: torch.Tensor, n: int, k: int) -> dict[str, int]:
+        asked.append((kind, n, k))
+        return tile
+
+    monkeypatch.setattr(gemv_configs, "launch", table)
+    w13, w2 = _weights(seed=0)
+    q13, q2 = w13.to(FP8), w2.to(FP8)
+    one, two = torch.randn(1, H), torch.randn(2, H)
+    assert measured_launch("up", one, w13, None) == tile
+    assert measured_launch("down", one, q2, None) == tile
+    assert measured_launch("up", one, q13, 128) == tile
+    assert measured_launch("up", one, q13, 64) is None  # 128-wide K tiles over 64-wide blocks
+    assert measured_launch("up", two, w13, None) is None  # more tokens: the autotuner's
+    block_up = ("moe_up_fp8_block", 2 * INTER, H)
+    assert asked == [("moe_up", 2 * INTER, H), ("moe_down_fp8", H, INTER), block_up, block_up]
 
 
 def test_the_kernels_take_cuda_tensors_only() -> None:

@@ -3,6 +3,9 @@ file may say, and that every kept one says only that. (The kernels themselves ar
 the interpreter by test_fused_ops.py / test_fp8_kernels.py and on the GPU by tests/gpu.)"""
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -91,3 +94,34 @@ def test_every_kept_configuration_is_valid() -> None:
     for path in sorted(gemv_configs.CONFIG_DIR.glob("*.json")):
         gemv_configs.parse(json.loads(path.read_text()))
         gemv_configs.parse_gemm(json.loads(path.read_text()))
+
+
+def test_the_experts_tuner_writes_the_fastest_launch_of_each_gemv(tmp_path: Path) -> None:
+    """``benchmarks/moe_layer.py --tune`` (tiny shapes in the interpreter: every launch runs,
+    host-timed) keeps each format's fastest GEMV 1 and GEMV 2 launch under its kind and the
+    expert's [N, K], over what the file held (another kind's entry stays), in a file the
+    kernels' parser takes; in blocks only K tiles within a block."""
+    gpu_file = tmp_path / "cpu.json"
+    gpu_file.write_text(json.dumps({"gemv": {"6144x4096": LAUNCH}}))
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "moe_layer.py"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--tune", str(tmp_path), "--formats", "bf16",
+         "fp8-block"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    doc = json.loads(gpu_file.read_text())
+    table = gemv_configs.parse(doc)
+    assert table["gemv"][(6144, 4096)] == LAUNCH
+    shapes = {"moe_up": (128, 64), "moe_down": (64, 64), "moe_up_fp8_block": (128, 64),
+              "moe_down_fp8_block": (64, 64)}  # fmt: skip
+    assert {k for k in table if k.startswith("moe")} == set(shapes)
+    for kind, (n, k) in shapes.items():
+        launch = table[kind][(n, k)]
+        us = doc["measured"]["us"][f"{kind} {n}x{k}"]
+        assert len(us) == 2
+        fastest = min(us, key=us.__getitem__)
+        assert fastest == "-".join(str(launch[key]) for key in gemv_configs.KEYS)
+        if kind.endswith("block"):
+            assert 64 % launch["block_k"] == 0  # the smoke shape's blocks are 64 wide

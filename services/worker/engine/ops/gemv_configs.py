@@ -1,6 +1,8 @@
-"""Measured launches of the one-token GEMVs (``ops/gemv.py``, ``ops/fp8_linear.py``) per
-GPU model and projection shape, kept in ``configs/linear/<GPU name>.json`` and written by
-``benchmarks/kernels/gemv.py --tune``. A shape without one takes Triton's autotuner instead.
+"""Measured launches of the one-token GEMVs (``ops/gemv.py``, ``ops/fp8_linear.py``, and the
+experts' two of ``ops/moe_gemv.py``) per GPU model and weight shape, kept in
+``configs/linear/<GPU name>.json`` and written by ``benchmarks/kernels/gemv.py --tune`` (the
+experts': ``benchmarks/moe_layer.py --tune``). A shape without one takes Triton's autotuner
+instead.
 
 Beside them, ``fp8_gemm``: per projection shape and row count, the launch of
 ``fp8_linear._fp8_gemm_kernel`` where it measured faster than cuBLASLt's FP8 GEMM
@@ -15,6 +17,7 @@ HBM inside a graph (docs/performance.md, "FP8": one token). The tuner measures t
 
     {"gemv": {"6144x4096": {"block_n": 8, "block_k": 512, "warps": 4, "stages": 3}, ...},
      "fp8_gemv": {...}, "fp8_gemv_codes": {...}, "fp8_gemv_codes_fast": {...},
+     "moe_up": {"1536x2048": {...}}, "moe_down": {"2048x768": {...}}, "moe_up_fp8": {...}, ...
      "fp8_gemm": {"4096x14336": {"64": {"block_n": 64, "block_m": 64, "block_k": 128,
                                         "splits": 2, "warps": 4, "stages": 4}, ...}, ...},
      "measured": {...}}
@@ -28,8 +31,13 @@ import torch
 from services.worker.engine.ops import tuned_configs
 
 CONFIG_DIR = tuned_configs.CONFIG_DIR / "linear"
+# the experts' GEMV 1 (keyed by one expert's w13, [2·I, H]) and GEMV 2 (its w2, [H, I]) at one
+# token, bf16, FP8 per channel and FP8 in blocks: ``moe_kind``
+MOE_KINDS = tuple(
+    f"moe_{stage}{fmt}" for fmt in ("", "_fp8", "_fp8_block") for stage in ("up", "down")
+)
 # fp8_gemv_codes: its activation quantized before; _fast: its products summed in float16
-KINDS = ("gemv", "fp8_gemv", "fp8_gemv_codes", "fp8_gemv_codes_fast")
+KINDS = ("gemv", "fp8_gemv", "fp8_gemv_codes", "fp8_gemv_codes_fast", *MOE_KINDS)
 KEYS = ("block_n", "block_k", "warps", "stages")
 GEMM = "fp8_gemm"
 GEMM_KEYS = ("block_n", "block_m", "block_k", "splits", "warps", "stages")
@@ -123,6 +131,11 @@ def launch(kind: str, x: torch.Tensor, n: int, k: int) -> dict[str, int] | None:
         return None
     entry = _for_device(x.get_device()).get(kind, {}).get((n, k))
     return None if entry is None else as_keywords(entry)
+
+
+def moe_kind(stage: str, fp8: bool, block: int | None) -> str:
+    """The table's kind of an experts' GEMV: ``stage`` "up" or "down"."""
+    return f"moe_{stage}" + ("_fp8" if fp8 else "") + ("_block" if block else "")
 
 
 def as_keywords(entry: dict[str, int]) -> dict[str, int]:

@@ -3,8 +3,11 @@
 the layer is a read of the chosen experts' weights, so it runs as two matrix-vector launches
 (with FP8, x's and h's quantization besides), with no align step and no slot sum (at one token
 with programmatic dependent launch, as the dense layers' GEMV: ``ops/dependent_launch.py``).
-Their tiles are the autotuner's, per token count (tuned by the eager forwards before a CUDA
-graph captures; as the dense GEMV's, the tiles chosen set the float32 summation order):
+Their tiles at one token are this GPU's measured launches where its table has them
+(``ops/gemv_configs.py``, written by ``benchmarks/moe_layer.py --tune``: timed back to back in a
+CUDA graph over experts read from HBM, as a decode step runs them), else the autotuner's, per
+token count (tuned by the eager forwards before a CUDA graph captures; as the dense GEMV's, the
+tiles chosen set the float32 summation order):
 
     GEMV 1     a program per (pair, BLOCK_N rows of I): the pair's expert's gate and up rows
                times x[token], the activation as GEMM 1's epilogue → h [T·k, I]
@@ -25,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.engine.ops import gemv_configs
 from services.worker.engine.ops.dependent_launch import await_inputs, launch_options
 from services.worker.engine.ops.moe_common import (
     TL_DTYPES,
@@ -199,6 +203,24 @@ _gemv_down_tuned = triton.autotune(
 )(_gemv_down_kernel)
 
 
+Launch = dict[str, int]  # BLOCK_N, BLOCK_K, num_warps, num_stages
+
+
+def measured_launch(
+    stage: str, x: torch.Tensor, w: torch.Tensor, block: int | None
+) -> Launch | None:
+    """This GPU's measured launch of GEMV ``stage`` ("up", "down") over expert weights ``w``
+    ([E, N, K]) at one token, or None (the autotuner's then): none for more tokens, nor where
+    its K tiles would straddle ``block``'s scale groups."""
+    if x.shape[0] != 1:
+        return None
+    kind = gemv_configs.moe_kind(stage, w.dtype == FP8, block)
+    launch = gemv_configs.launch(kind, x, w.shape[1], w.shape[2])
+    if launch is None or (block and block % launch["BLOCK_K"]):
+        return None
+    return launch
+
+
 def moe_gemv(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -214,8 +236,10 @@ def moe_gemv(
     w2_bias: torch.Tensor | None,
     swiglu_limit: float | None,
     swiglu_alpha: float,
+    launches: tuple[Launch | None, Launch | None] = (None, None),
 ) -> torch.Tensor:
-    """``fused_moe.fused_moe`` (its arguments, all given) as GEMV 1 and GEMV 2."""
+    """``fused_moe.fused_moe`` (its arguments, all given) as GEMV 1 and GEMV 2. ``launches``:
+    GEMV 1's and GEMV 2's (the tuner's), else ``measured_launch``'s, else the autotuner's."""
     t, hidden = x.shape
     top_k, inter = topk_ids.shape[1], w2.shape[2]
     fp8 = w13.dtype == FP8
@@ -238,7 +262,12 @@ def moe_gemv(
         float(swiglu_limit if swiglu_limit is not None else 0.0),
     )  # fmt: skip
     up = {**common, "HAS_BIAS": w13_bias is not None, "CLAMPED": swiglu_limit is not None}
-    if x.is_cuda:
+    launch = launches[0] or (measured_launch("up", x, w13, block) if x.is_cuda else None)
+    if launch is not None:
+        _gemv_up_kernel[(t * top_k, triton.cdiv(inter, launch["BLOCK_N"]))](
+            *up_args, **up, **launch
+        )
+    elif x.is_cuda:
         _gemv_up_tuned[lambda m: (t * top_k, triton.cdiv(inter, m["BLOCK_N"]))](*up_args, **up)
     else:  # Triton's interpreter (tests on CPU): one small tile
         _gemv_up_kernel[(t * top_k, triton.cdiv(inter, 16))](
@@ -253,7 +282,11 @@ def moe_gemv(
         w2_bias.stride(0) if w2_bias is not None else 0,
     )  # fmt: skip
     down = {**common, "HAS_BIAS": w2_bias is not None, "SLOTS": triton.next_power_of_2(top_k)}
-    if x.is_cuda:
+    launch = launches[1] or (measured_launch("down", x, w2, block) if x.is_cuda else None)
+    if launch is not None:
+        grid = (t, triton.cdiv(hidden, launch["BLOCK_N"]))
+        _gemv_down_kernel[grid](*down_args, **down, **launch)
+    elif x.is_cuda:
         _gemv_down_tuned[lambda m: (t, triton.cdiv(hidden, m["BLOCK_N"]))](*down_args, **down)
     else:
         _gemv_down_kernel[(t, triton.cdiv(hidden, 16))](
