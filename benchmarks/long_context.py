@@ -80,7 +80,8 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 def _isolated_attention(llm: LLM, n: int, block_size: int) -> dict[str, float]:
     """The engine's own backend object for layer 0, timed on its own over a paged cache (none
-    for latent attention: its prefill decompresses the latents first, timed in the model)."""
+    for latent attention: its prefill decompresses the latents first, timed in the model); its
+    FLOPs the keys each query sees, under layer 0's window where it has one."""
     arch = llm.config.model.arch
     if arch.mla is not None:
         return {}
@@ -93,10 +94,13 @@ def _isolated_attention(llm: LLM, n: int, block_size: int) -> dict[str, float]:
     q, meta, cache = prefill_case(n, args, block_size, torch.device("cuda"))
     out = torch.empty_like(q)
     ms = prefill_ms(impl, q, cache, meta, out)
-    flops = 4 * arch.head_dim * arch.num_heads * n * (n + 1) // 2
+    window = impl.sliding_window or n  # (a windowed layer 0, gpt-oss's: the keys it sees)
+    visible = sum(min(i + 1, window) for i in range(n))
+    flops = 4 * arch.head_dim * arch.num_heads * visible
     del q, meta, cache, out
     torch.cuda.empty_cache()
-    return {"attention_layer_ms": round(ms, 3), "attention_TFLOPs": round(flops / ms / 1e9, 1)}
+    return {"attention_layer_ms": round(ms, 3), "attention_TFLOPs": round(flops / ms / 1e9, 1),
+            "attention_window": impl.sliding_window}  # fmt: skip
 
 
 def measure(model: str, variant: str, args: argparse.Namespace, decode: bool) -> dict[str, Any]:

@@ -2,9 +2,9 @@
 against the torch reference (itself checked against an explicit float64 oracle and Hugging
 Face's definitions in tests/unit/test_attention_window.py) at real head dims and windows
 (gpt-oss's 128 with sinks, Gemma 3's 512 and 1024, and one long enough for decode to split),
-in float32, float16 and bfloat16; a windowed decode captured in a CUDA graph and replayed at
-other contexts. (That the keys before the window cost nothing is a benchmark's to show, not a
-timed test's.)"""
+in float32, float16 and bfloat16 (FlashAttention-4 takes the 16-bit prefill rows); a windowed
+decode captured in a CUDA graph and replayed at other contexts. (That the keys before the
+window cost nothing is a benchmark's to show, not a timed test's.)"""
 
 import pytest
 import torch
@@ -129,20 +129,42 @@ def test_a_windowed_decode_replays_in_a_cuda_graph() -> None:
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
-def test_flash_attn_gives_a_windowed_layer_the_triton_kernels() -> None:
-    """Its windowed and sink layers run the Triton prefill (FlashAttention-4's window and sink
-    arguments are not yet checked here): the same kernels, so the same bits."""
+@pytest.mark.parametrize(("window", "with_sinks"), [(128, True), (1024, False), (None, True)])
+def test_flash_attn_runs_windows_and_sinks_over_pages_released_behind_the_window(
+    window: int | None, with_sinks: bool
+) -> None:
+    """The FlashAttention backend's prefill rows of a windowed or sink layer go to
+    FlashAttention-4 (its local mask, W − 1 keys left of each query, and its per-head sink),
+    not to the Triton prefill; the pages wholly behind every query's window may be the spare
+    zeroed page the KV manager puts there (``null_block_id``), as they are once released."""
     if not flash_attn_available():
         pytest.skip("needs FlashAttention-4 on a Hopper GPU")
     torch.manual_seed(0)
     hq, hkv, d = 16, 4, 128
     rows = CASES["mixed"]
     kv, tables = random_cache(rows, hkv, d, torch.bfloat16)
+    kv = torch.cat([kv, torch.zeros_like(kv[:1])])  # the spare page, past the pool
+    null = kv.shape[0] - 1
+    if window is not None:  # behind the first new query's window: released
+        for i, (cached, _) in enumerate(rows):
+            behind = max(cached - window + 1, 0) // BS
+            tables[i, :behind] = null
     n = sum(new for _, new in rows)
     q, k, v = (torch.randn(n, h, d, device="cuda").to(torch.bfloat16) for h in (hq, hkv, hkv))
-    sinks = torch.randn(hq, device="cuda")
-    outs = []
-    for backend in ("flash_attn", "triton"):
-        impl = get_backend(backend)(hq, hkv, d, d**-0.5, sliding_window=128, sinks=sinks)
-        outs.append(impl.forward(q, k, v, layer_views(kv, 1), metadata(rows, tables)))
-    assert torch.equal(outs[0], outs[1])
+    sinks = torch.randn(hq, device="cuda") * 2 + 1 if with_sinks else None
+    impl = get_backend("flash_attn")(hq, hkv, d, d**-0.5, sliding_window=window, sinks=sinks)
+    calls: list[dict[str, object]] = []
+    fwd = impl._fwd
+
+    def spy(*args: object, **kwargs: object) -> object:
+        calls.append(kwargs)
+        return fwd(*args, **kwargs)
+
+    impl._fwd = spy
+    out = impl.forward(q, k, v, layer_views(kv, 1), metadata(rows, tables))
+    assert len(calls) == 1
+    assert calls[0]["window_size_left"] == (None if window is None else window - 1)
+    assert calls[0]["learnable_sink"] is sinks
+    expected = oracle(rows, q, k, v, kv, tables, window, sinks)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)

@@ -9,14 +9,15 @@ a Hopper forward path) for the prefill rows of a step, the Triton kernels for th
   decode kernel, which CUDA graphs capture, as in the Triton backend.
 - K/V writes: the Triton backend's ``write_kv``; the cache layout (and what NIXL pulls) is
   unchanged.
+- A layer's sliding window of W tokens and its sinks (Gemma 3's and gpt-oss's windowed
+  layers, gpt-oss's sinks) are FlashAttention's local mask, ``window_size_left`` W − 1 to the
+  left of each query (the Triton kernels' rule: a query at p sees the keys after p − W), and
+  its ``learnable_sink`` (a logit per head joining each row's softmax denominator). The pages
+  behind a window hold the spare page (``KVCacheBlocks.null_block_id``, zeroed and never
+  written): FlashAttention skips the tiles wholly behind the window and masks the rest.
 - float32 (which FlashAttention does not run), head dims its paged path does not take
-  (other than 64, 128, 256), an FP8 cache, a Gated DeltaNet model's cache (its pages' other
-  bytes may be a state's), and a layer with a sliding window or sinks go to the Triton
-  prefill kernel. (FlashAttention-4's forward has ``window_size_left`` and
-  ``learnable_sink``, bfloat16 only, upstream; until they are checked on a GPU against the
-  Triton kernels, such a layer takes the Triton path rather than an unchecked one, so "auto"
-  serves Gemma 3's and gpt-oss's windowed layers with Triton and the others with
-  FlashAttention.)
+  (other than 64, 128, 256), an FP8 cache and a Gated DeltaNet model's cache (its pages'
+  other bytes may be a state's) go to the Triton prefill kernel.
 
 FlashAttention reads whole pages: rows past a sequence's end in its last page are masked but
 must be finite, which holds since the KV cache is allocated zeroed (kv_cache/layout.py) and
@@ -80,10 +81,8 @@ class FlashAttnBackend(TritonAttentionBackend):
         fwd = getattr(interface, "_flash_attn_fwd", None)
         takes_out = fwd is not None and "out" in inspect.signature(fwd).parameters
         self._fwd: Any = fwd if takes_out else None
-        # its paged path needs a head dim that fills its tiles, and this layer dense attention;
-        # others run the Triton prefill
-        dense = sliding_window is None and sinks is None
-        self._paged_ok = head_dim in PAGED_HEAD_DIMS and dense
+        # its paged path needs a head dim that fills its tiles; others run the Triton prefill
+        self._paged_ok = head_dim in PAGED_HEAD_DIMS
 
     def _prefill(
         self,
@@ -109,10 +108,11 @@ class FlashAttnBackend(TritonAttentionBackend):
             "seqused_k": meta.seq_lens[:num_reqs],
             "max_seqlen_q": meta.max_query_len, "max_seqlen_k": meta.max_seq_len,
             "page_table": meta.block_tables[:num_reqs],
-            "softmax_scale": self.scale, "causal": True,
+            "softmax_scale": self.scale, "causal": True, "learnable_sink": self.sinks,
         }  # fmt: skip
+        left = None if self.sliding_window is None else self.sliding_window - 1
         if self._fwd is not None and self.WRITE_IN_PLACE:
-            self._fwd(q[:n], kv.key, kv.value, out=out[:n], **args)
+            self._fwd(q[:n], kv.key, kv.value, out=out[:n], window_size_left=left, **args)
             return
-        result = self._varlen(q[:n], kv.key, kv.value, **args)
+        result = self._varlen(q[:n], kv.key, kv.value, window_size=(left, None), **args)
         out[:n].copy_(result[0] if isinstance(result, tuple) else result)
