@@ -223,6 +223,7 @@ def make_tiny_model(
     # Qwen3-MoE, DeepSeek: one expert's (Qwen3-Next: its shared expert's too; None: 32)
     moe_intermediate_size: int | None = None,
     linear_head_dim: int | None = None,  # Gated DeltaNet's key and value heads' (None: 16)
+    head_dim: int | None = None,  # the attention heads' width (None: the arch's, 16 or 32)
 ) -> Path:
     import torch
     import transformers
@@ -247,6 +248,10 @@ def make_tiny_model(
             raise ValueError(f"{arch} has no Gated DeltaNet layers (linear_head_dim)")
         extra = {**extra, "linear_key_head_dim": linear_head_dim,
                  "linear_value_head_dim": linear_head_dim}  # fmt: skip
+    if head_dim is not None:
+        if "head_dim" not in extra:
+            raise ValueError(f"{arch}'s heads are hidden_size / num_heads wide (head_dim)")
+        extra = {**extra, "head_dim": head_dim}
     if cls_name.startswith("Deepseek"):  # MLA: every head reads the one latent
         num_kv_heads = num_heads
     config = getattr(transformers, cls_name)(

@@ -78,7 +78,7 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [seed + 1] + [(seed * 7919 + i) % 30000 + 1 for i in range(n - 1)]
 
 
-def _isolated_attention(llm: LLM, n: int, block_size: int) -> dict[str, float]:
+def _isolated_attention(llm: LLM, n: int, block_size: int) -> dict[str, Any]:
     """The engine's own backend object for layer 0, timed on its own over a paged cache (none
     for latent attention: its prefill decompresses the latents first, timed in the model); its
     FLOPs the keys each query sees, under layer 0's window where it has one."""
@@ -94,8 +94,8 @@ def _isolated_attention(llm: LLM, n: int, block_size: int) -> dict[str, float]:
     q, meta, cache = prefill_case(n, args, block_size, torch.device("cuda"))
     out = torch.empty_like(q)
     ms = prefill_ms(impl, q, cache, meta, out)
-    window = impl.sliding_window or n  # (a windowed layer 0, gpt-oss's: the keys it sees)
-    visible = sum(min(i + 1, window) for i in range(n))
+    w = min(impl.sliding_window or n, n)  # (a windowed layer 0, gpt-oss's: the keys it sees)
+    visible = w * (w + 1) // 2 + (n - w) * w  # Σ min(i + 1, W) over the queries
     flops = 4 * arch.head_dim * arch.num_heads * visible
     del q, meta, cache, out
     torch.cuda.empty_cache()

@@ -18,13 +18,16 @@ named beside the table's (what ``fused_moe``'s tables should keep). ``--smoke``:
 a few reps, on CPU in Triton's interpreter where there is no GPU (a check that it runs, not a
 timing).
 
-``--tune DIR``: instead, the two GEMVs of one token (``ops/moe_gemv.py``) in each format, every
-launch of ``UP_SWEEP`` then ``DOWN_SWEEP`` (the other GEMV at its best, or the table's),
-timed as a decode step runs them: a CUDA graph of ``--routings`` calls back to back, each
-routing to other experts, so the weights come from HBM (the autotuner times one call on
-weights its repeats leave in the L2). The fastest of each are written into
-``DIR/<GPU name>.json`` over the kept file of this GPU (``ops/gemv_configs.py``'s ``moe_*``
-kinds; the µs of every launch under ``measured``).
+``--tune DIR``: instead, the two GEMVs of one token (``ops/moe_gemv.py``) in each format:
+every launch of ``sweep_of`` (``UP_SWEEP`` / ``DOWN_SWEEP`` and the autotuner's own) for GEMV
+1, then for GEMV 2 (the other at its best so far, else the engine's), and the engine's own
+pair (its table's, else its autotuner's), timed as a decode step runs them: a CUDA graph of
+``--routings`` calls back to back, each routing to other experts, so the weights come from
+HBM (the autotuner times one call on weights its repeats leave in the L2). A GEMV's fastest
+launch is written into ``DIR/<GPU name>.json`` over that file's kept entries where it beats
+the engine's pair by ``--margin`` (``ops/gemv_configs.py``'s ``moe_*`` kinds, keyed by one
+expert's weight shape: ``--tp N`` measures one rank's slice; the µs of every launch and the
+engine's under ``measured``).
 
     python benchmarks/moe_layer.py --tune services/worker/engine/ops/configs/linear/ \
         --formats bf16 fp8 fp8-block
@@ -48,8 +51,10 @@ if not torch.cuda.is_available():  # read when Triton's kernels are defined: bef
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.kernels.gemv import time_calls
 from benchmarks.roofline import copy_bandwidth
 from benchmarks.shapes import SHAPES
+from services.worker.engine.ops import moe_gemv as moe_gemv_module
 from services.worker.engine.ops.fused_moe import (
     GEMV_TOKENS,
     MoELaunch,
@@ -57,7 +62,7 @@ from services.worker.engine.ops.fused_moe import (
     fused_moe_reference,
     launch_for,
 )
-from services.worker.engine.ops.moe_gemv import moe_gemv
+from services.worker.engine.ops.moe_gemv import k_tiles_fit, moe_gemv
 from services.worker.engine.quantization.fp8_math import quantize_blocks, quantize_rows
 
 SMOKE = {"num_experts": 4, "num_experts_per_tok": 2, "hidden_size": 64, "moe_intermediate_size": 64}
@@ -77,13 +82,13 @@ FORMATS = ["bf16", "fp8", "fp8-block"]  # fp8: a scale per output channel, as FP
 # (gate, up), GEMV 2 one [SLOTS, BLOCK_N, BLOCK_K] tile a K step: kept within ~64 float32
 # registers a thread
 UP_SWEEP = [
-    (1, 512, 2, 1), (1, 1024, 4, 1), (1, 2048, 4, 1), (1, 2048, 8, 1), (2, 256, 2, 3),
-    (2, 512, 4, 1), (2, 512, 4, 3), (2, 1024, 4, 1), (2, 1024, 8, 1), (2, 2048, 8, 1),
-    (4, 128, 2, 3), (4, 128, 4, 3), (4, 256, 4, 1), (4, 256, 4, 3), (4, 512, 4, 1),
-    (4, 512, 8, 3), (4, 1024, 8, 1), (8, 128, 4, 1), (8, 128, 4, 3), (8, 256, 4, 3),
-    (8, 256, 8, 1), (8, 512, 8, 3), (16, 128, 4, 3), (16, 128, 8, 1), (16, 256, 8, 3),
-    (32, 128, 8, 3), (2, 128, 2, 3), (8, 128, 2, 3), (32, 128, 4, 3), (64, 128, 8, 3),
-    (8, 64, 4, 3), (16, 64, 4, 3),
+    (1, 512, 2, 1), (1, 1024, 4, 1), (1, 2048, 4, 1), (1, 2048, 8, 1), (2, 128, 2, 3),
+    (2, 256, 2, 3), (2, 512, 4, 1), (2, 512, 4, 3), (2, 1024, 4, 1), (2, 1024, 8, 1),
+    (2, 2048, 8, 1), (4, 128, 2, 3), (4, 128, 4, 3), (4, 256, 4, 1), (4, 256, 4, 3),
+    (4, 512, 4, 1), (4, 512, 8, 3), (4, 1024, 8, 1), (8, 64, 4, 3), (8, 128, 2, 3),
+    (8, 128, 4, 1), (8, 128, 4, 3), (8, 256, 4, 3), (8, 256, 8, 1), (8, 512, 8, 3),
+    (16, 64, 4, 3), (16, 128, 4, 3), (16, 128, 8, 1), (16, 256, 8, 3), (32, 128, 4, 3),
+    (32, 128, 8, 3), (64, 128, 8, 3),
 ]  # fmt: skip
 DOWN_SWEEP = [
     (1, 128, 4, 1), (1, 256, 4, 1), (1, 256, 8, 3), (2, 64, 2, 3), (2, 128, 4, 1),
@@ -91,6 +96,19 @@ DOWN_SWEEP = [
     (4, 128, 8, 1), (4, 128, 8, 3), (8, 32, 4, 3), (8, 64, 8, 1), (8, 64, 8, 3),
     (16, 32, 8, 3), (16, 64, 8, 3),
 ]  # fmt: skip
+
+
+def sweep_of(stage: str) -> list[tuple[int, int, int, int]]:
+    """``stage``'s launches to time: the sweep's and the autotuner's own (so a table entry is
+    never chosen from fewer than the autotuner chooses from)."""
+    mine = UP_SWEEP if stage == "up" else DOWN_SWEEP
+    configs = (
+        moe_gemv_module._GEMV_UP_CONFIGS if stage == "up" else moe_gemv_module._GEMV_DOWN_CONFIGS
+    )
+    tuners = [
+        (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) for c in configs
+    ]
+    return sorted(set(mine) | set(tuners))
 
 
 def model_dtype(dev: torch.device) -> torch.dtype:
@@ -220,23 +238,8 @@ def sweep(shape: dict[str, int], fmt: str, t: int, args: argparse.Namespace,
 
 def graph_us(calls: list[Callable[[], object]], reps: int) -> float:
     """µs a call: ``calls`` captured back to back in one CUDA graph, the fastest of ``reps``
-    replays."""
-    for call in calls:  # compiles (and warms) outside the capture
-        call()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / len(calls))
-    return best
+    replays (``kernels/gemv.py``'s timing, each call its own weights)."""
+    return time_calls(lambda _, call: call(), calls, None, reps) * 1e6
 
 
 def gemv_calls(
@@ -266,47 +269,58 @@ def host_us(calls: list[Callable[[], object]]) -> float:
 
 
 def tune(shape: dict[str, int], args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
-    """--tune (the module docstring): each format's GEMV 1 then GEMV 2 launches; the fastest
-    written over the kept table of this GPU. Returns what was measured."""
+    """--tune (the module docstring): each format's GEMV 1 then GEMV 2 launches against the
+    engine's own (its table's, else its autotuner's); the fastest written over the kept table
+    of this GPU in ``args.tune`` where it beats the engine's by ``args.margin``. Returns what
+    was measured."""
     from services.worker.engine.ops import gemv_configs, tuned_configs
 
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     kept = tuned_configs.read(Path(args.tune), gpu)
     doc: dict[str, Any] = {k: dict(v) for k, v in kept.items() if k != "measured"}
     measured: dict[str, Any] = {"gpu": gpu, "us": dict(kept.get("measured", {}).get("us", {}))}
-    x = torch.randn(1, shape["hidden_size"], device=dev).to(model_dtype(dev))
-    out = torch.empty_like(x)
-    routes = Inputs(shape, 1, args.routings, dev).routes  # a call each, its own experts
+    inputs = Inputs(shape, 1, args.routings, dev)  # a call each routing, its own experts
+    x, routes, out = inputs.x, inputs.routes, torch.empty_like(inputs.x)
+    timer = graph_us if dev.type == "cuda" else lambda calls, _: host_us(calls)
     for fmt in args.formats:
         w = experts(shape, fmt, dev)
         block = w.get("block")
-        best: dict[str, dict[str, int]] = {}
-        for stage, sweep in (("up", UP_SWEEP), ("down", DOWN_SWEEP)):
+        engine_us = timer(gemv_calls(x, w, routes, out, (None, None)), args.reps)
+        best: dict[str, dict[str, int] | None] = {"up": None, "down": None}
+        for stage in ("up", "down"):
             weight = w["w13"] if stage == "up" else w["w2"]
             kind = gemv_configs.moe_kind(stage, fmt != "bf16", block)
             shape_key = f"{weight.shape[1]}x{weight.shape[2]}"
-            times: dict[str, tuple[float, dict[str, int]]] = {}
-            fits = [c for c in sweep if not block or block % c[1] == 0]
+            fits = [c for c in sweep_of(stage) if k_tiles_fit(c[1], block)]
             if args.smoke:  # the interpreter: the two widest (fewest programs)
                 fits = sorted(fits, key=lambda c: -c[0])[:2]
+            times: dict[str, tuple[float, dict[str, int]]] = {}
             for bn, bk, warps, stages in fits:
                 entry = {"block_n": bn, "block_k": bk, "warps": warps, "stages": stages}
                 launch = gemv_configs.as_keywords(entry)
-                pair = (launch, best.get("down")) if stage == "up" else (best["up"], launch)
-                calls = gemv_calls(x, w, routes, out, pair)
-                us = graph_us(calls, args.reps) if dev.type == "cuda" else host_us(calls)
-                times["-".join(map(str, entry.values()))] = (us, entry)
+                pair = (launch, best["down"]) if stage == "up" else (best["up"], launch)
+                times["-".join(map(str, entry.values()))] = (
+                    timer(gemv_calls(x, w, routes, out, pair), args.reps), entry
+                )  # fmt: skip
             name = min(times, key=lambda n: times[n][0])
-            doc.setdefault(kind, {})[shape_key] = times[name][1]
-            best[stage] = gemv_configs.as_keywords(times[name][1])
-            measured["us"][f"{kind} {shape_key}"] = {n: round(t, 2) for n, (t, _) in times.items()}
+            won = times[name][0] < engine_us * (1 - args.margin)
+            if won:
+                doc.setdefault(kind, {})[shape_key] = times[name][1]
+                best[stage] = gemv_configs.as_keywords(times[name][1])
+            measured["us"][f"{kind} {shape_key}"] = {
+                "engine": round(engine_us, 2), **{n: round(t, 2) for n, (t, _) in times.items()}
+            }  # fmt: skip
             print(f"{kind:18s} {shape_key:10s} best {name} {times[name][0]:.2f} us a call "
-                  f"(of {len(times)})", flush=True)  # fmt: skip
+                  f"(of {len(times)}), the engine's {engine_us:.2f}: "
+                  f"{'kept' if won else 'not kept'}", flush=True)  # fmt: skip
         del w
-        torch.cuda.empty_cache() if dev.type == "cuda" else None
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     doc["measured"] = measured
     gemv_configs.parse(doc)  # what the kernels will read
+    gemv_configs.parse_gemm(doc)
     path = Path(args.tune) / tuned_configs.config_file(gpu)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1) + "\n")
     print("wrote", path)
     return measured
@@ -333,6 +347,14 @@ def main() -> None:
     p.add_argument("--routings", type=int, default=8, help="different routings, in turn")
     p.add_argument("--sweep", action="store_true", help="time every launch of SWEEP instead")
     p.add_argument("--tune", metavar="DIR", help="instead: measure the one-token GEMVs' launches")
+    p.add_argument(
+        "--margin",
+        type=float,
+        default=0.02,
+        help="--tune: keep a launch only this much faster than the engine's",
+    )
+    p.add_argument("--tp", type=int, default=1,
+                   help="the experts' slice of one of this many tensor-parallel ranks")  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="tiny shapes, a few reps (CPU too)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
@@ -340,6 +362,7 @@ def main() -> None:
     if dev.type == "cpu" and not args.smoke:
         p.error("no GPU: only --smoke runs on CPU")
     shape = SMOKE if args.smoke else expert_shape(args.shape)
+    shape = {**shape, "moe_intermediate_size": shape["moe_intermediate_size"] // args.tp}
     if args.smoke:
         args.tokens, args.reps, args.routings = [t for t in args.tokens if t <= 64], 3, 2
     if args.tune:

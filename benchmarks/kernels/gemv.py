@@ -8,8 +8,8 @@ cycling through enough weight copies that none is read from L2 twice.
     python benchmarks/kernels/gemv.py --shape llama-3.1-8b --output gemv.json
 
 ``--tune DIR``: each GEMV kernel's configurations timed that way per projection of each
-``--shapes``, the fastest written into ``DIR/<GPU name>.json``, merged over the kept file of
-this GPU (``services/worker/engine/ops/configs/linear/`` keeps them; the kernels read
+``--shapes``, the fastest written into ``DIR/<GPU name>.json``, merged over that file's kept
+entries (``services/worker/engine/ops/configs/linear/`` keeps them; the kernels read
 that launch instead of their autotuner's: ``ops/gemv_configs.py``).
 
     python benchmarks/kernels/gemv.py --tune services/worker/engine/ops/configs/linear/
@@ -181,7 +181,7 @@ def tune(args: argparse.Namespace, dev: torch.device) -> None:
     from services.worker.engine.quantization.fp8_math import quantize_rows
 
     gpu = torch.cuda.get_device_name(dev)
-    kept = tuned_configs.read(gemv_configs.CONFIG_DIR, gpu)
+    kept = tuned_configs.read(Path(args.tune), gpu)  # DIR's file of this GPU, as moe_layer.py's
     doc: dict[str, Any] = {kind: dict(kept.get(kind, {})) for kind in gemv_configs.KINDS}
     if gemv_configs.GEMM in kept:  # fp8_mm.py --tune's section, kept as it is
         doc[gemv_configs.GEMM] = kept[gemv_configs.GEMM]

@@ -130,17 +130,18 @@ def test_a_windowed_decode_replays_in_a_cuda_graph() -> None:
 
 
 @pytest.mark.parametrize(("window", "with_sinks"), [(128, True), (1024, False), (None, True)])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(16, 4, 128), (16, 8, 256)])  # (Gemma-3-12B's)
 def test_flash_attn_runs_windows_and_sinks_over_pages_released_behind_the_window(
-    window: int | None, with_sinks: bool
+    window: int | None, with_sinks: bool, hq: int, hkv: int, d: int
 ) -> None:
     """The FlashAttention backend's prefill rows of a windowed or sink layer go to
     FlashAttention-4 (its local mask, W − 1 keys left of each query, and its per-head sink),
-    not to the Triton prefill; the pages wholly behind every query's window may be the spare
-    zeroed page the KV manager puts there (``null_block_id``), as they are once released."""
+    not to the Triton prefill; the block table's entries wholly behind every query's window
+    may name another page (the spare page past the pool, ``null_block_id``, or a released
+    page's stale id), as they do once those blocks are released: here a page past the pool."""
     if not flash_attn_available():
         pytest.skip("needs FlashAttention-4 on a Hopper GPU")
     torch.manual_seed(0)
-    hq, hkv, d = 16, 4, 128
     rows = CASES["mixed"]
     kv, tables = random_cache(rows, hkv, d, torch.bfloat16)
     kv = torch.cat([kv, torch.zeros_like(kv[:1])])  # the spare page, past the pool

@@ -20,6 +20,7 @@ from baton.tiny_model import make_tiny_model
 from tests.gpu.common import (
     KW,
     assert_bfloat16_close_to_float32,
+    assert_flash_attention_windows_close_to_float32,
     count_calls,
     greedy,
     hf_greedy,
@@ -75,6 +76,16 @@ def test_graphs_and_eager_equal_hugging_face(
 
 def test_bfloat16_is_close_to_float32(gpt_oss: Path) -> None:
     assert_bfloat16_close_to_float32(gpt_oss, PROMPTS, **KW)
+
+
+def test_flash_attention_takes_the_window_and_the_sinks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The windowed layers (8 tokens: 7 to the left) and the full ones, all with sinks,
+    through FlashAttention-4 in bfloat16, close to float32."""
+    seen = assert_flash_attention_windows_close_to_float32("gpt_oss", tmp_path, PROMPTS,
+                                                           monkeypatch)  # fmt: skip
+    assert seen == {(7, True), (None, True)}
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

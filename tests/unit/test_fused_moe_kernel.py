@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.engine.ops import gemv_configs
+from services.worker.engine.ops import moe_gemv as moe_gemv_module
 from services.worker.engine.ops.fused_moe import (
     MoELaunch,
     align,
@@ -249,6 +250,53 @@ def test_the_gemvs_compute_the_same_at_any_given_launch(
     given = moe_gemv(*args, torch.empty_like(x), None, None, None, 1.702, launches=launches)
     torch.testing.assert_close(given, default, rtol=1e-5, atol=1e-6)
     assert given.abs().max() > 0
+
+
+class _Launches:
+    """A Triton kernel whose launches are recorded: (grid, tile keywords), then run."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel, self.seen = kernel, []  # type: ignore[var-annotated]
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        def launch(*args: Any, **kw: Any) -> Any:
+            tiles = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+            self.seen.append((grid, {k: kw[k] for k in tiles if k in kw}))
+            return self.kernel[grid](*args, **kw)
+
+        return launch
+
+
+def test_the_given_then_the_measured_launch_reaches_the_kernels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``moe_gemv`` launches GEMV 1 and GEMV 2 with the tiles it is given, else the GPU
+    table's (a stand-in here), else (on CPU) the interpreter's tile, each with its grid: a
+    program a pair and BLOCK_N rows of I, a program a token and BLOCK_N columns of H."""
+    up_spy = _Launches(moe_gemv_module._gemv_up_kernel)
+    down_spy = _Launches(moe_gemv_module._gemv_down_kernel)
+    monkeypatch.setattr(moe_gemv_module, "_gemv_up_kernel", up_spy)
+    monkeypatch.setattr(moe_gemv_module, "_gemv_down_kernel", down_spy)
+    weights, ids, _ = _routing(1, 2, local_half=False, seed=5)
+    w13, w2 = _weights(seed=5)
+    x = _tokens(1)
+    up, down = LAUNCHES[0]
+    table = {"moe_up": LAUNCHES[1][0], "moe_down": LAUNCHES[1][1]}
+
+    def run(launches: tuple[dict[str, int] | None, dict[str, int] | None]) -> None:
+        args = (x, w13, w2, weights, ids, None, None, None, None, torch.empty_like(x))
+        moe_gemv(*args, None, None, None, 1.702, launches=launches)
+
+    run((up, down))
+    monkeypatch.setattr(gemv_configs, "launch", lambda kind, *_: table.get(kind))
+    run((None, None))
+    monkeypatch.setattr(gemv_configs, "launch", lambda *_: None)
+    run((None, None))
+    interpreter = {"BLOCK_N": 16, "BLOCK_K": 32}
+    assert up_spy.seen == [((2, INTER // 8), up), ((2, 1), table["moe_up"]),
+                           ((2, INTER // 16), interpreter)]  # fmt: skip
+    assert down_spy.seen == [((1, H // 4), down), ((1, 1), table["moe_down"]),
+                             ((1, H // 16), interpreter)]  # fmt: skip
 
 
 def test_a_measured_launch_holds_at_one_token_within_its_blocks(

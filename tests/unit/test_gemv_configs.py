@@ -96,21 +96,25 @@ def test_every_kept_configuration_is_valid() -> None:
         gemv_configs.parse_gemm(json.loads(path.read_text()))
 
 
-def test_the_experts_tuner_writes_the_fastest_launch_of_each_gemv(tmp_path: Path) -> None:
-    """``benchmarks/moe_layer.py --tune`` (tiny shapes in the interpreter: every launch runs,
-    host-timed) keeps each format's fastest GEMV 1 and GEMV 2 launch under its kind and the
-    expert's [N, K], over what the file held (another kind's entry stays), in a file the
-    kernels' parser takes; in blocks only K tiles within a block."""
-    gpu_file = tmp_path / "cpu.json"
-    gpu_file.write_text(json.dumps({"gemv": {"6144x4096": LAUNCH}}))
+def _tune(directory: Path, *args: str) -> None:
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "moe_layer.py"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     run = subprocess.run(
-        [sys.executable, str(script), "--smoke", "--tune", str(tmp_path), "--formats", "bf16",
-         "fp8-block"],
+        [sys.executable, str(script), "--smoke", "--tune", str(directory), *args],
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_the_experts_tuner_writes_the_fastest_launch_of_each_gemv(tmp_path: Path) -> None:
+    """``benchmarks/moe_layer.py --tune`` (tiny shapes in the interpreter: every launch runs,
+    host-timed) keeps each format's fastest GEMV 1 and GEMV 2 launch under its kind and the
+    expert's [N, K] where it beats the engine's own launch by the margin, over what the file
+    held (another kind's entry stays), in a file the kernels' parser takes; in blocks only K
+    tiles within a block. (The margins here are -1 and 1, so that host timings decide nothing.)"""
+    gpu_file = tmp_path / "cpu.json"
+    gpu_file.write_text(json.dumps({"gemv": {"6144x4096": LAUNCH}}))
+    _tune(tmp_path, "--formats", "bf16", "fp8-block", "--margin", "-1")
     doc = json.loads(gpu_file.read_text())
     table = gemv_configs.parse(doc)
     assert table["gemv"][(6144, 4096)] == LAUNCH
@@ -119,9 +123,14 @@ def test_the_experts_tuner_writes_the_fastest_launch_of_each_gemv(tmp_path: Path
     assert {k for k in table if k.startswith("moe")} == set(shapes)
     for kind, (n, k) in shapes.items():
         launch = table[kind][(n, k)]
-        us = doc["measured"]["us"][f"{kind} {n}x{k}"]
-        assert len(us) == 2
+        us = dict(doc["measured"]["us"][f"{kind} {n}x{k}"])
+        assert us.pop("engine") > 0 and len(us) == 2
         fastest = min(us, key=us.__getitem__)
         assert fastest == "-".join(str(launch[key]) for key in gemv_configs.KEYS)
         if kind.endswith("block"):
             assert 64 % launch["block_k"] == 0  # the smoke shape's blocks are 64 wide
+    # a launch that must beat the engine's by 100 %: none does, the kept entries stay
+    _tune(tmp_path / "fresh", "--formats", "bf16", "--margin", "1")
+    fresh = json.loads((tmp_path / "fresh" / "cpu.json").read_text())
+    assert not any(k.startswith("moe") and v for k, v in fresh.items())
+    assert set(fresh["measured"]["us"]) == {"moe_up 128x64", "moe_down 64x64"}

@@ -12,9 +12,11 @@ a Hopper forward path) for the prefill rows of a step, the Triton kernels for th
 - A layer's sliding window of W tokens and its sinks (Gemma 3's and gpt-oss's windowed
   layers, gpt-oss's sinks) are FlashAttention's local mask, ``window_size_left`` W − 1 to the
   left of each query (the Triton kernels' rule: a query at p sees the keys after p − W), and
-  its ``learnable_sink`` (a logit per head joining each row's softmax denominator). The pages
-  behind a window hold the spare page (``KVCacheBlocks.null_block_id``, zeroed and never
-  written): FlashAttention skips the tiles wholly behind the window and masks the rest.
+  its ``learnable_sink`` (a logit per head joining each row's softmax denominator). The
+  block table's entries behind a window are the spare page past the pool
+  (``KVCacheBlocks.null_block_id``, where CUDA-graph padding rows write) or a released page's
+  stale id: finite values either way, which FlashAttention skips (tiles wholly behind the
+  window) or masks.
 - float32 (which FlashAttention does not run), head dims its paged path does not take
   (other than 64, 128, 256), an FP8 cache and a Gated DeltaNet model's cache (its pages'
   other bytes may be a state's) go to the Triton prefill kernel.

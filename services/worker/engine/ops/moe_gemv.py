@@ -179,6 +179,12 @@ _GEMV_DOWN_CONFIGS = [
 ]  # fmt: skip
 
 
+def k_tiles_fit(block_k: int, block: int | None) -> bool:
+    """A launch's K tiles each lie in one of ``block``'s scale groups (FP8 blocks; any tile
+    fits without them)."""
+    return not block or block % block_k == 0
+
+
 def _k_tiles_in_a_group(
     configs: list[triton.Config], named_args: dict[str, object], **kwargs: object
 ) -> list[triton.Config]:
@@ -187,7 +193,7 @@ def _k_tiles_in_a_group(
     group = int(kwargs.get("GROUP", named_args.get("GROUP", 0)))  # type: ignore[call-overload]
     if not group:
         return configs
-    kept = [c for c in configs if group % c.kwargs["BLOCK_K"] == 0]
+    kept = [c for c in configs if k_tiles_fit(c.kwargs["BLOCK_K"], group)]
     return kept or [triton.Config({"BLOCK_N": 4, "BLOCK_K": group}, num_warps=4, num_stages=3)]
 
 
@@ -216,9 +222,7 @@ def measured_launch(
         return None
     kind = gemv_configs.moe_kind(stage, w.dtype == FP8, block)
     launch = gemv_configs.launch(kind, x, w.shape[1], w.shape[2])
-    if launch is None or (block and block % launch["BLOCK_K"]):
-        return None
-    return launch
+    return launch if launch is not None and k_tiles_fit(launch["BLOCK_K"], block) else None
 
 
 def moe_gemv(
@@ -262,8 +266,9 @@ def moe_gemv(
         float(swiglu_limit if swiglu_limit is not None else 0.0),
     )  # fmt: skip
     up = {**common, "HAS_BIAS": w13_bias is not None, "CLAMPED": swiglu_limit is not None}
-    launch = launches[0] or (measured_launch("up", x, w13, block) if x.is_cuda else None)
+    launch = launches[0] or measured_launch("up", x, w13, block)
     if launch is not None:
+        assert k_tiles_fit(launch["BLOCK_K"], block), f"K tiles across {block}-wide blocks"
         _gemv_up_kernel[(t * top_k, triton.cdiv(inter, launch["BLOCK_N"]))](
             *up_args, **up, **launch
         )
@@ -282,8 +287,9 @@ def moe_gemv(
         w2_bias.stride(0) if w2_bias is not None else 0,
     )  # fmt: skip
     down = {**common, "HAS_BIAS": w2_bias is not None, "SLOTS": triton.next_power_of_2(top_k)}
-    launch = launches[1] or (measured_launch("down", x, w2, block) if x.is_cuda else None)
+    launch = launches[1] or measured_launch("down", x, w2, block)
     if launch is not None:
+        assert k_tiles_fit(launch["BLOCK_K"], block), f"K tiles across {block}-wide blocks"
         grid = (t, triton.cdiv(hidden, launch["BLOCK_N"]))
         _gemv_down_kernel[grid](*down_args, **down, **launch)
     elif x.is_cuda:

@@ -1,7 +1,8 @@
 """Launch configurations measured per GPU model, kept as JSON files beside the kernels they
 configure (``ops/configs/attention/``, ``ops/configs/linear/``): one file per model, named by
 ``config_file``, read once per process. The kernel labs that measure them write them
-(``benchmarks/kernels/attention_sweep.py --tune``, ``benchmarks/kernels/gemv.py --tune``)."""
+(``benchmarks/kernels/attention_sweep.py --tune``, ``benchmarks/kernels/gemv.py --tune``,
+``benchmarks/kernels/fp8_mm.py --tune``, ``benchmarks/moe_layer.py --tune``)."""
 
 import functools
 import json
