@@ -32,7 +32,8 @@ from services.worker.engine.ops import tuned_configs
 
 CONFIG_DIR = tuned_configs.CONFIG_DIR / "linear"
 # the experts' GEMV 1 (keyed by one expert's w13, [2·I, H]) and GEMV 2 (its w2, [H, I]) at one
-# token, bf16, FP8 per channel and FP8 in blocks: ``moe_kind``
+# token, bf16, FP8 per channel and FP8 in blocks: ``moe_kind`` (the key holds no top_k and no
+# biases, which the autotuner's does: models of one expert shape share an entry)
 MOE_KINDS = tuple(
     f"moe_{stage}{fmt}" for fmt in ("", "_fp8", "_fp8_block") for stage in ("up", "down")
 )
