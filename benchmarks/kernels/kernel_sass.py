@@ -81,6 +81,24 @@ def _decode(fp8: bool) -> Preset:
     )  # fmt: skip
 
 
+def _prefill(head_dim: int, v_dim: int, group: int, tile: tuple[int, int, int, int]) -> Preset:
+    """The paged prefill attention, bf16, keys ``head_dim`` and values ``v_dim`` wide (MLA's
+    narrower), ``group`` queries a KV head; ``tile``: BLOCK_M, BLOCK_N, warps, stages."""
+    block_m, block_n, warps, stages = tile
+    return Preset(
+        attention_ops._prefill,
+        {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "block_tables": "*i32",
+         "query_start_loc": "*i32", "seq_lens": "*i32", "Sinks": "*fp32", "qk_scale": "fp32",
+         "v_scale": "fp32"},
+        {"KV_BLOCK": 16, "GROUP": group, "HEAD_DIM": head_dim,
+         "BLOCK_D": triton.next_power_of_2(head_dim), "HEAD_DV": v_dim,
+         "BLOCK_DV": triton.next_power_of_2(v_dim), "BLOCK_M": block_m, "BLOCK_N": block_n,
+         "PRECISION": "tf32", "DOT_F16": False, "GPU": True, "HAS_WINDOW": False,
+         "HAS_SINKS": False},
+        warps=warps, stages=stages,
+    )  # fmt: skip
+
+
 def _gemm(block_n: int, block_m: int, warps: int, stages: int) -> Preset:
     """Our FP8 GEMM (decode batches; the product transposed) at one tile, 128 of K a step."""
     return Preset(
@@ -126,6 +144,10 @@ PRESETS = {
     "fp8_gemv_codes_fast": _gemv(codes=True, fast=True),
     "fp8_gemv": _gemv(codes=False),
     "decode_bf16": _decode(fp8=False),
+    # the dense prefill at the H200's tuned launch (Llama-3.1-8B's heads); MLA's prefill
+    # (DeepSeek's 192-wide keys, 128-wide values) at contiguous_prefill's launch
+    "prefill_bf16": _prefill(128, 128, 4, (128, 32, 4, 3)),
+    "prefill_mla": _prefill(192, 128, 1, (64, 64, 8, 2)),
     "decode_fp8": _decode(fp8=True),
     "rms_norm_codes": _codes("rms_norm", 0),
     "rms_norm_group_codes": _codes("rms_norm", 128),

@@ -374,7 +374,8 @@ def test_the_kept_configs_are_valid() -> None:
 def test_contiguous_prefill_over_a_prefix_in_several_tiles_and_blocks(dtype: torch.dtype) -> None:
     """``contiguous_prefill`` (MLA's prefill over decompressed keys and values): the last
     q_len of seq_len positions, causally, over rows in consecutive blocks; the rows past
-    seq_len (NaN here) never read; values narrower than the keys, padded with zeros."""
+    seq_len (NaN here) never read; values narrower than the keys, in a buffer of the keys'
+    width whose other columns (NaN here) are never read either."""
     from services.worker.engine.ops.attention import CONTIGUOUS_BLOCK, contiguous_prefill
 
     if dtype == torch.bfloat16 and DEVICE == "cpu":
@@ -384,17 +385,17 @@ def test_contiguous_prefill_over_a_prefix_in_several_tiles_and_blocks(dtype: tor
     length = -(-seq_len // CONTIGUOUS_BLOCK) * CONTIGUOUS_BLOCK + CONTIGUOUS_BLOCK
     g = torch.Generator().manual_seed(3)
     kv = torch.randn(2, length, heads, width, generator=g)
-    kv[1, :, :, v_dim:] = 0.0
+    kv[1, :, :, v_dim:] = float("nan")
     kv[:, seq_len:] = float("nan")
     q = torch.randn(q_len, heads, width, generator=g)
     scale = width**-0.5
     keys = torch.arange(seq_len)[None, :] <= torch.arange(seq_len - q_len, seq_len)[:, None]
     want = torch.nn.functional.scaled_dot_product_attention(
         q.double().transpose(0, 1), kv[0, :seq_len].double().transpose(0, 1),
-        kv[1, :seq_len].double().transpose(0, 1), attn_mask=keys, scale=scale,
+        kv[1, :seq_len, :, :v_dim].double().transpose(0, 1), attn_mask=keys, scale=scale,
     ).transpose(0, 1)  # fmt: skip
     kv = kv.to(DEVICE, dtype)
-    got = contiguous_prefill(q.to(DEVICE, dtype), kv[0], kv[1], seq_len, scale)
+    got = contiguous_prefill(q.to(DEVICE, dtype), kv[0], kv[1, :, :, :v_dim], seq_len, scale)
+    assert got.shape == (q_len, heads, v_dim)
     tol = TOLERANCE[dtype]
     assert torch.allclose(got.double().cpu(), want, atol=tol, rtol=tol)
-    assert got[..., v_dim:].abs().max() == 0  # (the padding's columns: zeros)

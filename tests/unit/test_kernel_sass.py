@@ -78,3 +78,15 @@ def test_the_fused_kernels_store_group_codes_in_words(tmp_path: Path) -> None:
         assert "STG.E.U8" not in stores, (name, stores)
     assert "STG.E.128" in widths["rms_norm_group_codes"]  # as per token: 16 bytes a store
     assert widths["silu_mul_group_codes"] == widths["quantize_groups"]
+
+
+def test_the_mla_prefill_stores_only_the_values_columns(tmp_path: Path) -> None:
+    """MLA's prefill (192-wide keys, 128-wide values: ``_prefill``'s HEAD_DV) compiles for
+    sm_90 with both products on the tensor cores and no spills, and writes 64 query rows × 128
+    value columns × 2 bytes over 256 threads: four 16-byte stores a thread (the values padded
+    to the keys' 256-wide tile stored eight); the dense prefill at its tuned launch beside it."""
+    got = _reports(tmp_path, "prefill_mla", "prefill_bf16")
+    for report in got.values():
+        assert report["loop_mix"].get("HGMMA", 0) > 0 and report["local"] == 0
+    assert got["prefill_mla"]["global_stores"] == {"STG.E.128": 4}
+    assert got["prefill_bf16"]["global_stores"] == {"STG.E.128": 16}  # 128 × 128 × 2 / 128 / 16

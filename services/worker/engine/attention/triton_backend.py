@@ -255,8 +255,8 @@ class TritonAttentionBackend(AttentionBackend):
         launch = {"num_warps": self.PREFILL_WARPS, "num_stages": self.PREFILL_STAGES}
         _prefill[grid](
             q, kv.key, kv.value, out, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-            BLOCK_M=block_m, BLOCK_N=block_n, **self._common(q, kv, meta, out),
-            **(launch if q.is_cuda else {}),
+            BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DV=self.head_dim, BLOCK_DV=self.block_d,
+            **self._common(q, kv, meta, out), **(launch if q.is_cuda else {}),
         )  # fmt: skip
 
     def _decode(

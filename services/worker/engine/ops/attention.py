@@ -117,7 +117,7 @@ def _kv_offsets(
 
 @triton.jit
 def _attend_tile(
-    q, K, V, table, offs_n, n_ok, visible, offs_d, d_ok, kv_head,
+    q, K, V, table, offs_n, n_ok, visible, offs_d, d_ok, offs_dv, dv_ok, kv_head,
     stride_kb, stride_ks, stride_kh, qk_scale, m_i, l_i, acc,
     KV_BLOCK: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr = True,
     EVEN_D: tl.constexpr = False, GPU: tl.constexpr = False,
@@ -128,22 +128,24 @@ def _attend_tile(
 
     ``MASKED=False`` is a tile every query sees whole (a prefill tile's keys before its first
     query): no token mask, no score mask, and no guard for a row that saw nothing. ``EVEN_D``:
-    the head dimension fills ``offs_d``, so the loads need no column mask either."""
+    the head dimension fills ``offs_d`` (and the values' ``offs_dv``), so the loads need no
+    column mask either. The values are read at the keys' positions, ``offs_dv`` wide."""
     if MASKED:
         kv = _kv_offsets(table, offs_n, n_ok, kv_head, stride_kb, stride_ks, stride_kh, KV_BLOCK)
     else:
         block = tl.load(table + offs_n // KV_BLOCK).to(tl.int64)
         kv = block * stride_kb + (offs_n % KV_BLOCK) * stride_ks + kv_head * stride_kh
     if MASKED:
-        mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + kv[:, None] + offs_d[None, :], mask=mask, other=0.0)
-        v = tl.load(V + kv[:, None] + offs_d[None, :], mask=mask, other=0.0)
+        k = tl.load(K + kv[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :],
+                    other=0.0)  # fmt: skip
+        v = tl.load(V + kv[:, None] + offs_dv[None, :], mask=n_ok[:, None] & dv_ok[None, :],
+                    other=0.0)  # fmt: skip
     elif EVEN_D:
         k = tl.load(K + kv[:, None] + offs_d[None, :])
-        v = tl.load(V + kv[:, None] + offs_d[None, :])
+        v = tl.load(V + kv[:, None] + offs_dv[None, :])
     else:
         k = tl.load(K + kv[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
-        v = tl.load(V + kv[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+        v = tl.load(V + kv[:, None] + offs_dv[None, :], mask=dv_ok[None, :], other=0.0)
     # an FP8 cache: e4m3 widens exactly to the dots' dtype (``_compute_dtype``; its scales are
     # applied outside: k_scale in qk_scale, v_scale to the accumulated output)
     k, v = k.to(q.dtype), _widen_values(v, q.dtype, GPU)
@@ -197,11 +199,13 @@ def _prefill(
     stride_kb, stride_ks, stride_kh, stride_bt,
     qk_scale, v_scale,
     KV_BLOCK: tl.constexpr, GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, DOT_F16: tl.constexpr = False, GPU: tl.constexpr = False,
     HAS_WINDOW: tl.constexpr = False, HAS_SINKS: tl.constexpr = False,
 ):  # fmt: skip
+    # HEAD_DV: the values' width (a dense layer's HEAD_DIM; MLA's narrower: its values are read
+    # at the keys' positions, the first HEAD_DV columns)
     # grid (q heads, query tiles, requests): the heads of one tile run side by side (those of
     # one kv head read the same keys, from L2), and the last tiles, which see the most keys,
     # start first, so no long tile runs alone at the end of the launch
@@ -229,9 +233,11 @@ def _prefill(
     q = _compute_dtype(q, DOT_F16)
     q_pos = prefix + offs_m
 
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < HEAD_DV
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     table = block_tables + req.to(tl.int64) * stride_bt
     # keys up to the tile's first query are seen by every query of it: whole tiles of them
     # run unmasked; the rest, up to the last query's causal edge, masked
@@ -246,16 +252,16 @@ def _prefill(
             n_ok = offs_n < full_lo
             visible = n_ok[None, :] & (offs_n[None, :] > q_pos[:, None] - window)
             m_i, l_i, acc = _attend_tile(
-                q, K, V, table, offs_n, n_ok, visible, offs_d, d_ok, kv_head,
+                q, K, V, table, offs_n, n_ok, visible, offs_d, d_ok, offs_dv, dv_ok, kv_head,
                 stride_kb, stride_ks, stride_kh, qk_scale, m_i, l_i, acc, KV_BLOCK, PRECISION,
                 GPU=GPU,
             )  # fmt: skip
     for start in range(full_lo, seen_by_all, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         m_i, l_i, acc = _attend_tile(
-            q, K, V, table, offs_n, offs_n, offs_n, offs_d, d_ok, kv_head,
+            q, K, V, table, offs_n, offs_n, offs_n, offs_d, d_ok, offs_dv, dv_ok, kv_head,
             stride_kb, stride_ks, stride_kh, qk_scale, m_i, l_i, acc, KV_BLOCK, PRECISION,
-            MASKED=False, EVEN_D=BLOCK_D == HEAD_DIM, GPU=GPU,
+            MASKED=False, EVEN_D=(BLOCK_D == HEAD_DIM) and (BLOCK_DV == HEAD_DV), GPU=GPU,
         )  # fmt: skip
     hi = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_M)  # the last query's causal edge
     for start in range(seen_by_all, hi, BLOCK_N):
@@ -265,7 +271,7 @@ def _prefill(
         if HAS_WINDOW:  # a window shorter than the tile ends inside it
             visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         m_i, l_i, acc = _attend_tile(
-            q, K, V, table, offs_n, n_ok, visible, offs_d, d_ok, kv_head,
+            q, K, V, table, offs_n, n_ok, visible, offs_d, d_ok, offs_dv, dv_ok, kv_head,
             stride_kb, stride_ks, stride_kh, qk_scale, m_i, l_i, acc, KV_BLOCK, PRECISION,
             GPU=GPU,
         )  # fmt: skip
@@ -273,9 +279,9 @@ def _prefill(
         l_i, acc = _fold_sink(m_i, l_i, acc, Sinks, head + 0 * offs_m, m_ok)
     out = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
-        Out + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        Out + rows[:, None] * stride_ot + head * stride_oh + offs_dv[None, :],
         out.to(Out.dtype.element_ty),
-        mask=m_ok[:, None] & d_ok[None, :],
+        mask=m_ok[:, None] & dv_ok[None, :],
     )
 
 
@@ -398,7 +404,7 @@ def _decode(
                 _prefetch_tile(K, V, table, offs_n + PREFETCH * BLOCK_N, hi, kv_head,
                                stride_kb, stride_ks, stride_kh, KV_BLOCK, HEAD_DIM)  # fmt: skip
             m_i, l_i, acc = _attend_tile(
-                q, K, V, table, offs_n, n_ok, n_ok[None, :], offs_d, d_ok, kv_head,
+                q, K, V, table, offs_n, n_ok, n_ok[None, :], offs_d, d_ok, offs_d, d_ok, kv_head,
                 stride_kb, stride_ks, stride_kh, qk_scale, m_i, l_i, acc, KV_BLOCK, PRECISION,
                 GPU=GPU,
             )  # fmt: skip
@@ -502,15 +508,18 @@ def contiguous_prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, scale: float
 ) -> torch.Tensor:
     """One request's causal attention through ``_prefill`` over keys and values that are not
-    paged: q [Q, H, D], the last Q of ``seq_len`` positions; k, v [L, H, D] (L >= seq_len, a
-    multiple of ``CONTIGUOUS_BLOCK``; the same strides; rows from ``seq_len`` on are not
-    read), taken as consecutive blocks of one table. Returns [Q, H, D] in q's dtype.
+    paged: q [Q, H, D], the last Q of ``seq_len`` positions; k [L, H, D] and v [L, H, DV]
+    with DV <= D and k's strides (L >= seq_len, a multiple of ``CONTIGUOUS_BLOCK``; rows from
+    ``seq_len`` on are not read), taken as consecutive blocks of one table. Returns [Q, H, DV]
+    in q's dtype.
 
-    (MLA's prefill, over a context decompressed from latents: its values are padded to the
-    keys' width, so an output column past the values' own width is the padding's.)"""
-    heads, dim = q.shape[1], q.shape[2]
+    (MLA's prefill, over a context decompressed from latents: its values, narrower than its
+    keys, lie in a buffer of the keys' width, of which only their DV columns are read.)"""
+    heads, dim, v_dim = q.shape[1], q.shape[2], v.shape[2]
     if k.stride() != v.stride() or k.stride(-1) != 1 or k.shape[0] % CONTIGUOUS_BLOCK:
         raise ValueError("keys and values need one layout, L a multiple of the block size")
+    if v_dim > dim:
+        raise ValueError(f"values {v_dim} wide, wider than the keys' {dim}")
     dev = q.device
     blocks = k.shape[0] // CONTIGUOUS_BLOCK
     # made on the device: a host list copied there would wait for the stream (and break a step
@@ -518,7 +527,7 @@ def contiguous_prefill(
     table = torch.arange(blocks, dtype=torch.int32, device=dev)[None]
     starts = torch.arange(2, dtype=torch.int32, device=dev) * q.shape[0]
     lens = torch.full((1,), seq_len, dtype=torch.int32, device=dev)
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape[0], heads, v_dim)
     gpu = q.is_cuda
     block_d = max(16, triton.next_power_of_2(dim))
     # (float32 tiles of a wide head in 64 x 64 would not fit a GPU's shared memory)
@@ -529,6 +538,7 @@ def contiguous_prefill(
         CONTIGUOUS_BLOCK * k.stride(0), k.stride(0), k.stride(1), table.stride(0),
         scale * LOG2E, 1.0,
         KV_BLOCK=CONTIGUOUS_BLOCK, GROUP=1, HEAD_DIM=dim, BLOCK_D=block_d,
+        HEAD_DV=v_dim, BLOCK_DV=max(16, triton.next_power_of_2(v_dim)),
         BLOCK_M=block_m, BLOCK_N=block_n,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GPU=gpu,
         **({"num_warps": 8 if block_d > 128 else 4, "num_stages": 2} if gpu else {}),

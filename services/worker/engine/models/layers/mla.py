@@ -251,7 +251,9 @@ class LatentAttention(nn.Module):
         v = torch.einsum("lr,hrv->lhv", c, self.w_uv)
         k_pe = k_pe.to(q.dtype).unsqueeze(1).expand(seq_len, heads, rope)
         if self.PREFILL_KERNEL if self.PREFILL_KERNEL is not None else q.is_cuda:
-            # the Triton prefill kernel (no [H, Q, L] scores), values padded to the keys' width
+            # the Triton prefill kernel (no [H, Q, L] scores): keys and values in one buffer of
+            # the wider's width, the values' own columns read (DeepSeek's: 192-wide keys,
+            # 128-wide values)
             length = -(-seq_len // CONTIGUOUS_BLOCK) * CONTIGUOUS_BLOCK
             width = max(nope + rope, v_dim)  # (zeros past q's and k's own width add nothing)
             kv = q.new_empty(2, length, heads, width)  # (rows from seq_len on: never read)
@@ -259,9 +261,8 @@ class LatentAttention(nn.Module):
             kv[0, :seq_len, :, nope : nope + rope] = k_pe
             kv[0, :seq_len, :, nope + rope :] = 0.0
             kv[1, :seq_len, :, :v_dim] = v
-            kv[1, :seq_len, :, v_dim:] = 0.0
             q = F.pad(q, (0, width - nope - rope)).contiguous()
-            return contiguous_prefill(q, kv[0], kv[1], seq_len, self.scale)[..., :v_dim]
+            return contiguous_prefill(q, kv[0], kv[1, :, :, :v_dim], seq_len, self.scale)
         k = torch.cat((k_nope, k_pe), dim=-1)
         q_len = q.shape[0]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
