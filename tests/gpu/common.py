@@ -2,6 +2,7 @@
 against Hugging Face's float32 greedy tokens on the CPU, in eager mode and with CUDA graphs
 (counting the graphs replayed), in bfloat16 against float32, and under CUDA's sync check."""
 
+import functools
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from baton import LLM, SamplingParams
+from baton.tiny_model import make_tiny_model
 from tests import helpers
 
 MAX_NEW = 24
@@ -127,10 +129,6 @@ def assert_flash_attention_windows_close_to_float32(
     windowed and full layers' prefill rows through FlashAttention-4, within
     ``assert_bfloat16_close_to_float32``'s bound of float32 (the Triton kernels). Returns the
     (``window_size_left``, has sinks) of FlashAttention's calls."""
-    import functools
-
-    from baton.tiny_model import make_tiny_model
-
     skip_unless_backend("flash_attn")
     from flash_attn.cute import interface
 

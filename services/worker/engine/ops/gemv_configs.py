@@ -31,11 +31,20 @@ import torch
 from services.worker.engine.ops import tuned_configs
 
 CONFIG_DIR = tuned_configs.CONFIG_DIR / "linear"
+
+
+def moe_kind(stage: str, fp8: bool, block: int | None) -> str:
+    """The table's kind of an experts' GEMV: ``stage`` "up" or "down"."""
+    return f"moe_{stage}" + ("_fp8" if fp8 else "") + ("_block" if block else "")
+
+
 # the experts' GEMV 1 (keyed by one expert's w13, [2·I, H]) and GEMV 2 (its w2, [H, I]) at one
-# token, bf16, FP8 per channel and FP8 in blocks: ``moe_kind`` (the key holds no top_k and no
-# biases, which the autotuner's does: models of one expert shape share an entry)
+# token, bf16, FP8 per channel and FP8 in blocks (the key holds no top_k and no biases, which
+# the autotuner's does: models of one expert shape share an entry)
 MOE_KINDS = tuple(
-    f"moe_{stage}{fmt}" for fmt in ("", "_fp8", "_fp8_block") for stage in ("up", "down")
+    moe_kind(stage, fp8, block)
+    for fp8, block in ((False, None), (True, None), (True, 128))
+    for stage in ("up", "down")
 )
 # fp8_gemv_codes: its activation quantized before; _fast: its products summed in float16
 KINDS = ("gemv", "fp8_gemv", "fp8_gemv_codes", "fp8_gemv_codes_fast", *MOE_KINDS)
@@ -132,11 +141,6 @@ def launch(kind: str, x: torch.Tensor, n: int, k: int) -> dict[str, int] | None:
         return None
     entry = _for_device(x.get_device()).get(kind, {}).get((n, k))
     return None if entry is None else as_keywords(entry)
-
-
-def moe_kind(stage: str, fp8: bool, block: int | None) -> str:
-    """The table's kind of an experts' GEMV: ``stage`` "up" or "down"."""
-    return f"moe_{stage}" + ("_fp8" if fp8 else "") + ("_block" if block else "")
 
 
 def as_keywords(entry: dict[str, int]) -> dict[str, int]:
