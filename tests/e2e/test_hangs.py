@@ -170,6 +170,8 @@ def test_a_stopped_scheduler_leaves_streams_running(
     with StreamLoad(pd.url or "", clients=16, max_tokens=MAX_TOKENS,
                     prompt=cycled(prompts)) as load:  # fmt: skip
         wait_for(lambda: len(load.ok()) >= 32, 90.0, "load to flow")
+        # the streams run in waves on two cores: stop it while one is streaming, not between
+        wait_for(lambda: bool(load.streaming()), 10.0, "a stream in flight")
         stopped = time.monotonic()
         held([scheduler], 10.0)
         resumed = time.monotonic()
