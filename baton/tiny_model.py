@@ -224,6 +224,9 @@ def make_tiny_model(
     moe_intermediate_size: int | None = None,
     linear_head_dim: int | None = None,  # Gated DeltaNet's key and value heads' (None: 16)
     head_dim: int | None = None,  # the attention heads' width (None: the arch's, 16 or 32)
+    # MLA (DeepSeek): its heads' (qk_nope, qk_rope, v) widths (None: 16, 8, 16; DeepSeek's
+    # own, (128, 64, 128), give the 192-wide keys and 128-wide values FlashAttention-4 takes)
+    mla_widths: tuple[int, int, int] | None = None,
 ) -> Path:
     import torch
     import transformers
@@ -252,6 +255,11 @@ def make_tiny_model(
         if "head_dim" not in extra:
             raise ValueError(f"{arch}'s heads are hidden_size / num_heads wide (head_dim)")
         extra = {**extra, "head_dim": head_dim}
+    if mla_widths is not None:
+        if "kv_lora_rank" not in extra:
+            raise ValueError(f"{arch} has no latent attention (mla_widths)")
+        nope, rope, v = mla_widths
+        extra = {**extra, "qk_nope_head_dim": nope, "qk_rope_head_dim": rope, "v_head_dim": v}
     if cls_name.startswith("Deepseek"):  # MLA: every head reads the one latent
         num_kv_heads = num_heads
     config = getattr(transformers, cls_name)(

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from baton import LLM, SamplingParams
-from baton.tiny_model import make_tiny_model
 from tests import helpers
 
 MAX_NEW = 24
@@ -121,27 +120,27 @@ def assert_bfloat16_close_to_float32(path: Path, prompts: list[list[int]], **kw:
         assert all(abs(la[0][t].logprob - lb[0][t].logprob) < 0.1 for t in shared)
 
 
-def assert_flash_attention_windows_close_to_float32(
-    arch: str, directory: Path, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
-) -> set[tuple[int | None, bool]]:
-    """A tiny ``arch`` checkpoint with 64-wide heads (which FlashAttention's paged path takes:
-    the tiny models' own 16 and 32 do not): in bfloat16 on the FlashAttention backend, its
-    windowed and full layers' prefill rows through FlashAttention-4, within
-    ``assert_bfloat16_close_to_float32``'s bound of float32 (the Triton kernels). Returns the
-    (``window_size_left``, has sinks) of FlashAttention's calls."""
+def assert_flash_attention_close_to_float32(
+    path: Path, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> set[tuple[int | None, bool, int, int]]:
+    """The checkpoint at ``path`` in bfloat16 on the FlashAttention backend within
+    ``assert_bfloat16_close_to_float32``'s bound of float32 (the Triton kernels). Returns what
+    FlashAttention-4 was called with: each call's (``window_size_left``, has sinks, the keys'
+    width, the values' width). (Its paged path takes 64-, 128- and 256-wide heads, not the tiny
+    models' own 16 and 32: give the checkpoint wider ones.)"""
     skip_unless_backend("flash_attn")
     from flash_attn.cute import interface
 
     real = interface._flash_attn_fwd
-    seen: set[tuple[int | None, bool]] = set()
+    seen: set[tuple[int | None, bool, int, int]] = set()
 
     @functools.wraps(real)  # (the backend reads its signature: it takes ``out``)
-    def spy(*args: Any, **kw: Any) -> Any:
-        seen.add((kw.get("window_size_left"), kw.get("learnable_sink") is not None))
-        return real(*args, **kw)
+    def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kw: Any) -> Any:
+        sinks = kw.get("learnable_sink") is not None
+        seen.add((kw.get("window_size_left"), sinks, k.shape[-1], v.shape[-1]))
+        return real(q, k, v, *args, **kw)
 
     monkeypatch.setattr(interface, "_flash_attn_fwd", spy)
-    path = make_tiny_model(directory, arch=arch, head_dim=64)
     assert_bfloat16_close_to_float32(path, prompts, attention_backend="flash_attn", **KW)
     return seen
 

@@ -16,6 +16,7 @@ from tests.gpu.common import (
     assert_async_steps_never_sync,
     assert_bfloat16_close_to_float32,
     assert_eager_and_graphs_equal,
+    assert_flash_attention_close_to_float32,
     count_calls,
     hf_greedy,
 )
@@ -61,3 +62,14 @@ def test_async_scheduling_steps_never_sync(models: dict[str, Path]) -> None:
     """The latent cache's writes, the chunks' gathers and the absorbed decode read nothing
     back to the host inside a step (CUDA's sync check raises on any such call)."""
     assert_async_steps_never_sync(models["deepseek_v3"], **KW)
+
+
+def test_flash_attention_takes_the_prefill_at_deepseek_widths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With DeepSeek's head widths (keys 128 + 64 = 192 wide, values 128), the prefill chunks'
+    attention over the decompressed context runs on FlashAttention-4 (its non-paged forward,
+    each at its own width) in bfloat16, close to float32."""
+    path = make_tiny_model(tmp_path, arch="deepseek_v3", mla_widths=(128, 64, 128))
+    seen = assert_flash_attention_close_to_float32(path, PROMPTS, monkeypatch)
+    assert seen == {(None, False, 192, 128)}

@@ -20,7 +20,7 @@ from baton.tiny_model import make_tiny_model
 from tests.gpu.common import (
     KW,
     assert_bfloat16_close_to_float32,
-    assert_flash_attention_windows_close_to_float32,
+    assert_flash_attention_close_to_float32,
     count_calls,
     greedy,
     hf_greedy,
@@ -83,9 +83,9 @@ def test_flash_attention_takes_the_window_and_the_sinks(
 ) -> None:
     """The windowed layers (8 tokens: 7 to the left) and the full ones, all with sinks,
     through FlashAttention-4 in bfloat16, close to float32."""
-    seen = assert_flash_attention_windows_close_to_float32("gpt_oss", tmp_path, PROMPTS,
-                                                           monkeypatch)  # fmt: skip
-    assert seen == {(7, True), (None, True)}
+    path = make_tiny_model(tmp_path, arch="gpt_oss", head_dim=64)  # (heads FlashAttention takes)
+    seen = assert_flash_attention_close_to_float32(path, PROMPTS, monkeypatch)
+    assert seen == {(7, True, 64, 64), (None, True, 64, 64)}
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

@@ -8,6 +8,7 @@ import json
 import math
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -399,3 +400,50 @@ def test_contiguous_prefill_over_a_prefix_in_several_tiles_and_blocks(dtype: tor
     assert got.shape == (q_len, heads, v_dim)
     tol = TOLERANCE[dtype]
     assert torch.allclose(got.double().cpu(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("backend", known_backends())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("wide", ["keys", "values"])
+def test_each_backend_attends_a_contiguous_context(backend: str, dtype: torch.dtype,
+                                                   wide: str) -> None:  # fmt: skip
+    """``attend_contiguous`` (MLA's prefill over its decompressed context): the last q_len of
+    seq_len positions causally over keys and values of their own widths, against float64.
+    FlashAttention-4 runs DeepSeek's pair (192-wide keys, 128-wide values) itself and hands
+    others to the Triton kernel, which packs both into one buffer of the wider's width."""
+    if backend in ("triton", "flash_attn") and dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("Triton's CPU interpreter has no bfloat16 matmul (numpy); runs on the GPU")
+    if backend == "flash_attn" and not flash_attn_available():
+        pytest.skip("needs FlashAttention-4 on a Hopper GPU (pip install '.[flash-attn]')")
+    gpu = DEVICE == "cuda"
+    heads, seq_len, q_len = (16, 300, 170) if gpu else (3, 150, 70)  # several tiles each way
+    widths = {"keys": (192, 128) if gpu else (24, 12), "values": (64, 128) if gpu else (16, 24)}
+    dim, v_dim = widths[wide]
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(q_len, heads, dim, generator=g)
+    k = torch.randn(seq_len, heads, dim, generator=g)
+    v = torch.randn(seq_len, heads, v_dim, generator=g)
+    want = dense(q, k, v, dim**-0.5)
+    impl = get_backend(backend)(heads, heads, dim, scale=dim**-0.5)
+    calls: list[tuple[int, ...]] = []
+    if backend == "flash_attn":  # FlashAttention's own calls: the values it was given
+        for name in ("_fwd", "_dense"):
+            real = getattr(impl, name)
+            if real is not None:
+                setattr(impl, name, spy_values(real, calls))
+    got = impl.attend_contiguous(*(t.to(DEVICE, dtype) for t in (q, k, v)))
+    assert got.shape == (q_len, heads, v_dim) and got.dtype == dtype
+    tol = TOLERANCE[dtype]
+    assert torch.allclose(got.double().cpu(), want, atol=tol, rtol=tol)
+    if backend == "flash_attn":
+        assert calls == ([(1, seq_len, heads, v_dim)] if (dim, v_dim) == (192, 128) else [])
+
+
+def spy_values(real: Any, calls: list[tuple[int, ...]]) -> Any:
+    """``real``, recording the shape of the values of each call."""
+
+    def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> Any:
+        calls.append(tuple(v.shape))
+        return real(q, k, v, **kw)
+
+    return spy

@@ -60,8 +60,8 @@ def hf_attention(version: str, cfg: Any) -> Any:
     return attn.eval(), rope(cfg)
 
 
-def ours(arch: ArchConfig, hf: Any) -> MLAAttention:
-    ctx = ModelContext.build(arch.max_position_embeddings, get_backend("torch"))
+def ours(arch: ArchConfig, hf: Any, backend: str = "torch") -> MLAAttention:
+    ctx = ModelContext.build(arch.max_position_embeddings, get_backend(backend))
     layer = MLAAttention(arch, ctx)
     layer.load_state_dict(hf.state_dict())
     layer.attn.after_load()
@@ -102,19 +102,20 @@ def hf_forward(version: str, attn: Any, rope: Any, x: torch.Tensor) -> torch.Ten
     return attn(x[None], position_embeddings=emb, attention_mask=mask)[0][0]
 
 
-@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("version", ["v2", "v3"])
 @torch.no_grad()
 def test_prefill_chunk_and_decode_equal_hugging_face(
-    version: str, kernel: bool, tmp_path: Path
+    version: str, backend: str, tmp_path: Path
 ) -> None:
-    """``triton``: the prefill rows through ``ops.attention.contiguous_prefill`` (the GPU's
-    path; here Triton's interpreter), the values (12 wide) padded to the keys' 24."""
+    """The prefill rows through the model's attention backend's ``attend_contiguous``:
+    ``triton``, its prefill kernel (the GPU's path; here Triton's interpreter), the values (12
+    wide) in a buffer of the keys' 24."""
     cfg = hf_config(version, mscale=1.0, mscale_all_dim=0.8)
     attn, rope = hf_attention(version, cfg)
     arch = arch_of(cfg, tmp_path)
-    layer = ours(arch, attn)
-    layer.attn.PREFILL_KERNEL = kernel
+    layer = ours(arch, attn, backend)
+    assert layer.attn.prefill.name == backend
     cache = latent_cache(arch, 8)
     layer.kv_cache = cache
     torch.manual_seed(1)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from services.worker.engine.quantization.fp8_math import to_e4m3
 
@@ -184,6 +185,24 @@ class AttentionBackend(ABC):
         store_kv: bool = True,  # False: k and v are in the cache already
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
+
+    def attend_contiguous(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One request's causal attention over keys and values that are not paged (multi-head
+        latent attention's prefill, over a context decompressed from its latents): q [Q, H, D],
+        the last Q of the context's L positions; k [L, H, D]; v [L, H, DV], DV may differ from D
+        (DeepSeek's 192-wide keys, 128-wide values). Returns [Q, H, DV] in q's dtype. No window,
+        no sinks, no cache: nothing is stored.
+
+        Here PyTorch's attention with a mask (its CPU path; on a GPU, for these head sizes and a
+        mask, it builds every head's [Q, L] scores); the kernel backends override it."""
+        q_len, seq_len = q.shape[0], k.shape[0]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+            scale=self.scale,
+        )  # fmt: skip
+        return out.transpose(0, 1)
 
     def decode_graph_contexts(
         self, num_reqs: int, max_model_len: int, device: torch.device

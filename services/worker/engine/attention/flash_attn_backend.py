@@ -17,6 +17,9 @@ a Hopper forward path) for the prefill rows of a step, the Triton kernels for th
   (``KVCacheBlocks.null_block_id``, where CUDA-graph padding rows write) or a released page's
   stale id: finite values either way, which FlashAttention skips (tiles wholly behind the
   window) or masks.
+- Multi-head latent attention's prefill (``attend_contiguous``: a context decompressed from
+  latents, not paged): one FlashAttention call over the request as a batch of one, the keys
+  and values each at their own width (DeepSeek's 192 and 128).
 - float32 (which FlashAttention does not run), head dims its paged path does not take
   (other than 64, 128, 256), an FP8 cache and a Gated DeltaNet model's cache (its pages'
   other bytes may be a state's) go to the Triton prefill kernel.
@@ -50,6 +53,10 @@ def available() -> bool:
 
 
 PAGED_HEAD_DIMS = (64, 128, 256)
+# the (keys, values) widths its forward over contiguous keys and values (``attend_contiguous``)
+# is given on Hopper: a dense head's, and DeepSeek's MLA prefill (192-wide keys, 128-wide values:
+# the pair its interface names); others run the Triton prefill kernel
+CONTIGUOUS_HEAD_DIMS = frozenset({(d, d) for d in PAGED_HEAD_DIMS} | {(192, 128)})
 
 
 class FlashAttnBackend(TritonAttentionBackend):
@@ -72,12 +79,14 @@ class FlashAttnBackend(TritonAttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window, sinks)
         with warnings.catch_warnings():  # its compiler's names it deprecated itself
             warnings.simplefilter("ignore", DeprecationWarning)
-            from flash_attn.cute import (
-                flash_attn_varlen_func,  # the optional dependency
+            from flash_attn.cute import (  # the optional dependency
+                flash_attn_func,
+                flash_attn_varlen_func,
                 interface,
             )
 
         self._varlen: Any = flash_attn_varlen_func
+        self._dense: Any = flash_attn_func
         # the forward under the autograd wrapper, which writes into our output (a 32k-token
         # prompt's copy of it cost 0.1 ms a layer); the pinned version has it, others may not
         fwd = getattr(interface, "_flash_attn_fwd", None)
@@ -118,3 +127,22 @@ class FlashAttnBackend(TritonAttentionBackend):
             return
         result = self._varlen(q[:n], kv.key, kv.value, window_size=(left, None), **args)
         out[:n].copy_(result[0] if isinstance(result, tuple) else result)
+
+    def attend_contiguous(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One FlashAttention call over the request as a batch of one (its causal mask aligned to
+        the context's end: the queries are its last positions), keys and values each at their
+        own width; the Triton prefill kernel where FlashAttention does not take them."""
+        widths = (k.shape[-1], v.shape[-1])
+        if (
+            q.dtype not in (torch.bfloat16, torch.float16)
+            or not q.is_cuda
+            or widths not in CONTIGUOUS_HEAD_DIMS
+        ):
+            return super().attend_contiguous(q, k, v)
+        args = {"softmax_scale": self.scale, "causal": True}
+        if self._fwd is not None and self.WRITE_IN_PLACE:
+            out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+            self._fwd(q[None], k[None], v[None], out=out[None], **args)
+            return out
+        result = self._dense(q[None], k[None], v[None], **args)
+        return (result[0] if isinstance(result, tuple) else result)[0]

@@ -19,6 +19,7 @@ file (read once per process, for the GPU the backend runs on).
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 import triton
 
 from services.worker.engine.attention.backend import (
@@ -29,11 +30,13 @@ from services.worker.engine.attention.backend import (
 )
 from services.worker.engine.ops import tuned_configs
 from services.worker.engine.ops.attention import (
+    CONTIGUOUS_BLOCK,
     LOG2E,
     _combine,
     _decode,
     _prefill,
     _write_kv,
+    contiguous_prefill,
 )
 from services.worker.engine.ops.dependent_launch import launch_options
 
@@ -238,6 +241,23 @@ class TritonAttentionBackend(AttentionBackend):
             "Sinks": meta.seq_lens if self.sinks is None else self.sinks,
             "HAS_SINKS": self.sinks is not None,
         }  # fmt: skip
+
+    def attend_contiguous(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The prefill kernel (``contiguous_prefill``: no [H, Q, L] scores), which reads keys and
+        values through one layout: both go into one buffer of the wider's width, the values in
+        its first DV columns, which are all it reads of them (zeros past narrower keys' and the
+        queries' own width add nothing)."""
+        seq_len, heads, dim = k.shape
+        v_dim = v.shape[-1]
+        width = max(dim, v_dim)
+        length = -(-seq_len // CONTIGUOUS_BLOCK) * CONTIGUOUS_BLOCK
+        kv = q.new_empty(2, length, heads, width)  # (rows from seq_len on: never read)
+        kv[0, :seq_len, :, :dim] = k
+        kv[1, :seq_len, :, :v_dim] = v
+        if width > dim:
+            kv[0, :seq_len, :, dim:] = 0.0
+            q = F.pad(q, (0, width - dim))
+        return contiguous_prefill(q.contiguous(), kv[0], kv[1, :, :, :v_dim], seq_len, self.scale)
 
     def _prefill(
         self,

@@ -9,7 +9,8 @@ slice of ``kv_b_proj(c)``. Two ways to attend over the cache, the same math:
 
 - the rows of a prefill chunk (several queries of one request): the request's whole context of
   latents is gathered from the paged cache and decompressed into per-head keys and values, and
-  the queries (the context's last positions) attend causally, as in a dense model;
+  the queries (the context's last positions) attend causally, as in a dense model, through
+  the model's attention backend (``AttentionBackend.attend_contiguous``);
 - decode rows (the batch's trailing requests of one query each): ``kv_b_proj``'s key and
   value halves (W_UK, W_UV, derived once after loading) are absorbed into the query and the
   output, so the step reads one latent row a token instead of a key and a value a head:
@@ -32,10 +33,13 @@ columns); the latent projections are replicated, and every rank caches the whole
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from services.worker.engine.attention.backend import AttentionMetadata, LayerKVCache
+from services.worker.engine.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    LayerKVCache,
+)
 from services.worker.engine.distributed import tp_size
 from services.worker.engine.model_config import ArchConfig, MLAConfig
 from services.worker.engine.models.context import ModelContext
@@ -46,7 +50,6 @@ from services.worker.engine.models.layers.linear import (
 )
 from services.worker.engine.models.layers.norm import RMSNorm
 from services.worker.engine.models.layers.rotary import RotaryEmbedding, yarn_mscale
-from services.worker.engine.ops.attention import CONTIGUOUS_BLOCK, contiguous_prefill
 from services.worker.engine.quantization.fp8_math import Codes
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm's and kv_a_layernorm's (DeepSeek's code gives none)
@@ -103,7 +106,10 @@ class MLAAttention(nn.Module):
         self.rotary = RotaryEmbedding(mla.qk_rope_head_dim, ctx.max_positions, arch.rope)
         # registered after kv_b_proj: the runner's after_load (children in order) reaches it
         # once kv_b_proj's own has run
-        self.attn = LatentAttention(self.num_heads, mla, softmax_scale(arch), self.kv_b_proj)
+        scale = softmax_scale(arch)
+        # the prefill chunks' attention over the decompressed context: the model's backend's
+        prefill = ctx.attention(self.num_heads, self.num_heads, qk, scale)
+        self.attn = LatentAttention(self.num_heads, mla, scale, self.kv_b_proj, prefill)
         self.stores_kv = False  # the attention writes the latent (store_kv=True)
         self.kv_cache: LayerKVCache | None = None  # bound by the worker after cache allocation
         self.kv_group = 0  # its KV cache group (kv_cache/groups.py), bound with the cache
@@ -161,20 +167,21 @@ class LatentAttention(nn.Module):
     [T, 1, cache_dim]; returns [T, H, v_head_dim]. Rows past ``query_start_loc[-1]`` are
     padding: their latents go to the slots ``slot_mapping`` names, their output is left."""
 
-    # a prefill chunk through the Triton kernel ``ops.attention.contiguous_prefill`` (None: on
-    # CUDA; PyTorch's attention elsewhere, whose GPU fallback for these head sizes and a mask
-    # builds every head's [Q, L] scores: 64 GiB at 32k tokens and 16 heads)
-    PREFILL_KERNEL: bool | None = None
-
     def __init__(
         self,
         num_heads: int,
         mla: MLAConfig,
         scale: float,
         kv_b_proj: LinearBase,
+        prefill: AttentionBackend,
     ):
+        """``prefill``: an attention backend of this rank's heads at the keys' width, whose
+        ``attend_contiguous`` attends a prefill chunk over its decompressed context (the
+        FlashAttention backend's: FlashAttention-4 at DeepSeek's widths; the Triton backend's:
+        its prefill kernel; PyTorch's attention on the CPU)."""
         super().__init__()
         self.num_heads, self.mla, self.scale = num_heads, mla, scale
+        self.prefill = prefill
         # the up-projection of latents to this rank's heads' [k_nope | v] (a bound method:
         # kv_b_proj is the layer's child, not this one's)
         self.decompress: Callable[[torch.Tensor], torch.Tensor] = kv_b_proj.forward
@@ -246,32 +253,10 @@ class LatentAttention(nn.Module):
         # unrounded: the product decode's absorbed form computes, so that a token attends alike
         # in a prefill chunk and in a decode step (a resumed request equals one that was not)
         c = c.to(q.dtype)
-        nope, rope, v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
         k_nope = torch.einsum("lr,hnr->lhn", c, self.w_uk)
         v = torch.einsum("lr,hrv->lhv", c, self.w_uv)
-        k_pe = k_pe.to(q.dtype).unsqueeze(1).expand(seq_len, heads, rope)
-        if self.PREFILL_KERNEL if self.PREFILL_KERNEL is not None else q.is_cuda:
-            # the Triton prefill kernel (no [H, Q, L] scores): keys and values in one buffer of
-            # the wider's width, the values' own columns read (DeepSeek's: 192-wide keys,
-            # 128-wide values)
-            length = -(-seq_len // CONTIGUOUS_BLOCK) * CONTIGUOUS_BLOCK
-            width = max(nope + rope, v_dim)  # (zeros past q's and k's own width add nothing)
-            kv = q.new_empty(2, length, heads, width)  # (rows from seq_len on: never read)
-            kv[0, :seq_len, :, :nope] = k_nope
-            kv[0, :seq_len, :, nope : nope + rope] = k_pe
-            kv[0, :seq_len, :, nope + rope :] = 0.0
-            kv[1, :seq_len, :, :v_dim] = v
-            q = F.pad(q, (0, width - nope - rope)).contiguous()
-            return contiguous_prefill(q, kv[0], kv[1, :, :, :v_dim], seq_len, self.scale)
-        k = torch.cat((k_nope, k_pe), dim=-1)
-        q_len = q.shape[0]
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-            scale=self.scale,
-        )  # fmt: skip
-        return out.transpose(0, 1)
+        k_pe = k_pe.to(q.dtype).unsqueeze(1).expand(seq_len, heads, mla.qk_rope_head_dim)
+        return self.prefill.attend_contiguous(q, torch.cat((k_nope, k_pe), dim=-1), v)
 
     def _decode(
         self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, first: int
