@@ -171,8 +171,15 @@ def test_a_stopped_scheduler_leaves_streams_running(
                     prompt=cycled(prompts)) as load:  # fmt: skip
         wait_for(lambda: len(load.ok()) >= 32, 90.0, "load to flow")
         # the streams run in waves on two cores: stop it while one is streaming, not between
-        wait_for(lambda: bool(load.streaming()), 10.0, "a stream in flight")
-        stopped = time.monotonic()
+        # (the time read first, so that a stream seen streaming after it was at that time)
+        stopped = 0.0
+
+        def streaming() -> bool:
+            nonlocal stopped
+            stopped = time.monotonic()
+            return any(o.first is not None and o.first < stopped for o in load.streaming())
+
+        wait_for(streaming, 10.0, "a stream in flight")
         held([scheduler], 10.0)
         resumed = time.monotonic()
         wait_for(lambda: len(load.ok(since=resumed + 1.0)) >= 32, 60.0, "requests after it")

@@ -19,6 +19,7 @@ from tests.gpu.common import (
     assert_flash_attention_close_to_float32,
     count_calls,
     hf_greedy,
+    skip_unless_backend,
 )
 
 pytestmark = [
@@ -70,6 +71,7 @@ def test_flash_attention_takes_the_prefill_at_deepseek_widths(
     """With DeepSeek's head widths (keys 128 + 64 = 192 wide, values 128), the prefill chunks'
     attention over the decompressed context runs on FlashAttention-4 (its non-paged forward,
     each at its own width) in bfloat16, close to float32."""
+    skip_unless_backend("flash_attn")  # (before building the checkpoint)
     path = make_tiny_model(tmp_path, arch="deepseek_v3", mla_widths=(128, 64, 128))
     seen = assert_flash_attention_close_to_float32(path, PROMPTS, monkeypatch)
     assert seen == {(None, False, 192, 128)}

@@ -61,6 +61,7 @@ def test_bfloat16_is_close_to_float32(gemma3: Path) -> None:
 def test_flash_attention_takes_the_windows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The five windowed layers (8 tokens: 7 to the left) and the global one through
     FlashAttention-4 in bfloat16, close to float32."""
+    skip_unless_backend("flash_attn")  # (before building the checkpoint)
     path = make_tiny_model(tmp_path, arch="gemma3", head_dim=64)  # (heads FlashAttention takes)
     seen = assert_flash_attention_close_to_float32(path, PROMPTS, monkeypatch)
     assert seen == {(7, False, 64, 64), (None, False, 64, 64)}

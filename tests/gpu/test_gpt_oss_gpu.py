@@ -83,6 +83,7 @@ def test_flash_attention_takes_the_window_and_the_sinks(
 ) -> None:
     """The windowed layers (8 tokens: 7 to the left) and the full ones, all with sinks,
     through FlashAttention-4 in bfloat16, close to float32."""
+    skip_unless_backend("flash_attn")  # (before building the checkpoint)
     path = make_tiny_model(tmp_path, arch="gpt_oss", head_dim=64)  # (heads FlashAttention takes)
     seen = assert_flash_attention_close_to_float32(path, PROMPTS, monkeypatch)
     assert seen == {(7, True, 64, 64), (None, True, 64, 64)}

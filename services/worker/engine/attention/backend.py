@@ -32,6 +32,9 @@ import torch.nn.functional as F
 
 from services.worker.engine.quantization.fp8_math import to_e4m3
 
+# the bytes of scores one call of ``AttentionBackend.attend_contiguous``'s PyTorch path builds
+CONTIGUOUS_SCORES = 1 << 30
+
 
 @dataclass
 class AttentionMetadata:
@@ -193,16 +196,22 @@ class AttentionBackend(ABC):
         (DeepSeek's 192-wide keys, 128-wide values). Returns [Q, H, DV] in q's dtype. No window,
         no sinks, no cache: nothing is stored.
 
-        Here PyTorch's attention with a mask (its CPU path; on a GPU, for these head sizes and a
-        mask, it builds every head's [Q, L] scores); the kernel backends override it."""
-        q_len, seq_len = q.shape[0], k.shape[0]
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-            scale=self.scale,
-        )  # fmt: skip
-        return out.transpose(0, 1)
+        Here PyTorch's attention with a mask, over as many queries at a time as keep each call's
+        scores within ``CONTIGUOUS_SCORES`` (its fallback for these head sizes and a mask builds
+        every head's [queries, L] scores: 64 GiB at once for 32k tokens and 16 heads); the
+        kernel backends override it."""
+        q_len, seq_len, heads = q.shape[0], k.shape[0], q.shape[1]
+        keys, values = k.transpose(0, 1), v.transpose(0, 1)
+        step = max(1, CONTIGUOUS_SCORES // (heads * seq_len * q.element_size()))
+        out = q.new_empty(q_len, heads, v.shape[-1])
+        for start in range(0, q_len, step):
+            end = min(q_len, start + step)
+            q_pos = torch.arange(seq_len - q_len + start, seq_len - q_len + end, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+            out[start:end] = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1), keys, values, attn_mask=mask, scale=self.scale
+            ).transpose(0, 1)
+        return out
 
     def decode_graph_contexts(
         self, num_reqs: int, max_model_len: int, device: torch.device
