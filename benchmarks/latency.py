@@ -3,7 +3,8 @@ bandwidth, both measured in this run), and prefill of a long prompt as achieved 
 against the matmul peak measured in this run. Variants (CUDA graphs off, fused kernels off)
 run in the same process so their ratios are side by side; each is a set of engine options
 (``LLM(**kwargs)``) or a checkpoint format, except ``moe_grouped``, which sets
-``ops/fused_moe.GEMV_TOKENS`` for its run (the engine core runs in this process).
+``ops/fused_moe.GEMV_TOKENS`` for its run, and ``moe_router_unfused``, which sets
+``models/layers/moe.Router.FUSED`` (the engine core runs in this process).
 
     python benchmarks/latency.py --shape llama-3.1-8b --variants graphs eager unfused
 """
@@ -25,6 +26,7 @@ from baton import LLM, SamplingParams
 from benchmarks.profiling import device_span_us, kernel_rows
 from benchmarks.roofline import ModelCost, fp8_matmul_peak, limits, limits_seen
 from benchmarks.shapes import write_shape
+from services.worker.engine.models.layers.moe import Router
 from services.worker.engine.ops import fused_moe
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -58,6 +60,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # launches (ops/fused_moe.GEMV_TOKENS set to 0 in this process): the A/B of that path
     "moe_grouped": {"moe_gemv_tokens": 0},
     "fp8_moe_grouped": {"quantization": "fp8", "moe_gemv_tokens": 0},
+    # one token's router as the gate's GEMV, then the routing kernel (two launches a layer;
+    # models/layers/moe.Router.FUSED off in this process), not both in one: the A/B of that
+    "moe_router_unfused": {"moe_fused_router": False},
+    "fp8_moe_router_unfused": {"quantization": "fp8", "moe_fused_router": False},
 }
 
 
@@ -73,12 +79,13 @@ def _timed(llm: LLM, ids: list[int], max_tokens: int) -> float:
 
 def measure(model: str, variant: str, args: argparse.Namespace) -> dict[str, Any]:
     engine_args = dict(VARIANTS[variant])
-    gemv_tokens = fused_moe.GEMV_TOKENS
+    gemv_tokens, fused_router = fused_moe.GEMV_TOKENS, Router.FUSED
     fused_moe.GEMV_TOKENS = engine_args.pop("moe_gemv_tokens", gemv_tokens)
+    Router.FUSED = engine_args.pop("moe_fused_router", fused_router)
     try:
         return _measure(model, variant, engine_args, args)
     finally:
-        fused_moe.GEMV_TOKENS = gemv_tokens
+        fused_moe.GEMV_TOKENS, Router.FUSED = gemv_tokens, fused_router
 
 
 def _measure(

@@ -137,6 +137,22 @@ def _codes(kernel: str, group: int) -> Preset:
     )  # fmt: skip
 
 
+def _gate_route() -> Preset:
+    """One token's router in one launch at Qwen3-30B-A3B's gate (128 experts, 8 chosen,
+    softmax renormalised; 2,048 wide, bf16) at ``moe_routing.gate_route``'s launch."""
+    from services.worker.engine.ops import moe_routing
+
+    return Preset(
+        moe_routing._gate_route_kernel,
+        {"X": "*bf16", "W": "*bf16", "B": "*bf16", "LOGITS": "*bf16", "ARRIVALS": "*i32",
+         "BIAS": "*fp32", "WEIGHTS": "*fp32", "IDS": "*i64", "scaling": "fp32"},
+        {"HAS_GATE_BIAS": False, "K": 8, "SCORING": 0, "HAS_BIAS": False, "NORM": True,
+         "BLOCK_E": 128, "BLOCK_K": 8, "BLOCK_N": moe_routing.GATE_ROUTE_ROWS,
+         "BLOCK_H": moe_routing.GATE_ROUTE_COLUMNS, "USE_PDL": True},
+        warps=moe_routing.GATE_ROUTE_WARPS, stages=2,
+    )  # fmt: skip
+
+
 PRESETS = {
     "fp8_gemm_64x64": _gemm(64, 64, warps=4, stages=4),
     "fp8_gemm_128x128": _gemm(128, 128, warps=8, stages=3),
@@ -153,6 +169,7 @@ PRESETS = {
     "rms_norm_group_codes": _codes("rms_norm", 128),
     "silu_mul_group_codes": _codes("silu_mul", 128),
     "quantize_groups": _codes("quantize_groups", 128),
+    "gate_route": _gate_route(),
 }
 
 
@@ -221,6 +238,14 @@ def global_stores(sass: str) -> collections.Counter[str]:
     return collections.Counter(re.findall(r"\b(STG\.[A-Z0-9_.]+)", sass))
 
 
+def synchronization(sass: str) -> collections.Counter[str]:
+    """The kernel's barriers, fences, atomics, cache invalidations and strong (volatile)
+    loads, anywhere in the listing."""
+    ops = (r"\b(BAR\.[A-Z0-9_.]+|MEMBAR\.[A-Z0-9_.]+|ATOMG?\.[A-Z0-9_.]+|CCTL\.[A-Z0-9_.]+"
+           r"|LDG\.[A-Z0-9_.]*STRONG[A-Z0-9_.]*)")  # fmt: skip
+    return collections.Counter(re.findall(ops, sass))
+
+
 def report(name: str) -> dict[str, Any]:
     p = PRESETS[name]
     compiled = compile_sm90(p)
@@ -231,6 +256,7 @@ def report(name: str) -> dict[str, Any]:
         **resources(compiled.asm["cubin"]), "shared_dynamic": compiled.metadata.shared,
         "loop_instructions": sum(mix.values()), "loop_mix": dict(mix.most_common()),
         "global_stores": dict(global_stores(sass)),
+        "synchronization": dict(synchronization(sass)),
     }  # fmt: skip
 
 

@@ -1,7 +1,9 @@
 """The one-launch router (ops/moe_routing.py) against ``select_experts``, its plain-PyTorch
 oracle, for each scoring the models use: the same experts in the same order, weights within
 float32's rounding of ``exp`` (Triton's interpreter on CPU; on the GPU through the MoE models'
-tests in tests/gpu)."""
+tests in tests/gpu). The gate's GEMV and the choice in one launch (``gate_route``) against
+``select_experts`` of the gate's logits, on the GPU with its programs really racing to the
+counter."""
 
 from dataclasses import replace
 
@@ -10,7 +12,7 @@ import torch
 
 from services.worker.engine.model_config import MoEConfig
 from services.worker.engine.models.layers.moe import select_experts
-from services.worker.engine.ops.moe_routing import route, supported
+from services.worker.engine.ops.moe_routing import gate_route, route, supported
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -87,3 +89,37 @@ def test_grouped_routing_keeps_the_pytorch_path() -> None:
     assert not supported(
         logits, MoEConfig(num_experts=64, top_k=8, intermediate_size=8, num_groups=8)
     )
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_gate_and_the_choice_in_one_launch(name: str, dtype: torch.dtype) -> None:
+    """Three tokens one after another through the same scratch (the counter back at zero after
+    each): the logits the gate alone gives (in the gate's dtype; gpt-oss's router bias added),
+    and from those the very choice ``select_experts`` makes."""
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("Triton's CPU interpreter has no bfloat16 arithmetic here; runs on the GPU")
+    moe = CASES[name]
+    e, hidden = moe.num_experts, 200  # (not a multiple of the column step: the last is masked)
+    g = torch.Generator().manual_seed(e)
+    weight = (torch.randn(e, hidden, generator=g) / hidden**0.5).to(DEVICE, dtype)
+    gate_bias = None
+    if moe.scoring == "softmax_of_topk":
+        gate_bias = (0.1 * torch.randn(e, generator=g)).to(DEVICE, dtype)
+    bias = (0.1 * torch.randn(e, generator=g)).to(DEVICE) if moe.correction_bias else None
+    logits = torch.empty(e, dtype=dtype, device=DEVICE)
+    arrivals = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # (bf16: a logit's last bit may differ)
+    for _ in range(3):
+        x = (3 * torch.randn(1, hidden, generator=g)).to(DEVICE, dtype)
+        exact = torch.nn.functional.linear(
+            x.float(), weight.float(), None if gate_bias is None else gate_bias.float()
+        )
+        got_w, got_ids = gate_route(x, weight, gate_bias, moe, bias, logits, arrivals)
+        assert arrivals.item() == 0
+        torch.testing.assert_close(logits.float().cpu(), exact[0].cpu(), rtol=tol, atol=tol)
+        want_w, want_ids = select_experts(logits[None].clone(), moe, bias)
+        assert torch.equal(got_ids.cpu(), want_ids.cpu())
+        torch.testing.assert_close(got_w.cpu(), want_w.cpu(), rtol=1e-6, atol=1e-7)
+        if dtype == torch.float32:  # (no ties to break differently)
+            assert torch.equal(got_ids.cpu(), select_experts(exact, moe, bias)[1].cpu())

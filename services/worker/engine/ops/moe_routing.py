@@ -8,6 +8,11 @@ handful of values, in every MoE layer: more time than the layer's expert GEMMs t
 1. One program per token does them all in registers. Group-limited routing (DeepSeek-V2/V3's
 ``num_groups > 1``) keeps the PyTorch path.
 
+At one token the gate's GEMV and the choice are one launch (``gate_route``): each program
+computes some of the gate's rows, as the GEMV (``ops/gemv.gemv_rows``) would, and the last to
+arrive (an atomic counter) reads every logit and chooses, so a decode step's router is one
+short launch a layer where it was two.
+
 The top-k is k rounds of an argmax over the scores (the lowest index among equal scores);
 the scores and weights are float32 as in ``select_experts``, whose results it equals up to
 the last bits of ``exp`` (``tests/unit/test_moe_routing_kernel.py``).
@@ -19,6 +24,7 @@ import triton.language as tl
 
 from services.worker.engine.model_config import MoEConfig
 from services.worker.engine.ops.dependent_launch import await_inputs, launch_options
+from services.worker.engine.ops.gemv import gemv_rows
 
 _SCORING = {"softmax": 0, "sigmoid": 1, "softmax_of_topk": 2}
 
@@ -32,9 +38,22 @@ def _route_kernel(
     """One token: ids[t, :K] its experts in descending score, weights[t, :K] theirs."""
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
-    ok = e < E
     await_inputs(USE_PDL)
-    logits = tl.load(LOGITS + t * stride_l + e, mask=ok, other=float("-inf")).to(tl.float32)
+    logits = tl.load(LOGITS + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    _choose(logits, BIAS, WEIGHTS + t * K, IDS + t * K, E, scaling, K, SCORING, HAS_BIAS, NORM,
+            BLOCK_E, BLOCK_K)  # fmt: skip
+
+
+@triton.jit
+def _choose(
+    logits, BIAS, WEIGHTS, IDS, E, scaling,
+    K: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One token's logits [BLOCK_E] (float32, -inf past E) → its K experts in descending score
+    at IDS[:K] (int64) and their weights at WEIGHTS[:K] (float32)."""
+    e = tl.arange(0, BLOCK_E)
+    ok = e < E
     if SCORING == 0:  # softmax over every expert
         z = tl.exp(logits - tl.max(logits, 0))
         scores = z / tl.sum(z, 0)
@@ -66,8 +85,34 @@ def _route_kernel(
         top_w = top_w / (tl.sum(top_w, 0) + 1e-20)
     if SCORING != 2:  # (gpt-oss's weights are the softmax alone, as select_experts')
         top_w = top_w * scaling
-    tl.store(WEIGHTS + t * K + ks, top_w, mask=ks < K)
-    tl.store(IDS + t * K + ks, top_ids.to(tl.int64), mask=ks < K)
+    tl.store(WEIGHTS + ks, top_w, mask=ks < K)
+    tl.store(IDS + ks, top_ids.to(tl.int64), mask=ks < K)
+
+
+@triton.jit
+def _gate_route_kernel(
+    X, W, B, LOGITS, ARRIVALS, BIAS, WEIGHTS, IDS, E, HIDDEN, stride_wn, scaling,
+    HAS_GATE_BIAS: tl.constexpr, K: tl.constexpr, SCORING: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr = False,
+):  # fmt: skip
+    """One token's router in one launch: program p the gate's rows BLOCK_N · p onward (the
+    GEMV's, rounded to LOGITS' dtype: the logits the gate alone would give), stored; the
+    program that arrives last (ARRIVALS, a counter it sets back to 0) reads every logit and
+    chooses (``_choose``)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    y = gemv_rows(X, W, B, rows, E, HIDDEN, stride_wn, HAS_GATE_BIAS, BLOCK_N, BLOCK_H, USE_PDL)
+    tl.store(LOGITS + rows, y.to(LOGITS.dtype.element_ty), mask=rows < E)
+    # every thread's logits stored before the arrival is counted (the counter's release then
+    # publishes them all), and the last one's reads after its acquire, past L1
+    tl.debug_barrier()
+    arrived = tl.atomic_add(ARRIVALS, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:
+        e = tl.arange(0, BLOCK_E)
+        logits = tl.load(LOGITS + e, mask=e < E, other=float("-inf"), volatile=True)
+        _choose(logits.to(tl.float32), BIAS, WEIGHTS, IDS, E, scaling, K, SCORING, HAS_BIAS,
+                NORM, BLOCK_E, BLOCK_K)  # fmt: skip
+        tl.atomic_xchg(ARRIVALS, 0, sem="relaxed", scope="gpu")  # for the next launch
 
 
 def supported(logits: torch.Tensor, moe: MoEConfig) -> bool:
@@ -93,5 +138,47 @@ def route(
         K=k, SCORING=_SCORING[moe.scoring], HAS_BIAS=correction_bias is not None, NORM=norm,
         BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(k),
         num_warps=1 if e <= 256 else 4, **launch_options(logits),
+    )  # fmt: skip
+    return weights, ids
+
+
+# the fused router's launch: one warp a program, so that the last program's choice reduces over
+# the experts in shuffles alone (at 4 warps each of its k argmax rounds crosses warps through
+# shared memory: ~100 barriers, compiled for sm_90), one gate row a program (128 programs for
+# 128 experts) read in steps of up to 2,048 columns
+GATE_ROUTE_ROWS, GATE_ROUTE_COLUMNS, GATE_ROUTE_WARPS = 1, 2048, 1
+
+
+def gate_route(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    moe: MoEConfig,
+    correction_bias: torch.Tensor | None,
+    logits: torch.Tensor,
+    arrivals: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token's ``route(x Wᵀ (+ bias))`` in one launch (``_gate_route_kernel``): x [1, H]
+    in the gate's dtype, weight [E, H]. ``logits`` [E] (the gate's dtype) and ``arrivals``
+    (int32 [1], zero) are the caller's scratch, kept from launch to launch (a CUDA graph
+    replays the same ones); ``arrivals`` is zero again after each launch."""
+    assert x.shape[0] == 1 and weight.stride(1) == 1 and arrivals.dtype == torch.int32
+    e, hidden = weight.shape
+    k = moe.top_k
+    weights = torch.empty((1, k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((1, k), dtype=torch.int64, device=x.device)
+    if x.is_cuda:
+        launch = {"BLOCK_N": GATE_ROUTE_ROWS, "num_warps": GATE_ROUTE_WARPS, "num_stages": 2}
+        block_h = min(GATE_ROUTE_COLUMNS, triton.next_power_of_2(hidden))
+    else:  # (the interpreter: several rows a program and several steps, several to arrive)
+        launch, block_h = {"BLOCK_N": 4}, 64
+    norm = moe.norm_topk_prob and moe.scoring != "softmax_of_topk"
+    _gate_route_kernel[(triton.cdiv(e, launch["BLOCK_N"]),)](
+        x.contiguous(), weight, bias if bias is not None else weight, logits, arrivals,
+        correction_bias.float() if correction_bias is not None else logits, weights, ids, e,
+        hidden, weight.stride(0), float(moe.routed_scaling_factor),
+        HAS_GATE_BIAS=bias is not None, K=k, SCORING=_SCORING[moe.scoring],
+        HAS_BIAS=correction_bias is not None, NORM=norm, BLOCK_E=triton.next_power_of_2(e),
+        BLOCK_K=triton.next_power_of_2(k), BLOCK_H=block_h, **launch, **launch_options(x),
     )  # fmt: skip
     return weights, ids

@@ -206,11 +206,18 @@ class Router(nn.Module):
     the cast of x and a float32 GEMV a layer), and DeepSeek-V3's ``e_score_correction_bias``
     (float32). ``select_experts`` takes the logits to float32. With ``kernels``, one token's
     logits on a GPU are the Triton GEMV's (``ops/gemv.py``, as the linear layers' at one token:
-    one launch, overlapping the one before)."""
+    one launch, overlapping the one before). ``route`` gives the choice itself: at one token
+    on a GPU the logits and the choice in one launch (``ops/moe_routing.gate_route``)."""
+
+    # one token's logits and choice in one launch where the routing kernel takes the choice
+    # (False: the GEMV, then the routing kernel: the A/B of benchmarks/latency.py's
+    # ``moe_router_unfused``)
+    FUSED = True
 
     def __init__(self, hidden: int, moe: MoEConfig, kernels: bool = False):
         super().__init__()
         e = moe.num_experts
+        self.moe = moe
         self.kernels = kernels
         self.float32 = moe.router_float32
         dtype = torch.float32 if self.float32 else torch.get_default_dtype()
@@ -224,8 +231,27 @@ class Router(nn.Module):
                 torch.zeros(e, dtype=torch.float32), requires_grad=False
             )
 
+        # the fused launch's scratch, the same tensors at every launch (a CUDA graph replays
+        # them): the logits, and the count of its programs done (zero between launches)
+        self.scratch_logits: torch.Tensor
+        self.arrivals: torch.Tensor
+        self.register_buffer("scratch_logits", torch.empty(e, dtype=dtype), False)
+        self.register_buffer("arrivals", torch.zeros(1, dtype=torch.int32), False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x.float() if self.float32 else x, self.weight, self.bias, self.kernels)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``select_experts`` of the logits: (weights float32 [T, k], ids int64 [T, k])."""
+        bias = self.e_score_correction_bias
+        if self.FUSED and self.kernels and x.is_cuda and x.shape[0] == 1:
+            from services.worker.engine.ops import moe_routing
+
+            if moe_routing.supported(x, self.moe):
+                x = x.float() if self.float32 else x
+                return moe_routing.gate_route(x, self.weight, self.bias, self.moe, bias,
+                                              self.scratch_logits, self.arrivals)  # fmt: skip
+        return select_experts(self(x), self.moe, bias)
 
 
 class FusedMoE(nn.Module):
@@ -468,7 +494,7 @@ class MoEBlock(nn.Module):
                                                 ctx, moe.shared_expert_gate)  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(self.gate(x), self.moe, self.gate.e_score_correction_bias)
+        weights, ids = self.gate.route(x)
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
