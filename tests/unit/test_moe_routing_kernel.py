@@ -33,6 +33,18 @@ CASES = {
     "deepseek-v2-lite (64 experts, top 6, no groups)": MoEConfig(
         num_experts=64, top_k=6, intermediate_size=8, norm_topk_prob=False,
     ),
+    "deepseek-v3 (256 experts, 8 groups, best 4 by their top 2, sigmoid + bias)": MoEConfig(
+        num_experts=256, top_k=8, intermediate_size=8, scoring="sigmoid", correction_bias=True,
+        num_groups=8, topk_groups=4, routed_scaling_factor=2.5,
+    ),
+    "deepseek-v2 (160 experts, 8 groups of 20, best 3 by their best)": MoEConfig(
+        num_experts=160, top_k=6, intermediate_size=8, num_groups=8, topk_groups=3,
+        norm_topk_prob=False, routed_scaling_factor=16.0,
+    ),
+    "tiny deepseek-v3 (8 experts, 4 groups, best 2)": MoEConfig(
+        num_experts=8, top_k=2, intermediate_size=8, scoring="sigmoid", correction_bias=True,
+        num_groups=4, topk_groups=2, routed_scaling_factor=2.5,
+    ),
     "gpt-oss, top 3": MoEConfig(
         num_experts=32, top_k=3, intermediate_size=8, scoring="softmax_of_topk",
         norm_topk_prob=False,
@@ -84,11 +96,35 @@ def test_fewer_finite_scores_than_k_still_give_k_experts() -> None:
     assert weights[0].sum().item() == pytest.approx(1.0)
 
 
-def test_grouped_routing_keeps_the_pytorch_path() -> None:
+def test_groups_the_kernel_does_not_rank_keep_the_pytorch_path() -> None:
     logits = torch.zeros(1, 64)
-    assert not supported(
-        logits, MoEConfig(num_experts=64, top_k=8, intermediate_size=8, num_groups=8)
-    )
+    grouped = MoEConfig(num_experts=64, top_k=8, intermediate_size=8, num_groups=8)
+    assert supported(logits, grouped)
+    assert not supported(logits, replace(grouped, num_experts=60))  # (uneven groups)
+    assert not supported(logits, replace(grouped, num_groups=32))  # (more than MAX_GROUPS)
+
+
+@pytest.mark.parametrize("by_top2", [False, True], ids=["best", "best-two"])
+def test_the_choice_stays_in_the_best_groups(by_top2: bool) -> None:
+    """4 groups of 4, the best 2 eligible. Group 0 holds the single best expert, group 3 the
+    next three: ranked by their best, groups 0 and 3 are kept; by their best two (with a
+    correction bias), group 0 (one high score) loses to groups 3 and 1."""
+    moe = MoEConfig(num_experts=16, top_k=4, intermediate_size=8, scoring="sigmoid",
+                    correction_bias=by_top2, num_groups=4, topk_groups=2,
+                    norm_topk_prob=False)  # fmt: skip
+    logits = torch.full((1, 16), -4.0)
+    logits[0, 0] = 4.0  # group 0: one high
+    logits[0, 12:15] = torch.tensor([3.0, 2.9, 2.8])  # group 3: three high
+    logits[0, 4:6] = torch.tensor([1.0, 0.9])  # group 1: two middling
+    bias = torch.zeros(16) if by_top2 else None
+    logits, bias = logits.to(DEVICE), None if bias is None else bias.to(DEVICE)
+    want_w, want_ids = select_experts(logits.cpu(), moe, None if bias is None else bias.cpu())
+    got_w, got_ids = route(logits, moe, bias)
+    assert torch.equal(got_ids.cpu(), want_ids)
+    torch.testing.assert_close(got_w.cpu(), want_w, rtol=1e-6, atol=1e-7)
+    eligible = {0, 1, 2, 3, 12, 13, 14, 15} if not by_top2 else {4, 5, 6, 7, 12, 13, 14, 15}
+    assert set(got_ids[0].tolist()) <= eligible
+    assert (0 in got_ids[0].tolist()) is not by_top2
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -5,8 +5,8 @@ renormalisation, the routed scaling; gpt-oss's softmax over its top-k logits).
 
 At a decode step those steps are eight or more launches of a few microseconds each on a
 handful of values, in every MoE layer: more time than the layer's expert GEMMs take at batch
-1. One program per token does them all in registers. Group-limited routing (DeepSeek-V2/V3's
-``num_groups > 1``) keeps the PyTorch path.
+1. One program per token does them all in registers, DeepSeek-V2/V3's group-limited choice
+among them (``num_groups`` > 1: the best ``topk_groups`` groups ranked first).
 
 At one token the gate's GEMV and the choice are one launch (``gate_route``): each program
 computes some of the gate's rows, as the GEMV (``ops/gemv.gemv_rows``) would, and the last to
@@ -27,13 +27,17 @@ from services.worker.engine.ops.dependent_launch import await_inputs, launch_opt
 from services.worker.engine.ops.gemv import gemv_rows
 
 _SCORING = {"softmax": 0, "sigmoid": 1, "softmax_of_topk": 2}
+# the most expert groups the kernel ranks (DeepSeek-V3's 8; a loop of reductions a group)
+MAX_GROUPS = 16
+GROUP_LANES = tl.constexpr(MAX_GROUPS)  # (a power of two)
 
 
 @triton.jit
 def _route_kernel(
     LOGITS, BIAS, WEIGHTS, IDS, E, stride_l, scaling,
     K: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
+    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr = 1,
+    KEEP_GROUPS: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One token: ids[t, :K] its experts in descending score, weights[t, :K] theirs."""
     t = tl.program_id(0).to(tl.int64)
@@ -41,17 +45,19 @@ def _route_kernel(
     await_inputs(USE_PDL)
     logits = tl.load(LOGITS + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
     _choose(logits, BIAS, WEIGHTS + t * K, IDS + t * K, E, scaling, K, SCORING, HAS_BIAS, NORM,
-            BLOCK_E, BLOCK_K)  # fmt: skip
+            BLOCK_E, BLOCK_K, GROUPS, KEEP_GROUPS)  # fmt: skip
 
 
 @triton.jit
 def _choose(
     logits, BIAS, WEIGHTS, IDS, E, scaling,
     K: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
+    KEEP_GROUPS: tl.constexpr,
 ):  # fmt: skip
     """One token's logits [BLOCK_E] (float32, -inf past E) → its K experts in descending score
-    at IDS[:K] (int64) and their weights at WEIGHTS[:K] (float32)."""
+    at IDS[:K] (int64) and their weights at WEIGHTS[:K] (float32); with GROUPS > 1 only among
+    the best KEEP_GROUPS groups' (``_best_groups``)."""
     e = tl.arange(0, BLOCK_E)
     ok = e < E
     if SCORING == 0:  # softmax over every expert
@@ -64,6 +70,8 @@ def _choose(
     choice = tl.where(ok, scores, float("-inf"))
     if HAS_BIAS:  # steers the choice, never the weights
         choice += tl.load(BIAS + e, mask=ok, other=0.0)
+    if GROUPS > 1:
+        choice = _best_groups(choice, e, E, GROUPS, KEEP_GROUPS, HAS_BIAS)
     ks = tl.arange(0, BLOCK_K)
     top_ids = tl.zeros([BLOCK_K], tl.int32)
     top_w = tl.zeros([BLOCK_K], tl.float32)
@@ -90,11 +98,39 @@ def _choose(
 
 
 @triton.jit
+def _best_groups(
+    choice, e, E, GROUPS: tl.constexpr, KEEP: tl.constexpr, BY_TOP2: tl.constexpr
+):  # fmt: skip
+    """Group-limited top-k (DeepSeek-V2/V3's, ``models/layers/moe._eligible``): the experts in
+    GROUPS groups of E / GROUPS consecutive ones; ``choice`` with all but the best KEEP groups'
+    at -inf. A group's score is its best choice, or (BY_TOP2: with a correction bias,
+    DeepSeek-V3) the sum of its best two."""
+    size = E // GROUPS
+    group = tl.where(e < E, e // size, GROUPS)  # (the padding lanes: in no group)
+    g = tl.arange(0, GROUP_LANES)
+    scores = tl.full(g.shape, float("-inf"), tl.float32)
+    for gi in tl.static_range(GROUPS):
+        mine = tl.where(group == gi, choice, float("-inf"))
+        best = tl.max(mine, 0)
+        if BY_TOP2:
+            first = tl.argmax(mine, 0, tie_break_left=True)
+            best += tl.max(tl.where(e == first, float("-inf"), mine), 0)
+        scores = tl.where(g == gi, best, scores)
+    keep = group < 0  # (none)
+    for _ in tl.static_range(KEEP):
+        top = tl.argmax(scores, 0, tie_break_left=True)
+        keep = keep | (group == top)
+        scores = tl.where(g == top, float("-inf"), scores)
+    return tl.where(keep, choice, float("-inf"))
+
+
+@triton.jit
 def _gate_route_kernel(
     X, W, B, LOGITS, ARRIVALS, BIAS, WEIGHTS, IDS, E, HIDDEN, stride_wn, scaling,
     HAS_GATE_BIAS: tl.constexpr, K: tl.constexpr, SCORING: tl.constexpr,
     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, GROUPS: tl.constexpr = 1,
+    KEEP_GROUPS: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One token's router in one launch: program p the gate's rows BLOCK_N · p onward (the
     GEMV's, rounded to LOGITS' dtype: the logits the gate alone would give), stored; the
@@ -111,13 +147,17 @@ def _gate_route_kernel(
         e = tl.arange(0, BLOCK_E)
         logits = tl.load(LOGITS + e, mask=e < E, other=float("-inf"), volatile=True)
         _choose(logits.to(tl.float32), BIAS, WEIGHTS, IDS, E, scaling, K, SCORING, HAS_BIAS,
-                NORM, BLOCK_E, BLOCK_K)  # fmt: skip
+                NORM, BLOCK_E, BLOCK_K, GROUPS, KEEP_GROUPS)  # fmt: skip
         tl.atomic_xchg(ARRIVALS, 0, sem="relaxed", scope="gpu")  # for the next launch
 
 
 def supported(logits: torch.Tensor, moe: MoEConfig) -> bool:
-    """The kernel takes this routing: no expert groups, a known scoring."""
-    return moe.num_groups <= 1 and moe.scoring in _SCORING
+    """The kernel takes this routing: a known scoring; groups, if any, that split the experts
+    evenly, at most ``MAX_GROUPS``."""
+    groups = moe.num_groups
+    if groups > 1 and (groups > MAX_GROUPS or moe.num_experts % groups):
+        return False
+    return moe.scoring in _SCORING
 
 
 def route(
@@ -137,6 +177,7 @@ def route(
         logits, bias, weights, ids, e, logits.stride(0), float(moe.routed_scaling_factor),
         K=k, SCORING=_SCORING[moe.scoring], HAS_BIAS=correction_bias is not None, NORM=norm,
         BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(k),
+        GROUPS=moe.num_groups, KEEP_GROUPS=moe.topk_groups,
         num_warps=1 if e <= 256 else 4, **launch_options(logits),
     )  # fmt: skip
     return weights, ids
@@ -179,6 +220,7 @@ def gate_route(
         hidden, weight.stride(0), float(moe.routed_scaling_factor),
         HAS_GATE_BIAS=bias is not None, K=k, SCORING=_SCORING[moe.scoring],
         HAS_BIAS=correction_bias is not None, NORM=norm, BLOCK_E=triton.next_power_of_2(e),
-        BLOCK_K=triton.next_power_of_2(k), BLOCK_H=block_h, **launch, **launch_options(x),
+        BLOCK_K=triton.next_power_of_2(k), BLOCK_H=block_h, GROUPS=moe.num_groups,
+        KEEP_GROUPS=moe.topk_groups, **launch, **launch_options(x),
     )  # fmt: skip
     return weights, ids
