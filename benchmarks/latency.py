@@ -2,9 +2,9 @@
 bandwidth, both measured in this run), and prefill of a long prompt as achieved TFLOP/s
 against the matmul peak measured in this run. Variants (CUDA graphs off, fused kernels off)
 run in the same process so their ratios are side by side; each is a set of engine options
-(``LLM(**kwargs)``) or a checkpoint format, except ``moe_grouped``, which sets
-``ops/fused_moe.GEMV_TOKENS`` for its run, and ``moe_router_unfused``, which sets
-``models/layers/moe.Router.FUSED`` (the engine core runs in this process).
+(``LLM(**kwargs)``) or a checkpoint format, except the A/B variants of the experts' paths
+(``moe_grouped``, ``moe_router_unfused``, ``fp8_moe_quantize_apart``), which set an attribute
+of a module for their run (``IN_PROCESS``; the engine core runs in this process).
 
     python benchmarks/latency.py --shape llama-3.1-8b --variants graphs eager unfused
 """
@@ -27,7 +27,7 @@ from benchmarks.profiling import device_span_us, kernel_rows
 from benchmarks.roofline import ModelCost, fp8_matmul_peak, limits, limits_seen
 from benchmarks.shapes import write_shape
 from services.worker.engine.models.layers.moe import Router
-from services.worker.engine.ops import fused_moe
+from services.worker.engine.ops import fused_moe, moe_gemv
 
 VARIANTS: dict[str, dict[str, Any]] = {
     # the default: CUDA graphs (whole decode steps; prefill steps piecewise) + fused kernels +
@@ -64,6 +64,16 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # models/layers/moe.Router.FUSED off in this process), not both in one: the A/B of that
     "moe_router_unfused": {"moe_fused_router": False},
     "fp8_moe_router_unfused": {"quantization": "fp8", "moe_fused_router": False},
+    # FP8 experts at one token with their activations quantized by two launches of their own,
+    # not inside the GEMVs (ops/moe_gemv.QUANTIZE_TOKENS set to 0): the A/B of that
+    "fp8_moe_quantize_apart": {"quantization": "fp8", "moe_quantize_tokens": 0},
+}
+
+# the variants' keys that set an attribute in this process for their run, not an engine option
+IN_PROCESS: dict[str, tuple[Any, str]] = {
+    "moe_gemv_tokens": (fused_moe, "GEMV_TOKENS"),
+    "moe_fused_router": (Router, "FUSED"),
+    "moe_quantize_tokens": (moe_gemv, "QUANTIZE_TOKENS"),
 }
 
 
@@ -79,13 +89,14 @@ def _timed(llm: LLM, ids: list[int], max_tokens: int) -> float:
 
 def measure(model: str, variant: str, args: argparse.Namespace) -> dict[str, Any]:
     engine_args = dict(VARIANTS[variant])
-    gemv_tokens, fused_router = fused_moe.GEMV_TOKENS, Router.FUSED
-    fused_moe.GEMV_TOKENS = engine_args.pop("moe_gemv_tokens", gemv_tokens)
-    Router.FUSED = engine_args.pop("moe_fused_router", fused_router)
+    before = {key: getattr(*IN_PROCESS[key]) for key in engine_args if key in IN_PROCESS}
+    for key in before:
+        setattr(*IN_PROCESS[key], engine_args.pop(key))
     try:
         return _measure(model, variant, engine_args, args)
     finally:
-        fused_moe.GEMV_TOKENS, Router.FUSED = gemv_tokens, fused_router
+        for key, value in before.items():
+            setattr(*IN_PROCESS[key], value)
 
 
 def _measure(

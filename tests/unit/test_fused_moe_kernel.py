@@ -252,6 +252,32 @@ def test_the_gemvs_compute_the_same_at_any_given_launch(
     assert given.abs().max() > 0
 
 
+@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("launches", [None, *LAUNCHES], ids=["default", "dividing", "overhanging"])
+@pytest.mark.parametrize("block", [None, 32], ids=["channel", "block32"])
+def test_fp8_gemvs_quantizing_their_own_activations_change_no_bit(
+    t: int, launches: tuple[dict[str, int], dict[str, int]] | None, block: int | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """FP8 experts, half on this rank: GEMV 1 making x's codes and GEMV 2 making h's
+    (``QUANTIZE_TOKENS``) give the very result of the two quantizing launches between them
+    (the same codes and scales, the same sums), per channel and per 32-wide block, tiles
+    within one block and across two."""
+    weights, ids, emap = _routing(t, 2, local_half=True, seed=5)
+    w13, w2 = _weights(seed=6)
+    (q13, s13), (q2, s2) = _fp8(w13, block), _fp8(w2, block)
+    x = _tokens(t, torch.linspace(0.1, 4, H))
+    args = (x, q13, q2, weights, ids, emap, s13, s2, block)
+    results = []
+    for tokens in (0, t):
+        monkeypatch.setattr(moe_gemv_module, "QUANTIZE_TOKENS", tokens)
+        out = torch.empty_like(x)
+        results.append(
+            moe_gemv(*args, out, None, None, None, 1.702, launches=launches or (None, None))
+        )
+    assert torch.equal(results[0], results[1]) and results[0].abs().max() > 0
+
+
 class _Launches:
     """A Triton kernel whose launches are recorded: (grid, tile keywords), then run."""
 

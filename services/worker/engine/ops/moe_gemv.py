@@ -1,8 +1,10 @@
 """A mixture-of-experts layer's experts at a few tokens (``fused_moe.GEMV_TOKENS``): the
 (token, slot) pairs are too few to fill an M-block of ``ops/fused_moe.py``'s grouped GEMMs and
 the layer is a read of the chosen experts' weights, so it runs as two matrix-vector launches
-(with FP8, x's and h's quantization besides), with no align step and no slot sum (at one token
-with programmatic dependent launch, as the dense layers' GEMV: ``ops/dependent_launch.py``).
+(with FP8 at more than ``QUANTIZE_TOKENS`` tokens, x's and h's quantization besides; at fewer
+each GEMV quantizes its own input, the same codes), with no align step and no slot sum (at one
+token with programmatic dependent launch, as the dense layers' GEMV:
+``ops/dependent_launch.py``).
 Their tiles at one token are this GPU's measured launches where its table has them
 (``ops/gemv_configs.py``, written by ``benchmarks/moe_layer.py --tune``: timed back to back in a
 CUDA graph over experts read from HBM, as a decode step runs them), else the autotuner's, per
@@ -30,6 +32,7 @@ import triton.language as tl
 
 from services.worker.engine.ops import gemv_configs
 from services.worker.engine.ops.dependent_launch import await_inputs, launch_options
+from services.worker.engine.ops.fp8_linear import _quantize, _row_scale, _scale_of
 from services.worker.engine.ops.moe_common import (
     TL_DTYPES,
     activate,
@@ -47,12 +50,13 @@ def _gemv_up_kernel(
     stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_c, stride_be, alpha, limit,
     HAS_MAP: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
     CLAMPED: tl.constexpr, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    QUANT: tl.constexpr = False, GPU: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """GEMV 1 (the module docstring): pair ``program_id(0)``'s rows ``BLOCK_N`` · program_id(1)
     onward of h. W [E, 2·INTER, K]: gate rows n, up rows INTER + n. FP8 as
     ``_moe_gemm_kernel``'s (X the codes, XS their scales; GROUP: BLOCK_K divides it, so a K
-    tile is in one group). A pair
+    tile is in one group), or with QUANT X itself, its codes made here as ``quantize_input``
+    makes them (``_token_codes``). A pair
     whose expert is on another rank reads nothing and writes a row of zeros."""
     pair = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -64,6 +68,8 @@ def _gemv_up_kernel(
     live = n_ok & (e >= 0)
     expert = tl.maximum(e, 0).to(tl.int64)
     x_row = X + (pair // top_k).to(tl.int64) * stride_x
+    if QUANT and not GROUP:  # the token's scale, over its whole row first
+        xs_row = _row_scale(x_row, K, x_row, False, BLOCK_K)
     gate_rows = W + expert * stride_we + rn[:, None].to(tl.int64) * stride_wn
     up_rows = gate_rows + INTER * stride_wn
     ws_row = WS + expert * stride_wse
@@ -76,12 +82,22 @@ def _gemv_up_kernel(
         cols = k0 + rk
         k_ok = cols < K
         ok = live[:, None] & k_ok[None, :]
-        x = tl.load(x_row + cols, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        x = tl.load(x_row + cols, mask=k_ok, other=0.0).to(tl.float32)
+        if QUANT:
+            if GROUP:  # the scale of the group this tile lies in
+                gcols = (k0 // GROUP) * GROUP + tl.arange(0, GROUP)
+                xg = tl.load(x_row + gcols, mask=gcols < K, other=0.0).to(tl.float32)
+                xs = _scale_of(tl.max(tl.abs(xg), 0))
+            else:
+                xs = xs_row
+            x = _token_codes(x, xs, GPU)
+        x = x[None, :]
         g = tl.load(gate_rows + cols[None, :], mask=ok, other=0.0).to(tl.float32) * x
         u = tl.load(up_rows + cols[None, :], mask=ok, other=0.0).to(tl.float32) * x
         if GROUP:
             grp = k0 // GROUP
-            xs = tl.load(XS + (pair // top_k) * stride_xsm + grp * stride_xsg)
+            if not QUANT:
+                xs = tl.load(XS + (pair // top_k) * stride_xsm + grp * stride_xsg)
             ws_g = tl.load(ws_row + (rn // GROUP) * stride_wsn + grp * stride_wsk, mask=live,
                            other=0.0)  # fmt: skip
             ws_u = tl.load(ws_row + ((INTER + rn) // GROUP) * stride_wsn + grp * stride_wsk,
@@ -95,7 +111,10 @@ def _gemv_up_kernel(
         gate = tl.sum(acc, 1)
         up = tl.sum(acc_up, 1)
         if FP8:  # per channel: the token's and the row's scale, once
-            xs = tl.load(XS + (pair // top_k) * stride_xsm)
+            if QUANT:
+                xs = xs_row
+            else:
+                xs = tl.load(XS + (pair // top_k) * stride_xsm)
             gate *= xs * tl.load(ws_row + rn * stride_wsn, mask=live, other=0.0)
             up *= xs * tl.load(ws_row + (INTER + rn) * stride_wsn, mask=live, other=0.0)
     if HAS_BIAS:
@@ -112,11 +131,12 @@ def _gemv_down_kernel(
     stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_out, stride_be,
     HAS_MAP: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
     DTYPE: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    QUANT: tl.constexpr = False, GPU: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """GEMV 2 (the module docstring): token ``program_id(0)``'s columns ``BLOCK_N`` ·
     program_id(1) onward of out, every slot at once (a [SLOTS, BLOCK_N, BLOCK_K] tile of the
-    slots' experts' w2 rows a K step). A (h, or its codes with AS) [T·k, K]; W [E, N, K]."""
+    slots' experts' w2 rows a K step). A (h, or its codes with AS) [T·k, K]; W [E, N, K]. With
+    QUANT and FP8, A is h and each slot's codes are made here (``_token_codes``)."""
     t = tl.program_id(0).to(tl.int64)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
@@ -133,24 +153,45 @@ def _gemv_down_kernel(
     a_rows = A + pairs[:, None] * stride_a
     ws_rows = WS + expert[:, None] * stride_wse
     rk = tl.arange(0, BLOCK_K)
+    if QUANT and not GROUP:  # each slot's scale, over its whole row of h first
+        amax = tl.zeros([SLOTS], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + rk
+            a = tl.load(a_rows + cols[None, :], mask=live[:, None] & (cols < K)[None, :],
+                        other=0.0)  # fmt: skip
+            amax = tl.maximum(amax, tl.max(tl.abs(a.to(tl.float32)), 1))
+        xs_rows = _scale_of(amax)
     acc = tl.zeros([SLOTS, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + rk
         k_ok = cols < K
         a = tl.load(a_rows + cols[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
+        a = a.to(tl.float32)
+        if QUANT:
+            if GROUP:
+                xs = _group_scales(A + pairs * stride_a, live, k0, K, GROUP)
+            else:
+                xs = xs_rows
+            a = _token_codes(a, xs[:, None], GPU)
         w = tl.load(w_rows + cols[None, None, :], mask=ok[:, :, None] & k_ok[None, None, :],
                     other=0.0)  # fmt: skip
-        part = tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], 2)
+        part = tl.sum(w.to(tl.float32) * a[:, None, :], 2)
         if GROUP:
             grp = k0 // GROUP
-            xs = tl.load(AS + pairs * stride_asm + grp * stride_asg, mask=live, other=0.0)
+            if QUANT:
+                xs = tl.where(live, xs, 0.0)
+            else:
+                xs = tl.load(AS + pairs * stride_asm + grp * stride_asg, mask=live, other=0.0)
             ws = tl.load(ws_rows + (rn // GROUP)[None, :] * stride_wsn + grp * stride_wsk,
                          mask=ok, other=0.0)  # fmt: skip
             acc += part * (xs[:, None] * ws)
         else:
             acc += part
     if FP8 and not GROUP:
-        xs = tl.load(AS + pairs * stride_asm, mask=live, other=0.0)
+        if QUANT:
+            xs = tl.where(live, xs_rows, 0.0)
+        else:
+            xs = tl.load(AS + pairs * stride_asm, mask=live, other=0.0)
         acc *= xs[:, None] * tl.load(ws_rows + rn[None, :] * stride_wsn, mask=ok, other=0.0)
     if HAS_BIAS:
         acc += tl.load(BIAS + expert[:, None] * stride_be + rn[None, :], mask=ok,
@@ -161,6 +202,24 @@ def _gemv_down_kernel(
     for slot in tl.static_range(SLOTS):  # in slot order, as the sum step (the rest add zeros)
         total += tl.sum(tl.where(j[:, None] == slot, y, 0.0), 0)
     tl.store(OUT + t * stride_out + rn, total.to(OUT.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _group_scales(rows, row_ok, k0, K, GROUP: tl.constexpr):
+    """The scales of the scale group holding column ``k0`` of each row of ``rows`` (pointers
+    [R]; rows not ``row_ok`` read as 0): max |x| over the group / FP8_MAX (at least
+    MIN_SCALE), as ``quantize_groups``."""
+    gcols = (k0 // GROUP) * GROUP + tl.arange(0, GROUP)
+    x = tl.load(rows[:, None] + gcols[None, :], mask=row_ok[:, None] & (gcols < K)[None, :],
+                other=0.0)  # fmt: skip
+    return _scale_of(tl.max(tl.abs(x.to(tl.float32)), 1))
+
+
+@triton.jit
+def _token_codes(x, xs, GPU: tl.constexpr):
+    """x's e4m3 codes under scale ``xs`` as float32 values: ``quantize_input``'s (the same
+    rounding, ``fp8_linear._quantize``), so that quantizing in the GEMV changes no code."""
+    return _quantize(x, xs, tl.math.div_rn(1.0, xs), GPU).to(tl.float32)
 
 
 _GEMV_UP_CONFIGS = [
@@ -199,17 +258,22 @@ def _k_tiles_in_a_group(
 
 _gemv_up_tuned = triton.autotune(
     configs=_GEMV_UP_CONFIGS,
-    key=["T", "K", "INTER", "top_k", "FP8", "GROUP", "HAS_BIAS"],
+    key=["T", "K", "INTER", "top_k", "FP8", "GROUP", "HAS_BIAS", "QUANT"],
     prune_configs_by={"early_config_prune": _k_tiles_in_a_group},
 )(_gemv_up_kernel)
 _gemv_down_tuned = triton.autotune(
     configs=_GEMV_DOWN_CONFIGS,
-    key=["T", "N", "K", "top_k", "FP8", "GROUP", "HAS_BIAS"],
+    key=["T", "N", "K", "top_k", "FP8", "GROUP", "HAS_BIAS", "QUANT"],
     prune_configs_by={"early_config_prune": _k_tiles_in_a_group},
 )(_gemv_down_kernel)
 
 
 Launch = dict[str, int]  # BLOCK_N, BLOCK_K, num_warps, num_stages
+
+# FP8 experts at up to this many tokens: each GEMV quantizes its own activations (x's codes in
+# GEMV 1, h's in GEMV 2, the same codes ``quantize_input`` writes), so the two quantizing
+# launches between them go (0: they stay; benchmarks/latency.py's ``fp8_moe_quantize_apart``)
+QUANTIZE_TOKENS = 1
 
 
 def measured_launch(
@@ -253,11 +317,14 @@ def moe_gemv(
     k_tile = math.gcd(block, 32) if block else 32  # (the interpreter's)
     emap = expert_map if expert_map is not None else ids
     weights = topk_weights.reshape(-1).float().contiguous()
-    aq, a_scales, a_strides = operand(quantize_input(x, block) if fp8 else x)
+    # FP8 at up to QUANTIZE_TOKENS tokens: each GEMV makes its activations' codes itself
+    quant = fp8 and t <= QUANTIZE_TOKENS
+    aq, a_scales, a_strides = operand(quantize_input(x, block) if fp8 and not quant else x)
     h = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
     s13, s13_strides = weight_scales(w13, w13_scale)
     common = {"HAS_MAP": expert_map is not None, "FP8": fp8, "GROUP": block or 0,
-              "DTYPE": TL_DTYPES[x.dtype], **launch_options(x)}  # fmt: skip
+              "DTYPE": TL_DTYPES[x.dtype], "QUANT": quant, "GPU": x.is_cuda,
+              **launch_options(x)}  # fmt: skip
     up_args = (
         aq, a_scales, w13, s13, h, w13_bias if w13_bias is not None else h, ids, emap, t,
         hidden, inter, top_k, aq.stride(0), *a_strides, w13.stride(0),
@@ -278,7 +345,7 @@ def moe_gemv(
         _gemv_up_kernel[(t * top_k, triton.cdiv(inter, 16))](
             *up_args, **up, BLOCK_N=16, BLOCK_K=k_tile
         )  # fmt: skip
-    hc, h_scales, h_strides = operand(quantize_input(h, block) if fp8 else h)
+    hc, h_scales, h_strides = operand(quantize_input(h, block) if fp8 and not quant else h)
     s2, s2_strides = weight_scales(w2, w2_scale)
     down_args = (
         hc, h_scales, w2, s2, out, w2_bias if w2_bias is not None else out, weights, ids, emap,
