@@ -6,6 +6,7 @@ tests in tests/gpu). The gate's GEMV and the choice in one launch (``gate_route`
 counter."""
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -128,13 +129,15 @@ def test_the_choice_stays_in_the_best_groups(by_top2: bool) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_the_gate_and_the_choice_in_one_launch(name: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "bf16-x-float32-gate"])
+def test_the_gate_and_the_choice_in_one_launch(name: str, dtype: Any) -> None:
     """Three tokens one after another through the same scratch (the counter back at zero after
     each): the logits the gate alone gives (in the gate's dtype; gpt-oss's router bias added),
     and from those the very choice ``select_experts`` makes."""
-    if dtype == torch.bfloat16 and DEVICE == "cpu":
+    if dtype != torch.float32 and DEVICE == "cpu":
         pytest.skip("Triton's CPU interpreter has no bfloat16 arithmetic here; runs on the GPU")
+    x_dtype = torch.bfloat16 if dtype == "bf16-x-float32-gate" else dtype
+    dtype = torch.float32 if dtype == "bf16-x-float32-gate" else dtype  # (DeepSeek's gate)
     moe = CASES[name]
     e, hidden = moe.num_experts, 200  # (not a multiple of the column step: the last is masked)
     g = torch.Generator().manual_seed(e)
@@ -147,7 +150,7 @@ def test_the_gate_and_the_choice_in_one_launch(name: str, dtype: torch.dtype) ->
     arrivals = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # (bf16: a logit's last bit may differ)
     for _ in range(3):
-        x = (3 * torch.randn(1, hidden, generator=g)).to(DEVICE, dtype)
+        x = (3 * torch.randn(1, hidden, generator=g)).to(DEVICE, x_dtype)
         exact = torch.nn.functional.linear(
             x.float(), weight.float(), None if gate_bias is None else gate_bias.float()
         )

@@ -200,7 +200,8 @@ def gate_route(
     arrivals: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token's ``route(x Wᵀ (+ bias))`` in one launch (``_gate_route_kernel``): x [1, H]
-    in the gate's dtype, weight [E, H]. ``logits`` [E] (the gate's dtype) and ``arrivals``
+    in the gate's dtype or, with a float32 gate, the model's (widened as it is read: the
+    products of ``x.float()``), weight [E, H]. ``logits`` [E] (the gate's dtype) and ``arrivals``
     (int32 [1], zero) are the caller's scratch, kept from launch to launch (a CUDA graph
     replays the same ones); ``arrivals`` is zero again after each launch."""
     assert x.shape[0] == 1 and weight.stride(1) == 1 and arrivals.dtype == torch.int32

@@ -247,8 +247,7 @@ class Router(nn.Module):
         if self.FUSED and self.kernels and x.is_cuda and x.shape[0] == 1:
             from services.worker.engine.ops import moe_routing
 
-            if moe_routing.supported(x, self.moe):
-                x = x.float() if self.float32 else x
+            if moe_routing.supported(x, self.moe):  # (a float32 gate widens x as it reads it)
                 return moe_routing.gate_route(x, self.weight, self.bias, self.moe, bias,
                                               self.scratch_logits, self.arrivals)  # fmt: skip
         return select_experts(self(x), self.moe, bias)
