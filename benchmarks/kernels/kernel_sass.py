@@ -175,12 +175,16 @@ PRESETS = {
 
 def compile_sm90(p: Preset) -> Any:
     """The compiled kernel; pointers and int32 arguments divisible by 16, as Triton
-    specializes a launch whose tensors and strides are."""
+    specializes a launch whose tensors and strides are; a constexpr the preset does not name
+    at its default."""
     names = p.kernel.arg_names
-    sig = {n: "constexpr" if n in p.constexprs else p.types.get(n, "i32") for n in names}
     unknown = (set(p.types) | set(p.constexprs)) - set(names)
     if unknown:
         raise ValueError(f"{p.kernel.__name__} has no arguments {sorted(unknown)}")
+    defaults = {q.name: q.default for q in p.kernel.params if q.is_constexpr and q.has_default}
+    constexprs = {**{n: v for n, v in defaults.items() if n not in p.types}, **p.constexprs}
+    p = Preset(p.kernel, p.types, constexprs, p.warps, p.stages)
+    sig = {n: "constexpr" if n in p.constexprs else p.types.get(n, "i32") for n in names}
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("TRITON_INTERPRET=1: the kernels were made for the interpreter")
     aligned = [n for n in names if sig[n].startswith("*") or sig[n] == "i32"]

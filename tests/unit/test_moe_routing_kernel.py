@@ -63,7 +63,8 @@ def test_route_equals_select_experts(name: str, tokens: int) -> None:
     if moe.correction_bias:
         bias = (0.1 * torch.randn(moe.num_experts, generator=g)).to(DEVICE)
     assert supported(logits, moe)
-    want_w, want_ids = select_experts(logits, moe, bias)
+    # (the PyTorch path: select_experts of a GPU tensor would route through the kernel)
+    want_w, want_ids = select_experts(logits.cpu(), moe, None if bias is None else bias.cpu())
     got_w, got_ids = route(logits, moe, bias)
     assert got_ids.dtype == torch.int64 and got_w.dtype == torch.float32
     assert torch.equal(got_ids.cpu(), want_ids.cpu())
@@ -157,8 +158,10 @@ def test_the_gate_and_the_choice_in_one_launch(name: str, dtype: Any) -> None:
         got_w, got_ids = gate_route(x, weight, gate_bias, moe, bias, logits, arrivals)
         assert arrivals.item() == 0
         torch.testing.assert_close(logits.float().cpu(), exact[0].cpu(), rtol=tol, atol=tol)
-        want_w, want_ids = select_experts(logits[None].clone(), moe, bias)
+        # the one-token routing kernel's choice from these logits (it is PyTorch's: above)
+        want_w, want_ids = route(logits[None].clone(), moe, bias)
         assert torch.equal(got_ids.cpu(), want_ids.cpu())
         torch.testing.assert_close(got_w.cpu(), want_w.cpu(), rtol=1e-6, atol=1e-7)
-        if dtype == torch.float32:  # (no ties to break differently)
-            assert torch.equal(got_ids.cpu(), select_experts(exact, moe, bias)[1].cpu())
+        if dtype == torch.float32:  # and PyTorch's from the exact logits (no ties to break)
+            cpu_bias = None if bias is None else bias.cpu()
+            assert torch.equal(got_ids.cpu(), select_experts(exact.cpu(), moe, cpu_bias)[1])

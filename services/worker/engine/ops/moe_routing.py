@@ -133,7 +133,8 @@ def _gate_route_kernel(
     KEEP_GROUPS: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One token's router in one launch: program p the gate's rows BLOCK_N · p onward (the
-    GEMV's, rounded to LOGITS' dtype: the logits the gate alone would give), stored; the
+    GEMV's arithmetic, rounded to LOGITS' dtype: the gate's logits up to the float32
+    summation order of its own tiles), stored; the
     program that arrives last (ARRIVALS, a counter it sets back to 0) reads every logit and
     chooses (``_choose``)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
