@@ -97,8 +97,12 @@ def test_the_fused_routers_last_program_reads_what_the_others_published(tmp_path
     before its arrival is counted (an atomic at GPU scope), the arrival's acquire drops L1, and
     the last program reads the logits with a strong load; one warp a program, so that its
     choice reduces in shuffles (two barriers, where four warps took ~100)."""
-    sync = _reports(tmp_path, "gate_route")["gate_route"]["synchronization"]
-    assert sync.get("MEMBAR.ALL.GPU") == 1 and sync.get("CCTL.IVALL") == 1
-    assert sync.get("ATOMG.E.ADD.STRONG.GPU") == 1 and sync.get("ATOMG.E.EXCH.STRONG.GPU") == 1
-    assert any(op.startswith("LDG") and "STRONG" in op for op in sync)
-    assert sync.get("BAR.SYNC.DEFER_BLOCKING", 0) <= 2
+    got = _reports(tmp_path, "gate_route", "gate_route_normed")
+    for name in ("gate_route", "gate_route_normed"):  # (with the norm in it too)
+        sync = got[name]["synchronization"]
+        assert sync.get("MEMBAR.ALL.GPU") == 1 and sync.get("CCTL.IVALL") == 1, name
+        assert sync.get("ATOMG.E.ADD.STRONG.GPU") == 1, name
+        assert sync.get("ATOMG.E.EXCH.STRONG.GPU") == 1, name
+        assert any(op.startswith("LDG") and "STRONG" in op for op in sync), name
+        assert sync.get("BAR.SYNC.DEFER_BLOCKING", 0) <= 2, name
+        assert got[name]["local"] == 0 and got[name]["stack"] == 0, name  # (no spills)

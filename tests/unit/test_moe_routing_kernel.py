@@ -13,7 +13,8 @@ import torch
 
 from services.worker.engine.model_config import MoEConfig
 from services.worker.engine.models.layers.moe import select_experts
-from services.worker.engine.ops.moe_routing import gate_route, route, supported
+from services.worker.engine.ops.fused_ops import add_rms_norm
+from services.worker.engine.ops.moe_routing import gate_route, norm_gate_route, route, supported
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -165,3 +166,40 @@ def test_the_gate_and_the_choice_in_one_launch(name: str, dtype: Any) -> None:
         if dtype == torch.float32:  # and PyTorch's from the exact logits (no ties to break)
             cpu_bias = None if bias is None else bias.cpu()
             assert torch.equal(got_ids.cpu(), select_experts(exact.cpu(), moe, cpu_bias)[1])
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe (softmax, renormalized)",
+                                  "deepseek-v3 (256 experts, 8 groups, best 4 by their top 2, "
+                                  "sigmoid + bias)", "gpt-oss (softmax of the top-k)"])  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_post_attention_norm_in_the_routers_launch(name: str, dtype: torch.dtype) -> None:
+    """``norm_gate_route``: the decoder layer's post-attention RMSNorm of residual + x worked
+    out by every program of the router's launch, each writing its share of the norm and of the
+    new residual: the new residual exactly ``add_rms_norm``'s, the norm within its statistics'
+    summation order, and the choice the one-launch router makes from that norm; the residual
+    given is left as it was. Three tokens through one scratch."""
+    if dtype != torch.float32 and DEVICE == "cpu":
+        pytest.skip("Triton's CPU interpreter has no bfloat16 arithmetic here; runs on the GPU")
+    moe = CASES[name]
+    e, hidden = moe.num_experts, 200  # (the interpreter's 4-row programs: 200 in ~E/4 shares)
+    g = torch.Generator().manual_seed(7)
+    weight = (torch.randn(e, hidden, generator=g) / hidden**0.5).to(DEVICE, dtype)
+    gate_bias = (0.1 * torch.randn(e, generator=g)).to(DEVICE, dtype)
+    bias = (0.1 * torch.randn(e, generator=g)).to(DEVICE) if moe.correction_bias else None
+    norm_weight = (1 + 0.2 * torch.randn(hidden, generator=g)).to(DEVICE, dtype)
+    logits = torch.empty(e, dtype=dtype, device=DEVICE)
+    arrivals = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for _ in range(3):
+        x = torch.randn(1, hidden, generator=g).to(DEVICE, dtype)
+        residual = (4 * torch.randn(1, hidden, generator=g)).to(DEVICE, dtype)
+        given = residual.clone()
+        got = norm_gate_route(x, residual, norm_weight, 1e-6, weight, gate_bias, moe, bias,
+                              logits, arrivals)  # fmt: skip
+        want_h, want_residual = add_rms_norm(x, residual.clone(), norm_weight, 1e-6)
+        assert torch.equal(residual, given) and arrivals.item() == 0
+        assert torch.equal(got[3], want_residual)
+        torch.testing.assert_close(got[2], want_h, rtol=tol, atol=tol)
+        want_w, want_ids = gate_route(got[2], weight, gate_bias, moe, bias, logits, arrivals)
+        assert torch.equal(got[1], want_ids)
+        torch.testing.assert_close(got[0], want_w, rtol=tol, atol=tol)

@@ -127,18 +127,26 @@ def _best_groups(
 @triton.jit
 def _gate_route_kernel(
     X, W, B, LOGITS, ARRIVALS, BIAS, WEIGHTS, IDS, E, HIDDEN, stride_wn, scaling,
+    R, NW, H, R_OUT, eps,
     HAS_GATE_BIAS: tl.constexpr, K: tl.constexpr, SCORING: tl.constexpr,
     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, GROUPS: tl.constexpr = 1,
-    KEEP_GROUPS: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
+    KEEP_GROUPS: tl.constexpr = 1, NORMED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One token's router in one launch: program p the gate's rows BLOCK_N · p onward (the
     GEMV's arithmetic, rounded to LOGITS' dtype: the gate's logits up to the float32
     summation order of its own tiles), stored; the
     program that arrives last (ARRIVALS, a counter it sets back to 0) reads every logit and
-    chooses (``_choose``)."""
+    chooses (``_choose``). With NORMED the gate's input is the decoder layer's
+    post-attention RMSNorm of R + X, which every program works out for itself
+    (``_normed_gemv_rows``), writing its share of the norm to H and of R + X to R_OUT."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    y = gemv_rows(X, W, B, rows, E, HIDDEN, stride_wn, HAS_GATE_BIAS, BLOCK_N, BLOCK_H, USE_PDL)
+    if NORMED:
+        y = _normed_gemv_rows(X, R, NW, H, R_OUT, eps, W, B, rows, E, HIDDEN, stride_wn,
+                              HAS_GATE_BIAS, BLOCK_N, BLOCK_H, USE_PDL)  # fmt: skip
+    else:
+        y = gemv_rows(X, W, B, rows, E, HIDDEN, stride_wn, HAS_GATE_BIAS, BLOCK_N, BLOCK_H,
+                      USE_PDL)  # fmt: skip
     tl.store(LOGITS + rows, y.to(LOGITS.dtype.element_ty), mask=rows < E)
     # every thread's logits stored before the arrival is counted (the counter's release then
     # publishes them all), and the last one's reads after its acquire, past L1
@@ -150,6 +158,60 @@ def _gate_route_kernel(
         _choose(logits.to(tl.float32), BIAS, WEIGHTS, IDS, E, scaling, K, SCORING, HAS_BIAS,
                 NORM, BLOCK_E, BLOCK_K, GROUPS, KEEP_GROUPS)  # fmt: skip
         tl.atomic_xchg(ARRIVALS, 0, sem="relaxed", scope="gpu")  # for the next launch
+
+
+@triton.jit
+def _normed_gemv_rows(
+    X, R, NW, H, R_OUT, eps, W, B, rows, N, K, stride_wn,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """``gemv_rows`` of h = RMSNorm(R + X) (weight NW), h and R + X rounded as
+    ``fused_ops.add_rms_norm`` rounds them (its statistics summed in another order): a pass for
+    the sum of squares, then the products. Of K's columns this program writes h's and R + X's
+    own share (K / programs of them, in order) to H and R_OUT; R is only read (another program
+    may still be reading it)."""
+    row_ok = rows < N
+    w_rows = W + rows[:, None].to(tl.int64) * stride_wn
+    cols = tl.arange(0, BLOCK_K)
+    # the first weight tile before the wait, as gemv_rows
+    w_first = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :],
+                      other=0.0)  # fmt: skip
+    await_inputs(USE_PDL)
+    squares = tl.zeros([BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        c = k0 + cols
+        res = _residual_sum(X, R, c, c < K)
+        squares += res * res
+    inv = tl.rsqrt(tl.sum(squares, 0) / K + eps)
+    share = tl.cdiv(K, tl.num_programs(0))
+    mine = tl.program_id(0) * share
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        c = k0 + cols
+        ok = c < K
+        res = _residual_sum(X, R, c, ok)
+        normed = (res * inv).to(X.dtype.element_ty).to(tl.float32)
+        h = (tl.load(NW + c, mask=ok, other=0.0).to(tl.float32) * normed).to(X.dtype.element_ty)
+        own = ok & (c >= mine) & (c < mine + share)
+        tl.store(H + c, h, mask=own)
+        tl.store(R_OUT + c, res.to(X.dtype.element_ty), mask=own)
+        if k0 == 0:
+            w = w_first
+        else:
+            w = tl.load(w_rows + c[None, :], mask=row_ok[:, None] & ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * h.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
+    return y
+
+
+@triton.jit
+def _residual_sum(X, R, c, ok):
+    """R + X at columns ``c``, rounded to X's dtype (as the norm's residual add), as float32."""
+    x = tl.load(X + c, mask=ok, other=0.0)
+    r = tl.load(R + c, mask=ok, other=0.0)
+    return (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype).to(tl.float32)
 
 
 def supported(logits: torch.Tensor, moe: MoEConfig) -> bool:
@@ -189,6 +251,9 @@ def route(
 # shared memory: ~100 barriers, compiled for sm_90), one gate row a program (128 programs for
 # 128 experts) read in steps of up to 2,048 columns
 GATE_ROUTE_ROWS, GATE_ROUTE_COLUMNS, GATE_ROUTE_WARPS = 1, 2048, 1
+# ... with the norm in it, 512 (its tiles of x, the residual, the norm's weight and the sums at
+# 2,048 took 255 registers and a stack at sm_90; at 512, 85)
+GATE_ROUTE_NORMED_COLUMNS = 512
 
 
 def gate_route(
@@ -204,7 +269,50 @@ def gate_route(
     in the gate's dtype or, with a float32 gate, the model's (widened as it is read: the
     products of ``x.float()``), weight [E, H]. ``logits`` [E] (the gate's dtype) and ``arrivals``
     (int32 [1], zero) are the caller's scratch, kept from launch to launch (a CUDA graph
-    replays the same ones); ``arrivals`` is zero again after each launch."""
+    replays the same ones); ``arrivals`` is zero again after each launch. Returns (weights
+    float32 [1, k], ids int64 [1, k])."""
+    x = x.contiguous()
+    weights, ids = _launch(x, weight, bias, moe, correction_bias, logits, arrivals,
+                           (x, x, x, x, 0.0), normed=False)  # fmt: skip
+    return weights, ids
+
+
+def norm_gate_route(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    moe: MoEConfig,
+    correction_bias: torch.Tensor | None,
+    logits: torch.Tensor,
+    arrivals: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``gate_route`` of the decoder layer's post-attention norm, in the same one launch: x
+    [1, H] the attention's output, the gate's input ``add_rms_norm(x, residual, norm_weight,
+    eps)``'s norm. Returns (weights, ids, the norm, the new residual R + X: a new tensor, the
+    residual given left as it was)."""
+    x, residual = x.contiguous(), residual.contiguous()
+    h, new_residual = torch.empty_like(x), torch.empty_like(x)
+    weights, ids = _launch(x, weight, bias, moe, correction_bias, logits, arrivals,
+                           (residual, norm_weight, h, new_residual, eps), normed=True)  # fmt: skip
+    return weights, ids, h, new_residual
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    moe: MoEConfig,
+    correction_bias: torch.Tensor | None,
+    logits: torch.Tensor,
+    arrivals: torch.Tensor,
+    norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
+    normed: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_gate_route_kernel``'s launch; ``norm``: (R, NW, H, R_OUT, eps), unread without
+    ``normed``."""
     assert x.shape[0] == 1 and weight.stride(1) == 1 and arrivals.dtype == torch.int32
     e, hidden = weight.shape
     k = moe.top_k
@@ -212,17 +320,21 @@ def gate_route(
     ids = torch.empty((1, k), dtype=torch.int64, device=x.device)
     if x.is_cuda:
         launch = {"BLOCK_N": GATE_ROUTE_ROWS, "num_warps": GATE_ROUTE_WARPS, "num_stages": 2}
-        block_h = min(GATE_ROUTE_COLUMNS, triton.next_power_of_2(hidden))
+        columns = GATE_ROUTE_NORMED_COLUMNS if normed else GATE_ROUTE_COLUMNS
+        block_h = min(columns, triton.next_power_of_2(hidden))
     else:  # (the interpreter: several rows a program and several steps, several to arrive)
         launch, block_h = {"BLOCK_N": 4}, 64
-    norm = moe.norm_topk_prob and moe.scoring != "softmax_of_topk"
+    norm_topk = moe.norm_topk_prob and moe.scoring != "softmax_of_topk"
+    residual, norm_weight, h, new_residual, eps = norm
     _gate_route_kernel[(triton.cdiv(e, launch["BLOCK_N"]),)](
-        x.contiguous(), weight, bias if bias is not None else weight, logits, arrivals,
+        x, weight, bias if bias is not None else weight, logits, arrivals,
         correction_bias.float() if correction_bias is not None else logits, weights, ids, e,
         hidden, weight.stride(0), float(moe.routed_scaling_factor),
+        residual, norm_weight, h, new_residual, float(eps),
         HAS_GATE_BIAS=bias is not None, K=k, SCORING=_SCORING[moe.scoring],
-        HAS_BIAS=correction_bias is not None, NORM=norm, BLOCK_E=triton.next_power_of_2(e),
-        BLOCK_K=triton.next_power_of_2(k), BLOCK_H=block_h, GROUPS=moe.num_groups,
-        KEEP_GROUPS=moe.topk_groups, **launch, **launch_options(x),
+        HAS_BIAS=correction_bias is not None, NORM=norm_topk,
+        BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(k), BLOCK_H=block_h,
+        GROUPS=moe.num_groups, KEEP_GROUPS=moe.topk_groups, NORMED=normed,
+        **launch, **launch_options(x),
     )  # fmt: skip
     return weights, ids

@@ -44,6 +44,7 @@ from services.worker.engine.models.layers.linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
 )
+from services.worker.engine.models.layers.norm import ResidualNorm, RMSNorm
 from services.worker.engine.models.weights import (
     CheckpointTarget,
     CheckpointTensor,
@@ -241,16 +242,36 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x.float() if self.float32 else x, self.weight, self.bias, self.kernels)
 
+    def fused(self, x: torch.Tensor) -> bool:
+        """The one-launch router takes ``x``: one token on a GPU, the engine's kernels, a
+        choice the routing kernel makes."""
+        if not (self.FUSED and self.kernels and x.is_cuda and x.shape[0] == 1):
+            return False
+        from services.worker.engine.ops import moe_routing
+
+        return moe_routing.supported(x, self.moe)
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``select_experts`` of the logits: (weights float32 [T, k], ids int64 [T, k])."""
         bias = self.e_score_correction_bias
-        if self.FUSED and self.kernels and x.is_cuda and x.shape[0] == 1:
+        if self.fused(x):  # (a float32 gate widens x as it reads it)
             from services.worker.engine.ops import moe_routing
 
-            if moe_routing.supported(x, self.moe):  # (a float32 gate widens x as it reads it)
-                return moe_routing.gate_route(x, self.weight, self.bias, self.moe, bias,
-                                              self.scratch_logits, self.arrivals)  # fmt: skip
+            return moe_routing.gate_route(x, self.weight, self.bias, self.moe, bias,
+                                          self.scratch_logits, self.arrivals)  # fmt: skip
         return select_experts(self(x), self.moe, bias)
+
+    def route_normed(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``route`` of ``norm.forward_residual(x, residual)``'s norm in one launch (where
+        ``fused``): (weights, ids, the norm, the new residual)."""
+        from services.worker.engine.ops import moe_routing
+
+        return moe_routing.norm_gate_route(
+            x, residual, norm.weight, norm.eps, self.weight, self.bias, self.moe,
+            self.e_score_correction_bias, self.scratch_logits, self.arrivals,
+        )  # fmt: skip
 
 
 class FusedMoE(nn.Module):
@@ -492,8 +513,31 @@ class MoEBlock(nn.Module):
             self.shared_experts = SharedExperts(arch.hidden_size, moe.shared_intermediate_size,
                                                 ctx, moe.shared_expert_gate)  # fmt: skip
 
+    # one token's post-attention RMSNorm worked out in the router's launch (False: its own
+    # launch: the A/B of benchmarks/latency.py's ``moe_norm_apart``)
+    NORM_IN_ROUTER = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate.route(x)
+        return self._experts(x, weights, ids)
+
+    def forward_residual(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: ResidualNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``norm.forward_residual(x, residual)`` (the decoder layer's post-attention norm),
+        then this block: (its output, the new residual). Where the one-launch router takes the
+        token and the norm is a plain RMSNorm (no codes: it feeds no FP8 projection), the
+        router's launch works the norm out too (``Router.route_normed``)."""
+        plain = isinstance(norm, RMSNorm) and norm.fused and norm.codes_for is None
+        if self.NORM_IN_ROUTER and plain and self.gate.fused(x):
+            assert isinstance(norm, RMSNorm)
+            weights, ids, h, residual = self.gate.route_normed(x, residual, norm)
+            return self._experts(h, weights, ids), residual
+        normed, residual = norm.forward_residual(x, residual)
+        assert isinstance(normed, torch.Tensor)  # (it feeds no FP8 projection: no codes)
+        return self(normed), residual
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
