@@ -82,6 +82,8 @@ def test_one_tokens_router_is_one_launch(
                 assert [greedy(llm, [p])[0] for p in prompts] == want
         calls = normed if norm_in_router else plain
         assert calls and set(calls) == {1}
+        if norm_in_router:  # (every MoE layer took it: none fell back to the plain launch)
+            assert not plain
 
 
 def test_bfloat16_is_close_to_float32(models: dict[str, Path]) -> None:

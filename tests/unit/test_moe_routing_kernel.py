@@ -203,3 +203,25 @@ def test_the_post_attention_norm_in_the_routers_launch(name: str, dtype: torch.d
         want_w, want_ids = gate_route(got[2], weight, gate_bias, moe, bias, logits, arrivals)
         assert torch.equal(got[1], want_ids)
         torch.testing.assert_close(got[0], want_w, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_routers_norm_rounds_where_add_rms_norm_rounds(dtype: torch.dtype) -> None:
+    """Values whose squares sum exactly in any order (±0.5, ±1, ±2): the norm and the new
+    residual of the router's launch equal ``add_rms_norm``'s bit for bit, so each rounding
+    point is the norm kernel's (in bf16: the residual add, the normalised row, the weight's
+    product)."""
+    if dtype != torch.float32 and DEVICE == "cpu":
+        pytest.skip("Triton's CPU interpreter has no bfloat16 arithmetic here; runs on the GPU")
+    moe, hidden = CASES["qwen3-moe (softmax, renormalized)"], 200
+    g = torch.Generator().manual_seed(8)
+    grid = torch.tensor([-2.0, -1.0, -0.5, 0.5, 1.0, 2.0])
+    x, residual = (grid[torch.randint(0, 6, (2, 1, hidden), generator=g)]).to(DEVICE, dtype)
+    norm_weight = (1 + 0.3 * torch.randn(hidden, generator=g)).to(DEVICE, dtype)
+    weight = (torch.randn(moe.num_experts, hidden, generator=g) / hidden**0.5).to(DEVICE, dtype)
+    logits = torch.empty(moe.num_experts, dtype=dtype, device=DEVICE)
+    arrivals = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    _, _, h, new_residual = norm_gate_route(x, residual, norm_weight, 1e-6, weight, None, moe,
+                                            None, logits, arrivals)  # fmt: skip
+    want_h, want_residual = add_rms_norm(x, residual.clone(), norm_weight, 1e-6)
+    assert torch.equal(new_residual, want_residual) and torch.equal(h, want_h)

@@ -211,8 +211,8 @@ class Router(nn.Module):
     on a GPU the logits and the choice in one launch (``ops/moe_routing.gate_route``)."""
 
     # one token's logits and choice in one launch where the routing kernel takes the choice
-    # (False: the GEMV, then the routing kernel: the A/B of benchmarks/latency.py's
-    # ``moe_router_unfused``)
+    # (False: the GEMV, then the routing kernel, and the post-attention norm in a launch of its
+    # own before them: the A/B of benchmarks/latency.py's ``moe_router_unfused``)
     FUSED = True
 
     def __init__(self, hidden: int, moe: MoEConfig, kernels: bool = False):
