@@ -14,7 +14,13 @@ import torch
 from services.worker.engine.model_config import MoEConfig
 from services.worker.engine.models.layers.moe import select_experts
 from services.worker.engine.ops.fused_ops import add_rms_norm
-from services.worker.engine.ops.moe_routing import gate_route, norm_gate_route, route, supported
+from services.worker.engine.ops.moe_routing import (
+    Gate,
+    gate_route,
+    norm_gate_route,
+    route,
+    supported,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -156,7 +162,8 @@ def test_the_gate_and_the_choice_in_one_launch(name: str, dtype: Any) -> None:
         exact = torch.nn.functional.linear(
             x.float(), weight.float(), None if gate_bias is None else gate_bias.float()
         )
-        got_w, got_ids = gate_route(x, weight, gate_bias, moe, bias, logits, arrivals)
+        gate = Gate(weight, gate_bias, moe, bias, logits, arrivals)
+        got_w, got_ids = gate_route(x, gate)
         assert arrivals.item() == 0
         torch.testing.assert_close(logits.float().cpu(), exact[0].cpu(), rtol=tol, atol=tol)
         # the one-token routing kernel's choice from these logits (it is PyTorch's: above)
@@ -194,13 +201,13 @@ def test_the_post_attention_norm_in_the_routers_launch(name: str, dtype: torch.d
         x = torch.randn(1, hidden, generator=g).to(DEVICE, dtype)
         residual = (4 * torch.randn(1, hidden, generator=g)).to(DEVICE, dtype)
         given = residual.clone()
-        got = norm_gate_route(x, residual, norm_weight, 1e-6, weight, gate_bias, moe, bias,
-                              logits, arrivals)  # fmt: skip
+        gate = Gate(weight, gate_bias, moe, bias, logits, arrivals)
+        got = norm_gate_route(x, residual, norm_weight, 1e-6, gate)
         want_h, want_residual = add_rms_norm(x, residual.clone(), norm_weight, 1e-6)
         assert torch.equal(residual, given) and arrivals.item() == 0
         assert torch.equal(got[3], want_residual)
         torch.testing.assert_close(got[2], want_h, rtol=tol, atol=tol)
-        want_w, want_ids = gate_route(got[2], weight, gate_bias, moe, bias, logits, arrivals)
+        want_w, want_ids = gate_route(got[2], gate)
         assert torch.equal(got[1], want_ids)
         torch.testing.assert_close(got[0], want_w, rtol=tol, atol=tol)
 
@@ -221,7 +228,7 @@ def test_the_routers_norm_rounds_where_add_rms_norm_rounds(dtype: torch.dtype) -
     weight = (torch.randn(moe.num_experts, hidden, generator=g) / hidden**0.5).to(DEVICE, dtype)
     logits = torch.empty(moe.num_experts, dtype=dtype, device=DEVICE)
     arrivals = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    _, _, h, new_residual = norm_gate_route(x, residual, norm_weight, 1e-6, weight, None, moe,
-                                            None, logits, arrivals)  # fmt: skip
+    gate = Gate(weight, None, moe, None, logits, arrivals)
+    _, _, h, new_residual = norm_gate_route(x, residual, norm_weight, 1e-6, gate)
     want_h, want_residual = add_rms_norm(x, residual.clone(), norm_weight, 1e-6)
     assert torch.equal(new_residual, want_residual) and torch.equal(h, want_h)

@@ -18,6 +18,8 @@ the scores and weights are float32 as in ``select_experts``, whose results it eq
 the last bits of ``exp`` (``tests/unit/test_moe_routing_kernel.py``).
 """
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -256,38 +258,30 @@ GATE_ROUTE_ROWS, GATE_ROUTE_COLUMNS, GATE_ROUTE_WARPS = 1, 2048, 1
 GATE_ROUTE_NORMED_COLUMNS = 512
 
 
-def gate_route(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    moe: MoEConfig,
-    correction_bias: torch.Tensor | None,
-    logits: torch.Tensor,
-    arrivals: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+class Gate(NamedTuple):
+    """A router as its one-token launch takes it: its weight [E, H] and bias (gpt-oss's), the
+    routing, DeepSeek-V3's correction bias, and its scratch: ``logits`` [E] (the gate's
+    dtype) and ``arrivals`` (int32 [1], zero), kept from launch to launch (a CUDA graph
+    replays the same ones; ``arrivals`` is zero again after each launch)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    moe: MoEConfig
+    correction_bias: torch.Tensor | None
+    logits: torch.Tensor
+    arrivals: torch.Tensor
+
+
+def gate_route(x: torch.Tensor, gate: Gate) -> tuple[torch.Tensor, torch.Tensor]:
     """One token's ``route(x Wᵀ (+ bias))`` in one launch (``_gate_route_kernel``): x [1, H]
     in the gate's dtype or, with a float32 gate, the model's (widened as it is read: the
-    products of ``x.float()``), weight [E, H]. ``logits`` [E] (the gate's dtype) and ``arrivals``
-    (int32 [1], zero) are the caller's scratch, kept from launch to launch (a CUDA graph
-    replays the same ones); ``arrivals`` is zero again after each launch. Returns (weights
-    float32 [1, k], ids int64 [1, k])."""
+    products of ``x.float()``). Returns (weights float32 [1, k], ids int64 [1, k])."""
     x = x.contiguous()
-    weights, ids = _launch(x, weight, bias, moe, correction_bias, logits, arrivals,
-                           (x, x, x, x, 0.0), normed=False)  # fmt: skip
-    return weights, ids
+    return _launch(x, gate, (x, x, x, x, 0.0), normed=False)
 
 
 def norm_gate_route(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    moe: MoEConfig,
-    correction_bias: torch.Tensor | None,
-    logits: torch.Tensor,
-    arrivals: torch.Tensor,
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate: Gate
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``gate_route`` of the decoder layer's post-attention norm, in the same one launch: x
     [1, H] the attention's output, the gate's input ``add_rms_norm(x, residual, norm_weight,
@@ -295,24 +289,19 @@ def norm_gate_route(
     residual given left as it was)."""
     x, residual = x.contiguous(), residual.contiguous()
     h, new_residual = torch.empty_like(x), torch.empty_like(x)
-    weights, ids = _launch(x, weight, bias, moe, correction_bias, logits, arrivals,
-                           (residual, norm_weight, h, new_residual, eps), normed=True)  # fmt: skip
+    weights, ids = _launch(x, gate, (residual, norm_weight, h, new_residual, eps), normed=True)
     return weights, ids, h, new_residual
 
 
 def _launch(
     x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    moe: MoEConfig,
-    correction_bias: torch.Tensor | None,
-    logits: torch.Tensor,
-    arrivals: torch.Tensor,
+    gate: Gate,
     norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
     normed: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``_gate_route_kernel``'s launch; ``norm``: (R, NW, H, R_OUT, eps), unread without
     ``normed``."""
+    weight, bias, moe, correction_bias, logits, arrivals = gate
     assert x.shape[0] == 1 and weight.stride(1) == 1 and arrivals.dtype == torch.int32
     e, hidden = weight.shape
     k = moe.top_k

@@ -54,6 +54,7 @@ from services.worker.engine.models.weights import (
     entry,
     full,
 )
+from services.worker.engine.ops import moe_routing
 from services.worker.engine.ops.gemv import linear
 from services.worker.engine.quantization.base import MoEMethod, Proj, expert_part
 from services.worker.engine.quantization.fp8_math import Codes
@@ -164,11 +165,8 @@ def select_experts(
     as Hugging Face's routers of Qwen3-MoE, Mixtral and DeepSeek-V2/V3 compute them
     (``MoEConfig`` describes the steps); the bias steers the choice, never the weights. On a
     GPU the same steps run in one launch (``ops/moe_routing.py``) where it takes them."""
-    if router_logits.is_cuda:
-        from services.worker.engine.ops import moe_routing
-
-        if moe_routing.supported(router_logits, moe):
-            return moe_routing.route(router_logits, moe, correction_bias)
+    if router_logits.is_cuda and moe_routing.supported(router_logits, moe):
+        return moe_routing.route(router_logits, moe, correction_bias)
     logits = router_logits.float()
     if moe.scoring == "softmax_of_topk":  # gpt-oss: the top logits, then their softmax
         top, ids = torch.topk(logits, moe.top_k, dim=-1)
@@ -247,18 +245,13 @@ class Router(nn.Module):
         choice the routing kernel makes."""
         if not (self.FUSED and self.kernels and x.is_cuda and x.shape[0] == 1):
             return False
-        from services.worker.engine.ops import moe_routing
-
         return moe_routing.supported(x, self.moe)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``select_experts`` of the logits: (weights float32 [T, k], ids int64 [T, k])."""
         bias = self.e_score_correction_bias
         if self.fused(x):  # (a float32 gate widens x as it reads it)
-            from services.worker.engine.ops import moe_routing
-
-            return moe_routing.gate_route(x, self.weight, self.bias, self.moe, bias,
-                                          self.scratch_logits, self.arrivals)  # fmt: skip
+            return moe_routing.gate_route(x, self.launch_args())
         return select_experts(self(x), self.moe, bias)
 
     def route_normed(
@@ -266,12 +259,12 @@ class Router(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``route`` of ``norm.forward_residual(x, residual)``'s norm in one launch (where
         ``fused``): (weights, ids, the norm, the new residual)."""
-        from services.worker.engine.ops import moe_routing
+        return moe_routing.norm_gate_route(x, residual, norm.weight, norm.eps, self.launch_args())
 
-        return moe_routing.norm_gate_route(
-            x, residual, norm.weight, norm.eps, self.weight, self.bias, self.moe,
-            self.e_score_correction_bias, self.scratch_logits, self.arrivals,
-        )  # fmt: skip
+    def launch_args(self) -> moe_routing.Gate:
+        """This router as the one-token launch takes it (its weights and its scratch)."""
+        return moe_routing.Gate(self.weight, self.bias, self.moe, self.e_score_correction_bias,
+                                self.scratch_logits, self.arrivals)  # fmt: skip
 
 
 class FusedMoE(nn.Module):
