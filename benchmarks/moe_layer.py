@@ -319,10 +319,7 @@ def tune(shape: dict[str, int], args: argparse.Namespace, dev: torch.device) -> 
     doc["measured"] = measured
     gemv_configs.parse(doc)  # what the kernels will read
     gemv_configs.parse_gemm(doc)
-    path = Path(args.tune) / tuned_configs.config_file(gpu)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1) + "\n")
-    print("wrote", path)
+    print("wrote", tuned_configs.write(Path(args.tune), gpu, doc))
     return measured
 
 

@@ -390,9 +390,7 @@ def tune(args: argparse.Namespace) -> None:
         "measured": report,
     }
     print(json.dumps({k: config[k] for k in ("prefill", "decode")}, indent=1))
-    path = Path(args.tune) / tuned_configs.config_file(report["gpu"])
-    path.write_text(json.dumps(config, indent=1) + "\n")
-    print("wrote", path)
+    print("wrote", tuned_configs.write(Path(args.tune), report["gpu"], config))
 
 
 # the long contexts that split, and two batched ones whose best count is 2 or 4 (a rule that
@@ -522,9 +520,7 @@ def tune_split_decode(args: argparse.Namespace) -> None:
     config.setdefault("measured", {})["split_decode"] = report
     print(json.dumps({k: report[k] for k in ("cases", "best_us", "chosen_us", "before_us")}))
     print(json.dumps(config["decode"], indent=1))
-    path = Path(args.tune_split_decode) / tuned_configs.config_file(gpu)
-    path.write_text(json.dumps(config, indent=1) + "\n")
-    print("wrote", path)
+    print("wrote", tuned_configs.write(Path(args.tune_split_decode), gpu, config))
 
 
 if __name__ == "__main__":

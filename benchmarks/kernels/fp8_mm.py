@@ -125,8 +125,7 @@ def tune(args: argparse.Namespace, dev: torch.device) -> None:
     from services.worker.engine.ops import fp8_linear, gemv_configs, tuned_configs
 
     gpu = torch.cuda.get_device_name(dev)
-    path = Path(args.tune) / tuned_configs.config_file(gpu)
-    doc = json.loads(path.read_text()) if path.is_file() else {}
+    doc = dict(tuned_configs.read(Path(args.tune), gpu))
     table: dict[str, dict[str, dict[str, int]]] = {}
     rows: list[dict[str, Any]] = []
     for name, (n, k) in projections(SHAPES[args.shape]).items():
@@ -189,8 +188,7 @@ def tune(args: argparse.Namespace, dev: torch.device) -> None:
     doc[gemv_configs.GEMM] = table
     gemv_configs.parse(doc)  # what the kernels will read
     gemv_configs.parse_gemm(doc)
-    path.write_text(json.dumps(doc, indent=1) + "\n")
-    print("wrote", path)
+    print("wrote", tuned_configs.write(Path(args.tune), gpu, doc))
     if args.output:
         Path(args.output).write_text(json.dumps({"gpu": gpu, "rows": rows}, indent=1))
 

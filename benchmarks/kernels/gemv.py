@@ -240,9 +240,7 @@ def tune(args: argparse.Namespace, dev: torch.device) -> None:
             torch.cuda.empty_cache()
     doc["measured"] = measured
     gemv_configs.parse(doc)  # what the kernels will read
-    path = Path(args.tune) / tuned_configs.config_file(gpu)
-    path.write_text(json.dumps(doc, indent=1) + "\n")
-    print("wrote", path)
+    print("wrote", tuned_configs.write(Path(args.tune), gpu, doc))
 
 
 def batched(args: argparse.Namespace, dev: torch.device, bandwidth: float) -> None:

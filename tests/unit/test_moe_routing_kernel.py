@@ -69,7 +69,7 @@ def test_route_equals_select_experts(name: str, tokens: int) -> None:
     bias = None
     if moe.correction_bias:
         bias = (0.1 * torch.randn(moe.num_experts, generator=g)).to(DEVICE)
-    assert supported(logits, moe)
+    assert supported(moe)
     # (the PyTorch path: select_experts of a GPU tensor would route through the kernel)
     want_w, want_ids = select_experts(logits.cpu(), moe, None if bias is None else bias.cpu())
     got_w, got_ids = route(logits, moe, bias)
@@ -106,11 +106,10 @@ def test_fewer_finite_scores_than_k_still_give_k_experts() -> None:
 
 
 def test_groups_the_kernel_does_not_rank_keep_the_pytorch_path() -> None:
-    logits = torch.zeros(1, 64)
     grouped = MoEConfig(num_experts=64, top_k=8, intermediate_size=8, num_groups=8)
-    assert supported(logits, grouped)
-    assert not supported(logits, replace(grouped, num_experts=60))  # (uneven groups)
-    assert not supported(logits, replace(grouped, num_groups=32))  # (more than MAX_GROUPS)
+    assert supported(grouped)
+    assert not supported(replace(grouped, num_experts=60))  # (uneven groups)
+    assert not supported(replace(grouped, num_groups=32))  # (more than MAX_GROUPS)
 
 
 @pytest.mark.parametrize("by_top2", [False, True], ids=["best", "best-two"])

@@ -25,6 +25,7 @@ is on another rank (``expert_map`` → -1) reads nothing and adds nothing.
 """
 
 import math
+from typing import Any
 
 import torch
 import triton
@@ -314,7 +315,6 @@ def moe_gemv(
     assert x.stride(-1) == 1 and w13.stride(-1) == 1 and w2.stride(-1) == 1, "rows contiguous"
     assert out.stride(-1) == 1, "rows contiguous"
     ids = topk_ids.contiguous()
-    k_tile = math.gcd(block, 32) if block else 32  # (the interpreter's)
     emap = expert_map if expert_map is not None else ids
     weights = topk_weights.reshape(-1).float().contiguous()
     # FP8 at up to QUANTIZE_TOKENS tokens: each GEMV makes its activations' codes itself
@@ -334,17 +334,7 @@ def moe_gemv(
     )  # fmt: skip
     up = {**common, "HAS_BIAS": w13_bias is not None, "CLAMPED": swiglu_limit is not None}
     launch = launches[0] or measured_launch("up", x, w13, block)
-    if launch is not None:
-        assert k_tiles_fit(launch["BLOCK_K"], block), f"K tiles across {block}-wide blocks"
-        _gemv_up_kernel[(t * top_k, triton.cdiv(inter, launch["BLOCK_N"]))](
-            *up_args, **up, **launch
-        )
-    elif x.is_cuda:
-        _gemv_up_tuned[lambda m: (t * top_k, triton.cdiv(inter, m["BLOCK_N"]))](*up_args, **up)
-    else:  # Triton's interpreter (tests on CPU): one small tile
-        _gemv_up_kernel[(t * top_k, triton.cdiv(inter, 16))](
-            *up_args, **up, BLOCK_N=16, BLOCK_K=k_tile
-        )  # fmt: skip
+    _run(_gemv_up_kernel, _gemv_up_tuned, (t * top_k, inter), up_args, up, launch, block, x)
     hc, h_scales, h_strides = operand(quantize_input(h, block) if fp8 and not quant else h)
     s2, s2_strides = weight_scales(w2, w2_scale)
     down_args = (
@@ -355,14 +345,29 @@ def moe_gemv(
     )  # fmt: skip
     down = {**common, "HAS_BIAS": w2_bias is not None, "SLOTS": triton.next_power_of_2(top_k)}
     launch = launches[1] or measured_launch("down", x, w2, block)
+    _run(_gemv_down_kernel, _gemv_down_tuned, (t, hidden), down_args, down, launch, block, x)
+    return out
+
+
+def _run(
+    kernel: Any,
+    tuned: Any,
+    grid: tuple[int, int],
+    args: tuple[Any, ...],
+    kw: dict[str, Any],
+    launch: Launch | None,
+    block: int | None,
+    x: torch.Tensor,
+) -> None:
+    """One GEMV over (``grid[0]`` programs, ``grid[1]`` output rows in BLOCK_N): at
+    ``launch`` (given or measured), else its autotuner's on a GPU, else Triton's interpreter's
+    one small tile (tests on CPU; K tiles within ``block``'s groups)."""
+    rows, cols = grid
     if launch is not None:
         assert k_tiles_fit(launch["BLOCK_K"], block), f"K tiles across {block}-wide blocks"
-        grid = (t, triton.cdiv(hidden, launch["BLOCK_N"]))
-        _gemv_down_kernel[grid](*down_args, **down, **launch)
+        kernel[(rows, triton.cdiv(cols, launch["BLOCK_N"]))](*args, **kw, **launch)
     elif x.is_cuda:
-        _gemv_down_tuned[lambda m: (t, triton.cdiv(hidden, m["BLOCK_N"]))](*down_args, **down)
+        tuned[lambda m: (rows, triton.cdiv(cols, m["BLOCK_N"]))](*args, **kw)
     else:
-        _gemv_down_kernel[(t, triton.cdiv(hidden, 16))](
-            *down_args, **down, BLOCK_N=16, BLOCK_K=k_tile
-        )  # fmt: skip
-    return out
+        k_tile = math.gcd(block, 32) if block else 32
+        kernel[(rows, triton.cdiv(cols, 16))](*args, **kw, BLOCK_N=16, BLOCK_K=k_tile)

@@ -18,7 +18,7 @@ the scores and weights are float32 as in ``select_experts``, whose results it eq
 the last bits of ``exp`` (``tests/unit/test_moe_routing_kernel.py``).
 """
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -216,7 +216,7 @@ def _residual_sum(X, R, c, ok):
     return (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype).to(tl.float32)
 
 
-def supported(logits: torch.Tensor, moe: MoEConfig) -> bool:
+def supported(moe: MoEConfig) -> bool:
     """The kernel takes this routing: a known scoring; groups, if any, that split the experts
     evenly, at most ``MAX_GROUPS``."""
     groups = moe.num_groups
@@ -230,22 +230,35 @@ def route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights float32 [T, k], ids int64 [T, k]) as ``select_experts`` returns them."""
     t, e = logits.shape
-    k = moe.top_k
-    weights = torch.empty((t, k), dtype=torch.float32, device=logits.device)
-    ids = torch.empty((t, k), dtype=torch.int64, device=logits.device)
+    weights, ids = _chosen(t, moe, logits.device)
     if t == 0:
         return weights, ids
     # (the kernel reads the logits in their dtype: the model's or float32, as Router gives)
     bias = correction_bias.float() if correction_bias is not None else logits
-    norm = moe.norm_topk_prob and moe.scoring != "softmax_of_topk"
     _route_kernel[(t,)](
         logits, bias, weights, ids, e, logits.stride(0), float(moe.routed_scaling_factor),
-        K=k, SCORING=_SCORING[moe.scoring], HAS_BIAS=correction_bias is not None, NORM=norm,
-        BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(k),
-        GROUPS=moe.num_groups, KEEP_GROUPS=moe.topk_groups,
-        num_warps=1 if e <= 256 else 4, **launch_options(logits),
+        **_choice(moe, correction_bias is not None), num_warps=1 if e <= 256 else 4,
+        **launch_options(logits),
     )  # fmt: skip
     return weights, ids
+
+
+def _chosen(tokens: int, moe: MoEConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Room for ``tokens`` tokens' choice: (weights float32 [T, k], ids int64 [T, k])."""
+    shape = (tokens, moe.top_k)
+    return (torch.empty(shape, dtype=torch.float32, device=device),
+            torch.empty(shape, dtype=torch.int64, device=device))  # fmt: skip
+
+
+def _choice(moe: MoEConfig, has_bias: bool) -> dict[str, Any]:
+    """``_choose``'s constexprs for routing ``moe`` (the routing kernels' keywords)."""
+    return {
+        "K": moe.top_k, "SCORING": _SCORING[moe.scoring], "HAS_BIAS": has_bias,
+        "NORM": moe.norm_topk_prob and moe.scoring != "softmax_of_topk",
+        "BLOCK_E": triton.next_power_of_2(moe.num_experts),
+        "BLOCK_K": triton.next_power_of_2(moe.top_k),
+        "GROUPS": moe.num_groups, "KEEP_GROUPS": moe.topk_groups,
+    }  # fmt: skip
 
 
 # the fused router's launch: one warp a program, so that the last program's choice reduces over
@@ -304,26 +317,20 @@ def _launch(
     weight, bias, moe, correction_bias, logits, arrivals = gate
     assert x.shape[0] == 1 and weight.stride(1) == 1 and arrivals.dtype == torch.int32
     e, hidden = weight.shape
-    k = moe.top_k
-    weights = torch.empty((1, k), dtype=torch.float32, device=x.device)
-    ids = torch.empty((1, k), dtype=torch.int64, device=x.device)
+    weights, ids = _chosen(1, moe, x.device)
     if x.is_cuda:
         launch = {"BLOCK_N": GATE_ROUTE_ROWS, "num_warps": GATE_ROUTE_WARPS, "num_stages": 2}
         columns = GATE_ROUTE_NORMED_COLUMNS if normed else GATE_ROUTE_COLUMNS
         block_h = min(columns, triton.next_power_of_2(hidden))
     else:  # (the interpreter: several rows a program and several steps, several to arrive)
         launch, block_h = {"BLOCK_N": 4}, 64
-    norm_topk = moe.norm_topk_prob and moe.scoring != "softmax_of_topk"
     residual, norm_weight, h, new_residual, eps = norm
     _gate_route_kernel[(triton.cdiv(e, launch["BLOCK_N"]),)](
         x, weight, bias if bias is not None else weight, logits, arrivals,
         correction_bias.float() if correction_bias is not None else logits, weights, ids, e,
         hidden, weight.stride(0), float(moe.routed_scaling_factor),
         residual, norm_weight, h, new_residual, float(eps),
-        HAS_GATE_BIAS=bias is not None, K=k, SCORING=_SCORING[moe.scoring],
-        HAS_BIAS=correction_bias is not None, NORM=norm_topk,
-        BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(k), BLOCK_H=block_h,
-        GROUPS=moe.num_groups, KEEP_GROUPS=moe.topk_groups, NORMED=normed,
-        **launch, **launch_options(x),
+        HAS_GATE_BIAS=bias is not None, **_choice(moe, correction_bias is not None),
+        BLOCK_H=block_h, NORMED=normed, **launch, **launch_options(x),
     )  # fmt: skip
     return weights, ids

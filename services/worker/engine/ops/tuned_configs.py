@@ -25,3 +25,12 @@ def read(directory: Path, device_name: str) -> dict[str, Any]:
     """The measured configuration of a GPU model in ``directory`` ({} when none was)."""
     path = directory / config_file(device_name)
     return dict(json.loads(path.read_text())) if path.is_file() else {}
+
+
+def write(directory: Path, device_name: str, doc: dict[str, Any]) -> Path:
+    """Write a GPU model's measured configuration into ``directory`` (a kernel lab's
+    ``--tune``); returns the file's path."""
+    path = Path(directory) / config_file(device_name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path

@@ -165,7 +165,7 @@ def select_experts(
     as Hugging Face's routers of Qwen3-MoE, Mixtral and DeepSeek-V2/V3 compute them
     (``MoEConfig`` describes the steps); the bias steers the choice, never the weights. On a
     GPU the same steps run in one launch (``ops/moe_routing.py``) where it takes them."""
-    if router_logits.is_cuda and moe_routing.supported(router_logits, moe):
+    if router_logits.is_cuda and moe_routing.supported(moe):
         return moe_routing.route(router_logits, moe, correction_bias)
     logits = router_logits.float()
     if moe.scoring == "softmax_of_topk":  # gpt-oss: the top logits, then their softmax
@@ -245,7 +245,7 @@ class Router(nn.Module):
         choice the routing kernel makes."""
         if not (self.FUSED and self.kernels and x.is_cuda and x.shape[0] == 1):
             return False
-        return moe_routing.supported(x, self.moe)
+        return moe_routing.supported(self.moe)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``select_experts`` of the logits: (weights float32 [T, k], ids int64 [T, k])."""
@@ -521,9 +521,13 @@ class MoEBlock(nn.Module):
         then this block: (its output, the new residual). Where the one-launch router takes the
         token and the norm is a plain RMSNorm (no codes: it feeds no FP8 projection), the
         router's launch works the norm out too (``Router.route_normed``)."""
-        plain = isinstance(norm, RMSNorm) and norm.fused and norm.codes_for is None
-        if self.NORM_IN_ROUTER and plain and self.gate.fused(x):
-            assert isinstance(norm, RMSNorm)
+        if (
+            self.NORM_IN_ROUTER
+            and isinstance(norm, RMSNorm)
+            and norm.fused
+            and norm.codes_for is None
+            and self.gate.fused(x)
+        ):
             weights, ids, h, residual = self.gate.route_normed(x, residual, norm)
             return self._experts(h, weights, ids), residual
         normed, residual = norm.forward_residual(x, residual)
