@@ -24,6 +24,8 @@ from services.worker.engine.models.layers.rotary import RotaryEmbedding
 from services.worker.engine.ops.mla_decode import mla_decode
 
 BS = 4  # tokens a block
+# where the Triton kernels run: on the GPU where there is one, else in the interpreter on CPU
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "beta_fast": 32.0,
         "beta_slow": 1.0, "original_max_position_embeddings": 64}  # fmt: skip
 SIZES: dict[str, Any] = {
@@ -68,13 +70,15 @@ def ours(arch: ArchConfig, hf: Any, backend: str = "torch") -> MLAAttention:
     return layer.eval()
 
 
-def latent_cache(arch: ArchConfig, num_blocks: int) -> LayerKVCache:
+def latent_cache(arch: ArchConfig, num_blocks: int, device: Any = "cpu") -> LayerKVCache:
     parts, heads, dim = arch.kv_cache_entry()
     layout = KVCacheLayout(2, heads, dim, BS, torch.float32, parts)
-    return layer_views(layout.allocate(num_blocks, "cpu"), 1)
+    return layer_views(layout.allocate(num_blocks, device), 1)
 
 
-def metadata(steps: list[tuple[int, int]], tables: list[list[int]]) -> AttentionMetadata:
+def metadata(
+    steps: list[tuple[int, int]], tables: list[list[int]], device: Any = "cpu"
+) -> AttentionMetadata:
     """One step: (cached tokens, new tokens) per request, and each request's blocks."""
     qsl, lens, slots = [0], [], []
     for (cached, new), table in zip(steps, tables, strict=True):
@@ -83,11 +87,14 @@ def metadata(steps: list[tuple[int, int]], tables: list[list[int]]) -> Attention
         slots += [table[p // BS] * BS + p % BS for p in range(cached, cached + new)]
     width = max(map(len, tables))
     padded = [t + [0] * (width - len(t)) for t in tables]
+
+    def on_device(values: list[Any], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
     return AttentionMetadata(
-        num_tokens=len(slots), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(lens, dtype=torch.int32),
-        block_tables=torch.tensor(padded, dtype=torch.int32),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64), query_start_loc_cpu=qsl,
+        num_tokens=len(slots), query_start_loc=on_device(qsl, torch.int32),
+        seq_lens=on_device(lens, torch.int32), block_tables=on_device(padded, torch.int32),
+        slot_mapping=on_device(slots, torch.int64), query_start_loc_cpu=qsl,
         seq_lens_cpu=lens, max_query_len=max(n for _, n in steps), max_seq_len=max(lens),
     )  # fmt: skip
 
@@ -114,9 +121,9 @@ def test_prefill_chunk_and_decode_equal_hugging_face(
     cfg = hf_config(version, mscale=1.0, mscale_all_dim=0.8)
     attn, rope = hf_attention(version, cfg)
     arch = arch_of(cfg, tmp_path)
-    layer = ours(arch, attn, backend)
+    layer = ours(arch, attn, backend).to(DEVICE)
     assert layer.attn.prefill.name == backend
-    cache = latent_cache(arch, 8)
+    cache = latent_cache(arch, 8, DEVICE)
     layer.kv_cache = cache
     torch.manual_seed(1)
     x = torch.randn(13, cfg.hidden_size)
@@ -125,9 +132,9 @@ def test_prefill_chunk_and_decode_equal_hugging_face(
     got = []
     # a prefill of 6, a chunk of 4 over it (across a block edge), three decode steps
     for cached, new in [(0, 6), (6, 4), (10, 1), (11, 1), (12, 1)]:
-        meta = metadata([(cached, new)], [table])
-        positions = torch.arange(cached, cached + new)
-        got.append(layer(positions, x[cached : cached + new], meta))
+        meta = metadata([(cached, new)], [table], DEVICE)
+        positions = torch.arange(cached, cached + new, device=DEVICE)
+        got.append(layer(positions, x[cached : cached + new].to(DEVICE), meta).cpu())
     torch.testing.assert_close(torch.cat(got), want, rtol=1e-5, atol=1e-5)
     assert meta.num_decodes == 1  # (the last steps ran the absorbed path)
 
@@ -191,14 +198,16 @@ def test_absorbed_decode_equals_decompressed_attention(tmp_path: Path) -> None:
         rows = torch.cat([cache.key[b, :, 0] for b in table])[:n]
         want = decompressed(q[i], rows, attn.kv_b_proj.weight, lr, nope, layer.attn.scale)
         torch.testing.assert_close(out[i].double(), want, rtol=1e-5, atol=1e-5)
-    # what a GPU runs in its place, the Triton kernel (here in the interpreter), on the same
-    # operands as the layer hands it: the absorbed query's strides, the cache's layer view
+    # what a GPU runs in its place, the Triton kernel (on the GPU where there is one, else in
+    # the interpreter), on the same operands as the layer hands it: the absorbed query's
+    # strides, the cache's layer view
     q_lat = torch.bmm(q[..., :nope].transpose(0, 1), layer.attn.w_uk).transpose(0, 1)
     lat = latent_decode(q_lat, q[..., nope:], cache.key, meta.block_tables, meta.seq_lens, 13,
                         layer.attn.scale)  # fmt: skip
-    kernel = mla_decode(q_lat, q[..., nope:], cache.key, meta.block_tables, meta.seq_lens,
-                        layer.attn.scale, max_seq_len=13)  # fmt: skip
-    torch.testing.assert_close(kernel, lat, rtol=1e-5, atol=1e-5)
+    operands = [t.to(DEVICE) for t in (q_lat, q[..., nope:], cache.key, meta.block_tables,
+                                       meta.seq_lens)]  # fmt: skip
+    kernel = mla_decode(*operands, layer.attn.scale, max_seq_len=13)
+    torch.testing.assert_close(kernel.cpu(), lat, rtol=1e-5, atol=1e-5)
 
 
 def test_latent_decode_masks_past_each_context() -> None:

@@ -26,17 +26,6 @@ def _gemv_kernel(
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    y = gemv_rows(X, W, B, rows, N, K, stride_wn, HAS_BIAS, BLOCK_N, BLOCK_K, USE_PDL)
-    tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rows < N)
-
-
-@triton.jit
-def gemv_rows(
-    X, W, B, rows, N, K, stride_wn,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
-    """Rows ``rows`` of x Wᵀ (+ b), float32, unrounded (each a sum of BLOCK_K-wide partial
-    products kept apart until the end). Waits for the kernel before (``await_inputs``)."""
     row_ok = rows < N
     w_rows = W + rows[:, None].to(tl.int64) * stride_wn
     # the first weight tile is read before waiting for the kernel before (no kernel of a step
@@ -56,7 +45,7 @@ def gemv_rows(
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
-    return y
+    tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
 
 
 _CONFIGS = [
