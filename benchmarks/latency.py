@@ -3,9 +3,8 @@ bandwidth, both measured in this run), and prefill of a long prompt as achieved 
 against the matmul peak measured in this run. Variants (CUDA graphs off, fused kernels off)
 run in the same process so their ratios are side by side; each is a set of engine options
 (``LLM(**kwargs)``) or a checkpoint format, except the A/B variants of the experts' paths
-(``moe_grouped``, ``moe_router_unfused``, ``fp8_moe_quantize_apart``, ``moe_norm_apart``),
-which set an attribute of a module for their run (``IN_PROCESS``; the engine core runs in
-this process).
+(``moe_grouped``, ``fp8_moe_quantize_apart``), which set an attribute of a module for their
+run (``IN_PROCESS``; the engine core runs in this process).
 
     python benchmarks/latency.py --shape llama-3.1-8b --variants graphs eager unfused
 """
@@ -27,7 +26,6 @@ from baton import LLM, SamplingParams
 from benchmarks.profiling import device_span_us, kernel_rows
 from benchmarks.roofline import ModelCost, fp8_matmul_peak, limits, limits_seen
 from benchmarks.shapes import write_shape
-from services.worker.engine.models.layers.moe import MoEBlock, Router
 from services.worker.engine.ops import fused_moe, moe_gemv
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -61,25 +59,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # launches (ops/fused_moe.GEMV_TOKENS set to 0 in this process): the A/B of that path
     "moe_grouped": {"moe_gemv_tokens": 0},
     "fp8_moe_grouped": {"quantization": "fp8", "moe_gemv_tokens": 0},
-    # one token's router as the post-attention norm, the gate's GEMV, then the routing kernel
-    # (three launches a layer; models/layers/moe.Router.FUSED off in this process), not all in
-    # one: the A/B of that
-    "moe_router_unfused": {"moe_fused_router": False},
-    "fp8_moe_router_unfused": {"quantization": "fp8", "moe_fused_router": False},
     # FP8 experts at one token with their activations quantized by two launches of their own,
     # not inside the GEMVs (ops/moe_gemv.QUANTIZE_TOKENS set to 0): the A/B of that
     "fp8_moe_quantize_apart": {"quantization": "fp8", "moe_quantize_tokens": 0},
-    # one token's post-attention RMSNorm in a launch of its own before the one-launch router
-    # (models/layers/moe.MoEBlock.NORM_IN_ROUTER off), not worked out inside it: the A/B of that
-    "moe_norm_apart": {"moe_norm_in_router": False},
 }
 
 # the variants' keys that set an attribute in this process for their run, not an engine option
 IN_PROCESS: dict[str, tuple[Any, str]] = {
     "moe_gemv_tokens": (fused_moe, "GEMV_TOKENS"),
-    "moe_fused_router": (Router, "FUSED"),
     "moe_quantize_tokens": (moe_gemv, "QUANTIZE_TOKENS"),
-    "moe_norm_in_router": (MoEBlock, "NORM_IN_ROUTER"),
 }
 
 

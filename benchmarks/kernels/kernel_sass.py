@@ -137,25 +137,6 @@ def _codes(kernel: str, group: int) -> Preset:
     )  # fmt: skip
 
 
-def _gate_route(normed: bool = False) -> Preset:
-    """One token's router in one launch at Qwen3-30B-A3B's gate (128 experts, 8 chosen,
-    softmax renormalised; 2,048 wide, bf16) at ``moe_routing.gate_route``'s launch;
-    ``normed``: with the post-attention RMSNorm in it (``norm_gate_route``)."""
-    from services.worker.engine.ops import moe_routing
-
-    return Preset(
-        moe_routing._gate_route_kernel,
-        {"X": "*bf16", "W": "*bf16", "B": "*bf16", "LOGITS": "*bf16", "ARRIVALS": "*i32",
-         "BIAS": "*fp32", "WEIGHTS": "*fp32", "IDS": "*i64", "scaling": "fp32", "R": "*bf16",
-         "NW": "*bf16", "H": "*bf16", "R_OUT": "*bf16", "eps": "fp32"},
-        {"HAS_GATE_BIAS": False, "K": 8, "SCORING": 0, "HAS_BIAS": False, "NORM": True,
-         "BLOCK_E": 128, "BLOCK_K": 8, "BLOCK_N": moe_routing.GATE_ROUTE_ROWS,
-         "BLOCK_H": moe_routing.GATE_ROUTE_NORMED_COLUMNS if normed
-         else moe_routing.GATE_ROUTE_COLUMNS, "USE_PDL": True, "NORMED": normed},
-        warps=moe_routing.GATE_ROUTE_WARPS, stages=2,
-    )  # fmt: skip
-
-
 PRESETS = {
     "fp8_gemm_64x64": _gemm(64, 64, warps=4, stages=4),
     "fp8_gemm_128x128": _gemm(128, 128, warps=8, stages=3),
@@ -172,8 +153,6 @@ PRESETS = {
     "rms_norm_group_codes": _codes("rms_norm", 128),
     "silu_mul_group_codes": _codes("silu_mul", 128),
     "quantize_groups": _codes("quantize_groups", 128),
-    "gate_route": _gate_route(),
-    "gate_route_normed": _gate_route(normed=True),
 }
 
 

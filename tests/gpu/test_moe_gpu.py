@@ -61,31 +61,6 @@ def test_graphs_and_eager_equal_hugging_face(
     )
 
 
-def test_one_tokens_router_is_one_launch(
-    models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Batch-1 decode steps route through the post-attention norm, the gate and the choice in
-    one launch (``ops/moe_routing.norm_gate_route``), eager and captured in the decode graphs:
-    Hugging Face's tokens either way."""
-    from services.worker.engine.models.layers.moe import MoEBlock
-    from services.worker.engine.ops import moe_routing
-
-    normed = count_calls(monkeypatch, moe_routing, "norm_gate_route")
-    plain = count_calls(monkeypatch, moe_routing, "gate_route")
-    path, prompts = models["qwen3_moe"], PROMPTS[:2]
-    want = hf_greedy(path, prompts)
-    for norm_in_router in (True, False):  # (then the norm in a launch of its own)
-        monkeypatch.setattr(MoEBlock, "NORM_IN_ROUTER", norm_in_router)
-        for eager in (True, False):
-            with LLM(model=str(path), dtype="float32", enforce_eager=eager, max_num_seqs=1,
-                     max_num_batched_tokens=64, show_progress=False) as llm:  # fmt: skip
-                assert [greedy(llm, [p])[0] for p in prompts] == want
-        calls = normed if norm_in_router else plain
-        assert calls and set(calls) == {1}
-        if norm_in_router:  # (every MoE layer took it: none fell back to the plain launch)
-            assert not plain
-
-
 def test_bfloat16_is_close_to_float32(models: dict[str, Path]) -> None:
     assert_bfloat16_close_to_float32(models["qwen3_moe"], PROMPTS, **KW)
 

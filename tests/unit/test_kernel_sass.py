@@ -90,19 +90,3 @@ def test_the_mla_prefill_stores_only_the_values_columns(tmp_path: Path) -> None:
         assert report["loop_mix"].get("HGMMA", 0) > 0 and report["local"] == 0
     assert got["prefill_mla"]["global_stores"] == {"STG.E.128": 4}
     assert got["prefill_bf16"]["global_stores"] == {"STG.E.128": 16}  # 128 × 128 × 2 / 128 / 16
-
-
-def test_the_fused_routers_last_program_reads_what_the_others_published(tmp_path: Path) -> None:
-    """``moe_routing.gate_route``: each program's logits are published by a GPU-scope fence
-    before its arrival is counted (an atomic at GPU scope), the arrival's acquire drops L1, and
-    the last program reads the logits with a strong load; one warp a program, so that its
-    choice reduces in shuffles (two barriers, where four warps took ~100)."""
-    got = _reports(tmp_path, "gate_route", "gate_route_normed")
-    for name in ("gate_route", "gate_route_normed"):  # (with the norm in it too)
-        sync = got[name]["synchronization"]
-        assert sync.get("MEMBAR.ALL.GPU") == 1 and sync.get("CCTL.IVALL") == 1, name
-        assert sync.get("ATOMG.E.ADD.STRONG.GPU") == 1, name
-        assert sync.get("ATOMG.E.EXCH.STRONG.GPU") == 1, name
-        assert any(op.startswith("LDG") and "STRONG" in op for op in sync), name
-        assert sync.get("BAR.SYNC.DEFER_BLOCKING", 0) <= 2, name
-        assert got[name]["local"] == 0 and got[name]["stack"] == 0, name  # (no spills)

@@ -1,26 +1,16 @@
 """The one-launch router (ops/moe_routing.py) against ``select_experts``, its plain-PyTorch
 oracle, for each scoring the models use: the same experts in the same order, weights within
 float32's rounding of ``exp`` (Triton's interpreter on CPU; on the GPU through the MoE models'
-tests in tests/gpu). The gate's GEMV and the choice in one launch (``gate_route``) against
-``select_experts`` of the gate's logits, on the GPU with its programs really racing to the
-counter."""
+tests in tests/gpu)."""
 
 from dataclasses import replace
-from typing import Any
 
 import pytest
 import torch
 
 from services.worker.engine.model_config import MoEConfig
 from services.worker.engine.models.layers.moe import select_experts
-from services.worker.engine.ops.fused_ops import add_rms_norm
-from services.worker.engine.ops.moe_routing import (
-    Gate,
-    gate_route,
-    norm_gate_route,
-    route,
-    supported,
-)
+from services.worker.engine.ops.moe_routing import route, supported
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -133,101 +123,3 @@ def test_the_choice_stays_in_the_best_groups(by_top2: bool) -> None:
     eligible = {0, 1, 2, 3, 12, 13, 14, 15} if not by_top2 else {4, 5, 6, 7, 12, 13, 14, 15}
     assert set(got_ids[0].tolist()) <= eligible
     assert (0 in got_ids[0].tolist()) is not by_top2
-
-
-@pytest.mark.parametrize("name", sorted(CASES))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "bf16-x-float32-gate"])
-def test_the_gate_and_the_choice_in_one_launch(name: str, dtype: Any) -> None:
-    """Three tokens one after another through the same scratch (the counter back at zero after
-    each): the logits the gate alone gives (in the gate's dtype; gpt-oss's router bias added),
-    and from those the very choice ``select_experts`` makes."""
-    if dtype != torch.float32 and DEVICE == "cpu":
-        pytest.skip("Triton's CPU interpreter has no bfloat16 arithmetic here; runs on the GPU")
-    x_dtype = torch.bfloat16 if dtype == "bf16-x-float32-gate" else dtype
-    dtype = torch.float32 if dtype == "bf16-x-float32-gate" else dtype  # (DeepSeek's gate)
-    moe = CASES[name]
-    e, hidden = moe.num_experts, 200  # (not a multiple of the column step: the last is masked)
-    g = torch.Generator().manual_seed(e)
-    weight = (torch.randn(e, hidden, generator=g) / hidden**0.5).to(DEVICE, dtype)
-    gate_bias = None
-    if moe.scoring == "softmax_of_topk":
-        gate_bias = (0.1 * torch.randn(e, generator=g)).to(DEVICE, dtype)
-    bias = (0.1 * torch.randn(e, generator=g)).to(DEVICE) if moe.correction_bias else None
-    logits = torch.empty(e, dtype=dtype, device=DEVICE)
-    arrivals = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2  # (bf16: a logit's last bit may differ)
-    for _ in range(3):
-        x = (3 * torch.randn(1, hidden, generator=g)).to(DEVICE, x_dtype)
-        exact = torch.nn.functional.linear(
-            x.float(), weight.float(), None if gate_bias is None else gate_bias.float()
-        )
-        gate = Gate(weight, gate_bias, moe, bias, logits, arrivals)
-        got_w, got_ids = gate_route(x, gate)
-        assert arrivals.item() == 0
-        torch.testing.assert_close(logits.float().cpu(), exact[0].cpu(), rtol=tol, atol=tol)
-        # the one-token routing kernel's choice from these logits (it is PyTorch's: above)
-        want_w, want_ids = route(logits[None].clone(), moe, bias)
-        assert torch.equal(got_ids.cpu(), want_ids.cpu())
-        torch.testing.assert_close(got_w.cpu(), want_w.cpu(), rtol=1e-6, atol=1e-7)
-        if dtype == torch.float32:  # and PyTorch's from the exact logits (no ties to break)
-            cpu_bias = None if bias is None else bias.cpu()
-            assert torch.equal(got_ids.cpu(), select_experts(exact.cpu(), moe, cpu_bias)[1])
-
-
-@pytest.mark.parametrize("name", ["qwen3-moe (softmax, renormalized)",
-                                  "deepseek-v3 (256 experts, 8 groups, best 4 by their top 2, "
-                                  "sigmoid + bias)", "gpt-oss (softmax of the top-k)"])  # fmt: skip
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_the_post_attention_norm_in_the_routers_launch(name: str, dtype: torch.dtype) -> None:
-    """``norm_gate_route``: the decoder layer's post-attention RMSNorm of residual + x worked
-    out by every program of the router's launch, each writing its share of the norm and of the
-    new residual: the new residual exactly ``add_rms_norm``'s, the norm within its statistics'
-    summation order, and the choice the one-launch router makes from that norm; the residual
-    given is left as it was. Three tokens through one scratch."""
-    if dtype != torch.float32 and DEVICE == "cpu":
-        pytest.skip("Triton's CPU interpreter has no bfloat16 arithmetic here; runs on the GPU")
-    moe = CASES[name]
-    e, hidden = moe.num_experts, 200  # (the interpreter's 4-row programs: 200 in ~E/4 shares)
-    g = torch.Generator().manual_seed(7)
-    weight = (torch.randn(e, hidden, generator=g) / hidden**0.5).to(DEVICE, dtype)
-    gate_bias = (0.1 * torch.randn(e, generator=g)).to(DEVICE, dtype)
-    bias = (0.1 * torch.randn(e, generator=g)).to(DEVICE) if moe.correction_bias else None
-    norm_weight = (1 + 0.2 * torch.randn(hidden, generator=g)).to(DEVICE, dtype)
-    logits = torch.empty(e, dtype=dtype, device=DEVICE)
-    arrivals = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    for _ in range(3):
-        x = torch.randn(1, hidden, generator=g).to(DEVICE, dtype)
-        residual = (4 * torch.randn(1, hidden, generator=g)).to(DEVICE, dtype)
-        given = residual.clone()
-        gate = Gate(weight, gate_bias, moe, bias, logits, arrivals)
-        got = norm_gate_route(x, residual, norm_weight, 1e-6, gate)
-        want_h, want_residual = add_rms_norm(x, residual.clone(), norm_weight, 1e-6)
-        assert torch.equal(residual, given) and arrivals.item() == 0
-        assert torch.equal(got[3], want_residual)
-        torch.testing.assert_close(got[2], want_h, rtol=tol, atol=tol)
-        want_w, want_ids = gate_route(got[2], gate)
-        assert torch.equal(got[1], want_ids)
-        torch.testing.assert_close(got[0], want_w, rtol=tol, atol=tol)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_the_routers_norm_rounds_where_add_rms_norm_rounds(dtype: torch.dtype) -> None:
-    """Values whose squares sum exactly in any order (±0.5, ±1, ±2): the norm and the new
-    residual of the router's launch equal ``add_rms_norm``'s bit for bit, so each rounding
-    point is the norm kernel's (in bf16: the residual add, the normalised row, the weight's
-    product)."""
-    if dtype != torch.float32 and DEVICE == "cpu":
-        pytest.skip("Triton's CPU interpreter has no bfloat16 arithmetic here; runs on the GPU")
-    moe, hidden = CASES["qwen3-moe (softmax, renormalized)"], 200
-    g = torch.Generator().manual_seed(8)
-    grid = torch.tensor([-2.0, -1.0, -0.5, 0.5, 1.0, 2.0])
-    x, residual = (grid[torch.randint(0, 6, (2, 1, hidden), generator=g)]).to(DEVICE, dtype)
-    norm_weight = (1 + 0.3 * torch.randn(hidden, generator=g)).to(DEVICE, dtype)
-    weight = (torch.randn(moe.num_experts, hidden, generator=g) / hidden**0.5).to(DEVICE, dtype)
-    logits = torch.empty(moe.num_experts, dtype=dtype, device=DEVICE)
-    arrivals = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    gate = Gate(weight, None, moe, None, logits, arrivals)
-    _, _, h, new_residual = norm_gate_route(x, residual, norm_weight, 1e-6, gate)
-    want_h, want_residual = add_rms_norm(x, residual.clone(), norm_weight, 1e-6)
-    assert torch.equal(new_residual, want_residual) and torch.equal(h, want_h)

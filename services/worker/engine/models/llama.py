@@ -186,20 +186,6 @@ class PreNormDecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm.forward_residual(x, residual)
         x = self.mixer(positions, h, meta)
-        return self.feed_forward(x, residual)
-
-    def feed_forward(
-        self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``post_attention_layernorm`` (with the residual add), then ``mlp``: (its output, the
-        new residual). An MLP that takes the norm into its own launches (a mixture of experts'
-        ``MoEBlock.forward_residual``: one token's norm in the router's launch) is given both."""
-        takes_norm = getattr(self.mlp, "forward_residual", None)
-        if takes_norm is not None:
-            out: tuple[torch.Tensor, torch.Tensor] = takes_norm(
-                x, residual, self.post_attention_layernorm
-            )
-            return out
         h, residual = self.post_attention_layernorm.forward_residual(x, residual)
         return self.mlp(h), residual
 

@@ -44,7 +44,6 @@ from services.worker.engine.models.layers.linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
 )
-from services.worker.engine.models.layers.norm import ResidualNorm, RMSNorm
 from services.worker.engine.models.weights import (
     CheckpointTarget,
     CheckpointTensor,
@@ -205,13 +204,8 @@ class Router(nn.Module):
     the cast of x and a float32 GEMV a layer), and DeepSeek-V3's ``e_score_correction_bias``
     (float32). ``select_experts`` takes the logits to float32. With ``kernels``, one token's
     logits on a GPU are the Triton GEMV's (``ops/gemv.py``, as the linear layers' at one token:
-    one launch, overlapping the one before). ``route`` gives the choice itself: at one token
-    on a GPU the logits and the choice in one launch (``ops/moe_routing.gate_route``)."""
-
-    # one token's logits and choice in one launch where the routing kernel takes the choice
-    # (False: the GEMV, then the routing kernel, and the post-attention norm in a launch of its
-    # own before them: the A/B of benchmarks/latency.py's ``moe_router_unfused``)
-    FUSED = True
+    one launch, overlapping the one before); ``route`` gives the choice itself
+    (``select_experts``: on a GPU the routing kernel's one launch)."""
 
     def __init__(self, hidden: int, moe: MoEConfig, kernels: bool = False):
         super().__init__()
@@ -230,41 +224,12 @@ class Router(nn.Module):
                 torch.zeros(e, dtype=torch.float32), requires_grad=False
             )
 
-        # the fused launch's scratch, the same tensors at every launch (a CUDA graph replays
-        # them): the logits, and the count of its programs done (zero between launches)
-        self.scratch_logits: torch.Tensor
-        self.arrivals: torch.Tensor
-        self.register_buffer("scratch_logits", torch.empty(e, dtype=dtype), False)
-        self.register_buffer("arrivals", torch.zeros(1, dtype=torch.int32), False)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x.float() if self.float32 else x, self.weight, self.bias, self.kernels)
 
-    def fused(self, x: torch.Tensor) -> bool:
-        """The one-launch router takes ``x``: one token on a GPU, the engine's kernels, a
-        choice the routing kernel makes."""
-        if not (self.FUSED and self.kernels and x.is_cuda and x.shape[0] == 1):
-            return False
-        return moe_routing.supported(self.moe)
-
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``select_experts`` of the logits: (weights float32 [T, k], ids int64 [T, k])."""
-        bias = self.e_score_correction_bias
-        if self.fused(x):  # (a float32 gate widens x as it reads it)
-            return moe_routing.gate_route(x, self.launch_args())
-        return select_experts(self(x), self.moe, bias)
-
-    def route_normed(
-        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``route`` of ``norm.forward_residual(x, residual)``'s norm in one launch (where
-        ``fused``): (weights, ids, the norm, the new residual)."""
-        return moe_routing.norm_gate_route(x, residual, norm.weight, norm.eps, self.launch_args())
-
-    def launch_args(self) -> moe_routing.Gate:
-        """This router as the one-token launch takes it (its weights and its scratch)."""
-        return moe_routing.Gate(self.weight, self.bias, self.moe, self.e_score_correction_bias,
-                                self.scratch_logits, self.arrivals)  # fmt: skip
+        return select_experts(self(x), self.moe, self.e_score_correction_bias)
 
 
 class FusedMoE(nn.Module):
@@ -506,35 +471,8 @@ class MoEBlock(nn.Module):
             self.shared_experts = SharedExperts(arch.hidden_size, moe.shared_intermediate_size,
                                                 ctx, moe.shared_expert_gate)  # fmt: skip
 
-    # one token's post-attention RMSNorm worked out in the router's launch (False: its own
-    # launch: the A/B of benchmarks/latency.py's ``moe_norm_apart``)
-    NORM_IN_ROUTER = True
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate.route(x)
-        return self._experts(x, weights, ids)
-
-    def forward_residual(
-        self, x: torch.Tensor, residual: torch.Tensor, norm: ResidualNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``norm.forward_residual(x, residual)`` (the decoder layer's post-attention norm),
-        then this block: (its output, the new residual). Where the one-launch router takes the
-        token and the norm is a plain RMSNorm (no codes: it feeds no FP8 projection), the
-        router's launch works the norm out too (``Router.route_normed``)."""
-        if (
-            self.NORM_IN_ROUTER
-            and isinstance(norm, RMSNorm)
-            and norm.fused
-            and norm.codes_for is None
-            and self.gate.fused(x)
-        ):
-            weights, ids, h, residual = self.gate.route_normed(x, residual, norm)
-            return self._experts(h, weights, ids), residual
-        normed, residual = norm.forward_residual(x, residual)
-        assert isinstance(normed, torch.Tensor)  # (it feeds no FP8 projection: no codes)
-        return self(normed), residual
-
-    def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
