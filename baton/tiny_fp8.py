@@ -362,6 +362,33 @@ def stack_experts(state: dict[str, Any]) -> dict[str, Any]:
     return fused
 
 
+def reference_gaps(path: str | Path, prompts: list[str], outs: list[Any]) -> list[dict[str, Any]]:
+    """Each generated token of ``outs`` (the engine's greedy generations of ``prompts`` with
+    logprobs) against ``dequantized_reference(path)`` over the same tokens: per step its
+    ``gap`` (|engine logprob - reference logprob|), its ``margin`` (how far below the
+    reference's best it lies, in nats), whether it is the reference's ``argmax``, and its
+    ``step`` (0: the prefill's token)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    ref = dequantized_reference(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    rows = []
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = tok(prompt, return_tensors="pt")["input_ids"][0].tolist()
+        gen = out.outputs[0].token_ids
+        with torch.no_grad():
+            logits = ref(torch.tensor([ids + gen])).logits[0].float()
+        lps = logits.log_softmax(-1)[len(ids) - 1 : len(ids) - 1 + len(gen)]
+        for step, (row, t) in enumerate(zip(lps, gen, strict=True)):
+            rows.append({
+                "prompt": prompt, "step": step, "argmax": bool(row.argmax() == t),
+                "margin": float(row.max() - row[t]),
+                "gap": abs(out.outputs[0].logprobs[step][t].logprob - float(row[t])),
+            })  # fmt: skip
+    return rows
+
+
 def _rounding_experts(experts: Any, scheme: str, block: int) -> None:
     """``transformers``' expert loop with each expert's input and its down projection's input
     rounded through e4m3 (``scheme``: per token, or per token and ``block`` columns), as the

@@ -206,24 +206,13 @@ def check_against_fp8_reference(
     """Every engine token is the reference's argmax or a near-tie (within ``tie`` nats), its
     logprob the reference's (most of them to ``median_atol``); returns how many tokens are the
     reference's exact argmax."""
-    import torch
-    from transformers import AutoTokenizer
+    from baton.tiny_fp8 import reference_gaps
 
-    from baton.tiny_fp8 import dequantized_reference
-
-    ref = dequantized_reference(path)
-    tok = AutoTokenizer.from_pretrained(path)
-    exact, diffs = 0, []
-    for prompt, out in zip(FP8_PROMPTS, outs, strict=True):
-        ids = tok(prompt, return_tensors="pt")["input_ids"][0].tolist()
-        gen = out.outputs[0].token_ids
-        with torch.no_grad():
-            logits = ref(torch.tensor([ids + gen])).logits[0].float()
-        lps = logits.log_softmax(-1)[len(ids) - 1 : len(ids) - 1 + len(gen)]
-        for step, (row, t) in enumerate(zip(lps, gen, strict=True)):
-            assert row[t] >= row.max() - tie, (prompt, step, float(row.max() - row[t]))
-            exact += int(row.argmax() == t)
-            diffs.append(abs(out.outputs[0].logprobs[step][t].logprob - float(row[t])))
+    rows = reference_gaps(path, FP8_PROMPTS, outs)
+    for r in rows:
+        assert r["margin"] <= tie, (r["prompt"], r["step"], r["margin"])
+    exact = sum(r["argmax"] for r in rows)
+    diffs = [r["gap"] for r in rows]
     assert max(diffs) <= FP8_LOGPROB_ATOL, max(diffs)
     median = sorted(diffs)[len(diffs) // 2]
     assert median <= median_atol, median  # most steps are the same arithmetic

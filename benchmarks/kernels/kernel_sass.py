@@ -225,14 +225,6 @@ def global_stores(sass: str) -> collections.Counter[str]:
     return collections.Counter(re.findall(r"\b(STG\.[A-Z0-9_.]+)", sass))
 
 
-def synchronization(sass: str) -> collections.Counter[str]:
-    """The kernel's barriers, fences, atomics, cache invalidations and strong (volatile)
-    loads, anywhere in the listing."""
-    ops = (r"\b(BAR\.[A-Z0-9_.]+|MEMBAR\.[A-Z0-9_.]+|ATOMG?\.[A-Z0-9_.]+|CCTL\.[A-Z0-9_.]+"
-           r"|LDG\.[A-Z0-9_.]*STRONG[A-Z0-9_.]*)")  # fmt: skip
-    return collections.Counter(re.findall(ops, sass))
-
-
 def report(name: str) -> dict[str, Any]:
     p = PRESETS[name]
     compiled = compile_sm90(p)
@@ -243,7 +235,6 @@ def report(name: str) -> dict[str, Any]:
         **resources(compiled.asm["cubin"]), "shared_dynamic": compiled.metadata.shared,
         "loop_instructions": sum(mix.values()), "loop_mix": dict(mix.most_common()),
         "global_stores": dict(global_stores(sass)),
-        "synchronization": dict(synchronization(sass)),
     }  # fmt: skip
 
 

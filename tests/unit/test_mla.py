@@ -204,10 +204,18 @@ def test_absorbed_decode_equals_decompressed_attention(tmp_path: Path) -> None:
     q_lat = torch.bmm(q[..., :nope].transpose(0, 1), layer.attn.w_uk).transpose(0, 1)
     lat = latent_decode(q_lat, q[..., nope:], cache.key, meta.block_tables, meta.seq_lens, 13,
                         layer.attn.scale)  # fmt: skip
-    operands = [t.to(DEVICE) for t in (q_lat, q[..., nope:], cache.key, meta.block_tables,
-                                       meta.seq_lens)]  # fmt: skip
+    operands = [strided_on(DEVICE, t) for t in (q_lat, q[..., nope:], cache.key,
+                                                meta.block_tables, meta.seq_lens)]  # fmt: skip
     kernel = mla_decode(*operands, layer.attn.scale, max_seq_len=13)
     torch.testing.assert_close(kernel.cpu(), lat, rtol=1e-5, atol=1e-5)
+
+
+def strided_on(device: torch.device, t: torch.Tensor) -> torch.Tensor:
+    """``t`` on ``device`` with its strides (``.to`` would compact a view with gaps)."""
+    if t.device == device:
+        return t
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+    return out.copy_(t)
 
 
 def test_latent_decode_masks_past_each_context() -> None:

@@ -155,7 +155,7 @@ def _chosen(tokens: int, moe: MoEConfig, device: torch.device) -> tuple[torch.Te
 
 
 def _choice(moe: MoEConfig, has_bias: bool) -> dict[str, Any]:
-    """``_choose``'s constexprs for routing ``moe`` (the routing kernels' keywords)."""
+    """``_choose``'s constexprs for routing ``moe`` (``_route_kernel``'s keywords)."""
     return {
         "K": moe.top_k, "SCORING": _SCORING[moe.scoring], "HAS_BIAS": has_bias,
         "NORM": moe.norm_topk_prob and moe.scoring != "softmax_of_topk",
