@@ -213,6 +213,26 @@ def test_gemv_equals_linear(n: int, k: int, dtype: torch.dtype, bias: bool) -> N
     torch.testing.assert_close(got, F.linear(x, w, b), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_a_float32_weight_widens_a_16_bit_x_as_it_reads_it(x_dtype: torch.dtype) -> None:
+    """A float32 gate (DeepSeek's router) given the model's 16-bit x: float32 logits, the
+    very products of ``x.float()`` (no cast launch before the GEMV); ``linear``'s CPU path
+    casts x to the weight's dtype (F.linear takes no mixed dtypes)."""
+    from services.worker.engine.ops.gemv import gemv, linear
+
+    if x_dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("Triton's CPU interpreter has no bfloat16 arithmetic here; runs on the GPU")
+    torch.manual_seed(0)
+    w = torch.randn(13, 200, device=DEVICE) / 200**0.5
+    x = torch.randn(1, 200, device=DEVICE).to(x_dtype)
+    got = gemv(x, w)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, gemv(x.float(), w))  # the same float32 products, the same order
+    want = torch.nn.functional.linear(x.float().cpu(), w.cpu())
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear(x.cpu(), w.cpu(), None, True), want, rtol=0, atol=0)
+
+
 def test_linear_layers_take_the_gemv_for_one_token_on_a_gpu_only() -> None:
     """The unquantized method on the engine's kernels routes a one-token GPU input through the
     GEMV; anything else (several tokens, or CPU tensors) stays on F.linear, so CPU engines are

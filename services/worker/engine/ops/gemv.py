@@ -65,13 +65,15 @@ def gemv(
     bias: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
 ) -> torch.Tensor:
-    """x: [1, K]; weight: [N, K] (rows contiguous); returns [1, N] in x's dtype. ``config``:
-    this launch's BLOCK_N, BLOCK_K, num_warps and num_stages (the tuner's); else this GPU's
-    measured one (ops/gemv_configs.py), else the autotuner's."""
+    """x: [1, K]; weight: [N, K] (rows contiguous); returns [1, N] in the wider of their
+    dtypes (a float32 weight takes a 16-bit x as it is, widening it as it reads it: the
+    product of ``x.float()``, without a launch to cast it). ``config``: this launch's
+    BLOCK_N, BLOCK_K, num_warps and num_stages (the tuner's); else this GPU's measured one
+    (ops/gemv_configs.py), else the autotuner's."""
     assert x.shape[0] == 1 and weight.stride(1) == 1, "one token, row-major weight"
     x = x.contiguous()
     n, k = weight.shape
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((1, n), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     b = bias if bias is not None else y  # (unused without HAS_BIAS)
     args = (x, weight, b, y, n, k, weight.stride(0))
     if x.is_cuda:
@@ -93,8 +95,9 @@ def gemv(
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: bool
 ) -> torch.Tensor:
-    """``F.linear``, or with ``kernels`` for one token on a GPU ``gemv`` (a float linear
-    layer's product, a router's)."""
+    """``F.linear`` of x in the weight's dtype, or with ``kernels`` for one token on a GPU
+    ``gemv`` (a float linear layer's product; a router's, whose float32 weight reads a 16-bit x
+    as it is)."""
     if kernels and x.is_cuda and x.shape[0] == 1:
         return gemv(x, weight, bias)
-    return F.linear(x, weight, bias)
+    return F.linear(x.to(weight.dtype), weight, bias)

@@ -201,19 +201,19 @@ class Router(nn.Module):
     """The gate: logits [T, E] = x Wᵀ (+ gpt-oss's ``bias``), replicated on every rank, in
     the dtype its model's Hugging Face gate computes them (``MoEConfig.router_float32``:
     DeepSeek's in float32, the others' in the model's dtype, which also saves a decode step
-    the cast of x and a float32 GEMV a layer), and DeepSeek-V3's ``e_score_correction_bias``
-    (float32). ``select_experts`` takes the logits to float32. With ``kernels``, one token's
-    logits on a GPU are the Triton GEMV's (``ops/gemv.py``, as the linear layers' at one token:
-    one launch, overlapping the one before); ``route`` gives the choice itself
-    (``select_experts``: on a GPU the routing kernel's one launch)."""
+    a float32 GEMV a layer), and DeepSeek-V3's ``e_score_correction_bias`` (float32).
+    ``select_experts`` takes the logits to float32. With ``kernels``, one token's logits on a
+    GPU are the Triton GEMV's (``ops/gemv.py``, as the linear layers' at one token: one launch,
+    overlapping the one before; a float32 gate's reads x in the model's dtype and widens it, so
+    no launch casts x first); ``route`` gives the choice itself (``select_experts``: on a GPU
+    the routing kernel's one launch)."""
 
     def __init__(self, hidden: int, moe: MoEConfig, kernels: bool = False):
         super().__init__()
         e = moe.num_experts
         self.moe = moe
         self.kernels = kernels
-        self.float32 = moe.router_float32
-        dtype = torch.float32 if self.float32 else torch.get_default_dtype()
+        dtype = torch.float32 if moe.router_float32 else torch.get_default_dtype()
         self.weight = nn.Parameter(torch.empty(e, hidden, dtype=dtype), requires_grad=False)
         self.bias: nn.Parameter | None = None
         if moe.router_bias:
@@ -225,7 +225,7 @@ class Router(nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x.float() if self.float32 else x, self.weight, self.bias, self.kernels)
+        return linear(x, self.weight, self.bias, self.kernels)  # (a float32 gate widens x)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``select_experts`` of the logits: (weights float32 [T, k], ids int64 [T, k])."""
