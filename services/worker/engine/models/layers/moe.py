@@ -204,7 +204,7 @@ class Router(nn.Module):
     a float32 GEMV a layer), and DeepSeek-V3's ``e_score_correction_bias`` (float32).
     ``select_experts`` takes the logits to float32. With ``kernels``, one token's logits on a
     GPU are the Triton GEMV's (``ops/gemv.py``, as the linear layers' at one token: one launch,
-    overlapping the one before; a float32 gate's reads x in the model's dtype and widens it, so
+    overlapping the one before; a float32 gate's GEMV reads x in the model's dtype and widens it, so
     no launch casts x first); ``route`` gives the choice itself (``select_experts``: on a GPU
     the routing kernel's one launch)."""
 
