@@ -76,6 +76,26 @@ def test_rotary_in_place(rope: RopeConfig, dtype: torch.dtype, tokens: int) -> N
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [1, ROTARY_HEAD_TOKENS + 6])
+def test_interleaved_rotary_in_place_on_mla_views(dtype: torch.dtype, tokens: int) -> None:
+    """DeepSeek's adjacent pairs, as MLA's layer hands them: q's rotary part, the last 8 of
+    each 24-wide head, and the latent projection's last 8, each a strided view; the kernel
+    rotates them where they lie, in halves, bit for bit the PyTorch path's (the pairs gathered
+    into halves, then rotated), and leaves the rest of both tensors alone."""
+    rope = RopeConfig(10000.0)
+    ref, fused = pair(lambda *a, fused: RotaryEmbedding(*a, fused=fused, interleaved=True), 8,
+                      256, rope)  # fmt: skip
+    q = torch.randn(tokens, 3, 24, device=DEVICE, dtype=dtype)
+    latent = torch.randn(tokens, 40, device=DEVICE, dtype=dtype)
+    positions = torch.randint(0, 256, (tokens,), device=DEVICE)
+    q_ref, k_ref = ref(positions, q[..., 16:], latent[:, 32:].unsqueeze(1))
+    q_got, k_got = q.clone(), latent.clone()
+    fused(positions, q_got[..., 16:], k_got[:, 32:].unsqueeze(1))
+    assert torch.equal(q_got[..., 16:], q_ref) and torch.equal(k_got[:, 32:], k_ref[:, 0])
+    assert torch.equal(q_got[..., :16], q[..., :16]) and torch.equal(k_got[:, :32], latent[:, :32])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("tokens", [7, ROTARY_HEAD_TOKENS + 6])
 def test_qk_norm_fused_into_rotary(dtype: torch.dtype, tokens: int) -> None:
     """Qwen3's per-head q/k norms inside the rotary kernel: the same numbers as the PyTorch

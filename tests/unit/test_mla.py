@@ -62,8 +62,8 @@ def hf_attention(version: str, cfg: Any) -> Any:
     return attn.eval(), rope(cfg)
 
 
-def ours(arch: ArchConfig, hf: Any, backend: str = "torch") -> MLAAttention:
-    ctx = ModelContext.build(arch.max_position_embeddings, get_backend(backend))
+def ours(arch: ArchConfig, hf: Any, backend: str = "torch", kernels: bool = False) -> MLAAttention:
+    ctx = ModelContext.build(arch.max_position_embeddings, get_backend(backend), kernels)
     layer = MLAAttention(arch, ctx)
     layer.load_state_dict(hf.state_dict())
     layer.attn.after_load()
@@ -109,19 +109,23 @@ def hf_forward(version: str, attn: Any, rope: Any, x: torch.Tensor) -> torch.Ten
     return attn(x[None], position_embeddings=emb, attention_mask=mask)[0][0]
 
 
+@pytest.mark.parametrize("kernels", [False, True], ids=["pytorch-ops", "kernels"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("version", ["v2", "v3"])
 @torch.no_grad()
 def test_prefill_chunk_and_decode_equal_hugging_face(
-    version: str, backend: str, tmp_path: Path
+    version: str, backend: str, kernels: bool, tmp_path: Path
 ) -> None:
     """The prefill rows through the model's attention backend's ``attend_contiguous``:
     ``triton``, its prefill kernel (the GPU's path; here Triton's interpreter), the values (12
-    wide) in a buffer of the keys' 24."""
+    wide) in a buffer of the keys' 24. With the engine's kernels the norms and the rotary are
+    Triton's (the rotary in place on q's and the latent's rotary parts, DeepSeek's adjacent
+    pairs written in halves)."""
     cfg = hf_config(version, mscale=1.0, mscale_all_dim=0.8)
     attn, rope = hf_attention(version, cfg)
     arch = arch_of(cfg, tmp_path)
-    layer = ours(arch, attn, backend).to(DEVICE)
+    layer = ours(arch, attn, backend, kernels).to(DEVICE)
+    assert layer.rotary.fused == kernels and layer.rotary.interleaved
     assert layer.attn.prefill.name == backend
     cache = latent_cache(arch, 8, DEVICE)
     layer.kv_cache = cache

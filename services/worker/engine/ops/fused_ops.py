@@ -219,7 +219,7 @@ def _rotary(
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEADS: tl.constexpr,
     HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
     STORE: tl.constexpr = False, KV_BLOCK: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
-    TOKENS: tl.constexpr = 1,
+    TOKENS: tl.constexpr = 1, INTERLEAVED: tl.constexpr = False,
 ):  # fmt: skip
     """In place, HEADS heads of TOKENS tokens per program, as a [TOKENS · HEADS, half] tile:
     programs (t, 0 .. q groups - 1) take q's heads, the rest k's. Many tokens: a whole q or k
@@ -230,6 +230,10 @@ def _rotary(
 
     [x = w · norm(x)   per head (Qwen3's q/k norm), rounded as ``_rms_norm`` rounds]
     out[:half] = x1·cos − x2·sin,  out[half:] = x2·cos + x1·sin   (rotate-half style)
+
+    With ``INTERLEAVED`` (DeepSeek's checkpoints) a head's rotary pairs are adjacent, x1 its
+    even and x2 its odd elements, and the rotated head is written in halves as above (in place:
+    a program reads each of its heads whole before it writes it).
 
     With ``STORE`` the k programs store their rotated keys, and the same heads' values from V,
     into the KV cache (KC, VC: [blocks, KV_BLOCK, kv heads, D] views) at the token's slot, as
@@ -263,8 +267,12 @@ def _rotary(
     if TOKENS > 1:
         h_ok = h_ok & live
     ok = h_ok[:, None] & (offs < HALF)[None, :]
-    x1 = tl.load(base + offs[None, :], mask=ok, other=0.0)
-    x2 = tl.load(base + HALF + offs[None, :], mask=ok, other=0.0)
+    if INTERLEAVED:
+        x1 = tl.load(base + 2 * offs[None, :], mask=ok, other=0.0)
+        x2 = tl.load(base + 2 * offs[None, :] + 1, mask=ok, other=0.0)
+    else:
+        x1 = tl.load(base + offs[None, :], mask=ok, other=0.0)
+        x2 = tl.load(base + HALF + offs[None, :], mask=ok, other=0.0)
     dtype = x1.dtype
     x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
     if HAS_NORM:
@@ -316,14 +324,18 @@ def rotary_(
     norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
     eps: float = 0.0,
     store: tuple[torch.Tensor, LayerKVCache, torch.Tensor] | None = None,
+    interleaved: bool = False,
 ) -> None:
     """Rotate q [T, Hq, D] and k [T, Hk, D] in place; cos/sin: [max_positions, D] float32.
     ``norm_weights`` (q's, k's): RMS-normalise each head first, in the same kernel.
+    ``interleaved``: each head's pairs are adjacent and come out in halves (DeepSeek's).
 
     ``store`` (v [T, Hk, D], a layer's cache, its int64 slot per token): the keys, rotated,
     and the values go into the cache instead, and k is left as it was (``_rotary``)."""
     half = q.shape[-1] // 2
     tokens, num_q, num_k = q.shape[0], q.shape[1], k.shape[1]
+    if interleaved and (norm_weights is not None or store is not None):
+        raise ValueError("interleaved pairs are rotated alone: no norm, no store")
     if store is not None and store[1].is_fp8 and not q.is_cuda:
         # Triton's interpreter rounds some values to e4m3 toward zero where the GPU rounds to
         # nearest: on CPU an FP8 cache takes PyTorch's rounding (as the Triton backend's write)
@@ -361,6 +373,6 @@ def rotary_(
         NUM_Q_HEADS=q.shape[1], NUM_K_HEADS=k.shape[1],
         HEADS=heads, HALF=half, BLOCK=block, HAS_NORM=norm_weights is not None,
         NORM_BLOCK=triton.next_power_of_2(2 * half), STORE=store is not None,
-        KV_BLOCK=block_size, TOKENS=per_program, **launch_options(q),
+        KV_BLOCK=block_size, TOKENS=per_program, INTERLEAVED=interleaved, **launch_options(q),
         **({"num_warps": 4 if heads * block <= 1024 else 8} if q.is_cuda else {}),
     )  # fmt: skip

@@ -103,7 +103,10 @@ class MLAAttention(nn.Module):
         kv_out = heads * (mla.qk_nope_head_dim + mla.v_head_dim)
         self.kv_b_proj = ColumnParallelLinear(mla.kv_lora_rank, kv_out, False, ctx.linear)
         self.o_proj = RowParallelLinear(heads * mla.v_head_dim, hidden, bias, ctx.linear)
-        self.rotary = RotaryEmbedding(mla.qk_rope_head_dim, ctx.max_positions, arch.rope)
+        # with the engine's kernels one launch rotates q's and the latent's rotary parts in
+        # place (DeepSeek's adjacent pairs written in halves), where PyTorch's ops take ~16
+        self.rotary = RotaryEmbedding(mla.qk_rope_head_dim, ctx.max_positions, arch.rope,
+                                      ctx.kernels, interleaved=mla.rope_interleave)  # fmt: skip
         # registered after kv_b_proj: the runner's after_load (children in order) reaches it
         # once kv_b_proj's own has run
         scale = softmax_scale(arch)
@@ -148,16 +151,10 @@ class MLAAttention(nn.Module):
         c, k_pe = self.kv_a_proj_with_mqa(x).split([mla.kv_lora_rank, mla.qk_rope_head_dim], -1)
         c = self.kv_a_layernorm(c)
         assert isinstance(c, torch.Tensor)  # (it feeds no layer: no codes)
-        q_pe, k_pe = self._rotate(positions, q_pe, k_pe.unsqueeze(1))
-        return torch.cat((q_nope, q_pe), dim=-1), torch.cat((c.unsqueeze(1), k_pe), dim=-1)
-
-    def _rotate(
-        self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.mla.rope_interleave:  # adjacent pairs → halves
-            q_pe = torch.cat((q_pe[..., 0::2], q_pe[..., 1::2]), dim=-1)
-            k_pe = torch.cat((k_pe[..., 0::2], k_pe[..., 1::2]), dim=-1)
-        return self.rotary(positions, q_pe, k_pe)
+        q_pe, k_pe = self.rotary(positions, q_pe, k_pe.unsqueeze(1))
+        if not self.rotary.fused:  # (fused, q's rotary part was rotated where it lies in q)
+            q = torch.cat((q_nope, q_pe), dim=-1)
+        return q, torch.cat((c.unsqueeze(1), k_pe), dim=-1)
 
 
 class LatentAttention(nn.Module):

@@ -102,17 +102,19 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(
         self, head_dim: int, max_positions: int, rope: RopeConfig, fused: bool = False,
-        rotary_dim: int | None = None,
+        rotary_dim: int | None = None, interleaved: bool = False,
     ):  # fmt: skip
         """``rotary_dim``: the rotary turns only each head's first ``rotary_dim`` dims (Qwen3.5's
         partial rotary; the rest pass as they are), its frequencies those of a head of that
-        size; the fused kernel takes whole heads only."""
+        size; the fused kernel takes whole heads only. ``interleaved``: each head's pairs are
+        adjacent (DeepSeek's checkpoints) and its rotation comes out in halves."""
         super().__init__()
         self.rotary_dim = rotary_dim if rotary_dim is not None else head_dim
         if fused and self.rotary_dim != head_dim:
             raise ValueError("the fused rotary kernel turns whole heads: no partial rotary")
         head_dim = self.rotary_dim
         self.fused = fused  # rotate q and k in place with one Triton kernel
+        self.interleaved = interleaved
         if rope.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"unsupported rope_type {rope.rope_type!r}; supported: "
@@ -143,8 +145,12 @@ class RotaryEmbedding(nn.Module):
 
             weights = (norms[0].weight, norms[1].weight) if norms is not None else None
             eps = norms[0].eps if norms is not None else 0.0
-            rotary_(positions, q, k, self.cos_cache, self.sin_cache, weights, eps)
+            rotary_(positions, q, k, self.cos_cache, self.sin_cache, weights, eps,
+                    interleaved=self.interleaved)  # fmt: skip
             return q, k
+        if self.interleaved:  # adjacent pairs → halves
+            q = torch.cat((q[..., 0::2], q[..., 1::2]), dim=-1)
+            k = torch.cat((k[..., 0::2], k[..., 1::2]), dim=-1)
         if norms is not None:
             q, k = norms[0](q), norms[1](k)
         cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
