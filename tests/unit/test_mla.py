@@ -19,7 +19,12 @@ from services.worker.engine.attention.registry import get_backend
 from services.worker.engine.kv_cache.layout import KVCacheLayout, layer_views
 from services.worker.engine.model_config import ArchConfig, load_arch_config
 from services.worker.engine.models.context import ModelContext
-from services.worker.engine.models.layers.mla import MLAAttention, latent_decode, softmax_scale
+from services.worker.engine.models.layers.mla import (
+    MLAAttention,
+    latent_decode,
+    softmax_scale,
+    write_latent,
+)
 from services.worker.engine.models.layers.rotary import RotaryEmbedding
 from services.worker.engine.ops.mla_decode import mla_decode
 
@@ -220,6 +225,24 @@ def strided_on(device: torch.device, t: torch.Tensor) -> torch.Tensor:
         return t
     out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
     return out.copy_(t)
+
+
+def test_the_latent_store_is_the_scatter_in_one_launch() -> None:
+    """``ops/attention.store_rows`` (what ``write_latent`` runs on a GPU; here in Triton's
+    interpreter, or on the GPU) puts each row where PyTorch's scatter puts it, in a layer view
+    with gaps between blocks, and nothing anywhere else."""
+    from services.worker.engine.ops.attention import store_rows
+
+    torch.manual_seed(4)
+    base = torch.randn(6, 2, BS, 1, 10, device=DEVICE)  # blocks, then this layer's and another's
+    want = base.cpu().clone()  # (on the CPU: write_latent's PyTorch path writes it)
+    rows = torch.randn(5, 1, 10, device=DEVICE)
+    slots = torch.tensor([9, 0, 22, 3, 13], device=DEVICE)
+    write_latent(rows.cpu(), want[:, 0], slots.cpu())  # (PyTorch's scatter: the CPU path)
+    got = base.clone()
+    store_rows(rows, got[:, 0], slots)
+    assert torch.equal(got.cpu(), want.cpu())
+    assert not torch.equal(got[:, 0], base[:, 0])  # (rows were written)
 
 
 def test_latent_decode_masks_past_each_context() -> None:

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.worker.engine.ops.dependent_launch import await_inputs
+from services.worker.engine.ops.dependent_launch import await_inputs, launch_options
 
 LOG2E = 1.4426950408889634
 
@@ -472,10 +472,10 @@ def _write_kv(
     K_new, V_new, K, V, slot_mapping, k_scale, v_scale,
     stride_nt, stride_nh, stride_vt, stride_vh, stride_kb, stride_ks, stride_kh,
     KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, VALUES: tl.constexpr = True,
 ):  # fmt: skip
     """Store one token's key and value of one kv head into its cache slot (one launch for all;
-    ``cache_values``: an FP8 cache's rounding)."""
+    ``cache_values``: an FP8 cache's rounding); without VALUES the key alone (``store_rows``)."""
     await_inputs(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -484,9 +484,24 @@ def _write_kv(
     ok = offs < HEAD_DIM
     dst = (slot // KV_BLOCK) * stride_kb + (slot % KV_BLOCK) * stride_ks + h * stride_kh + offs
     k = tl.load(K_new + t * stride_nt + h * stride_nh + offs, mask=ok)
-    v = tl.load(V_new + t * stride_vt + h * stride_vh + offs, mask=ok)
     tl.store(K + dst, cache_values(k, k_scale, K.dtype.element_ty), mask=ok)
-    tl.store(V + dst, cache_values(v, v_scale, V.dtype.element_ty), mask=ok)
+    if VALUES:
+        v = tl.load(V_new + t * stride_vt + h * stride_vh + offs, mask=ok)
+        tl.store(V + dst, cache_values(v, v_scale, V.dtype.element_ty), mask=ok)
+
+
+def store_rows(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """rows [T, H, D] (the last dim contiguous) into ``cache`` [blocks, block size, H, D] (a
+    strided view, not FP8) at each token's slot, in one launch (MLA's latent rows: PyTorch's
+    scatter took three)."""
+    if rows.stride(-1) != 1 or cache.stride(-1) != 1 or cache.dtype == torch.float8_e4m3fn:
+        raise ValueError("rows and a 16- or 32-bit cache with a contiguous last dimension")
+    _write_kv[(rows.shape[0], rows.shape[1])](
+        rows, rows, cache, cache, slot_mapping, 1.0, 1.0, rows.stride(0), rows.stride(1),
+        rows.stride(0), rows.stride(1), cache.stride(0), cache.stride(1), cache.stride(2),
+        KV_BLOCK=cache.shape[1], HEAD_DIM=rows.shape[2],
+        BLOCK_D=triton.next_power_of_2(rows.shape[2]), VALUES=False, **launch_options(rows),
+    )  # fmt: skip
 
 
 @triton.jit

@@ -278,7 +278,12 @@ class LatentAttention(nn.Module):
 
 def write_latent(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter the step's cache rows [T, 1, cache_dim] to their slots (a strided view, in
-    place)."""
+    place): on a GPU one launch (``ops/attention.store_rows``)."""
+    if rows.is_cuda:
+        from services.worker.engine.ops.attention import store_rows
+
+        store_rows(rows, cache, slot_mapping)
+        return
     block_size = cache.shape[1]
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     cache[blocks, slot_mapping % block_size] = rows.to(cache.dtype)
