@@ -80,8 +80,9 @@ def test_rotary_in_place(rope: RopeConfig, dtype: torch.dtype, tokens: int) -> N
 def test_interleaved_rotary_in_place_on_mla_views(dtype: torch.dtype, tokens: int) -> None:
     """DeepSeek's adjacent pairs, as MLA's layer hands them: q's rotary part, the last 8 of
     each 24-wide head, and the latent projection's last 8, each a strided view; the kernel
-    rotates them where they lie, in halves, bit for bit the PyTorch path's (the pairs gathered
-    into halves, then rotated), and leaves the rest of both tensors alone."""
+    rotates them where they lie, in halves, as the PyTorch path does (the pairs gathered into
+    halves, then rotated: bit for bit in the interpreter; on a GPU within the ulp its fused
+    multiply-adds move), and leaves the rest of both tensors alone."""
     rope = RopeConfig(10000.0)
     ref, fused = pair(lambda *a, fused: RotaryEmbedding(*a, fused=fused, interleaved=True), 8,
                       256, rope)  # fmt: skip
@@ -91,7 +92,10 @@ def test_interleaved_rotary_in_place_on_mla_views(dtype: torch.dtype, tokens: in
     q_ref, k_ref = ref(positions, q[..., 16:], latent[:, 32:].unsqueeze(1))
     q_got, k_got = q.clone(), latent.clone()
     fused(positions, q_got[..., 16:], k_got[:, 32:].unsqueeze(1))
-    assert torch.equal(q_got[..., 16:], q_ref) and torch.equal(k_got[:, 32:], k_ref[:, 0])
+    if DEVICE == "cpu":
+        assert torch.equal(q_got[..., 16:], q_ref) and torch.equal(k_got[:, 32:], k_ref[:, 0])
+    torch.testing.assert_close(q_got[..., 16:], q_ref, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(k_got[:, 32:], k_ref[:, 0], atol=TOL[dtype], rtol=TOL[dtype])
     assert torch.equal(q_got[..., :16], q[..., :16]) and torch.equal(k_got[:, :32], latent[:, :32])
 
 
@@ -245,9 +249,10 @@ def test_a_float32_weight_widens_a_16_bit_x_as_it_reads_it(x_dtype: torch.dtype)
     torch.manual_seed(0)
     w = torch.randn(13, 200, device=DEVICE) / 200**0.5
     x = torch.randn(1, 200, device=DEVICE).to(x_dtype)
-    got = gemv(x, w)
+    launch = {"BLOCK_N": 4, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}  # (one for both)
+    got = gemv(x, w, config=launch)
     assert got.dtype == torch.float32
-    assert torch.equal(got, gemv(x.float(), w))  # the same float32 products, the same order
+    assert torch.equal(got, gemv(x.float(), w, config=launch))  # the same products, order
     want = torch.nn.functional.linear(x.float().cpu(), w.cpu())
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(linear(x.cpu(), w.cpu(), None, True), want, rtol=0, atol=0)

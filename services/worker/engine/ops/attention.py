@@ -479,7 +479,7 @@ def _write_kv(
     await_inputs(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    slot = tl.load(slot_mapping + t)
+    slot = tl.load(slot_mapping + t).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     ok = offs < HEAD_DIM
     dst = (slot // KV_BLOCK) * stride_kb + (slot % KV_BLOCK) * stride_ks + h * stride_kh + offs
@@ -496,6 +496,8 @@ def store_rows(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tens
     scatter took three)."""
     if rows.stride(-1) != 1 or cache.stride(-1) != 1 or cache.dtype == torch.float8_e4m3fn:
         raise ValueError("rows and a 16- or 32-bit cache with a contiguous last dimension")
+    if slot_mapping.shape[0] < rows.shape[0]:
+        raise ValueError("a slot for every row")
     _write_kv[(rows.shape[0], rows.shape[1])](
         rows, rows, cache, cache, slot_mapping, 1.0, 1.0, rows.stride(0), rows.stride(1),
         rows.stride(0), rows.stride(1), cache.stride(0), cache.stride(1), cache.stride(2),

@@ -232,8 +232,9 @@ def _rotary(
     out[:half] = x1·cos − x2·sin,  out[half:] = x2·cos + x1·sin   (rotate-half style)
 
     With ``INTERLEAVED`` (DeepSeek's checkpoints) a head's rotary pairs are adjacent, x1 its
-    even and x2 its odd elements, and the rotated head is written in halves as above (in place:
-    a program reads each of its heads whole before it writes it).
+    even and x2 its odd elements, and the rotated head is written in halves as above, in place:
+    a barrier between the program's loads and its stores, since the threads that store a
+    head's elements are not all those that loaded them.
 
     With ``STORE`` the k programs store their rotated keys, and the same heads' values from V,
     into the KV cache (KC, VC: [blocks, KV_BLOCK, kv heads, D] views) at the token's slot, as
@@ -294,6 +295,8 @@ def _rotary(
         at = (pos * stride_c)[:, None] + offs[None, :]
         cos = tl.load(COS + at, mask=c_ok[None, :], other=0.0).to(dtype).to(tl.float32)
         sin = tl.load(SIN + at, mask=c_ok[None, :], other=0.0).to(dtype).to(tl.float32)
+    if INTERLEAVED:  # (every thread's loads of the head done before any thread stores it)
+        tl.debug_barrier()
     a1 = (x1f * cos).to(dtype).to(tl.float32)
     b1 = (x2f * sin).to(dtype).to(tl.float32)
     a2 = (x2f * cos).to(dtype).to(tl.float32)
@@ -336,6 +339,10 @@ def rotary_(
     tokens, num_q, num_k = q.shape[0], q.shape[1], k.shape[1]
     if interleaved and (norm_weights is not None or store is not None):
         raise ValueError("interleaved pairs are rotated alone: no norm, no store")
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("the rotary kernel needs each head's elements contiguous")
+    if tokens == 0:
+        return
     if store is not None and store[1].is_fp8 and not q.is_cuda:
         # Triton's interpreter rounds some values to e4m3 toward zero where the GPU rounds to
         # nearest: on CPU an FP8 cache takes PyTorch's rounding (as the Triton backend's write)
