@@ -13,8 +13,6 @@ the scores and weights are float32 as in ``select_experts``, whose results it eq
 the last bits of ``exp`` (``tests/unit/test_moe_routing_kernel.py``).
 """
 
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
@@ -35,27 +33,13 @@ def _route_kernel(
     BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr = 1,
     KEEP_GROUPS: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """One token: ids[t, :K] its experts in descending score, weights[t, :K] theirs."""
+    """One token: ids[t, :K] its experts in descending score, weights[t, :K] theirs; with
+    GROUPS > 1 only among the best KEEP_GROUPS groups' (``_best_groups``)."""
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
-    await_inputs(USE_PDL)
-    logits = tl.load(LOGITS + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
-    _choose(logits, BIAS, WEIGHTS + t * K, IDS + t * K, E, scaling, K, SCORING, HAS_BIAS, NORM,
-            BLOCK_E, BLOCK_K, GROUPS, KEEP_GROUPS)  # fmt: skip
-
-
-@triton.jit
-def _choose(
-    logits, BIAS, WEIGHTS, IDS, E, scaling,
-    K: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
-    KEEP_GROUPS: tl.constexpr,
-):  # fmt: skip
-    """One token's logits [BLOCK_E] (float32, -inf past E) → its K experts in descending score
-    at IDS[:K] (int64) and their weights at WEIGHTS[:K] (float32); with GROUPS > 1 only among
-    the best KEEP_GROUPS groups' (``_best_groups``)."""
-    e = tl.arange(0, BLOCK_E)
     ok = e < E
+    await_inputs(USE_PDL)
+    logits = tl.load(LOGITS + t * stride_l + e, mask=ok, other=float("-inf")).to(tl.float32)
     if SCORING == 0:  # softmax over every expert
         z = tl.exp(logits - tl.max(logits, 0))
         scores = z / tl.sum(z, 0)
@@ -89,8 +73,8 @@ def _choose(
         top_w = top_w / (tl.sum(top_w, 0) + 1e-20)
     if SCORING != 2:  # (gpt-oss's weights are the softmax alone, as select_experts')
         top_w = top_w * scaling
-    tl.store(WEIGHTS + ks, top_w, mask=ks < K)
-    tl.store(IDS + ks, top_ids.to(tl.int64), mask=ks < K)
+    tl.store(WEIGHTS + t * K + ks, top_w, mask=ks < K)
+    tl.store(IDS + t * K + ks, top_ids.to(tl.int64), mask=ks < K)
 
 
 @triton.jit
@@ -134,32 +118,19 @@ def route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights float32 [T, k], ids int64 [T, k]) as ``select_experts`` returns them."""
     t, e = logits.shape
-    weights, ids = _chosen(t, moe, logits.device)
+    k = moe.top_k
+    weights = torch.empty((t, k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((t, k), dtype=torch.int64, device=logits.device)
     if t == 0:
         return weights, ids
     # (the kernel reads the logits in their dtype: the model's or float32, as Router gives)
     bias = correction_bias.float() if correction_bias is not None else logits
     _route_kernel[(t,)](
         logits, bias, weights, ids, e, logits.stride(0), float(moe.routed_scaling_factor),
-        **_choice(moe, correction_bias is not None), num_warps=1 if e <= 256 else 4,
-        **launch_options(logits),
+        K=k, SCORING=_SCORING[moe.scoring], HAS_BIAS=correction_bias is not None,
+        NORM=moe.norm_topk_prob and moe.scoring != "softmax_of_topk",
+        BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(k),
+        GROUPS=moe.num_groups, KEEP_GROUPS=moe.topk_groups,
+        num_warps=1 if e <= 256 else 4, **launch_options(logits),
     )  # fmt: skip
     return weights, ids
-
-
-def _chosen(tokens: int, moe: MoEConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Room for ``tokens`` tokens' choice: (weights float32 [T, k], ids int64 [T, k])."""
-    shape = (tokens, moe.top_k)
-    return (torch.empty(shape, dtype=torch.float32, device=device),
-            torch.empty(shape, dtype=torch.int64, device=device))  # fmt: skip
-
-
-def _choice(moe: MoEConfig, has_bias: bool) -> dict[str, Any]:
-    """``_choose``'s constexprs for routing ``moe`` (``_route_kernel``'s keywords)."""
-    return {
-        "K": moe.top_k, "SCORING": _SCORING[moe.scoring], "HAS_BIAS": has_bias,
-        "NORM": moe.norm_topk_prob and moe.scoring != "softmax_of_topk",
-        "BLOCK_E": triton.next_power_of_2(moe.num_experts),
-        "BLOCK_K": triton.next_power_of_2(moe.top_k),
-        "GROUPS": moe.num_groups, "KEEP_GROUPS": moe.topk_groups,
-    }  # fmt: skip
