@@ -9,6 +9,12 @@ A worker silent past ``heartbeat_timeout_s`` is expired, but only for silence th
 was there to hear: a sweep that comes long after the previous one (the scheduler itself was
 SIGSTOPped, or its loop blocked) expires nobody and credits every worker with the gap; the
 heartbeats queued meanwhile arrive once it runs again.
+
+The same holds for a heartbeat stream that breaks while the scheduler is stalled or just after
+(``stream_ended``): the workers' gRPC pings went unanswered during the stall, so their
+transports closed and they are reconnecting. Such a worker stays registered (its successor
+stream replaces the entry; if none comes, the heartbeat timeout drops it); a stream that ends
+cleanly (the worker said goodbye), or breaks while the scheduler runs, removes it at once.
 """
 
 import time
@@ -135,6 +141,7 @@ class WorkerRegistry:
         # when its heartbeats, queued meanwhile, are read only after the sweep)
         self.stall_s = heartbeat_timeout_s / 2 if stall_s is None else stall_s
         self._last_sweep: float | None = None
+        self._stall_ended: float | None = None  # when the last sweep found a stall
         self._workers: dict[WorkerId, WorkerState] = {}
         # worker id → why it takes no new routes; kept across re-registrations (a pod being
         # deleted whose worker reconnects is still being deleted)
@@ -181,6 +188,27 @@ class WorkerRegistry:
             del self._workers[worker_id]
         return state
 
+    def stream_ended(self, state: WorkerState, clean: bool, now: float | None = None) -> bool:
+        """``state``'s heartbeat stream ended (``clean``: the worker closed it); True if that
+        removed it. An entry that is no longer ``state`` (the worker registered again on a
+        new stream, with this incarnation or another) is left alone, and so is a broken
+        stream's worker while the scheduler is stalled or within a heartbeat timeout of a
+        stall (see the module's docstring)."""
+        if self._workers.get(state.worker_id) is not state:
+            return False
+        if not clean and self.stalled(now):
+            return False
+        del self._workers[state.worker_id]
+        return True
+
+    def stalled(self, now: float | None = None) -> bool:
+        """Whether the scheduler is stalled (no sweep for longer than ``stall_s``) or the last
+        stall a sweep found ended within ``heartbeat_timeout_s``."""
+        now = time.monotonic() if now is None else now
+        if self._last_sweep is not None and now - self._last_sweep > self.stall_s:
+            return True
+        return self._stall_ended is not None and now - self._stall_ended <= self.heartbeat_timeout_s
+
     def expire(self, now: float | None = None) -> Expiry:
         """Remove the workers whose last heartbeat is older than the timeout; called once per
         sweep. After a stall (longer than ``stall_s`` since the previous call) nobody expires
@@ -189,6 +217,7 @@ class WorkerRegistry:
         gap = 0.0 if self._last_sweep is None else now - self._last_sweep
         self._last_sweep = now
         if gap > self.stall_s:
+            self._stall_ended = now
             for w in self._workers.values():
                 w.last_seen = min(w.last_seen + gap, now)
             return Expiry([], stalled_s=gap)

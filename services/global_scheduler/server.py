@@ -98,6 +98,7 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
     ) -> AsyncIterator[scheduler_pb2.SchedulerCommand]:
         worker: WorkerState | None = None
         peers_sent: tuple[str, ...] | None = None
+        clean = False  # the worker closed the stream (not a broken transport or an error)
         try:
             async for msg in request_iterator:
                 if worker is None:
@@ -126,9 +127,10 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
                     yield scheduler_pb2.SchedulerCommand(
                         kv_peers=scheduler_pb2.KVPeers(side_channels=peers_sent)
                     )
+            clean = True
         finally:
             if worker is not None:
-                await self._remove(worker, "stream ended")
+                await self._stream_ended(worker, clean)
 
     def request_resync(self) -> None:
         """Ask every live worker to re-announce its KV blocks (on its next heartbeat)."""
@@ -311,11 +313,27 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
         self._update_alive()
         return worker
 
+    async def _stream_ended(self, worker: WorkerState, clean: bool) -> None:
+        if self.registry.stream_ended(worker, clean):
+            await self._forget(worker, "stream ended" if clean else "stream broke")
+        elif not clean and self.registry.get(worker.worker_id) is worker:
+            logger.info(
+                "worker %s's stream broke during or just after this scheduler's stall: "
+                "kept for its reconnection (or its heartbeat timeout)",
+                worker.worker_id,
+            )
+
     async def _remove(self, worker: WorkerState, why: str) -> None:
         if self.registry.remove(worker.worker_id, worker.incarnation) is not None:
-            await self.directory.forget(worker.worker_id, worker.incarnation)
-            logger.info("worker %s removed: %s", worker.worker_id, why)
-            metrics.WORKER_EVENTS.labels("removed").inc()
+            await self._forget(worker, why)
+        else:
+            self._update_alive()
+
+    async def _forget(self, worker: WorkerState, why: str) -> None:
+        """``worker`` has left the registry: its blocks leave the directory."""
+        await self.directory.forget(worker.worker_id, worker.incarnation)
+        logger.info("worker %s removed: %s", worker.worker_id, why)
+        metrics.WORKER_EVENTS.labels("removed").inc()
         self._update_alive()
 
     # -- what pod discovery and the planner change (discovery.WorkerSink) ----------------

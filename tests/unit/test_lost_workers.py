@@ -5,6 +5,7 @@ from a dropped worker is answered ``dropped``, and the gateway's RouteClient han
 to its hook without disturbing the route calls in flight."""
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,6 +18,7 @@ from services.global_scheduler.registry import WorkerRegistry, WorkerState
 from services.global_scheduler.routing import RoutingPolicy
 from services.global_scheduler.server import MAX_NOTICES, SchedulerServicer
 from shared.ids import BlockHash, WorkerId
+from shared.kv_events import BlockStored, KVEventBatch
 from shared.protos.baton.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from shared.rpc import channel, server
 
@@ -57,7 +59,8 @@ class Worker:
     """A worker's heartbeat stream into the servicer."""
 
     def __init__(self, servicer: SchedulerServicer, name: str):
-        self.name, self.outbox = name, Outbox()
+        self.name, self.outbox, self.servicer = name, Outbox(), servicer
+        self.registered: WorkerState | None = None  # the registry's entry, once registered
         self.commands = servicer.Heartbeat(self.outbox.messages(), Context())  # type: ignore[arg-type]
 
     async def register(self) -> None:
@@ -69,6 +72,7 @@ class Worker:
         self.outbox.queue.put_nowait(scheduler_pb2.WorkerHeartbeat(registration=reg))
         first = await next_of(self.commands)  # registered: its KV peers come back
         assert first.HasField("kv_peers")
+        self.registered = self.servicer.registry.get(WorkerId(self.name))
 
     def beat(self) -> None:
         self.outbox.queue.put_nowait(scheduler_pb2.WorkerHeartbeat(load=scheduler_pb2.WorkerLoad()))
@@ -170,6 +174,38 @@ async def test_a_heartbeat_from_a_dropped_worker_is_told_so_and_its_stream_ends(
     assert command.reason.endswith(": dropped; register again under a new incarnation")
     assert await rest_of(worker.commands) == []  # the scheduler ended the stream
     assert not servicer.is_registered(WorkerId("w0"))  # the beat did not bring it back
+
+
+async def test_streams_that_broke_for_the_schedulers_own_stall_keep_their_workers() -> None:
+    """Stopped past its workers' ping timeout, the scheduler wakes to find their streams
+    broken while they reconnect: the workers stay registered, and an old stream's end that is
+    read after its worker registered again leaves the new entry (and its blocks) alone. A
+    stream that breaks while the scheduler runs still removes its worker at once."""
+    servicer = new_servicer()
+    workers = [Worker(servicer, name) for name in ("w0", "w1", "w2")]
+    for w in workers:
+        await w.register()
+    await servicer.sweep()
+    servicer.registry.expire(now=time.monotonic() - 10.0)  # the last sweep, 10 s ago
+    await workers[0].commands.aclose()  # its transport closed: the generator is torn down
+    assert servicer.is_registered(WorkerId("w0"))
+    again = Worker(servicer, "w1")  # w1 reconnected before its old stream's end is read
+    await again.register()
+    stored = KVEventBatch(1, [BlockStored([BlockHash(7)], None, 16)])
+    await servicer.directory.apply(WorkerId("w1"), "w1-1", stored)  # re-announced
+    await workers[1].commands.aclose()
+    assert servicer.registry.get(WorkerId("w1")) is again.registered
+    assert await servicer.directory.num_blocks(WorkerId("w1"), "w1-1") == 1
+    await servicer.sweep()  # the late sweep: a stall, nobody expires
+    assert all(servicer.is_registered(WorkerId(n)) for n in ("w0", "w1", "w2"))
+    for _ in range(3):  # a heartbeat timeout of sweeps later, w0 (never back) goes
+        servicer.registry.get(WorkerId("w0")).last_seen -= 1.0  # type: ignore[union-attr]
+    await servicer.sweep()
+    assert not servicer.is_registered(WorkerId("w0"))
+    servicer.registry._stall_ended = None  # long after the stall
+    await workers[2].commands.aclose()  # broke while the scheduler runs: gone at once
+    assert not servicer.is_registered(WorkerId("w2"))
+    assert servicer.registry.get(WorkerId("w1")) is again.registered
 
 
 class GatedDirectory(InMemoryDirectory):

@@ -81,6 +81,56 @@ def test_a_scheduler_that_stalled_expires_nobody_on_its_late_sweep(
     assert reg.workers() == []
 
 
+# (what happens, the sweeps before (their times), when the stream ends, clean?, removed?);
+# the timeout is 1.5 s, so the scheduler counts as stalled more than 0.75 s after a sweep and
+# for 1.5 s after a sweep that found a stall
+STREAM_ENDS = [
+    ("a clean end removes at once", [100.0], 100.1, True, True),
+    ("a break while the scheduler runs removes at once", [100.0, 100.25], 100.3, False, True),
+    ("a break seen before the late sweep: the scheduler is stalled", [100.0], 110.0, False,
+     False),
+    ("a break seen just after the late sweep", [100.0, 110.0], 110.01, False, False),
+    ("a break 1.5 s after that sweep still counts as the stall's", [100.0, 110.0], 111.5,
+     False, False),
+    ("a break later than that removes at once", [100.0, 110.0, 110.5, 111.0, 111.5], 111.6,
+     False, True),
+    ("a clean end right after a stall still removes", [100.0, 110.0], 110.01, True, True),
+    ("no sweep yet: nothing has stalled", [], 100.0, False, True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("sweeps", "end", "clean", "removed"), [c[1:] for c in STREAM_ENDS],
+    ids=[c[0] for c in STREAM_ENDS],
+)  # fmt: skip
+def test_a_stream_that_broke_for_the_schedulers_own_stall_keeps_its_worker(
+    sweeps: list[float], end: float, clean: bool, removed: bool
+) -> None:
+    """The scheduler's stall made its workers' pings go unanswered, so their transports
+    closed: the breaks it sees on waking are its own doing, and the workers are reconnecting
+    (the stall that made CI's request find no worker for a few milliseconds)."""
+    reg = WorkerRegistry(heartbeat_timeout_s=1.5)
+    w = state("w")
+    reg.register(w)
+    for now in sweeps:
+        w.last_seen = now  # heard at every sweep: only the stream's end can remove it
+        reg.expire(now=now)
+    assert reg.stream_ended(w, clean, now=end) is removed
+    assert reg.workers() == ([] if removed else [w])
+
+
+def test_an_old_stream_ending_leaves_its_successor_of_the_same_incarnation() -> None:
+    """A worker whose stream broke registers again as it was (same incarnation); when the old
+    stream's end is processed after that, the new entry stays."""
+    reg = WorkerRegistry(heartbeat_timeout_s=1.5)
+    old, new = state("w"), state("w")
+    reg.register(old)
+    reg.register(new)
+    assert not reg.stream_ended(old, clean=True)
+    assert reg.workers() == [new]
+    assert reg.stream_ended(new, clean=True) and reg.workers() == []
+
+
 def test_queue_depth_counts_what_was_just_routed() -> None:
     w = state("w")
     w.load = WorkerLoad(num_running=2, num_waiting=1)
