@@ -6,6 +6,7 @@ experts (per channel, 128×128 blocks, quantized at load) against dequantized we
 refusals: sizes that do not split, scales of the wrong shape, an expert left unloaded."""
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -329,12 +330,77 @@ def test_an_fp8_expert_without_its_scale_is_named() -> None:
     assert missing == ["experts.3.down_proj weight scale"]
 
 
+@pytest.mark.parametrize("block", [None, 128], ids=["per-channel", "blocks"])
+def test_a_scale_of_the_wrong_shape_is_refused(block: int | None) -> None:
+    """A scale that is not one value a row (or a block) of its projection is refused, naming
+    the shape it should have."""
+    moe = _moe(inter=256)
+    fp8 = _fp8_checkpoint(_checkpoint(moe, H), block)
+    fp8["layer.experts.2.gate_proj.weight_scale"] = torch.ones(3, 2)
+    quant = QuantConfig("block", "token_group") if block else QuantConfig("channel", "token")
+    want = "(2, 1)" if block else "(256,)"
+    message = f"of shape (3, 2) does not match the expert's gate projection, expected {want}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _build(moe, H, fp8, quant)
+
+
 def test_an_expert_past_the_configs_count_is_refused() -> None:
     moe = _moe()
     tensors = _checkpoint(moe, H)
     tensors[f"layer.experts.{moe.num_experts}.gate_proj.weight"] = torch.zeros(16, H)
     with pytest.raises(ValueError, match=f"expert {moe.num_experts} of a layer of"):
         _build(moe, H, tensors)
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["tp-slices", "expert-parallel"])
+@pytest.mark.parametrize("block", [None, 0, 128], ids=["float", "fp8-channel", "fp8-block"])
+def test_per_expert_tensors_are_read_only_for_this_ranks_share(
+    block: int | None, ep: bool, tmp_path: Path
+) -> None:
+    """The per-expert layout (Qwen3-MoE's, Mixtral's and DeepSeek's checkpoints; FP8 per
+    channel, and in DeepSeek's 128 × 128 blocks), read from the file by each of two ranks:
+    with slices, half of gate's and up's rows and of down's columns, with their scales' rows
+    or blocks (down's per-channel scales, one a hidden row, whole); with expert parallelism,
+    its half of the experts, whole. And the same weights as a rank built from whole tensors."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from services.worker.engine.models.weights import CheckpointTensor, ReadCounter
+
+    moe = _moe(inter=256)  # two 128-wide blocks of the intermediate dimension, one a rank
+    tensors = _checkpoint(moe, H)
+    quant = None
+    if block is not None:
+        tensors = _fp8_checkpoint(tensors, block or None)
+        quant = QuantConfig("block" if block else "channel", "token_group" if block else "token")
+    save_file(tensors, str(tmp_path / "experts.safetensors"))
+
+    def share(name: str, t: torch.Tensor, rank: int) -> int:
+        """The bytes of ``name`` that rank ``rank`` must read."""
+        if ep:
+            return t.numel() * t.element_size() if int(name.split(".")[2]) % 2 == rank else 0
+        down = name.split(".")[3] in ("w2", "down_proj")
+        if down and name.endswith("weight_scale") and not block:
+            return t.numel() * t.element_size()  # one scale a hidden row: every rank's
+        return t.numel() * t.element_size() // 2  # half the rows (gate, up) or columns (down)
+
+    for rank in range(2):
+        with use_tp_group(GroupCoordinator(rank, 2)):
+            want = _build(moe, H, tensors, quant, ep=ep)
+            layer = FusedMoE(moe, H, moe_method(quant, kernels=False), ep)
+            params = dict(layer.named_parameters())
+            counter = ReadCounter()
+            with safe_open(str(tmp_path / "experts.safetensors"), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    target = expert_target(name)
+                    assert target is not None
+                    param = params[target.param.removeprefix("layer.experts.")]
+                    layer.weight_loader(param, CheckpointTensor.of(f.get_slice(name), counter),
+                                        target.shard)  # fmt: skip
+        assert layer.unloaded_weights() == []
+        for name, value in want.named_parameters():
+            torch.testing.assert_close(params[name], value, rtol=0, atol=0)
+        assert counter.bytes == sum(share(n, t, rank) for n, t in tensors.items())
 
 
 @pytest.mark.parametrize("ep", [False, True], ids=["tp-slices", "expert-parallel"])

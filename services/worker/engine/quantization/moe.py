@@ -17,6 +17,7 @@ Scales are kept as the kernel takes them: per channel ``w13_weight_scale`` [E, 2
 ``w2_weight_scale`` [E, H, 1]; in blocks [E, 2I/128, ⌈H/128⌉] and [E, ⌈H/128⌉, I/128].
 """
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -173,7 +174,7 @@ class Fp8MoEMethod(MoEMethod):
         weight = tensor(layer, "w2_weight" if proj == "down" else "w13_weight")
         scale = tensor(layer, "w2_weight_scale" if proj == "down" else "w13_weight_scale")
         if param is scale:
-            self._load_scale(layer, full(loaded).float(), expert_part(scale, expert, proj), proj)
+            self._load_scale(layer, loaded, expert_part(scale, expert, proj), proj)
             return True
         if param is weight and self.quant.online:  # a float weight: quantize it
             codes, rows = quantize_rows(full(layer.rank_slice(loaded, proj)))
@@ -182,32 +183,34 @@ class Fp8MoEMethod(MoEMethod):
             return True
         return False
 
-    def _load_scale(
-        self, layer: Experts, scale: torch.Tensor, dst: torch.Tensor, proj: Proj
-    ) -> None:
-        """This rank's part of one expert's weight scale: its rows (gate, up) or its block
-        columns (down) of the checkpoint's; a per-tensor scale's one value on every row."""
+    def _load_scale(self, layer: Experts, scale: Loaded, dst: torch.Tensor, proj: Proj) -> None:
+        """This rank's part of one expert's weight scale, and only it read: its rows (gate, up)
+        or its block columns (down) of the checkpoint's (down's per-channel scales, one a
+        hidden row, whole); a per-tensor scale's one value on every row."""
         i, start, b = layer.intermediate_size, layer.intermediate_start, self.block
         h, total = layer.hidden_size, layer.intermediate_total
-        if b is None and scale.numel() == 1:
-            dst.fill_(scale.reshape(()).item())
+        shape = tuple(int(n) for n in scale.shape)
+        if b is None and math.prod(shape) == 1:
+            dst.fill_(full(scale).float().reshape(()).item())
             return
-        if b is None:
+        if b is None:  # [rows] or [rows, 1] (or [1, rows])
             want: tuple[int, ...] = (h,) if proj == "down" else (total,)
-            rows = scale.reshape(-1)
+            rows = next((d for d, n in enumerate(shape) if n != 1), 0)
+            got = (shape[rows],) if all(n == 1 for d, n in enumerate(shape) if d != rows) else shape
         else:
             want = (-(-h // b), -(-total // b)) if proj == "down" else (-(-total // b), -(-h // b))
-            rows = scale
-        if tuple(rows.shape) != want:
+            got = shape
+        if got != want:
             kind = "per-channel" if b is None else f"{b}×{b} block"
-            raise ValueError(f"a {kind} weight scale of shape {tuple(scale.shape)} does not "
-                             f"match the expert's {proj} projection, expected {want}")  # fmt: skip
+            raise ValueError(f"a {kind} weight scale of shape {shape} does not match the "
+                             f"expert's {proj} projection, expected {want}")  # fmt: skip
         if b is None:
-            dst.copy_(rows.reshape(-1, 1) if proj == "down" else rows[start : start + i, None])
-        elif proj == "down":
-            dst.copy_(rows[:, start // b : (start + i) // b])
-        else:
-            dst.copy_(rows[start // b : (start + i) // b])
+            part = scale if proj == "down" else scale.narrow(rows, start, i)
+            dst.copy_(full(part).float().reshape(dst.shape))
+            return
+        first, count = start // b, (start + i) // b - start // b
+        part = scale.narrow(1 if proj == "down" else 0, first, count)
+        dst.copy_(full(part).float())
 
     def apply(
         self, layer: Experts, x: torch.Tensor, topk_weights: torch.Tensor,
