@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from transformers import AutoConfig
 
 from baton import LLM, SamplingParams
 from baton.tiny_model import make_tiny_model
@@ -150,18 +151,22 @@ def _logprobs_close(got: list[Any], want: list[Any]) -> None:
             assert all(abs(x[t].logprob - y[t].logprob) <= LOGPROB_ATOL for t in x)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_tp2_equals_tp1(models: dict[str, Path], arch: str) -> None:
+@pytest.mark.parametrize(
+    ("arch", "ep"), [("deepseek_v2", False), ("deepseek_v3", False), ("deepseek_v3", True)],
+    ids=["deepseek_v2", "deepseek_v3", "deepseek_v3-expert-parallel"],
+)  # fmt: skip
+def test_tp2_equals_tp1(models: dict[str, Path], arch: str, ep: bool) -> None:
     """Heads split over two ranks (gloo on CPU), the latent cached whole by each; the experts
-    split by their intermediate dimension; chunked prefill over cached prefixes."""
+    split by their intermediate dimension, or (``ep``) whole, half of them on each rank, the
+    shared experts still split; chunked prefill over cached prefixes."""
     mode = {"max_num_batched_tokens": 8, "max_num_seqs": 4}
     ref = LLM(model=str(models[arch]), show_progress=False, **mode)  # type: ignore[arg-type]
     try:
         want = _generate(ref)
     finally:
         ref.shutdown()
-    llm = LLM(model=str(models[arch]), tensor_parallel_size=2, show_progress=False,
-              **mode)  # type: ignore[arg-type]  # fmt: skip
+    llm = LLM(model=str(models[arch]), tensor_parallel_size=2, enable_expert_parallel=ep,
+              show_progress=False, **mode)  # type: ignore[arg-type]  # fmt: skip
     try:
         got = _generate(llm)
         stats = llm.client.call_utility("get_stats")
@@ -169,6 +174,18 @@ def test_tp2_equals_tp1(models: dict[str, Path], arch: str) -> None:
         llm.shutdown()
     _logprobs_close(got, want)
     assert stats.prefix_hit_tokens > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_prompts_tokens_spread_over_most_experts(models: dict[str, Path], arch: str) -> None:
+    """The tiny routers (grouped top-k, V3's sigmoid scores with their correction bias) send a
+    prompt's tokens to most routed experts of every MoE layer (the first is dense), not to a
+    few: the parity and the expert-parallel split read most experts' weights."""
+    config = AutoConfig.from_pretrained(models[arch])
+    used = helpers.experts_chosen(models[arch], [(3 * i) % 280 + 4 for i in range(48)])
+    moe = range(config.first_k_dense_replace, config.num_hidden_layers)
+    assert sorted(used) == list(moe)
+    assert all(len(chosen) >= 0.75 * config.n_routed_experts for chosen in used.values()), used
 
 
 KW = {"num_kv_blocks": 64, "max_model_len": 256, "show_progress": False}

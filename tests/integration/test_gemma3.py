@@ -4,10 +4,12 @@ bases apart; random norm weights; tied embeddings; soft-capped logits): greedy t
 token for token and logprobs within 1e-4, on prompts five times the window, with whole prompts
 and chunked prefill, with prefix hits (a prefix of 37 tokens that ends mid-block, of which the
 32 of its whole blocks hit; a repeated two-block prompt, of which one block hits); the forward a
-piecewise CUDA graph runner splits, run inline; two tensor-parallel ranks. A model with the
-window widened past every prompt gives other tokens, so the window is really applied.
+piecewise CUDA graph runner splits, run inline; two tensor-parallel ranks; the cache a request
+holds as the engine reports it. A model with the window widened past every prompt gives other
+tokens, so the window is really applied.
 """
 
+import json
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -76,6 +78,23 @@ def test_greedy_matches_hugging_face(gemma3: Path, mode: str) -> None:
     _assert_hugging_faces(gemma3, outs)
     assert stats.prefix_hit_tokens == 32 + 16
     assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_the_engine_reports_what_a_request_holds(gemma3: Path) -> None:
+    """Its cache groups (the global layers' and, in pages of as many layers, the sliding
+    ones') and the bytes a request of max_model_len holds: every token's K and V in the global
+    layers, the two blocks a window of 8 can span in the sliding ones."""
+    config = json.loads((gemma3 / "config.json").read_text())
+    llm = LLM(model=str(gemma3), show_progress=False, dtype="float32", max_model_len=64)
+    try:
+        info = llm.get_model_info()
+    finally:
+        llm.shutdown()
+    heads, dim = config["num_key_value_heads"], config["head_dim"]
+    token = 2 * heads * dim * 4  # one layer's K and V of a token, float32
+    assert info.kv_cache_groups == f"3 groups of 2 layers: full, window {WINDOW}, window {WINDOW}"
+    assert info.kv_request_bytes == 2 * 64 * token + 4 * 2 * 16 * token
+    assert info.kv_full_attention_request_bytes == 6 * 64 * token
 
 
 def test_the_window_is_applied(gemma3: Path) -> None:

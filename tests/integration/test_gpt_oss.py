@@ -7,10 +7,12 @@ its 32 tokens of whole blocks hit; a repeated two-block prompt, of which one blo
 forward a piecewise CUDA graph runner splits, run inline; two tensor-parallel ranks (half the
 heads and their sinks each, and a slice of every expert or half the experts whole). Hugging
 Face with the window widened past every prompt, or the sinks at -inf, gives other tokens, so
-both are really applied; the router spreads a prompt's tokens over most experts.
+both are really applied; the router spreads a prompt's tokens over most experts; a prefill
+peer whose window differs is refused at the KV handshake.
 """
 
 import json
+import logging
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from transformers import AutoModelForCausalLM, Mxfp4Config
 
 from baton import LLM, SamplingParams
 from baton.tiny_model import make_tiny_model
-from services.worker.engine.kv_transfer.params import NO_BLOCK
+from services.worker.engine.kv_transfer.params import NO_BLOCK, KVTransferParams
 from tests.helpers import (
     assert_matches_reference,
     copy_checkpoint,
@@ -151,6 +153,42 @@ def test_disaggregated_pulls_the_full_blocks_and_the_last_window(gpt_oss: Path) 
     page = 2 * 2 * 16 * 2 * 32 * 4  # layers a page × K, V × tokens × KV heads × head dim × fp32
     assert stats.kv_pulls == 1 and stats.kv_pull_failures == 0
     assert stats.kv_pull_bytes == 7 * page
+
+
+def test_a_peer_with_other_kv_groups_is_refused(
+    gpt_oss: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same model under the same name but with a window of 16 on the prefill side: each
+    cache's geometry is the same and only the groups differ (its windowed blocks would be the
+    wrong ones), so the handshake refuses it, naming both groups, reads nothing, and the decode
+    engine recomputes the prompt."""
+    wider = copy_checkpoint(gpt_oss, tmp_path / "wider")
+    config = json.loads((wider / "config.json").read_text())
+    (wider / "config.json").write_text(json.dumps({**config, "sliding_window": 16}))
+    ids = [(7 * i) % 390 + 5 for i in range(40)]
+    kw: dict[str, Any] = {"num_kv_blocks": 64, "max_model_len": 256, "show_progress": False,
+                          "served_model_name": "gpt-oss", "kv_transfer": True}  # fmt: skip
+    prefill = LLM(model=str(wider), multiprocess=True, **kw)
+    decode = LLM(model=str(gpt_oss), **kw)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        lease = KVTransferParams(do_remote_decode=True)
+        first = prefill.generate([{"prompt_token_ids": ids, "kv_transfer": lease}],
+                                 params.clone(max_tokens=1), use_tqdm=False)[0]  # fmt: skip
+        assert first.kv_handle is not None
+        leg = KVTransferParams(remote=first.kv_handle, first_token_id=first.outputs[0].token_ids[0])
+        with caplog.at_level(logging.ERROR):
+            out = decode.generate([{"prompt_token_ids": ids, "kv_transfer": leg}], params,
+                                  use_tqdm=False)[0]  # fmt: skip
+        stats = decode.get_stats()
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+    assert stats.kv_pulls == 0 and stats.kv_pull_failures == 1
+    assert len(out.outputs[0].token_ids) == 3  # recomputed after the first (handed-over) token
+    refusal = "\n".join(r.getMessage() for r in caplog.records)
+    assert "4 layers in 2 groups of 2 layers: full, window 16, blocks of 16" in refusal  # theirs
+    assert "4 layers in 2 groups of 2 layers: full, window 8, blocks of 16" in refusal  # ours
 
 
 def test_a_prompts_tokens_spread_over_most_experts(gpt_oss: Path) -> None:

@@ -115,8 +115,8 @@ def test_greedy_matches_hugging_face(moe_models: dict[str, Path], name: str, mod
 
 
 # each rank a slice of every expert; half the experts whole (expert parallelism)
-TP_CASES = [("qwen3_moe", False), ("qwen3_moe", True), ("mixtral", True), ("glm4_moe", False),
-            ("minimax_m2", False)]  # fmt: skip
+TP_CASES = [("qwen3_moe", False), ("qwen3_moe", True), ("mixtral", False), ("mixtral", True),
+            ("glm4_moe", False), ("minimax_m2", False)]  # fmt: skip
 
 
 @pytest.mark.parametrize(("name", "ep"), TP_CASES)
