@@ -81,6 +81,28 @@ def _load_as_rank(path: Path, rank: int, size: int) -> ModelRunner:
     return runner
 
 
+@pytest.mark.parametrize("fmt", ["fp8-tensor", "fp8-channel"])
+def test_each_rank_reads_only_its_slices_of_an_fp8_checkpoint(tmp_path: Path, fmt: str) -> None:
+    """As below, with the scales: a column-parallel layer's per-channel scales split with its
+    rows; a row-parallel layer's (o, down: one a row, which every rank keeps) and a per-tensor
+    scale whole."""
+    from baton.tiny_model import make_tiny_model
+
+    path = make_tiny_model(tmp_path / fmt, arch="llama", quantize=fmt)
+    hf = _hf_tensors(path)
+
+    def whole(name: str) -> bool:
+        row_parallel = name.rpartition(".")[0].endswith(("o_proj", "down_proj"))
+        scale = name.endswith(("weight_scale", "input_scale"))
+        return name.endswith("norm.weight") or (scale and (row_parallel or hf[name].numel() == 1))
+
+    total = sum(t.numel() * t.element_size() for t in hf.values())
+    replicated = sum(t.numel() * t.element_size() for k, t in hf.items() if whole(k))
+    assert any(k.endswith("weight_scale") and not whole(k) for k in hf) == (fmt == "fp8-channel")
+    for rank in range(2):
+        assert _load_as_rank(path, rank, 2).read.bytes == (total - replicated) // 2 + replicated
+
+
 @pytest.mark.parametrize("name", ["llama", "llama3-tied", "qwen2-sharded"])
 def test_each_rank_reads_only_its_slices(tiny_models: dict[str, Path], name: str) -> None:
     path = tiny_models[name]

@@ -121,6 +121,21 @@ def one_value(t: Loaded, what: str) -> torch.Tensor:
     return value
 
 
+def vector_length(t: Loaded) -> int | None:
+    """n for a tensor that is one vector of n values, however it is shaped ([n], [n, 1],
+    [1, n]: a per-channel scale as checkpoints store it); None for any other shape."""
+    shape = [int(n) for n in t.shape]
+    longer = [n for n in shape if n != 1]
+    return (longer[0] if longer else 1) if len(longer) <= 1 else None
+
+
+def vector_part(t: Loaded, start: int, length: int) -> torch.Tensor:
+    """Values [start, start + length) of such a vector (``vector_length``) as float32 [length],
+    only they read."""
+    axis = next((d for d, n in enumerate(t.shape) if n != 1), 0)
+    return full(t.narrow(axis, start, length) if t.dim() else t).float().reshape(-1)
+
+
 def copy_weight(dst: torch.Tensor, src: Loaded) -> None:
     """Copy a checkpoint tensor into a parameter (or a slice of one), refusing a shape mismatch."""
     if tuple(dst.shape) != tuple(src.shape):

@@ -21,7 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.engine.models.weights import Loaded, copy_weight, full, one_value
+from services.worker.engine.models.weights import (
+    Loaded,
+    copy_weight,
+    full,
+    one_value,
+    vector_length,
+    vector_part,
+)
 from services.worker.engine.quantization.base import (
     KVCacheMethod,
     Linear,
@@ -77,9 +84,7 @@ class Fp8LinearMethod(LinearMethod):
             return True
         scale = tensor(layer, "weight_scale")
         if param is scale:
-            self._load_scale(
-                layer, full(loaded).float(), scale.data.narrow(0, shard.dst, shard.size), shard
-            )
+            self._load_scale(layer, loaded, scale.data.narrow(0, shard.dst, shard.size), shard)
             return True
         if param is tensor(layer, "weight") and self.quant.online:  # a float weight: quantize it
             weight, rows = quantize_rows(full(layer.rank_slice(loaded, shard)))
@@ -88,21 +93,16 @@ class Fp8LinearMethod(LinearMethod):
             return True
         return False
 
-    def _load_scale(
-        self, layer: Linear, scale: torch.Tensor, dst: torch.Tensor, shard: Shard
-    ) -> None:
-        """This rank's rows of a shard's weight scale: one value, or one per output row."""
+    def _load_scale(self, layer: Linear, scale: Loaded, dst: torch.Tensor, shard: Shard) -> None:
+        """This rank's rows of a shard's weight scale, only they read: one value, or one per
+        output row."""
         if self.quant.weights == "tensor":
-            if scale.numel() != 1:
-                raise ValueError(
-                    f"a per-tensor weight scale has one value, got {tuple(scale.shape)}"
-                )
-            dst.fill_(scale.reshape(()).item())
+            dst.fill_(one_value(scale, "a per-tensor weight scale").item())
             return
-        if scale.numel() != shard.total:
+        if vector_length(scale) != shard.total:
             raise ValueError(f"a per-channel weight scale of shape {tuple(scale.shape)} "
                              f"does not match {shard.total} output channels")  # fmt: skip
-        dst.copy_(scale.reshape(-1, 1)[shard.src : shard.src + shard.size])
+        dst.copy_(vector_part(scale, shard.src, shard.size).reshape(-1, 1))
 
     def input_group(self, layer: Linear, like: torch.Tensor) -> int:
         if not self.kernels or self.quant.activations != "token":
@@ -151,10 +151,8 @@ class Fp8BlockLinearMethod(Fp8LinearMethod):
         # block scaling takes them (``process_weights_after_loading``)
         layer.register_buffer("block_scales", None, persistent=False)
 
-    def _load_scale(
-        self, layer: Linear, scale: torch.Tensor, dst: torch.Tensor, shard: Shard
-    ) -> None:
-        """This rank's rows and block columns of a shard's block scales."""
+    def _load_scale(self, layer: Linear, scale: Loaded, dst: torch.Tensor, shard: Shard) -> None:
+        """This rank's rows and block columns of a shard's block scales, only they read."""
         b = self.quant.block
         want = (-(-shard.total // b), -(-layer.in_total // b))
         if tuple(scale.shape) != want:
@@ -162,9 +160,10 @@ class Fp8BlockLinearMethod(Fp8LinearMethod):
                 f"a block weight scale of shape {tuple(scale.shape)}, expected {want}: "
                 f"{shard.total}×{layer.in_total} weights, {b}×{b} blocks"
             )
-        rows = scale[(shard.src + torch.arange(shard.size)) // b]
-        first = layer.col_start // b
-        dst.copy_(rows[:, first : first + dst.shape[1]])
+        top = shard.src // b
+        blocks = full(scale.narrow(0, top, (shard.src + shard.size - 1) // b - top + 1)
+                      .narrow(1, layer.col_start // b, dst.shape[1])).float()  # fmt: skip
+        dst.copy_(blocks[(shard.src + torch.arange(shard.size)) // b - top])
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         if not self.kernels or not tensor(layer, "weight").is_cuda:

@@ -25,7 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.engine.models.weights import Loaded, copy_weight, full
+from services.worker.engine.models.weights import (
+    Loaded,
+    copy_weight,
+    full,
+    vector_length,
+    vector_part,
+)
 from services.worker.engine.quantization.base import (
     Experts,
     MoEMethod,
@@ -193,10 +199,9 @@ class Fp8MoEMethod(MoEMethod):
         if b is None and math.prod(shape) == 1:
             dst.fill_(full(scale).float().reshape(()).item())
             return
-        if b is None:  # [rows] or [rows, 1] (or [1, rows])
+        if b is None:
             want: tuple[int, ...] = (h,) if proj == "down" else (total,)
-            rows = next((d for d, n in enumerate(shape) if n != 1), 0)
-            got = (shape[rows],) if all(n == 1 for d, n in enumerate(shape) if d != rows) else shape
+            got: tuple[int | None, ...] = (vector_length(scale),)
         else:
             want = (-(-h // b), -(-total // b)) if proj == "down" else (-(-total // b), -(-h // b))
             got = shape
@@ -205,8 +210,8 @@ class Fp8MoEMethod(MoEMethod):
             raise ValueError(f"a {kind} weight scale of shape {shape} does not match the "
                              f"expert's {proj} projection, expected {want}")  # fmt: skip
         if b is None:
-            part = scale if proj == "down" else scale.narrow(rows, start, i)
-            dst.copy_(full(part).float().reshape(dst.shape))
+            rows = (0, h) if proj == "down" else (start, i)
+            dst.copy_(vector_part(scale, *rows).reshape(dst.shape))
             return
         first, count = start // b, (start + i) // b - start // b
         part = scale.narrow(1 if proj == "down" else 0, first, count)
