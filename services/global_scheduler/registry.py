@@ -12,13 +12,16 @@ heartbeats queued meanwhile arrive once it runs again.
 
 The same holds for a heartbeat stream that breaks while the scheduler is stalled or just after
 (``stream_ended``): the workers' gRPC pings went unanswered during the stall, so their
-transports closed and they are reconnecting. Such a worker stays registered (its successor
-stream replaces the entry; if none comes, the heartbeat timeout drops it); a stream that ends
-cleanly (the worker said goodbye), or breaks while the scheduler runs, removes it at once.
+transports closed and they are reconnecting. Such a worker stays registered, ``detached``:
+its new stream's registration replaces the entry; if none comes within the heartbeat timeout
+and ``RECONNECT_S``, the sweep removes it as a stream's end would have (no gateway is told: it
+was not found hung). A stream that ends with the worker's goodbye (``leaving``), or breaks
+while the scheduler runs, removes it at once.
 """
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.ids import WorkerId
@@ -37,6 +40,11 @@ class WorkerLoad:
     prefix_hit_tokens: int = 0  # prompt tokens its engine served from its prefix cache, ditto
     engine_stalled_s: float = 0.0  # its engine has had work and finished no step this long
 
+
+# How long a worker whose stream broke in the scheduler's stall may take to register again
+# beyond the heartbeat timeout: its reconnection backoff (at most 1 s) and its registration's
+# wait for its engine's blocks (at most 1 s; services/worker/heartbeat.py)
+RECONNECT_S = 2.0
 
 # A route the worker has not reported receiving after this long was never sent (the client
 # left first, or the gateway failed): it stops counting.
@@ -74,6 +82,8 @@ class WorkerState:
     # first: its reported load cannot show them yet.
     routes: OrderedDict[str, Route] = field(default_factory=OrderedDict)
     dropped: str = ""  # why ``expire`` dropped it, e.g. "missed heartbeats for 1.6 s"
+    # its stream broke during the scheduler's stall and it has not registered again since
+    detached: bool = False
     _unfinished: int = 0  # routes not marked finished (queue_depth runs for every candidate)
 
     @property
@@ -105,7 +115,7 @@ class WorkerState:
             route.finished = True
             self._unfinished -= 1
 
-    def heard(self, load: WorkerLoad) -> None:
+    def heard(self, load: WorkerLoad, now: float | None = None) -> None:
         """A heartbeat: the requests it received since the last one are in its load now (or
         over), so as many of the oldest routes leave the in-transit set. A worker that does
         not count receipts (0) shows everything routed before its heartbeat."""
@@ -116,7 +126,7 @@ class WorkerState:
         else:
             for _ in range(min(received, len(self.routes))):
                 self._drop_oldest()
-        self.load, self.last_seen = load, time.monotonic()
+        self.load, self.last_seen = load, time.monotonic() if now is None else now
 
     def _drop_oldest(self) -> None:
         _, route = self.routes.popitem(last=False)
@@ -131,11 +141,19 @@ class Expiry:
     # > 0: the scheduler itself was stalled (this many seconds since the previous sweep), so
     # the silence was its own: nobody expired and every worker was credited with the gap
     stalled_s: float = 0.0
+    # removed too, not hung: detached workers (their stream broke in a stall) never back
+    detached: list[WorkerState] = field(default_factory=list)
 
 
 class WorkerRegistry:
-    def __init__(self, heartbeat_timeout_s: float, stall_s: float | None = None):
+    def __init__(
+        self,
+        heartbeat_timeout_s: float,
+        stall_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.clock = clock  # the times of heartbeats, sweeps and stream ends
         # a gap between two sweeps longer than this: the scheduler stalled, not its workers
         # (default half the timeout: a worker heard just before such a stall is not dropped
         # when its heartbeats, queued meanwhile, are read only after the sweep)
@@ -151,6 +169,7 @@ class WorkerRegistry:
         """Add a worker; returns the entry it replaced (an older incarnation), if any."""
         old = self._workers.get(state.worker_id)
         state.cordoned = state.worker_id in self._cordoned
+        state.last_seen = self.clock()
         self._workers[state.worker_id] = state
         return old
 
@@ -178,7 +197,7 @@ class WorkerRegistry:
         state = self.get(worker_id, incarnation)
         if state is None:
             return False
-        state.heard(load)
+        state.heard(load, self.clock())
         return True
 
     def remove(self, worker_id: WorkerId, incarnation: str) -> WorkerState | None:
@@ -189,14 +208,15 @@ class WorkerRegistry:
         return state
 
     def stream_ended(self, state: WorkerState, clean: bool, now: float | None = None) -> bool:
-        """``state``'s heartbeat stream ended (``clean``: the worker closed it); True if that
-        removed it. An entry that is no longer ``state`` (the worker registered again on a
-        new stream, with this incarnation or another) is left alone, and so is a broken
+        """``state``'s heartbeat stream ended (``clean``: with the worker's goodbye); True if
+        that removed it. An entry that is no longer ``state`` (the worker registered again on
+        a new stream, with this incarnation or another) is left alone, and so is a broken
         stream's worker while the scheduler is stalled or within a heartbeat timeout of a
-        stall (see the module's docstring)."""
+        stall: it stays, ``detached`` (see the module's docstring)."""
         if self._workers.get(state.worker_id) is not state:
             return False
         if not clean and self.stalled(now):
+            state.detached = True
             return False
         del self._workers[state.worker_id]
         return True
@@ -204,7 +224,7 @@ class WorkerRegistry:
     def stalled(self, now: float | None = None) -> bool:
         """Whether the scheduler is stalled (no sweep for longer than ``stall_s``) or the last
         stall a sweep found ended within ``heartbeat_timeout_s``."""
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         if self._last_sweep is not None and now - self._last_sweep > self.stall_s:
             return True
         return self._stall_ended is not None and now - self._stall_ended <= self.heartbeat_timeout_s
@@ -213,7 +233,7 @@ class WorkerRegistry:
         """Remove the workers whose last heartbeat is older than the timeout; called once per
         sweep. After a stall (longer than ``stall_s`` since the previous call) nobody expires
         and every worker is credited with the gap."""
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         gap = 0.0 if self._last_sweep is None else now - self._last_sweep
         self._last_sweep = now
         if gap > self.stall_s:
@@ -221,11 +241,13 @@ class WorkerRegistry:
             for w in self._workers.values():
                 w.last_seen = min(w.last_seen + gap, now)
             return Expiry([], stalled_s=gap)
-        dead = [w for w in self._workers.values() if now - w.last_seen > self.heartbeat_timeout_s]
+        timeout = self.heartbeat_timeout_s
+        dead = [w for w in self._workers.values()
+                if now - w.last_seen > timeout + (RECONNECT_S if w.detached else 0.0)]  # fmt: skip
         for w in dead:
             del self._workers[w.worker_id]
             w.dropped = f"missed heartbeats for {now - w.last_seen:.1f} s"
-        return Expiry(dead)
+        return Expiry([w for w in dead if not w.detached], detached=[w for w in dead if w.detached])
 
     def get(self, worker_id: WorkerId, incarnation: str | None = None) -> WorkerState | None:
         state = self._workers.get(worker_id)

@@ -1,6 +1,8 @@
 """The GlobalScheduler gRPC service: translation only; the registry, the directory and the
 routing policy do the work. Workers leave the registry when their heartbeat stream ends (at
-once) or goes silent (``sweep``, within ``heartbeat_timeout_s`` + one sweep interval).
+once; a stream that broke during this scheduler's own stall only if its worker does not
+register again in time: ``WorkerRegistry.stream_ended``) or goes silent (``sweep``, within
+``heartbeat_timeout_s`` + one sweep interval).
 
 A worker dropped for silence is hung or cut off, and what streams from it will not finish:
 ``sweep`` tells every gateway at once, with a ``WorkersLost`` notice on each open RouteStream
@@ -98,9 +100,12 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
     ) -> AsyncIterator[scheduler_pb2.SchedulerCommand]:
         worker: WorkerState | None = None
         peers_sent: tuple[str, ...] | None = None
-        clean = False  # the worker closed the stream (not a broken transport or an error)
+        clean = False  # the worker said it was leaving (any other end is a break)
         try:
             async for msg in request_iterator:
+                if msg.leaving:
+                    clean = True
+                    return
                 if worker is None:
                     worker = await self._register(msg, context)
                 else:
@@ -127,7 +132,6 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
                     yield scheduler_pb2.SchedulerCommand(
                         kv_peers=scheduler_pb2.KVPeers(side_channels=peers_sent)
                     )
-            clean = True
         finally:
             if worker is not None:
                 await self._stream_ended(worker, clean)
@@ -281,6 +285,9 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
             logger.warning("worker %s %s: removed", w.worker_id, w.dropped)
             await self.directory.forget(w.worker_id, w.incarnation)
             metrics.WORKER_EVENTS.labels("expired").inc()
+        for w in expiry.detached:  # (as its stream's end would have: no gateway is told)
+            await self._forget(w, f"its stream broke in this scheduler's stall and it did "
+                                  f"not register again ({w.dropped})")  # fmt: skip
         self._update_alive()
 
     def _tell_gateways(self, lost: list[WorkerState]) -> None:

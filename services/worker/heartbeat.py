@@ -2,7 +2,8 @@
 connection,
 
     worker → registration (+ load + every cached block), then every ``heartbeat_interval_s``:
-             load + KV events
+             load + KV events; ``leaving`` last where it ends the stream on purpose (stopping,
+             or registering anew)
     scheduler → commands (re-announce the KV blocks: its directory lost events; the KV side
                 channels of the registered prefill workers, whenever they change; dropped:
                 this worker had gone silent past its timeout, its work was moved)
@@ -192,9 +193,11 @@ class Heartbeat:
                     await asyncio.wait_for(self._wake.wait(), self.interval_s)
                 self._wake.clear()
                 if self._reregister:
-                    return
+                    break
                 events, self._events = self._events, []
                 yield scheduler_pb2.WorkerHeartbeat(load=self.load(), kv_events=events)
+            # ended on purpose: said, so that the scheduler does not take it for a break
+            yield scheduler_pb2.WorkerHeartbeat(leaving=True)
         except Exception as e:
             self._failure = e
 

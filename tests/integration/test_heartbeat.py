@@ -1,6 +1,7 @@
 """The worker's heartbeat against a real global scheduler on loopback (gRPC, the in-memory
 directory, the sweep that drops silent workers): an engine busy in one long step, a heartbeat
-hit by an unexpected error, and a worker that no scheduler knows."""
+hit by an unexpected error, a worker that no scheduler knows, and a stream cut during the
+scheduler's stall against a worker's goodbye."""
 
 import asyncio
 import contextlib
@@ -28,7 +29,7 @@ WORKER = WorkerId("w0")
 
 
 @contextlib.asynccontextmanager
-async def scheduler() -> AsyncIterator[tuple[SchedulerServicer, str]]:
+async def scheduler(sweeping: bool = True) -> AsyncIterator[tuple[SchedulerServicer, str]]:
     servicer = SchedulerServicer(
         WorkerRegistry(TIMEOUT_S), create_directory("memory"), RoutingPolicy()
     )
@@ -42,7 +43,7 @@ async def scheduler() -> AsyncIterator[tuple[SchedulerServicer, str]]:
             await servicer.sweep()
             await asyncio.sleep(0.05)
 
-    sweeper = asyncio.create_task(sweep())
+    sweeper = asyncio.create_task(sweep() if sweeping else asyncio.sleep(0))
     try:
         yield servicer, f"127.0.0.1:{port}"
     finally:
@@ -188,3 +189,35 @@ async def test_an_unregistered_worker_stops_with_a_failure() -> None:
         finally:
             task.cancel()
             watch.cancel()
+
+
+async def test_a_goodbye_removes_at_once_a_stream_cut_in_a_stall_does_not() -> None:
+    """Over gRPC, while the scheduler counts as stalled (no sweep for longer than its stall
+    bound): a worker whose heartbeat is cancelled (its stream ends with no goodbye, as a
+    broken transport's does) stays registered, detached, while one that stops says
+    ``leaving`` and is removed at once."""
+    async with scheduler(sweeping=False) as (servicer, address):
+        engine = BusyEngine()
+        engine.step_done.set()  # (it answers the re-announcements at once)
+        other = registration()
+        other.worker_id = "w1"
+        cut, leaving = (Heartbeat(address, r, engine, scheduler_pb2.WorkerLoad, INTERVAL_S)
+                        for r in (registration(), other))  # fmt: skip
+        tasks = [asyncio.create_task(b.run()) for b in (cut, leaving)]
+        try:
+            for worker in (WORKER, WorkerId("w1")):
+                await until(lambda w=worker: servicer.is_registered(w), "registered", 2)
+            await servicer.sweep()
+            await asyncio.sleep(servicer.registry.stall_s + 0.05)  # the sweeps stop: a stall
+            assert servicer.registry.stalled()
+            state = servicer.registry.get(WORKER)
+            assert state is not None
+            tasks[0].cancel()
+            await until(lambda: state.detached, "kept, detached", 2)
+            assert servicer.registry.get(WORKER) is state
+            leaving.stop()
+            await until(lambda: not servicer.is_registered(WorkerId("w1")), "removed", 2)
+            assert servicer.registry.get(WORKER) is state and servicer.registry.stalled()
+        finally:
+            for t in tasks:
+                t.cancel()

@@ -5,7 +5,6 @@ from a dropped worker is answered ``dropped``, and the gateway's RouteClient han
 to its hook without disturbing the route calls in flight."""
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,7 +13,7 @@ from prometheus_client import REGISTRY
 
 from services.gateway.route_client import RouteClient
 from services.global_scheduler.directory import InMemoryDirectory, Match
-from services.global_scheduler.registry import WorkerRegistry, WorkerState
+from services.global_scheduler.registry import RECONNECT_S, WorkerLoad, WorkerRegistry, WorkerState
 from services.global_scheduler.routing import RoutingPolicy
 from services.global_scheduler.server import MAX_NOTICES, SchedulerServicer
 from shared.ids import BlockHash, WorkerId
@@ -74,6 +73,14 @@ class Worker:
         assert first.HasField("kv_peers")
         self.registered = self.servicer.registry.get(WorkerId(self.name))
 
+    async def end(self, leaving: bool = False) -> None:
+        """End the stream (``leaving``: with the worker's goodbye, else as a broken transport
+        ends it) and wait for the servicer to be done with it."""
+        if leaving:
+            self.outbox.queue.put_nowait(scheduler_pb2.WorkerHeartbeat(leaving=True))
+        self.outbox.queue.put_nowait(None)
+        assert await rest_of(self.commands) == []
+
     def beat(self) -> None:
         self.outbox.queue.put_nowait(scheduler_pb2.WorkerHeartbeat(load=scheduler_pb2.WorkerLoad()))
 
@@ -121,8 +128,7 @@ async def test_a_silent_worker_is_named_once_on_every_route_stream_a_clean_leave
     gateways = [Gateway(servicer), Gateway(servicer)]
     for g in gateways:
         await g.open()
-    workers["w0"].outbox.queue.put_nowait(None)  # w0 drains and leaves cleanly
-    assert await rest_of(workers["w0"].commands) == []
+    await workers["w0"].end(leaving=True)  # w0 drains and leaves cleanly
     assert not servicer.is_registered(WorkerId("w0"))
     silence(servicer, "w1")  # w1 hangs; w2 stays healthy
     await servicer.sweep()
@@ -176,36 +182,57 @@ async def test_a_heartbeat_from_a_dropped_worker_is_told_so_and_its_stream_ends(
     assert not servicer.is_registered(WorkerId("w0"))  # the beat did not bring it back
 
 
-async def test_streams_that_broke_for_the_schedulers_own_stall_keep_their_workers() -> None:
+class Clock:
+    """The registry's clock, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_streams_that_broke_in_the_schedulers_own_stall_keep_their_workers() -> None:
     """Stopped past its workers' ping timeout, the scheduler wakes to find their streams
-    broken while they reconnect: the workers stay registered, and an old stream's end that is
-    read after its worker registered again leaves the new entry (and its blocks) alone. A
-    stream that breaks while the scheduler runs still removes its worker at once."""
-    servicer = new_servicer()
-    workers = [Worker(servicer, name) for name in ("w0", "w1", "w2")]
-    for w in workers:
+    ended without a goodbye while they reconnect: the workers stay registered; an old
+    stream's end read after its worker registered again leaves the new entry (and its
+    blocks) alone; one never back goes after the timeout and RECONNECT_S, no gateway told. A
+    goodbye, or a break while the scheduler runs, removes the worker at once."""
+    clock = Clock()
+    registry = WorkerRegistry(1.5, clock=clock)
+    servicer = SchedulerServicer(registry, InMemoryDirectory(), RoutingPolicy())
+    gateway = Gateway(servicer)
+    await gateway.open()
+    workers = {name: Worker(servicer, name) for name in ("w0", "w1", "w2", "w3")}
+    for w in workers.values():
         await w.register()
     await servicer.sweep()
-    servicer.registry.expire(now=time.monotonic() - 10.0)  # the last sweep, 10 s ago
-    await workers[0].commands.aclose()  # its transport closed: the generator is torn down
+    clock.now += 10.0  # stopped 10 s
+    await workers["w0"].end()  # its transport broke: the stream ends, no goodbye
     assert servicer.is_registered(WorkerId("w0"))
-    again = Worker(servicer, "w1")  # w1 reconnected before its old stream's end is read
+    again = Worker(servicer, "w1")  # w1 registered on a new stream before its old one ended
     await again.register()
     stored = KVEventBatch(1, [BlockStored([BlockHash(7)], None, 16)])
     await servicer.directory.apply(WorkerId("w1"), "w1-1", stored)  # re-announced
-    await workers[1].commands.aclose()
-    assert servicer.registry.get(WorkerId("w1")) is again.registered
+    await workers["w1"].end()
+    assert registry.get(WorkerId("w1")) is again.registered
     assert await servicer.directory.num_blocks(WorkerId("w1"), "w1-1") == 1
-    await servicer.sweep()  # the late sweep: a stall, nobody expires
-    assert all(servicer.is_registered(WorkerId(n)) for n in ("w0", "w1", "w2"))
-    for _ in range(3):  # a heartbeat timeout of sweeps later, w0 (never back) goes
-        servicer.registry.get(WorkerId("w0")).last_seen -= 1.0  # type: ignore[union-attr]
-    await servicer.sweep()
-    assert not servicer.is_registered(WorkerId("w0"))
-    servicer.registry._stall_ended = None  # long after the stall
-    await workers[2].commands.aclose()  # broke while the scheduler runs: gone at once
+    await workers["w2"].end(leaving=True)  # said goodbye: gone, stall or not
     assert not servicer.is_registered(WorkerId("w2"))
-    assert servicer.registry.get(WorkerId("w1")) is again.registered
+    await servicer.sweep()  # the late sweep: a stall, nobody expires
+    assert all(servicer.is_registered(WorkerId(n)) for n in ("w0", "w1", "w3"))
+    while servicer.is_registered(WorkerId("w0")):  # w1 and w3 heard from; w0 never back
+        assert clock.now < 1010.0 + 1.5 + RECONNECT_S + 0.5
+        clock.now += 0.25
+        for n in ("w1", "w3"):
+            assert registry.heartbeat(WorkerId(n), f"{n}-1", WorkerLoad())
+        await servicer.sweep()
+    assert clock.now > 1010.0 + 1.5 + RECONNECT_S
+    assert not registry.stalled()  # a heartbeat timeout after the stall's sweep
+    await workers["w3"].end()  # broke while the scheduler runs: gone at once
+    assert not servicer.is_registered(WorkerId("w3"))
+    assert [n for n in ("w0", "w1", "w2", "w3") if servicer.is_registered(WorkerId(n))] == ["w1"]
+    assert await gateway.close() == []  # nobody was announced lost
 
 
 class GatedDirectory(InMemoryDirectory):

@@ -4,6 +4,7 @@ import pytest
 
 from services.global_scheduler.registry import (
     IN_TRANSIT_S,
+    RECONNECT_S,
     WorkerLoad,
     WorkerRegistry,
     WorkerState,
@@ -90,11 +91,11 @@ STREAM_ENDS = [
     ("a break seen before the late sweep: the scheduler is stalled", [100.0], 110.0, False,
      False),
     ("a break seen just after the late sweep", [100.0, 110.0], 110.01, False, False),
-    ("a break 1.5 s after that sweep still counts as the stall's", [100.0, 110.0], 111.5,
-     False, False),
+    ("a break 1.5 s after that sweep (sweeps on time since) still counts as the stall's",
+     [100.0, 110.0, 110.5, 111.0, 111.5], 111.5, False, False),
     ("a break later than that removes at once", [100.0, 110.0, 110.5, 111.0, 111.5], 111.6,
      False, True),
-    ("a clean end right after a stall still removes", [100.0, 110.0], 110.01, True, True),
+    ("a goodbye right after a stall still removes", [100.0, 110.0], 110.01, True, True),
     ("no sweep yet: nothing has stalled", [], 100.0, False, True),
 ]  # fmt: skip
 
@@ -117,6 +118,29 @@ def test_a_stream_that_broke_for_the_schedulers_own_stall_keeps_its_worker(
         reg.expire(now=now)
     assert reg.stream_ended(w, clean, now=end) is removed
     assert reg.workers() == ([] if removed else [w])
+
+
+def test_a_worker_kept_for_a_stall_that_never_comes_back_is_removed_unannounced() -> None:
+    """Detached (its stream broke in the stall), it has the heartbeat timeout and RECONNECT_S
+    to register again; then the sweep removes it as one whose stream ended, not as a hung
+    worker (``expired``: the gateways are told)."""
+    reg = WorkerRegistry(heartbeat_timeout_s=1.5)
+    w, other = state("w"), state("other")
+    for s in (w, other):
+        reg.register(s)
+        s.last_seen = 100.0
+    reg.expire(now=100.0)
+    assert not reg.stream_ended(w, clean=False, now=110.0) and w.detached
+    assert reg.expire(now=110.0).stalled_s == 10.0  # both credited to 110
+    now, removed = 110.0, []
+    while now < 110.0 + 1.5 + RECONNECT_S + 0.5:
+        now += 0.25
+        other.last_seen = now
+        expiry = reg.expire(now=now)
+        assert expiry.expired == []
+        removed += [(now, w.worker_id) for w in expiry.detached]
+    assert removed == [(110.0 + 1.5 + RECONNECT_S + 0.25, "w")]  # the first sweep past both
+    assert reg.workers() == [other]
 
 
 def test_an_old_stream_ending_leaves_its_successor_of_the_same_incarnation() -> None:

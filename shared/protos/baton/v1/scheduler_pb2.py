@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from shared.protos.baton.v1 import common_pb2 as baton_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x62\x61ton/v1/scheduler.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\"\xbb\x02\n\x12WorkerRegistration\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\"\n\x04role\x18\x03 \x01(\x0e\x32\x14.baton.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r\x12\x17\n\x0fkv_side_channel\x18\n \x01(\t\x12\x14\n\x0cquantization\x18\x0b \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x0c \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\r \x01(\r\"\xfa\x01\n\nWorkerLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x02\x12\x15\n\rnum_in_flight\x18\x04 \x01(\r\x12\x10\n\x08\x64raining\x18\x05 \x01(\x08\x12\x1e\n\x16pending_prefill_tokens\x18\x06 \x01(\x04\x12\x1c\n\x14prefill_tokens_per_s\x18\x07 \x01(\x02\x12\x14\n\x0cnum_received\x18\x08 \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\t \x01(\x04\x12\x18\n\x10\x65ngine_stalled_s\x18\n \x01(\x02\"\x94\x01\n\x0fWorkerHeartbeat\x12\x32\n\x0cregistration\x18\x01 \x01(\x0b\x32\x1c.baton.v1.WorkerRegistration\x12\"\n\x04load\x18\x02 \x01(\x0b\x32\x14.baton.v1.WorkerLoad\x12)\n\tkv_events\x18\x03 \x03(\x0b\x32\x16.baton.v1.KVEventBatch\"r\n\x10SchedulerCommand\x12\x18\n\x10resync_kv_events\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12#\n\x08kv_peers\x18\x03 \x01(\x0b\x32\x11.baton.v1.KVPeers\x12\x0f\n\x07\x64ropped\x18\x04 \x01(\x08\" \n\x07KVPeers\x12\x15\n\rside_channels\x18\x01 \x03(\t\"\x99\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x65xclude_workers\x18\x05 \x03(\t\x12\x1c\n\x14\x66inished_request_ids\x18\x06 \x03(\t\"G\n\tWorkerRef\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x03 \x01(\r\"\x8f\x01\n\rRouteResponse\x12#\n\x06\x64\x65\x63ode\x18\x01 \x01(\x0b\x32\x13.baton.v1.WorkerRef\x12)\n\x07prefill\x18\x02 \x01(\x0b\x32\x13.baton.v1.WorkerRefH\x00\x88\x01\x01\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\rB\n\n\x08_prefill\"W\n\tRouteCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\'\n\x07request\x18\x02 \x01(\x0b\x32\x16.baton.v1.RouteRequest\x12\x10\n\x08trace_id\x18\x03 \x01(\t\"\xa3\x01\n\nRouteReply\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12(\n\x05route\x18\x02 \x01(\x0b\x32\x17.baton.v1.RouteResponseH\x00\x12)\n\x07\x66\x61ilure\x18\x03 \x01(\x0b\x32\x16.baton.v1.RouteFailureH\x00\x12%\n\x04lost\x18\x04 \x01(\x0b\x32\x15.baton.v1.WorkersLostH\x00\x42\x08\n\x06result\"4\n\x0bWorkersLost\x12%\n\x07workers\x18\x01 \x03(\x0b\x32\x14.baton.v1.LostWorker\"U\n\nLostWorker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\"-\n\x0cRouteFailure\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x14\n\x12ListWorkersRequest\"\xb4\x01\n\nWorkerInfo\x12\x32\n\x0cregistration\x18\x01 \x01(\x0b\x32\x1c.baton.v1.WorkerRegistration\x12\"\n\x04load\x18\x02 \x01(\x0b\x32\x14.baton.v1.WorkerLoad\x12\x1f\n\x17seconds_since_heartbeat\x18\x03 \x01(\x01\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\x04\x12\x12\n\nnum_routed\x18\x05 \x01(\x04\"<\n\x13ListWorkersResponse\x12%\n\x07workers\x18\x01 \x03(\x0b\x32\x14.baton.v1.WorkerInfo2\x9d\x02\n\x0fGlobalScheduler\x12\x46\n\tHeartbeat\x12\x19.baton.v1.WorkerHeartbeat\x1a\x1a.baton.v1.SchedulerCommand(\x01\x30\x01\x12\x38\n\x05Route\x12\x16.baton.v1.RouteRequest\x1a\x17.baton.v1.RouteResponse\x12<\n\x0bRouteStream\x12\x13.baton.v1.RouteCall\x1a\x14.baton.v1.RouteReply(\x01\x30\x01\x12J\n\x0bListWorkers\x12\x1c.baton.v1.ListWorkersRequest\x1a\x1d.baton.v1.ListWorkersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x62\x61ton/v1/scheduler.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\"\xbb\x02\n\x12WorkerRegistration\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\"\n\x04role\x18\x03 \x01(\x0e\x32\x14.baton.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r\x12\x17\n\x0fkv_side_channel\x18\n \x01(\t\x12\x14\n\x0cquantization\x18\x0b \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x0c \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\r \x01(\r\"\xfa\x01\n\nWorkerLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x02\x12\x15\n\rnum_in_flight\x18\x04 \x01(\r\x12\x10\n\x08\x64raining\x18\x05 \x01(\x08\x12\x1e\n\x16pending_prefill_tokens\x18\x06 \x01(\x04\x12\x1c\n\x14prefill_tokens_per_s\x18\x07 \x01(\x02\x12\x14\n\x0cnum_received\x18\x08 \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\t \x01(\x04\x12\x18\n\x10\x65ngine_stalled_s\x18\n \x01(\x02\"\xa5\x01\n\x0fWorkerHeartbeat\x12\x32\n\x0cregistration\x18\x01 \x01(\x0b\x32\x1c.baton.v1.WorkerRegistration\x12\"\n\x04load\x18\x02 \x01(\x0b\x32\x14.baton.v1.WorkerLoad\x12)\n\tkv_events\x18\x03 \x03(\x0b\x32\x16.baton.v1.KVEventBatch\x12\x0f\n\x07leaving\x18\x04 \x01(\x08\"r\n\x10SchedulerCommand\x12\x18\n\x10resync_kv_events\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12#\n\x08kv_peers\x18\x03 \x01(\x0b\x32\x11.baton.v1.KVPeers\x12\x0f\n\x07\x64ropped\x18\x04 \x01(\x08\" \n\x07KVPeers\x12\x15\n\rside_channels\x18\x01 \x03(\t\"\x99\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x65xclude_workers\x18\x05 \x03(\t\x12\x1c\n\x14\x66inished_request_ids\x18\x06 \x03(\t\"G\n\tWorkerRef\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x03 \x01(\r\"\x8f\x01\n\rRouteResponse\x12#\n\x06\x64\x65\x63ode\x18\x01 \x01(\x0b\x32\x13.baton.v1.WorkerRef\x12)\n\x07prefill\x18\x02 \x01(\x0b\x32\x13.baton.v1.WorkerRefH\x00\x88\x01\x01\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\rB\n\n\x08_prefill\"W\n\tRouteCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\'\n\x07request\x18\x02 \x01(\x0b\x32\x16.baton.v1.RouteRequest\x12\x10\n\x08trace_id\x18\x03 \x01(\t\"\xa3\x01\n\nRouteReply\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12(\n\x05route\x18\x02 \x01(\x0b\x32\x17.baton.v1.RouteResponseH\x00\x12)\n\x07\x66\x61ilure\x18\x03 \x01(\x0b\x32\x16.baton.v1.RouteFailureH\x00\x12%\n\x04lost\x18\x04 \x01(\x0b\x32\x15.baton.v1.WorkersLostH\x00\x42\x08\n\x06result\"4\n\x0bWorkersLost\x12%\n\x07workers\x18\x01 \x03(\x0b\x32\x14.baton.v1.LostWorker\"U\n\nLostWorker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\"-\n\x0cRouteFailure\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x14\n\x12ListWorkersRequest\"\xb4\x01\n\nWorkerInfo\x12\x32\n\x0cregistration\x18\x01 \x01(\x0b\x32\x1c.baton.v1.WorkerRegistration\x12\"\n\x04load\x18\x02 \x01(\x0b\x32\x14.baton.v1.WorkerLoad\x12\x1f\n\x17seconds_since_heartbeat\x18\x03 \x01(\x01\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\x04\x12\x12\n\nnum_routed\x18\x05 \x01(\x04\"<\n\x13ListWorkersResponse\x12%\n\x07workers\x18\x01 \x03(\x0b\x32\x14.baton.v1.WorkerInfo2\x9d\x02\n\x0fGlobalScheduler\x12\x46\n\tHeartbeat\x12\x19.baton.v1.WorkerHeartbeat\x1a\x1a.baton.v1.SchedulerCommand(\x01\x30\x01\x12\x38\n\x05Route\x12\x16.baton.v1.RouteRequest\x1a\x17.baton.v1.RouteResponse\x12<\n\x0bRouteStream\x12\x13.baton.v1.RouteCall\x1a\x14.baton.v1.RouteReply(\x01\x30\x01\x12J\n\x0bListWorkers\x12\x1c.baton.v1.ListWorkersRequest\x1a\x1d.baton.v1.ListWorkersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,33 +37,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERLOAD']._serialized_start=380
   _globals['_WORKERLOAD']._serialized_end=630
   _globals['_WORKERHEARTBEAT']._serialized_start=633
-  _globals['_WORKERHEARTBEAT']._serialized_end=781
-  _globals['_SCHEDULERCOMMAND']._serialized_start=783
-  _globals['_SCHEDULERCOMMAND']._serialized_end=897
-  _globals['_KVPEERS']._serialized_start=899
-  _globals['_KVPEERS']._serialized_end=931
-  _globals['_ROUTEREQUEST']._serialized_start=934
-  _globals['_ROUTEREQUEST']._serialized_end=1087
-  _globals['_WORKERREF']._serialized_start=1089
-  _globals['_WORKERREF']._serialized_end=1160
-  _globals['_ROUTERESPONSE']._serialized_start=1163
-  _globals['_ROUTERESPONSE']._serialized_end=1306
-  _globals['_ROUTECALL']._serialized_start=1308
-  _globals['_ROUTECALL']._serialized_end=1395
-  _globals['_ROUTEREPLY']._serialized_start=1398
-  _globals['_ROUTEREPLY']._serialized_end=1561
-  _globals['_WORKERSLOST']._serialized_start=1563
-  _globals['_WORKERSLOST']._serialized_end=1615
-  _globals['_LOSTWORKER']._serialized_start=1617
-  _globals['_LOSTWORKER']._serialized_end=1702
-  _globals['_ROUTEFAILURE']._serialized_start=1704
-  _globals['_ROUTEFAILURE']._serialized_end=1749
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1751
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1771
-  _globals['_WORKERINFO']._serialized_start=1774
-  _globals['_WORKERINFO']._serialized_end=1954
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1956
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=2016
-  _globals['_GLOBALSCHEDULER']._serialized_start=2019
-  _globals['_GLOBALSCHEDULER']._serialized_end=2304
+  _globals['_WORKERHEARTBEAT']._serialized_end=798
+  _globals['_SCHEDULERCOMMAND']._serialized_start=800
+  _globals['_SCHEDULERCOMMAND']._serialized_end=914
+  _globals['_KVPEERS']._serialized_start=916
+  _globals['_KVPEERS']._serialized_end=948
+  _globals['_ROUTEREQUEST']._serialized_start=951
+  _globals['_ROUTEREQUEST']._serialized_end=1104
+  _globals['_WORKERREF']._serialized_start=1106
+  _globals['_WORKERREF']._serialized_end=1177
+  _globals['_ROUTERESPONSE']._serialized_start=1180
+  _globals['_ROUTERESPONSE']._serialized_end=1323
+  _globals['_ROUTECALL']._serialized_start=1325
+  _globals['_ROUTECALL']._serialized_end=1412
+  _globals['_ROUTEREPLY']._serialized_start=1415
+  _globals['_ROUTEREPLY']._serialized_end=1578
+  _globals['_WORKERSLOST']._serialized_start=1580
+  _globals['_WORKERSLOST']._serialized_end=1632
+  _globals['_LOSTWORKER']._serialized_start=1634
+  _globals['_LOSTWORKER']._serialized_end=1719
+  _globals['_ROUTEFAILURE']._serialized_start=1721
+  _globals['_ROUTEFAILURE']._serialized_end=1766
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1768
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1788
+  _globals['_WORKERINFO']._serialized_start=1791
+  _globals['_WORKERINFO']._serialized_end=1971
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1973
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=2033
+  _globals['_GLOBALSCHEDULER']._serialized_start=2036
+  _globals['_GLOBALSCHEDULER']._serialized_end=2321
 # @@protoc_insertion_point(module_scope)

@@ -62,14 +62,16 @@ class WorkerLoad(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_in_flight: _Optional[int] = ..., draining: _Optional[bool] = ..., pending_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., num_received: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., engine_stalled_s: _Optional[float] = ...) -> None: ...
 
 class WorkerHeartbeat(_message.Message):
-    __slots__ = ("registration", "load", "kv_events")
+    __slots__ = ("registration", "load", "kv_events", "leaving")
     REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
     registration: WorkerRegistration
     load: WorkerLoad
     kv_events: _containers.RepeatedCompositeFieldContainer[_common_pb2.KVEventBatch]
-    def __init__(self, registration: _Optional[_Union[WorkerRegistration, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., kv_events: _Optional[_Iterable[_Union[_common_pb2.KVEventBatch, _Mapping]]] = ...) -> None: ...
+    leaving: bool
+    def __init__(self, registration: _Optional[_Union[WorkerRegistration, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., kv_events: _Optional[_Iterable[_Union[_common_pb2.KVEventBatch, _Mapping]]] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
 class SchedulerCommand(_message.Message):
     __slots__ = ("resync_kv_events", "reason", "kv_peers", "dropped")
