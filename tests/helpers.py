@@ -180,12 +180,12 @@ def objects(name: str) -> list[dict[str, Any]]:
 # the FP8 checkpoints against their dequantizing reference (baton/tiny_fp8), on CPU and GPU
 FP8_TIE = 0.05  # nats: a near-tie the engine may break the other way
 FP8_LOGPROB_ATOL = 0.2  # one flipped e4m3 rounding moves a logprob this far at most (seen: 0.05)
-# On a GPU the prompt's FP8 products are summed by the tensor cores, whose accumulator keeps
-# fewer bits than float32, so the median step is not the reference's arithmetic to 1e-3 as on
-# CPU. The reference with the prompt rows' partial sums cut to 13-16 mantissa bits moves the
-# tiny MoE checkpoints' median by 0.0034-0.0040 (per channel) and 0.0062-0.0082 (blocks)
-# (docs/results/cpu-2026-12-06), what an H100 showed (0.0026, 0.0085: h100-2026-12-05d).
-FP8_GPU_MEDIAN_ATOL = 1e-2
+# On a GPU the FP8 products of more than a few rows are summed by the tensor cores, whose
+# accumulator keeps fewer bits than float32, so the median step is not the reference's
+# arithmetic to 1e-3 as on CPU. By checkpoint format: the H100's medians were 0.0026 (per
+# channel) and 0.0085 (blocks) for the tiny MoE checkpoints, and the reference with 13-16-bit
+# sums in those rows moves by 0.0034-0.0049 and 0.0051-0.0086 (docs/results/cpu-2026-12-06).
+FP8_GPU_MEDIAN_ATOL = {"fp8-tensor": 1e-2, "fp8-channel": 1e-2, "fp8-block": 2e-2}
 FP8_PROMPTS = [
     "Hi", "The quick brown fox jumps over the lazy dog", "import os\nimport sys\n\n",
     "Return a new list containing all items from the iterable in ascending order.",
