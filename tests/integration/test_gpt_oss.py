@@ -184,7 +184,7 @@ def test_a_peer_with_other_kv_groups_is_refused(
     finally:
         prefill.shutdown()
         decode.shutdown()
-    assert stats.kv_pulls == 0 and stats.kv_pull_failures == 1
+    assert stats.kv_pulls == 0 and stats.kv_pull_failures == 1 and stats.kv_pull_bytes == 0
     assert len(out.outputs[0].token_ids) == 3  # recomputed after the first (handed-over) token
     refusal = "\n".join(r.getMessage() for r in caplog.records)
     assert "4 layers in 2 groups of 2 layers: full, window 16, blocks of 16" in refusal  # theirs

@@ -330,6 +330,33 @@ def test_an_fp8_expert_without_its_scale_is_named() -> None:
     assert missing == ["experts.3.down_proj weight scale"]
 
 
+@pytest.mark.parametrize("shape", ["rows", "one-row", "one-value"])
+def test_a_per_channel_scale_loads_however_it_is_shaped(shape: str) -> None:
+    """A per-channel scale as [rows] or [1, rows] (not [rows, 1]), and a per-tensor scale
+    (one value), give each of two ranks the weights of [rows, 1] scales."""
+    moe = _moe(inter=256)
+    fp8 = _fp8_checkpoint(_checkpoint(moe, H), None)
+    if shape == "one-value":  # each tensor's largest scale for all its rows, requantized
+        for name in [n for n in fp8 if n.endswith(".weight")]:
+            w = fp8[name].float() * fp8[f"{name}_scale"]
+            scale = fp8[f"{name}_scale"].max()
+            fp8[name], fp8[f"{name}_scale"] = (w / scale).to(q.FP8), scale.reshape(())
+    quant = QuantConfig("channel", "token")
+    scales = [n for n in fp8 if n.endswith("_scale") and shape != "one-value"]
+    reshaped = {n: fp8[n].reshape(-1) if shape == "rows" else fp8[n].reshape(1, -1)
+                for n in scales}  # fmt: skip
+    for rank in range(2):
+        with use_tp_group(GroupCoordinator(rank, 2)):
+            want = _build(moe, H, fp8, quant)
+            got = _build(moe, H, {**fp8, **reshaped}, quant)
+        for name, value in want.named_parameters():
+            torch.testing.assert_close(dict(got.named_parameters())[name], value, rtol=0, atol=0)
+        if shape == "one-value":  # its one value on every row of its projection
+            gate_rows = want.w13_weight_scale[1, : want.intermediate_size, 0]
+            assert torch.equal(gate_rows, gate_rows[:1].expand_as(gate_rows))
+            assert gate_rows[0] == fp8["layer.experts.1.w1.weight_scale"]  # (expert 1: w1)
+
+
 @pytest.mark.parametrize("block", [None, 128], ids=["per-channel", "blocks"])
 def test_a_scale_of_the_wrong_shape_is_refused(block: int | None) -> None:
     """A scale that is not one value a row (or a block) of its projection is refused, naming
