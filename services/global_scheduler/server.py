@@ -257,7 +257,7 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
     async def ListWorkers(
         self, request: scheduler_pb2.ListWorkersRequest, context: aio.ServicerContext
     ) -> scheduler_pb2.ListWorkersResponse:
-        now = time.monotonic()
+        now = self.registry.clock()
         return scheduler_pb2.ListWorkersResponse(
             workers=[
                 scheduler_pb2.WorkerInfo(
@@ -283,11 +283,13 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
             self._tell_gateways(expiry.expired)
         for w in expiry.expired:
             logger.warning("worker %s %s: removed", w.worker_id, w.dropped)
-            await self.directory.forget(w.worker_id, w.incarnation)
             metrics.WORKER_EVENTS.labels("expired").inc()
+            if self.registry.get(w.worker_id, w.incarnation) is None:  # (not back meanwhile)
+                await self.directory.forget(w.worker_id, w.incarnation)
         for w in expiry.detached:  # (as its stream's end would have: no gateway is told)
-            await self._forget(w, f"its stream broke in this scheduler's stall and it did "
-                                  f"not register again ({w.dropped})")  # fmt: skip
+            if self.registry.get(w.worker_id, w.incarnation) is None:
+                await self._forget(w, f"its stream broke in this scheduler's stall and it "
+                                      f"did not register again ({w.dropped})")  # fmt: skip
         self._update_alive()
 
     def _tell_gateways(self, lost: list[WorkerState]) -> None:

@@ -119,13 +119,14 @@ class Heartbeat:
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
 
     def stop(self) -> None:
-        """End the stream after the next message: the scheduler drops this worker at once."""
+        """End the stream with a goodbye (``leaving``) as its next message: the scheduler drops
+        this worker at once. (Stopped before its registration went out, it sends nothing.)"""
         self._stopped = True
         self._wake.set()
 
     def reregister(self, registration: scheduler_pb2.WorkerRegistration) -> None:
-        """Register ``registration`` (a new incarnation): the stream ends at once, with no
-        further message, and the next one starts with it."""
+        """Register ``registration`` (a new incarnation): the stream ends at once, its next
+        message the goodbye, and the next stream starts with it."""
         self.registration = registration
         self._reregister = True
         self._wake.set()
@@ -181,6 +182,8 @@ class Heartbeat:
         try:
             self._events.clear()  # superseded by the re-announcement below
             await self._resync()  # (its events are in self._events when it returns in time)
+            if self._stopped:
+                return  # (nothing registered on this stream: no goodbye owed)
             events, self._events = self._events, []
             yield scheduler_pb2.WorkerHeartbeat(
                 registration=registration, load=self.load(), kv_events=events
@@ -192,8 +195,8 @@ class Heartbeat:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self.interval_s)
                 self._wake.clear()
-                if self._reregister:
-                    break
+                if self._reregister or self._stopped:
+                    break  # the goodbye next, before anything else
                 events, self._events = self._events, []
                 yield scheduler_pb2.WorkerHeartbeat(load=self.load(), kv_events=events)
             # ended on purpose: said, so that the scheduler does not take it for a break

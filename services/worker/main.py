@@ -44,6 +44,7 @@ ENGINE_POLL_S = 0.5
 REGISTRATION_POLL_S = 0.5
 REGISTRATION_WARN_S = 10.0  # while unregistered, a warning this often
 REGISTRATION_WAIT_S = 10.0  # at start, how long serving waits for a first registration
+GOODBYE_BOUND_S = 1.0  # at stop, how long the heartbeats have to say goodbye to the replicas
 
 
 async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> int:
@@ -176,7 +177,7 @@ async def serve(settings: WorkerSettings, stop: StopSignal | None = None) -> int
             except TimeoutError:
                 logger.warning("drain: %d requests did not end", servicer.in_flight)
         schedulers.stop()
-        await asyncio.sleep(0)  # let the streams end cleanly before the channels close
+        await schedulers.ended(GOODBYE_BOUND_S)  # the goodbyes out before the channels close
     finally:
         await server.stop(grace=1.0)
         await owner.cancel_all()

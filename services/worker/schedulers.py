@@ -145,10 +145,18 @@ class SchedulerSet:
         return True
 
     def stop(self) -> None:
-        """Stop every heartbeat (the replicas drop the worker at once) and change no more."""
+        """Stop every heartbeat (each says goodbye: the replicas drop the worker at once) and
+        change no more."""
         self._stopped = True
         for beat in self:
             beat.stop()
+
+    async def ended(self, bound_s: float) -> None:
+        """Until every heartbeat has ended its stream (after ``stop``: its goodbye sent), at
+        most ``bound_s`` (a replica that does not answer is not waited for longer)."""
+        tasks = [t for t in self._tasks.values() if not t.done()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=bound_s)
 
     async def _follow(self, dns: SchedulerDns, interval_s: float) -> None:
         while not self._stopped:

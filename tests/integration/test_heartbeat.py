@@ -8,6 +8,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 
@@ -29,10 +30,13 @@ WORKER = WorkerId("w0")
 
 
 @contextlib.asynccontextmanager
-async def scheduler(sweeping: bool = True) -> AsyncIterator[tuple[SchedulerServicer, str]]:
-    servicer = SchedulerServicer(
-        WorkerRegistry(TIMEOUT_S), create_directory("memory"), RoutingPolicy()
-    )
+async def scheduler(
+    sweeping: bool = True, servicer: SchedulerServicer | None = None
+) -> AsyncIterator[tuple[SchedulerServicer, str]]:
+    if servicer is None:
+        servicer = SchedulerServicer(
+            WorkerRegistry(TIMEOUT_S), create_directory("memory"), RoutingPolicy()
+        )
     server = rpc.server()
     scheduler_pb2_grpc.add_GlobalSchedulerServicer_to_server(servicer, server)
     port = rpc.add_port(server, "127.0.0.1:0")
@@ -221,3 +225,44 @@ async def test_a_goodbye_removes_at_once_a_stream_cut_in_a_stall_does_not() -> N
         finally:
             for t in tasks:
                 t.cancel()
+
+
+class Recording(SchedulerServicer):
+    """The scheduler's servicer, keeping every heartbeat message it reads."""
+
+    def __init__(self) -> None:
+        super().__init__(WorkerRegistry(TIMEOUT_S), create_directory("memory"), RoutingPolicy())
+        self.seen: list[scheduler_pb2.WorkerHeartbeat] = []
+
+    async def Heartbeat(
+        self, request_iterator: AsyncIterator[scheduler_pb2.WorkerHeartbeat], context: Any
+    ) -> AsyncIterator[scheduler_pb2.SchedulerCommand]:
+        async def recorded() -> AsyncIterator[scheduler_pb2.WorkerHeartbeat]:
+            async for m in request_iterator:
+                self.seen.append(m)
+                yield m
+
+        async for command in super().Heartbeat(recorded(), context):
+            yield command
+
+
+@pytest.mark.parametrize("how", ["stop", "reregister"])
+async def test_the_goodbye_is_the_next_message(how: str) -> None:
+    """Stopped, or asked to register anew, a heartbeat's next message is its goodbye, not one
+    more heartbeat first (a worker shutting down may be cancelled right after it)."""
+    engine = BusyEngine()
+    engine.step_done.set()
+    async with scheduler(servicer=Recording()) as (servicer, address):
+        assert isinstance(servicer, Recording)
+        beat = Heartbeat(address, registration(), engine, scheduler_pb2.WorkerLoad, 30.0)
+        task = asyncio.create_task(beat.run())
+        try:
+            await until(lambda: servicer.is_registered(WORKER), "registered", 2)
+            beat.stop() if how == "stop" else beat.reregister(registration())
+            await until(lambda: len(servicer.seen) >= 2, "the next message", 2)
+            first, second = servicer.seen[:2]
+            assert first.HasField("registration") and second.leaving
+            assert not second.HasField("load") and not second.HasField("registration")
+        finally:
+            beat.stop()
+            task.cancel()

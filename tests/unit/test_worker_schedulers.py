@@ -50,12 +50,19 @@ class Beat(Heartbeat):
         super().__init__(address, scheduler_pb2.WorkerRegistration(), Engine(),
                          scheduler_pb2.WorkerLoad, 1.0, peers.__setitem__)  # fmt: skip
         self.stopped = False
+        self.hangs = False  # stopped, its run still waits until cancelled (no answer)
+        self.finished = False  # its run returned
+        self._stop = asyncio.Event()
 
     async def run(self) -> None:
-        await asyncio.Event().wait()  # until cancelled
+        await self._stop.wait()
+        if self.hangs:
+            await asyncio.Event().wait()  # until cancelled
+        self.finished = True
 
     def stop(self) -> None:
         self.stopped = True
+        self._stop.set()
         super().stop()
 
     def connect(self) -> None:
@@ -308,3 +315,18 @@ async def test_a_real_worker_finds_the_scheduler_by_name(tiny_model: Path, tmp_p
         finally:
             proc.terminate()
             await asyncio.to_thread(proc.wait, 30)
+
+
+async def test_stopping_waits_for_the_goodbyes_within_a_bound() -> None:
+    """``ended`` returns once every heartbeat has ended its stream after ``stop`` (their
+    goodbyes sent), and a replica that never answers holds it no longer than its bound."""
+    async with world() as w:
+        await w.schedulers.start(("a:1", "b:2"), 0.01)
+        hung = w.beats["b:2"]
+        hung.hangs = True  # a replica that does not answer: its stream never ends
+        w.schedulers.stop()
+        start = time.monotonic()
+        await w.schedulers.ended(0.3)
+        waited = time.monotonic() - start
+        assert 0.3 <= waited < 2.0 and hung.stopped
+        assert w.beats["a:1"].finished
