@@ -109,6 +109,30 @@ def disaggregated(
     return first, rest
 
 
+def refused_peer(prefill_model: Path, decode_model: Path, ids: list[int],
+                 caplog: "pytest.LogCaptureFixture", **kw: Any) -> str:  # fmt: skip
+    """A prefill on ``prefill_model`` handed to a decode engine on ``decode_model`` whose KV
+    handshake must refuse it: nothing is pulled, the decode engine recomputes the prompt after
+    the handed-over token; returns what it logged (the refusal names both caches)."""
+    import logging
+
+    from baton import LLM
+
+    prefill = LLM(model=str(prefill_model), multiprocess=True, kv_transfer=True, **kw)
+    decode = LLM(model=str(decode_model), kv_transfer=True, **kw)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        with caplog.at_level(logging.ERROR):
+            _, out = disaggregated(prefill, decode, ids, params)
+        stats = decode.get_stats()
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+    assert stats.kv_pulls == 0 and stats.kv_pull_failures == 1 and stats.kv_pull_bytes == 0
+    assert len(out.outputs[0].token_ids) == 3  # recomputed after the first (handed-over) token
+    return "\n".join(r.getMessage() for r in caplog.records)
+
+
 def disaggregated_equals_colocated(
     model: Path, ids: list[int], atol: float, **kw: Any
 ) -> "tuple[RequestOutput, Any]":

@@ -10,7 +10,6 @@ The V3 checkpoint carries a multi-token-prediction layer past its decoder, as De
 does: the engine must skip it (Hugging Face ignores it too).
 """
 
-import logging
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -22,9 +21,8 @@ from transformers import AutoConfig
 from baton import LLM, SamplingParams
 from baton.tiny_model import make_tiny_model
 from services.worker.engine.config import EngineArgs
-from services.worker.engine.kv_transfer.params import KVTransferParams
 from tests import helpers
-from tests.helpers import add_draft_layer, disaggregated, wait_all_free
+from tests.helpers import add_draft_layer, disaggregated, refused_peer, wait_all_free
 
 ARCHS = ("deepseek_v2", "deepseek_v3")
 MAX_NEW = 16
@@ -250,24 +248,6 @@ def test_a_dense_engine_is_refused_as_a_kv_peer(
     """A decode leg whose KV handle names a dense (Llama) engine: the handshake refuses it,
     naming both caches' layouts, and nothing is read (the prompt is recomputed)."""
     dense = make_tiny_model(tmp_path / "llama", arch="llama")  # (the same tokenizer and vocab)
-    prefill = LLM(model=str(dense), multiprocess=True, kv_transfer=True, **KW)  # type: ignore[arg-type]
-    decode = LLM(model=str(models["deepseek_v3"]), kv_transfer=True, **KW)  # type: ignore[arg-type]
-    try:
-        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-        lease = KVTransferParams(do_remote_decode=True)
-        first = prefill.generate([{"prompt_token_ids": TEXT_IDS, "kv_transfer": lease}],
-                                 params.clone(max_tokens=1), use_tqdm=False)[0]  # fmt: skip
-        assert first.kv_handle is not None
-        leg = KVTransferParams(remote=first.kv_handle, first_token_id=first.outputs[0].token_ids[0])
-        with caplog.at_level(logging.ERROR):
-            out = decode.generate([{"prompt_token_ids": TEXT_IDS, "kv_transfer": leg}], params,
-                                  use_tqdm=False)[0]  # fmt: skip
-        stats = decode.get_stats()
-    finally:
-        prefill.shutdown()
-        decode.shutdown()
-    assert stats.kv_pulls == 0 and stats.kv_pull_failures == 1
-    assert len(out.outputs[0].token_ids) == 3  # recomputed after the first (handed-over) token
-    refusal = "\n".join(r.getMessage() for r in caplog.records)
+    refusal = refused_peer(dense, models["deepseek_v3"], TEXT_IDS, caplog, **KW)
     assert "'K|V 2x16, float32, 2 layers, blocks of 16" in refusal  # theirs
     assert "'latent 1x40, float32, 2 layers, blocks of 16" in refusal  # ours

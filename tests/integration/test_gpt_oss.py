@@ -12,7 +12,6 @@ peer whose window differs is refused at the KV handshake.
 """
 
 import json
-import logging
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from transformers import AutoModelForCausalLM, Mxfp4Config
 
 from baton import LLM, SamplingParams
 from baton.tiny_model import make_tiny_model
-from services.worker.engine.kv_transfer.params import NO_BLOCK, KVTransferParams
+from services.worker.engine.kv_transfer.params import NO_BLOCK
 from tests.helpers import (
     assert_matches_reference,
     copy_checkpoint,
@@ -31,6 +30,7 @@ from tests.helpers import (
     generate_in_three_batches,
     hf_continue,
     hf_greedy_with_rows,
+    refused_peer,
 )
 
 MAX_NEW = 12
@@ -167,26 +167,8 @@ def test_a_peer_with_other_kv_groups_is_refused(
     (wider / "config.json").write_text(json.dumps({**config, "sliding_window": 16}))
     ids = [(7 * i) % 390 + 5 for i in range(40)]
     kw: dict[str, Any] = {"num_kv_blocks": 64, "max_model_len": 256, "show_progress": False,
-                          "served_model_name": "gpt-oss", "kv_transfer": True}  # fmt: skip
-    prefill = LLM(model=str(wider), multiprocess=True, **kw)
-    decode = LLM(model=str(gpt_oss), **kw)
-    try:
-        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-        lease = KVTransferParams(do_remote_decode=True)
-        first = prefill.generate([{"prompt_token_ids": ids, "kv_transfer": lease}],
-                                 params.clone(max_tokens=1), use_tqdm=False)[0]  # fmt: skip
-        assert first.kv_handle is not None
-        leg = KVTransferParams(remote=first.kv_handle, first_token_id=first.outputs[0].token_ids[0])
-        with caplog.at_level(logging.ERROR):
-            out = decode.generate([{"prompt_token_ids": ids, "kv_transfer": leg}], params,
-                                  use_tqdm=False)[0]  # fmt: skip
-        stats = decode.get_stats()
-    finally:
-        prefill.shutdown()
-        decode.shutdown()
-    assert stats.kv_pulls == 0 and stats.kv_pull_failures == 1 and stats.kv_pull_bytes == 0
-    assert len(out.outputs[0].token_ids) == 3  # recomputed after the first (handed-over) token
-    refusal = "\n".join(r.getMessage() for r in caplog.records)
+                          "served_model_name": "gpt-oss"}  # fmt: skip
+    refusal = refused_peer(wider, gpt_oss, ids, caplog, **kw)
     assert "4 layers in 2 groups of 2 layers: full, window 16, blocks of 16" in refusal  # theirs
     assert "4 layers in 2 groups of 2 layers: full, window 8, blocks of 16" in refusal  # ours
 
