@@ -55,6 +55,12 @@ _SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"),
 # b and a projections and its convolution
 _FLOAT = re.compile(r"\.(mlp\.gate|mlp\.shared_expert_gate|linear_attn\.(in_proj_[ab]|"
                     r"in_proj_ba|conv1d))$")  # fmt: skip
+# the prompts the engine is checked on against ``dequantized_reference`` (the tests' and
+# benchmarks/fp8_accuracy.py's)
+PROMPTS = [
+    "Hi", "The quick brown fox jumps over the lazy dog", "import os\nimport sys\n\n",
+    "Return a new list containing all items from the iterable in ascending order.",
+]  # fmt: skip
 _CALIBRATION = "The quick brown fox jumps over the lazy dog. import os, sys; return a sorted list."
 
 

@@ -27,13 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from baton.tiny_fp8 import dequantized_reference
+from baton.tiny_fp8 import PROMPTS, dequantized_reference
 from baton.tiny_model import make_tiny_model
 
-PROMPTS = [
-    "Hi", "The quick brown fox jumps over the lazy dog", "import os\nimport sys\n\n",
-    "Return a new list containing all items from the iterable in ascending order.",
-]  # fmt: skip
 TEXT = " ".join(PROMPTS)
 CASES = [("fp8-tensor", "llama"), ("fp8-tensor", "qwen2"), ("fp8-channel", "mistral"),
          ("fp8-channel", "qwen3"), ("fp8-block", "llama"), ("fp8-block", "qwen3")]  # fmt: skip

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import yaml
 
+from baton import tiny_fp8
 from services.global_scheduler.registry import WorkerLoad, WorkerState
 from services.worker.engine.config import CacheConfig, SchedulerConfig
 from services.worker.engine.kv_transfer.params import KVTransferParams
@@ -37,6 +38,16 @@ ROOT = Path(__file__).resolve().parents[1]
 # ---- the engine's scheduler and KV bookkeeping (no model, no torch) ---------------------------
 
 EOS = 0
+
+
+class Clock:
+    """A clock the test moves (``now``), for code that takes one in place of the real time."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def make_request(
@@ -210,10 +221,7 @@ FP8_LOGPROB_ATOL = 0.2  # one flipped e4m3 rounding moves a logprob this far at 
 # channel) and 0.0085 (blocks) for the tiny MoE checkpoints, and the reference with 13-16-bit
 # sums in those rows moves by 0.0034-0.0049 and 0.0051-0.0086 (docs/results/cpu-2026-12-06).
 FP8_GPU_MEDIAN_ATOL = {"fp8-tensor": 1e-2, "fp8-channel": 1e-2, "fp8-block": 2e-2}
-FP8_PROMPTS = [
-    "Hi", "The quick brown fox jumps over the lazy dog", "import os\nimport sys\n\n",
-    "Return a new list containing all items from the iterable in ascending order.",
-]  # fmt: skip
+FP8_PROMPTS = tiny_fp8.PROMPTS
 FP8_GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
 
 

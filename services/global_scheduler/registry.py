@@ -115,7 +115,7 @@ class WorkerState:
             route.finished = True
             self._unfinished -= 1
 
-    def heard(self, load: WorkerLoad, now: float | None = None) -> None:
+    def heard(self, load: WorkerLoad, now: float) -> None:
         """A heartbeat: the requests it received since the last one are in its load now (or
         over), so as many of the oldest routes leave the in-transit set. A worker that does
         not count receipts (0) shows everything routed before its heartbeat."""
@@ -126,7 +126,7 @@ class WorkerState:
         else:
             for _ in range(min(received, len(self.routes))):
                 self._drop_oldest()
-        self.load, self.last_seen = load, time.monotonic() if now is None else now
+        self.load, self.last_seen = load, now
 
     def _drop_oldest(self) -> None:
         _, route = self.routes.popitem(last=False)

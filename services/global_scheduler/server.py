@@ -325,7 +325,7 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
     async def _stream_ended(self, worker: WorkerState, clean: bool) -> None:
         if self.registry.stream_ended(worker, clean):
             await self._forget(worker, "stream ended" if clean else "stream broke")
-        elif not clean and self.registry.get(worker.worker_id) is worker:
+        elif worker.detached:
             logger.info(
                 "worker %s's stream broke during or just after this scheduler's stall: "
                 "kept for its reconnection (or its heartbeat timeout)",

@@ -10,7 +10,7 @@ from services.global_scheduler.directory import Match, PrefixDirectory, create_d
 from shared.block_hash import hash_blocks
 from shared.ids import WorkerId
 from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from tests.helpers import held
+from tests.helpers import Clock, held
 
 H = hash_blocks(list(range(16 * 6)), 16)  # six chained block hashes
 W1, W2 = WorkerId("w1"), WorkerId("w2")
@@ -18,19 +18,10 @@ W1, W2 = WorkerId("w1"), WorkerId("w2")
 LIVE = {W1: "a", W2: "a"}
 
 
-class Clock:
-    """A clock the test moves: pending entries expire by it, not by real time."""
-
-    def __init__(self) -> None:
-        self.now = time.time()
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def clock() -> Clock:
-    return Clock()
+    """A clock the test moves: pending entries expire by it, not by real time."""
+    return Clock(time.time())
 
 
 @pytest.fixture(params=["memory", "redis"])

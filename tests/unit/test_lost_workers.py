@@ -20,6 +20,7 @@ from shared.ids import BlockHash, WorkerId
 from shared.kv_events import BlockStored, KVEventBatch
 from shared.protos.baton.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from shared.rpc import channel, server
+from tests.helpers import Clock
 
 BOUND_S = 5.0  # every wait here is bounded; each is a readiness signal, met in milliseconds
 
@@ -180,16 +181,6 @@ async def test_a_heartbeat_from_a_dropped_worker_is_told_so_and_its_stream_ends(
     assert command.reason.endswith(": dropped; register again under a new incarnation")
     assert await rest_of(worker.commands) == []  # the scheduler ended the stream
     assert not servicer.is_registered(WorkerId("w0"))  # the beat did not bring it back
-
-
-class Clock:
-    """The registry's clock, moved by the test."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 async def test_streams_that_broke_in_the_schedulers_own_stall_keep_their_workers() -> None:

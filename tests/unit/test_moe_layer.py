@@ -5,6 +5,7 @@ intermediate slice each, or whole experts with expert parallelism) summing to th
 experts (per channel, 128×128 blocks, quantized at load) against dequantized weights, and the
 refusals: sizes that do not split, scales of the wrong shape, an expert left unloaded."""
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -153,6 +154,28 @@ def _build(moe: MoEConfig, hidden: int, tensors: dict[str, torch.Tensor], quant:
         assert target is not None, name
         layer.weight_loader(params[target.param.removeprefix("layer.experts.")], t, target.shard)
     return layer
+
+
+def _read_as_rank(
+    moe: MoEConfig, file: Path, target_of: Any, quant: Any = None, ep: bool = False
+) -> tuple[FusedMoE, int]:
+    """A layer loaded from the safetensors ``file`` as this rank loads a checkpoint (each tensor
+    lazy, narrowed to what the rank needs before it is read; ``target_of``: a name's target),
+    and the bytes it read."""
+    from safetensors import safe_open
+
+    from services.worker.engine.models.weights import CheckpointTensor, ReadCounter
+
+    layer = FusedMoE(moe, H, moe_method(quant, kernels=False), ep)
+    params, counter = dict(layer.named_parameters()), ReadCounter()
+    with safe_open(str(file), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            target = target_of(name)
+            assert target is not None
+            param = params[target.param.removeprefix("layer.experts.")]
+            layer.weight_loader(param, CheckpointTensor.of(f.get_slice(name), counter),
+                                target.shard)  # fmt: skip
+    return layer, counter.bytes
 
 
 def _naive(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
@@ -389,10 +412,7 @@ def test_per_expert_tensors_are_read_only_for_this_ranks_share(
     with slices, half of gate's and up's rows and of down's columns, with their scales' rows
     or blocks (down's per-channel scales, one a hidden row, whole); with expert parallelism,
     its half of the experts, whole. And the same weights as a rank built from whole tensors."""
-    from safetensors import safe_open
     from safetensors.torch import save_file
-
-    from services.worker.engine.models.weights import CheckpointTensor, ReadCounter
 
     moe = _moe(inter=256)  # two 128-wide blocks of the intermediate dimension, one a rank
     tensors = _checkpoint(moe, H)
@@ -414,20 +434,13 @@ def test_per_expert_tensors_are_read_only_for_this_ranks_share(
     for rank in range(2):
         with use_tp_group(GroupCoordinator(rank, 2)):
             want = _build(moe, H, tensors, quant, ep=ep)
-            layer = FusedMoE(moe, H, moe_method(quant, kernels=False), ep)
-            params = dict(layer.named_parameters())
-            counter = ReadCounter()
-            with safe_open(str(tmp_path / "experts.safetensors"), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    target = expert_target(name)
-                    assert target is not None
-                    param = params[target.param.removeprefix("layer.experts.")]
-                    layer.weight_loader(param, CheckpointTensor.of(f.get_slice(name), counter),
-                                        target.shard)  # fmt: skip
+            layer, read = _read_as_rank(moe, tmp_path / "experts.safetensors", expert_target,
+                                        quant, ep)  # fmt: skip
         assert layer.unloaded_weights() == []
+        params = dict(layer.named_parameters())
         for name, value in want.named_parameters():
             torch.testing.assert_close(params[name], value, rtol=0, atol=0)
-        assert counter.bytes == sum(share(n, t, rank) for n, t in tensors.items())
+        assert read == sum(share(n, t, rank) for n, t in tensors.items())
 
 
 @pytest.mark.parametrize("ep", [False, True], ids=["tp-slices", "expert-parallel"])
@@ -436,11 +449,9 @@ def test_stacked_experts_load_each_ranks_rows_and_read_only_them(ep: bool, tmp_p
     [E, 2I, H], gate's rows then up's; ``down_proj`` [E, H, I]) loads as the per-expert
     tensors do, and a rank reads from the file only its share: half of every expert's rows
     (or its half of the experts)."""
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
     from services.worker.engine.models.layers.moe import stacked_expert_target
-    from services.worker.engine.models.weights import CheckpointTensor, ReadCounter
 
     moe = _moe()
     tensors = _checkpoint(moe, H)
@@ -458,17 +469,9 @@ def test_stacked_experts_load_each_ranks_rows_and_read_only_them(ep: bool, tmp_p
     for rank in range(2):
         with use_tp_group(GroupCoordinator(rank, 2)):
             want = _build(moe, H, tensors, ep=ep)
-            layer = FusedMoE(moe, H, moe_method(None, kernels=False), ep)
-            params = dict(layer.named_parameters())
-            counter = ReadCounter()
-            with safe_open(str(tmp_path / "experts.safetensors"), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    target = stacked_expert_target(name, interleaved=False)
-                    assert target is not None
-                    param = params[target.param.removeprefix("layer.experts.")]
-                    layer.weight_loader(param, CheckpointTensor.of(f.get_slice(name), counter),
-                                        target.shard)  # fmt: skip
+            target = functools.partial(stacked_expert_target, interleaved=False)
+            layer, read = _read_as_rank(moe, tmp_path / "experts.safetensors", target, ep=ep)
         assert layer.unloaded_weights() == []
         for name in ("w13_weight", "w2_weight"):
             torch.testing.assert_close(getattr(layer, name), getattr(want, name), rtol=0, atol=0)
-        assert counter.bytes == whole // 2
+        assert read == whole // 2

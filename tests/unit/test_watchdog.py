@@ -14,20 +14,15 @@ from prometheus_client import REGISTRY
 from services.worker.watchdog import POLL_S, Activity, Reason, Reincarnation, Trip, Watchdog
 from shared.probes import start_probe_server
 from shared.protos.baton.v1 import scheduler_pb2
+from tests import helpers
 
 BOUND_S = 4.0  # --step-timeout
 IDLE = Activity(progress=7, running=0, waiting=0, submitted=0)
 RUNNING = Activity(progress=7, running=2, waiting=1, submitted=3)
 
 
-class Clock:
+class Clock(helpers.Clock):
     """Time that passes only when slept through (at once)."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
     async def sleep(self, seconds: float) -> None:
         self.now += seconds

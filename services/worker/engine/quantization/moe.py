@@ -17,7 +17,6 @@ Scales are kept as the kernel takes them: per channel ``w13_weight_scale`` [E, 2
 ``w2_weight_scale`` [E, H, 1]; in blocks [E, 2I/128, ⌈H/128⌉] and [E, ⌈H/128⌉, I/128].
 """
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +28,7 @@ from services.worker.engine.models.weights import (
     Loaded,
     copy_weight,
     full,
+    one_value,
     vector_length,
     vector_part,
 )
@@ -196,8 +196,8 @@ class Fp8MoEMethod(MoEMethod):
         i, start, b = layer.intermediate_size, layer.intermediate_start, self.block
         h, total = layer.hidden_size, layer.intermediate_total
         shape = tuple(int(n) for n in scale.shape)
-        if b is None and math.prod(shape) == 1:
-            dst.fill_(full(scale).float().reshape(()).item())
+        if b is None and vector_length(scale) == 1:
+            dst.fill_(one_value(scale, "a per-tensor weight scale").item())
             return
         if b is None:
             want: tuple[int, ...] = (h,) if proj == "down" else (total,)
