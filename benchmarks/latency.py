@@ -62,17 +62,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # FP8 experts at one token with their activations quantized by two launches of their own,
     # not inside the GEMVs (ops/moe_gemv.QUANTIZE_TOKENS set to 0): the A/B of that
     "fp8_moe_quantize_apart": {"quantization": "fp8", "moe_quantize_tokens": 0},
-    # FP8 experts' GEMVs reading their weights a code at a time through Triton's cast, not as
-    # words of four codes (ops/moe_gemv.PACKED_WEIGHTS off): the A/B of that
-    "fp8_moe_bytes": {"quantization": "fp8", "moe_packed_weights": False},
-    "fp8_block_moe_bytes": {"checkpoint": "fp8-block", "moe_packed_weights": False},
 }
 
 # the variants' keys that set an attribute in this process for their run, not an engine option
 IN_PROCESS: dict[str, tuple[Any, str]] = {
     "moe_gemv_tokens": (fused_moe, "GEMV_TOKENS"),
     "moe_quantize_tokens": (moe_gemv, "QUANTIZE_TOKENS"),
-    "moe_packed_weights": (moe_gemv, "PACKED_WEIGHTS"),
 }
 
 

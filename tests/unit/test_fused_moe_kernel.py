@@ -224,27 +224,6 @@ def test_fp8_experts_are_the_product_of_their_codes(t: int, block: int | None, p
         assert torch.equal(fused_moe(x, q13, q2, weights, ids, **kw, config=fused), got)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("block", [None, 32], ids=["channel", "block32"])
-def test_fp8_gemvs_reading_bytes_compute_what_reading_words_does(
-    block: int | None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The GEMVs read FP8 weights as words of four codes (``PACKED_WEIGHTS``, the default the
-    test above holds to the product of the codes); read a code at a time (the A/B's other
-    side) they compute the same product, up to float32 summation order."""
-    weights, ids, emap = _routing(1, 2, local_half=True, seed=3)
-    w13, w2 = _weights(seed=4)
-    (q13, s13), (q2, s2) = _fp8(w13, block), _fp8(w2, block)
-    x = _tokens(1, torch.linspace(0.1, 4, H))
-    kw = {"expert_map": emap, "w13_scale": s13, "w2_scale": s2, "block": block}
-    words = fused_moe(x, q13, q2, weights, ids, **kw, gemv=True)  # type: ignore[arg-type]
-    monkeypatch.setattr(moe_gemv_module, "PACKED_WEIGHTS", False)
-    codes = fused_moe(x, q13, q2, weights, ids, **kw, gemv=True)  # type: ignore[arg-type]
-    exact = _product_of_codes(x, q13, s13, q2, s2, weights, ids, emap, block)
-    atol = 1e-5 * float(exact.abs().max())
-    for got in (words, codes):
-        torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=atol)
-
-
 LAUNCHES = [  # (GEMV 1's, GEMV 2's): tiles that divide the shapes, and rows that overhang them
     ({"BLOCK_N": 8, "BLOCK_K": 16, "num_warps": 4, "num_stages": 3},
      {"BLOCK_N": 4, "BLOCK_K": 16, "num_warps": 2, "num_stages": 1}),

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from services.worker.engine.ops import gemv_configs
 from services.worker.engine.ops.dependent_launch import await_inputs, launch_options
-from services.worker.engine.ops.fp8_linear import _quantize, _row_scale, _scale_of, _widen4
+from services.worker.engine.ops.fp8_linear import _quantize, _row_scale, _scale_of
 from services.worker.engine.ops.moe_common import (
     TL_DTYPES,
     activate,
@@ -52,14 +52,12 @@ def _gemv_up_kernel(
     HAS_MAP: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
     CLAMPED: tl.constexpr, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     QUANT: tl.constexpr = False, GPU: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-    PACKED: tl.constexpr = False,
 ):  # fmt: skip
     """GEMV 1 (the module docstring): pair ``program_id(0)``'s rows ``BLOCK_N`` · program_id(1)
     onward of h. W [E, 2·INTER, K]: gate rows n, up rows INTER + n. FP8 as
     ``_moe_gemm_kernel``'s (X the codes, XS their scales; GROUP: BLOCK_K divides it, so a K
     tile is in one group), or with QUANT X itself, its codes made here as ``quantize_input``
-    makes them (``_token_codes``). PACKED (FP8): W is int32 words of four codes, [E, 2·INTER,
-    K / 4] with its strides in words (``_packed_products``). A pair
+    makes them (``_token_codes``). A pair
     whose expert is on another rank reads nothing and writes a row of zeros."""
     pair = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -76,18 +74,16 @@ def _gemv_up_kernel(
     gate_rows = W + expert * stride_we + rn[:, None].to(tl.int64) * stride_wn
     up_rows = gate_rows + INTER * stride_wn
     ws_row = WS + expert * stride_wse
-    if PACKED:  # a tile's products are [BLOCK_N, BLOCK_K / 4]: a word's four at once
-        rk = tl.arange(0, BLOCK_K // 4)
-        acc = tl.zeros([BLOCK_N, BLOCK_K // 4], tl.float32)
-        acc_up = tl.zeros([BLOCK_N, BLOCK_K // 4], tl.float32)
-    else:
-        rk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     gate = tl.zeros([BLOCK_N], tl.float32)  # (GROUP: the sums, scaled a K tile at a time)
     up = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        xs = 1.0  # (QUANT: the codes' scale)
+        cols = k0 + rk
+        k_ok = cols < K
+        ok = live[:, None] & k_ok[None, :]
+        x = tl.load(x_row + cols, mask=k_ok, other=0.0).to(tl.float32)
         if QUANT:
             if GROUP:  # the scale of the group this tile lies in
                 gcols = (k0 // GROUP) * GROUP + tl.arange(0, GROUP)
@@ -95,21 +91,10 @@ def _gemv_up_kernel(
                 xs = _scale_of(tl.max(tl.abs(xg), 0))
             else:
                 xs = xs_row
-        if PACKED:
-            words = k0 // 4 + rk
-            ok = live[:, None] & (words < K // 4)[None, :]
-            g = _packed_products(gate_rows, words, ok, x_row, K, xs, QUANT, GPU)
-            u = _packed_products(up_rows, words, ok, x_row, K, xs, QUANT, GPU)
-        else:
-            cols = k0 + rk
-            k_ok = cols < K
-            ok = live[:, None] & k_ok[None, :]
-            x = tl.load(x_row + cols, mask=k_ok, other=0.0).to(tl.float32)
-            if QUANT:
-                x = _token_codes(x, xs, GPU)
-            x = x[None, :]
-            g = tl.load(gate_rows + cols[None, :], mask=ok, other=0.0).to(tl.float32) * x
-            u = tl.load(up_rows + cols[None, :], mask=ok, other=0.0).to(tl.float32) * x
+            x = _token_codes(x, xs, GPU)
+        x = x[None, :]
+        g = tl.load(gate_rows + cols[None, :], mask=ok, other=0.0).to(tl.float32) * x
+        u = tl.load(up_rows + cols[None, :], mask=ok, other=0.0).to(tl.float32) * x
         if GROUP:
             grp = k0 // GROUP
             if not QUANT:
@@ -148,14 +133,11 @@ def _gemv_down_kernel(
     HAS_MAP: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
     DTYPE: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     QUANT: tl.constexpr = False, GPU: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-    PACKED: tl.constexpr = False,
 ):  # fmt: skip
     """GEMV 2 (the module docstring): token ``program_id(0)``'s columns ``BLOCK_N`` ·
     program_id(1) onward of out, every slot at once (a [SLOTS, BLOCK_N, BLOCK_K] tile of the
     slots' experts' w2 rows a K step). A (h, or its codes with AS) [T·k, K]; W [E, N, K]. With
-    QUANT and FP8, A is h and each slot's codes are made here (``_token_codes``). PACKED
-    (FP8): W is int32 words of four codes, [E, N, K / 4], strides in words, a tile
-    [SLOTS, BLOCK_N, BLOCK_K / 4] (``_widen4``)."""
+    QUANT and FP8, A is h and each slot's codes are made here (``_token_codes``)."""
     t = tl.program_id(0).to(tl.int64)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
@@ -184,31 +166,17 @@ def _gemv_down_kernel(
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + rk
         k_ok = cols < K
-        xs = tl.zeros([SLOTS], tl.float32)  # (QUANT: the slots' scales)
+        a = tl.load(a_rows + cols[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
+        a = a.to(tl.float32)
         if QUANT:
             if GROUP:
                 xs = _group_scales(A + pairs * stride_a, live, k0, K, GROUP)
             else:
                 xs = xs_rows
-        if PACKED:  # a word's four codes times the slots' columns 4j .. 4j + 3
-            words = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-            w_ok = ok[:, :, None] & (words < K // 4)[None, None, :]
-            w0, w1, w2, w3 = _widen4(tl.load(w_rows + words[None, None, :], mask=w_ok, other=0),
-                                     GPU)  # fmt: skip
-            a_ok = live[:, None] & (words < K // 4)[None, :]
-            prod = w0 * _slot_columns(a_rows, 4 * words, a_ok, xs, QUANT, GPU)[:, None, :]
-            prod += w1 * _slot_columns(a_rows, 4 * words + 1, a_ok, xs, QUANT, GPU)[:, None, :]
-            prod += w2 * _slot_columns(a_rows, 4 * words + 2, a_ok, xs, QUANT, GPU)[:, None, :]
-            prod += w3 * _slot_columns(a_rows, 4 * words + 3, a_ok, xs, QUANT, GPU)[:, None, :]
-            part = tl.sum(prod, 2)
-        else:
-            a = tl.load(a_rows + cols[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
-            a = a.to(tl.float32)
-            if QUANT:
-                a = _token_codes(a, xs[:, None], GPU)
-            w = tl.load(w_rows + cols[None, None, :], mask=ok[:, :, None] & k_ok[None, None, :],
-                        other=0.0)  # fmt: skip
-            part = tl.sum(w.to(tl.float32) * a[:, None, :], 2)
+            a = _token_codes(a, xs[:, None], GPU)
+        w = tl.load(w_rows + cols[None, None, :], mask=ok[:, :, None] & k_ok[None, None, :],
+                    other=0.0)  # fmt: skip
+        part = tl.sum(w.to(tl.float32) * a[:, None, :], 2)
         if GROUP:
             grp = k0 // GROUP
             if QUANT:
@@ -255,38 +223,6 @@ def _token_codes(x, xs, GPU: tl.constexpr):
     return _quantize(x, xs, tl.math.div_rn(1.0, xs), GPU).to(tl.float32)
 
 
-@triton.jit
-def _packed_products(rows, words, ok, x_row, K, xs, QUANT: tl.constexpr, GPU: tl.constexpr):
-    """GEMV 1's products of a K tile with PACKED weights: ``rows`` ([BLOCK_N, 1] pointers to
-    int32 words of four e4m3 codes) at ``words``, each code times x's column 4·word + b (its
-    e4m3 code under ``xs`` with QUANT), [BLOCK_N, words]; a word's four products added in
-    float32. Widening a word's codes in four (``fp8_linear._widen4``) takes about half the
-    instructions a weight of Triton's cast of an e4m3 tile, as in the dense FP8 GEMV."""
-    w0, w1, w2, w3 = _widen4(tl.load(rows + words[None, :], mask=ok, other=0), GPU)
-    cols = 4 * words
-    x_ok = cols < K
-    prod = w0 * _x_column(x_row, cols, x_ok, xs, QUANT, GPU)[None, :]
-    prod += w1 * _x_column(x_row, cols + 1, x_ok, xs, QUANT, GPU)[None, :]
-    prod += w2 * _x_column(x_row, cols + 2, x_ok, xs, QUANT, GPU)[None, :]
-    prod += w3 * _x_column(x_row, cols + 3, x_ok, xs, QUANT, GPU)[None, :]
-    return prod
-
-
-@triton.jit
-def _x_column(x_row, cols, ok, xs, QUANT: tl.constexpr, GPU: tl.constexpr):
-    """x's ``cols`` as float32, with QUANT their e4m3 codes under ``xs``."""
-    x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
-    return _token_codes(x, xs, GPU) if QUANT else x
-
-
-@triton.jit
-def _slot_columns(a_rows, cols, ok, xs, QUANT: tl.constexpr, GPU: tl.constexpr):
-    """GEMV 2: every slot's ``cols`` of h ([SLOTS, words]), with QUANT their codes under the
-    slots' scales ``xs``."""
-    a = tl.load(a_rows + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    return _token_codes(a, xs[:, None], GPU) if QUANT else a
-
-
 _GEMV_UP_CONFIGS = [
     triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
     for n, k, w, s in [
@@ -323,12 +259,12 @@ def _k_tiles_in_a_group(
 
 _gemv_up_tuned = triton.autotune(
     configs=_GEMV_UP_CONFIGS,
-    key=["T", "K", "INTER", "top_k", "FP8", "GROUP", "HAS_BIAS", "QUANT", "PACKED"],
+    key=["T", "K", "INTER", "top_k", "FP8", "GROUP", "HAS_BIAS", "QUANT"],
     prune_configs_by={"early_config_prune": _k_tiles_in_a_group},
 )(_gemv_up_kernel)
 _gemv_down_tuned = triton.autotune(
     configs=_GEMV_DOWN_CONFIGS,
-    key=["T", "N", "K", "top_k", "FP8", "GROUP", "HAS_BIAS", "QUANT", "PACKED"],
+    key=["T", "N", "K", "top_k", "FP8", "GROUP", "HAS_BIAS", "QUANT"],
     prune_configs_by={"early_config_prune": _k_tiles_in_a_group},
 )(_gemv_down_kernel)
 
@@ -339,10 +275,6 @@ Launch = dict[str, int]  # BLOCK_N, BLOCK_K, num_warps, num_stages
 # GEMV 1, h's in GEMV 2, the same codes ``quantize_input`` writes), so the two quantizing
 # launches between them go (0: they stay; benchmarks/latency.py's ``fp8_moe_quantize_apart``)
 QUANTIZE_TOKENS = 1
-# FP8 experts' weights read as int32 words of four codes and widened four at a time
-# (``fp8_linear._widen4``), not by Triton's cast of an e4m3 tile (False: that cast;
-# benchmarks/latency.py's ``fp8_moe_bytes``, the A/B of this)
-PACKED_WEIGHTS = True
 
 
 def measured_launch(
@@ -390,17 +322,13 @@ def moe_gemv(
     aq, a_scales, a_strides = operand(quantize_input(x, block) if fp8 and not quant else x)
     h = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
     s13, s13_strides = weight_scales(w13, w13_scale)
-    # FP8: the weights as words of four codes where both fit (PACKED_WEIGHTS)
-    w13_in, w2_in = (_words(w13), _words(w2)) if fp8 and PACKED_WEIGHTS else (None, None)
-    packed = w13_in is not None and w2_in is not None
-    w13_in, w2_in = (w13_in, w2_in) if packed else (w13, w2)
     common = {"HAS_MAP": expert_map is not None, "FP8": fp8, "GROUP": block or 0,
               "DTYPE": TL_DTYPES[x.dtype], "QUANT": quant, "GPU": x.is_cuda,
-              "PACKED": packed, **launch_options(x)}  # fmt: skip
+              **launch_options(x)}  # fmt: skip
     up_args = (
-        aq, a_scales, w13_in, s13, h, w13_bias if w13_bias is not None else h, ids, emap, t,
-        hidden, inter, top_k, aq.stride(0), *a_strides, w13_in.stride(0),
-        w13_in.stride(1), *s13_strides, h.stride(0),
+        aq, a_scales, w13, s13, h, w13_bias if w13_bias is not None else h, ids, emap, t,
+        hidden, inter, top_k, aq.stride(0), *a_strides, w13.stride(0),
+        w13.stride(1), *s13_strides, h.stride(0),
         w13_bias.stride(0) if w13_bias is not None else 0, float(swiglu_alpha),
         float(swiglu_limit if swiglu_limit is not None else 0.0),
     )  # fmt: skip
@@ -410,23 +338,15 @@ def moe_gemv(
     hc, h_scales, h_strides = operand(quantize_input(h, block) if fp8 and not quant else h)
     s2, s2_strides = weight_scales(w2, w2_scale)
     down_args = (
-        hc, h_scales, w2_in, s2, out, w2_bias if w2_bias is not None else out, weights, ids,
-        emap, t, hidden, inter, top_k, hc.stride(0), *h_strides,
-        w2_in.stride(0), w2_in.stride(1), *s2_strides, out.stride(0),
+        hc, h_scales, w2, s2, out, w2_bias if w2_bias is not None else out, weights, ids, emap,
+        t, hidden, inter, top_k, hc.stride(0), *h_strides,
+        w2.stride(0), w2.stride(1), *s2_strides, out.stride(0),
         w2_bias.stride(0) if w2_bias is not None else 0,
     )  # fmt: skip
     down = {**common, "HAS_BIAS": w2_bias is not None, "SLOTS": triton.next_power_of_2(top_k)}
     launch = launches[1] or measured_launch("down", x, w2, block)
     _run(_gemv_down_kernel, _gemv_down_tuned, (t, hidden), down_args, down, launch, block, x)
     return out
-
-
-def _words(w: torch.Tensor) -> torch.Tensor | None:
-    """FP8 expert weights [E, rows, K] (rows contiguous) as int32 words of four codes,
-    [E, rows, K / 4], or None where K or a stride is not a whole number of words."""
-    if w.shape[-1] % 4 or w.stride(0) % 4 or w.stride(1) % 4 or w.storage_offset() % 4:
-        return None
-    return w.view(torch.int32)
 
 
 def _run(
