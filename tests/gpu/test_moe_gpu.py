@@ -90,8 +90,7 @@ def test_fp8_experts_match_their_dequantizing_reference(
     reference computes: the kernel rounds activations exactly as the reference does; a
     near-tie may flip (``FP8_GPU_EXACT`` are the reference's argmax: on an H100 60 and 57 of
     64); the median logprob within what the tensor cores' accumulation moves it
-    (``FP8_GPU_MEDIAN_ATOL``: on an H100 0.0026-0.0028 and 0.0074-0.0085, with fast
-    accumulation or without)."""
+    (``FP8_GPU_MEDIAN_ATOL``: on an H100 0.0026-0.0028 and 0.0074-0.0085)."""
     path = make_tiny_model(tmp_path / "fp8", arch="qwen3_moe", num_layers=3, **kw)
     llm = LLM(model=str(path), dtype="float32", show_progress=False)
     try:
