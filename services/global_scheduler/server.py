@@ -266,6 +266,7 @@ class SchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
                     seconds_since_heartbeat=now - w.last_seen,
                     num_cached_blocks=await self.directory.num_blocks(w.worker_id, w.incarnation),
                     num_routed=w.num_routed,
+                    detached=w.detached,
                 )
                 for w in self.registry.workers()
             ]

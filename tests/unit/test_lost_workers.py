@@ -212,6 +212,10 @@ async def test_streams_that_broke_in_the_schedulers_own_stall_keep_their_workers
     assert not servicer.is_registered(WorkerId("w2"))
     await servicer.sweep()  # the late sweep: a stall, nobody expires
     assert all(servicer.is_registered(WorkerId(n)) for n in ("w0", "w1", "w3"))
+    listed = await servicer.ListWorkers(scheduler_pb2.ListWorkersRequest(), Context())  # type: ignore[arg-type]
+    # what operators see: the one whose stream broke and that is not back is detached
+    assert {w.registration.worker_id: w.detached for w in listed.workers} == {
+        "w0": True, "w1": False, "w3": False}  # fmt: skip
     while servicer.is_registered(WorkerId("w0")):  # w1 and w3 heard from; w0 never back
         assert clock.now < 1010.0 + 1.5 + RECONNECT_S + 0.5
         clock.now += 0.25

@@ -182,18 +182,20 @@ class ListWorkersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("registration", "load", "seconds_since_heartbeat", "num_cached_blocks", "num_routed")
+    __slots__ = ("registration", "load", "seconds_since_heartbeat", "num_cached_blocks", "num_routed", "detached")
     REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_ROUTED_FIELD_NUMBER: _ClassVar[int]
+    DETACHED_FIELD_NUMBER: _ClassVar[int]
     registration: WorkerRegistration
     load: WorkerLoad
     seconds_since_heartbeat: float
     num_cached_blocks: int
     num_routed: int
-    def __init__(self, registration: _Optional[_Union[WorkerRegistration, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., seconds_since_heartbeat: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ..., num_routed: _Optional[int] = ...) -> None: ...
+    detached: bool
+    def __init__(self, registration: _Optional[_Union[WorkerRegistration, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., seconds_since_heartbeat: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ..., num_routed: _Optional[int] = ..., detached: _Optional[bool] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("workers",)
