@@ -39,20 +39,26 @@ Known narrowings (the output still follows the schema): a pattern must match the
 and an object has no properties beyond those it declares unless ``additionalProperties`` or
 ``patternProperties`` allows them. Known widening: ``.`` in a pattern also matches a newline.
 
-The walk is iterative and bounded (``MAX_DEPTH`` levels, each ``$ref`` target once), and its
-work linear in the schema's size, so a large body costs no more than parsing it.
+The walk is iterative and bounded (``MAX_NESTING`` JSON levels, ``MAX_DEPTH`` subschemas, each
+``$ref`` target once); proving oneOfs disjoint builds each const/enum's set of values once and
+compares at most ``MAX_ONEOF_WORK`` values in all, so a large body costs about what parsing it
+does.
 """
 
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
 MAX_DEPTH = 48  # nested subschemas, from the root
 MAX_REF_HOPS = 32  # a $ref to a $ref to …
 MAX_DISCRIMINATORS = 16  # properties tried as a oneOf's discriminator
+MAX_NESTING = 128  # JSON levels anywhere in the document (const and enum values too)
+# const/enum values compared in proving oneOfs disjoint, over the whole schema: a branch's set
+# of values is built once, but a schema could still ask for many comparisons of large sets
+MAX_ONEOF_WORK = 1_000_000
 INT64 = 2**63
 
 FORMATS = frozenset({
@@ -118,12 +124,13 @@ def check_schema(root: Any) -> None:
     """Raise ``SchemaRefused`` for the first part of ``root`` the engine would not enforce."""
     if not isinstance(root, dict | bool):
         raise SchemaRefused((), "a JSON schema is an object or a boolean")
-    todo, refs_seen = [_Node((), root)], set[Path]()
+    _check_nesting(root)
+    todo, refs_seen, memo = [_Node((), root)], set[Path](), _Memo()
     while todo:
         node = todo.pop()
         if len(node.path) > MAX_DEPTH:
             raise SchemaRefused(node.path, f"the schema nests deeper than {MAX_DEPTH} levels")
-        for child in _check(root, node):
+        for child in _check(root, node, memo):
             if child.schema is _REF:  # a $ref target: checked once, wherever it is
                 if child.path not in refs_seen:
                     refs_seen.add(child.path)
@@ -132,7 +139,34 @@ def check_schema(root: Any) -> None:
                 todo.append(child)
 
 
-def _check(root: Any, node: _Node) -> Iterator[_Node]:
+def _check_nesting(root: Any) -> None:
+    """Refuse a document nested deeper than ``MAX_NESTING`` JSON levels anywhere (the helpers
+    below that recurse into values, and ``serialize``, then stay far from Python's limit)."""
+    todo = [(root, 1)]
+    while todo:
+        value, depth = todo.pop()
+        children = value.values() if isinstance(value, dict) else value
+        if isinstance(value, dict | list):
+            if depth > MAX_NESTING:
+                raise SchemaRefused((), f"the schema nests deeper than {MAX_NESTING} JSON levels")
+            todo.extend((v, depth + 1) for v in children)
+
+
+@dataclass
+class _Memo:
+    """One check's record for proving oneOfs disjoint: each const/enum's set of values (by
+    its schema's identity), each proof (by the branches' identities), and the work spent."""
+
+    values: dict[int, frozenset[str]] = field(default_factory=dict)
+    proofs: dict[tuple[int, ...], bool] = field(default_factory=dict)
+    work: int = 0
+
+
+class _TooMuchWork(Exception):
+    pass
+
+
+def _check(root: Any, node: _Node, memo: _Memo) -> Iterator[_Node]:
     schema, path = node.schema, node.path
     if isinstance(schema, bool):
         return
@@ -147,7 +181,7 @@ def _check(root: Any, node: _Node) -> Iterator[_Node]:
                             "engine (xgrammar) would not enforce it")  # fmt: skip
     lead = next((k for k in LEADS if k in schema), None)
     if lead is not None:
-        yield from _check_lead(root, schema, path, lead)
+        yield from _check_lead(root, schema, path, lead, memo)
         return
     types = _types(schema, path, node.default_type)
     if types is None:
@@ -166,7 +200,7 @@ def _check(root: Any, node: _Node) -> Iterator[_Node]:
         yield from _object_children(schema, path)
 
 
-def _check_lead(root: Any, schema: dict, path: Path, lead: str) -> Iterator[_Node]:
+def _check_lead(root: Any, schema: dict, path: Path, lead: str, memo: _Memo) -> Iterator[_Node]:
     """A schema that xgrammar reads by ``lead`` alone: nothing else may constrain it."""
     others = [k for k in schema if k in CONSTRAINTS and k != lead]
     if lead in ("const", "enum") and "type" in others:
@@ -189,7 +223,7 @@ def _check_lead(root: Any, schema: dict, path: Path, lead: str) -> Iterator[_Nod
             raise SchemaRefused((*path, lead), "allOf of several schemas is not supported: the "
                                 "grammar engine would let any value through (merge them into "
                                 "one schema)")  # fmt: skip
-        if lead == "oneOf" and len(branches) > 1 and not _disjoint(root, branches):
+        if lead == "oneOf" and len(branches) > 1 and not _proved(root, branches, path, memo):
             raise SchemaRefused((*path, lead), "oneOf whose branches may match the same value is "
                                 "enforced as anyOf by the grammar engine: use anyOf, or make "
                                 "the branches disjoint (different types, different const/enum "
@@ -243,7 +277,7 @@ def _check_string(schema: dict, path: Path) -> None:
         if "pattern" in schema:
             raise SchemaRefused((*path, "pattern"), "pattern beside format is not supported: the "
                                 "grammar engine would follow the format alone")  # fmt: skip
-        if schema["format"] not in FORMATS:
+        if not isinstance(schema["format"], str) or schema["format"] not in FORMATS:
             known = ", ".join(sorted(FORMATS))
             raise SchemaRefused((*path, "format"), f"format {str(schema['format'])[:40]!r} is "
                                 f"not supported; these are: {known}")  # fmt: skip
@@ -356,6 +390,79 @@ def regex_problem(pattern: str) -> str | None:
             return "$ in the middle of a pattern is not supported: the grammar engine would " \
                 "ignore it"  # fmt: skip
         i += 1
+    return _nested_repetition(pattern)
+
+
+def _quantifier(pattern: str, i: int) -> tuple[int, int | None, int] | None:
+    """The quantifier at ``i`` (``*``, ``+``, ``?``, ``{m}``, ``{m,}``, ``{m,n}``): its least
+    and most counts (None: unbounded) and where it ends (past a lazy or possessive mark)."""
+    c = pattern[i : i + 1]
+    hi: int | None
+    if c in ("*", "+", "?"):
+        lo, hi, end = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c] + (i + 1,)
+    elif c == "{":
+        close = pattern.find("}", i)
+        lo_s, comma, hi_s = pattern[i + 1 : close].partition(",")
+        if close < 0 or not lo_s.isdigit() or not (hi_s.isdigit() or not hi_s):
+            return None  # a literal "{"
+        lo, end = int(lo_s), close + 1
+        hi = (int(hi_s) if hi_s else None) if comma else lo
+    else:
+        return None
+    return lo, hi, end + (pattern[end : end + 1] in ("?", "+"))
+
+
+def _nested_repetition(pattern: str) -> str | None:
+    """A repeated group whose whole body is one item repeated a varying number of times
+    (``(a*)*``, ``(a{1,100}){1,100}``): the same text splits between the two repetitions in
+    many ways and the grammar engine's matcher follows every split, so that each generated
+    token costs the worker's step milliseconds to seconds (measured with xgrammar 0.2.9:
+    ``(a{1,100}){1,100}`` 77 ms a token by the 200th, ``((a{1,100}){1,100}){1,100}`` 1.8 s).
+    The two repetitions are one (``a*``, ``a{1,10000}``), so it is refused, not rewritten."""
+    stack: list[list[Any]] = [[0, False, False]]  # a group's items, last one varies, "|" seen
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "(":
+            if pattern[i + 1 : i + 2] == "?" and pattern[i + 2 : i + 3] not in (":", "P", "<"):
+                i = pattern.find(")", i) + 1 or n  # a flag group, (?i): no item
+                continue
+            stack.append([0, False, False])
+            i += 3 if pattern.startswith("(?:", i) else 1
+            if pattern.startswith(("?P<", "?<"), i):
+                i = pattern.find(">", i) + 1 or n
+            continue
+        if c == "|":
+            stack[-1][2] = True
+            i += 1
+            continue
+        one_varying = False
+        if c == ")" and len(stack) > 1:
+            items, varies, alternation = stack.pop()
+            one_varying = items == 1 and varies and not alternation
+            i += 1
+        elif c == "\\":
+            i += 2
+        elif c == "[":  # a class is one item
+            i += 2 if pattern[i + 1 : i + 2] == "^" else 1
+            i += 1 if pattern[i : i + 1] == "]" else 0
+            while i < n and pattern[i] != "]":
+                i += 2 if pattern[i] == "\\" else 1
+            i += 1
+        else:
+            i += 1
+        stack[-1][0] += 1  # the item that ends at i, and its quantifier
+        stack[-1][1] = one_varying  # ((a*)) varies as (a*) does
+        q = _quantifier(pattern, i)
+        if q is not None:
+            lo, hi, i = q
+            if one_varying and (hi is None or hi >= 2):
+                return (
+                    "a repeated group whose body is one varying repetition (as (a*)* or "
+                    "(a{1,100}){1,100}) is not supported: the grammar engine's matching "
+                    "of it slows every token; write the two as one repetition"
+                )
+            stack[-1][1] = hi is None or hi > lo
     return None
 
 
@@ -391,10 +498,23 @@ def _at(root: Any, path: Path) -> Any:
 # ---- oneOf: may two branches match one value? ------------------------------------------------
 
 
-def _disjoint(root: Any, branches: list) -> bool:
-    """True when no value can match two of ``branches`` (then anyOf enforces the oneOf)."""
+def _proved(root: Any, branches: list, path: Path, memo: _Memo) -> bool:
+    """``_disjoint``, once for each set of branches, within the schema's ``MAX_ONEOF_WORK``."""
     resolved = [_resolve(root, b) for b in branches]
-    return _by_type_or_value(resolved) or _by_discriminator(root, resolved)
+    key = tuple(map(id, resolved))
+    if key not in memo.proofs:
+        try:
+            memo.proofs[key] = _disjoint(root, resolved, memo)
+        except _TooMuchWork:
+            raise SchemaRefused((*path, "oneOf"), "the schema's oneOf branches are too many or "
+                                "too large to prove disjoint: use anyOf") from None  # fmt: skip
+    return memo.proofs[key]
+
+
+def _disjoint(root: Any, resolved: list, memo: _Memo) -> bool:
+    """True when no value can match two of the ``resolved`` branches (then anyOf enforces the
+    oneOf)."""
+    return _by_type_or_value(resolved, memo) or _by_discriminator(root, resolved, memo)
 
 
 def _resolve(root: Any, schema: Any) -> Any:
@@ -408,7 +528,7 @@ def _resolve(root: Any, schema: Any) -> Any:
     return None
 
 
-def _by_type_or_value(branches: list) -> bool:
+def _by_type_or_value(branches: list, memo: _Memo) -> bool:
     """Each branch a set of values (const/enum) or of types, none shared (integers are
     numbers)."""
     types: set[str] = set()  # of the typed branches
@@ -417,7 +537,7 @@ def _by_type_or_value(branches: list) -> bool:
     for b in branches:
         finite = _finite(b)
         if finite is not None:
-            keys = {_canonical(v) for v in finite}
+            keys = _value_keys(b, finite, memo)
             kinds = {_kind(v) for v in finite}
             if keys & values or kinds & types:
                 return False
@@ -434,7 +554,7 @@ def _by_type_or_value(branches: list) -> bool:
     return True
 
 
-def _by_discriminator(root: Any, branches: list) -> bool:
+def _by_discriminator(root: Any, branches: list, memo: _Memo) -> bool:
     """Objects that all require one property whose const/enum values differ between them."""
     first = branches[0]
     if not isinstance(first, dict) or not isinstance(first.get("required"), list):
@@ -443,7 +563,7 @@ def _by_discriminator(root: Any, branches: list) -> bool:
     for key in keys[:MAX_DISCRIMINATORS]:
         seen: set[str] = set()
         for b in branches:
-            values = _tag_values(root, b, key)
+            values = _tag_values(root, b, key, memo)
             if values is None or values & seen:
                 break
             seen |= values
@@ -452,14 +572,28 @@ def _by_discriminator(root: Any, branches: list) -> bool:
     return False
 
 
-def _tag_values(root: Any, branch: Any, key: str) -> set[str] | None:
+def _tag_values(root: Any, branch: Any, key: str, memo: _Memo) -> frozenset[str] | None:
     if not (isinstance(branch, dict) and branch.get("type") == "object"):
         return None
     properties, required = branch.get("properties"), branch.get("required")
     if not (isinstance(properties, dict) and isinstance(required, list) and key in required):
         return None
-    finite = _finite(_resolve(root, properties.get(key)))
-    return None if finite is None else {_canonical(v) for v in finite}
+    tag = _resolve(root, properties.get(key))
+    finite = _finite(tag)
+    return None if finite is None else _value_keys(tag, finite, memo)
+
+
+def _value_keys(schema: dict, finite: list, memo: _Memo) -> frozenset[str]:
+    """The canonical keys of ``finite``, the values of ``schema``'s const or enum, made once a
+    schema (a part of the document, alive while it is checked); each use counts its values as
+    work (a proof compares them)."""
+    memo.work += len(finite)
+    if memo.work > MAX_ONEOF_WORK:
+        raise _TooMuchWork
+    keys = memo.values.get(id(schema))
+    if keys is None:
+        keys = memo.values[id(schema)] = frozenset(_canonical(v) for v in finite)
+    return keys
 
 
 def _finite(schema: Any) -> list | None:

@@ -420,12 +420,51 @@ def test_what_xgrammar_enforces_is_kept(schema: Any, value: Any) -> None:
         ({"type": "integer", "minimum": 1.5}, ("minimum",)),
         ({"type": "integer", "maximum": 2**64}, ("maximum",)),
         ({"type": "object", "required": [1]}, ("required",)),
+        ({"type": "string", "format": []}, ("format",)),  # (not a name: unhashable, was a 500)
+        ({"type": "string", "format": {}}, ("format",)),
     ],
 )
 def test_malformed_schemas_are_refused_where_they_are(schema: Any, path: tuple) -> None:
     with pytest.raises(SchemaRefused) as e:
         check_schema(schema)
     assert e.value.path == path
+
+
+def test_a_value_nested_past_the_bound_is_refused_not_a_recursion_error() -> None:
+    """Nesting inside a const (not a subschema) is bounded too: a schema sent as text is
+    parsed by ``json.loads``, which takes ~1,000 levels where the request body's parser stops
+    at 200, and the oneOf proof and ``serialize`` recurse into values."""
+    deep = json.loads("[" * 600 + "]" * 600)
+    body = {**P, "guided_json": json.dumps({"oneOf": [{"const": deep}, {"const": 1}]})}
+    with pytest.raises(ValidationError, match="nests deeper than 128 JSON levels"):
+        CompletionRequest.model_validate(body)
+    check_schema({"const": json.loads("[" * 120 + "]" * 120)})  # within the bound
+
+
+def _shared_enum_union(pairs: list[tuple[str, str]]) -> dict[str, Any]:
+    """An array of oneOfs, each of two object definitions that differ only in the const of
+    their 16th required property, the other 15 one large shared enum."""
+    keys = [f"k{i}" for i in range(16)]
+
+    def branch(tag: str) -> dict[str, Any]:
+        props: dict[str, Any] = {k: {"$ref": "#/$defs/big"} for k in keys[:15]}
+        return {"type": "object", "required": keys, "properties": {**props, "k15": {"const": tag}}}
+
+    defs = {"big": {"enum": [f"v{i}" for i in range(5000)]}}
+    defs.update({name: branch(name) for pair in pairs for name in pair})
+    one = [{"oneOf": [{"$ref": f"#/$defs/{a}"}, {"$ref": f"#/$defs/{b}"}]} for a, b in pairs]
+    return {"type": "array", "prefixItems": one, "$defs": defs}
+
+
+def test_the_oneof_proofs_are_bounded() -> None:
+    """Each oneOf is proved by comparing its branches' const/enum values. 450 oneOfs of the
+    same two branches are proved once (each proof compares 150,000 values; proved every time,
+    30 of them held the gateway's event loop 4.5 s); oneOfs of ever other branches are
+    refused once their comparisons pass MAX_ONEOF_WORK."""
+    check_schema(_shared_enum_union([("a", "b")] * 450))
+    distinct = _shared_enum_union([(f"b{i}", f"b{i + 1}") for i in range(10)])
+    with pytest.raises(SchemaRefused, match="too many or too large to prove disjoint"):
+        check_schema(distinct)
 
 
 def test_depth_is_bounded_and_each_ref_is_walked_once() -> None:
@@ -458,6 +497,21 @@ def test_depth_is_bounded_and_each_ref_is_walked_once() -> None:
         (r"a$b", "$ in the middle"),
         (r"\Aa\Z", r"\A"),
         (r"a\bb", r"\b"),
+        # a repeated group whose body is one varying repetition: every token slow to match
+        (r"(a*)*b?", "one varying repetition"),
+        (r"(a{1,100}){1,100}", "one varying repetition"),
+        (r"(?:[a-z]+)+", "one varying repetition"),
+        (r"(?P<w>\d{1,5}){2,}", "one varying repetition"),
+        (r"((a*))*", "one varying repetition"),
+        # ... and what is not that: more than one item, a fixed count, no repetition outside
+        (r"(\d{1,3}\.){3}\d{1,3}", None),
+        (r"(a{1,255}\.){1,127}", None),
+        (r"^[a-z]+(-[a-z]+)*$", None),
+        (r"(\d{3}){2}", None),
+        (r"(a*)?", None),
+        (r"(a{1,5}|b)*", None),
+        (r"[(]a*[)]*", None),
+        (r"\(a*\)*", None),
     ],
 )
 def test_regex_lint(pattern: str, problem: str | None) -> None:
