@@ -121,6 +121,8 @@ def from_engine(code: worker_pb2.ErrorCode, message: str) -> APIError:
         return bad_request(message)
     if code == worker_pb2.ERROR_CODE_KV_TRANSFER_FAILED:
         return APIError(502, message, type="server_error", code="kv_transfer_failed")
+    if code == worker_pb2.ERROR_CODE_OVERLOADED:
+        return APIError(503, message, type="server_error", code="overloaded")
     return APIError(500, message, type="server_error", code="engine_error")
 
 

@@ -14,6 +14,7 @@ from shared.protos.baton.v1 import common_pb2, scheduler_pb2, worker_pb2
 ERROR_CODES: dict[ErrorCode | None, worker_pb2.ErrorCode] = {
     ErrorCode.INVALID_REQUEST: worker_pb2.ERROR_CODE_INVALID_REQUEST,
     ErrorCode.KV_TRANSFER_FAILED: worker_pb2.ERROR_CODE_KV_TRANSFER_FAILED,
+    ErrorCode.OVERLOADED: worker_pb2.ERROR_CODE_OVERLOADED,
 }
 
 

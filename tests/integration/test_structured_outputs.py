@@ -146,9 +146,13 @@ def test_replayed_tokens_that_break_the_grammar_are_refused(llm: LLM, tiny_model
 
 
 def test_a_grammar_past_its_compile_bound_fails(tiny_model: Path) -> None:
+    """At a bound of a microsecond the compilation may not even have started when the bound
+    passes (then the engine's fault, 503; test_structured_manager tells the two apart)."""
     with LLM(model=str(tiny_model), grammar_compile_timeout_s=1e-6, **KW) as engine:  # type: ignore[arg-type]
         [out] = engine.generate(PROMPTS[0], params("json"))
-    assert out.outputs[0].finish_reason == "error" and "longer than" in (out.error or "")
+    assert out.outputs[0].finish_reason == "error"
+    assert "took longer than 1e-06 s" in (out.error or "") or "did not start within 1e-06 s" in (
+        out.error or "")  # fmt: skip
 
 
 def test_async_scheduling_preemption_and_chunks_change_nothing(tiny_model: Path) -> None:

@@ -23,6 +23,7 @@ def state(tiny_model: Path) -> ChoiceState:
     [
         (worker_pb2.ERROR_CODE_INVALID_REQUEST, 400, None),
         (worker_pb2.ERROR_CODE_KV_TRANSFER_FAILED, 502, "kv_transfer_failed"),
+        (worker_pb2.ERROR_CODE_OVERLOADED, 503, "overloaded"),
         (worker_pb2.ERROR_CODE_UNSPECIFIED, 500, "engine_error"),
     ],
 )

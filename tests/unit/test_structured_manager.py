@@ -3,7 +3,9 @@ tokenizer: compilation shared and cleaned of xgrammar's source locations, matche
 replay the tokens a request already has, the bitmask of a step's rows, and JSON strings that
 keep JSON's rule for control characters."""
 
+import concurrent.futures as cf
 import json
+import time
 from pathlib import Path
 
 import msgspec
@@ -44,6 +46,28 @@ def test_a_compile_error_says_what_without_where(manager: StructuredOutputManage
     assert str(e.value).startswith("the regex grammar does not compile: Regex parsing error")
     assert "/project" not in str(e.value) and ".cc" not in str(e.value)
     assert not grammar.ready([]) and grammar.error == str(e.value)
+
+
+def test_a_grammar_past_its_bound_is_the_clients_fault_only_if_its_compile_ran(
+    manager: StructuredOutputManager,
+) -> None:
+    """Past the compile bound: a compilation that ran all along is the grammar's fault (400);
+    one that never started, queued behind other grammars, the engine's (503: retry)."""
+    from services.worker.engine.messages import ErrorCode
+    from services.worker.engine.structured.manager import RequestGrammar
+
+    queued: cf.Future[object] = cf.Future()
+    running: cf.Future[object] = cf.Future()
+    assert running.set_running_or_notify_cancel()
+    past = time.monotonic() - 1.0
+    cases = [(queued, ErrorCode.OVERLOADED, "did not start within 30 s"),
+             (running, ErrorCode.INVALID_REQUEST, "took longer than 30 s")]  # fmt: skip
+    for future, code, words in cases:
+        grammar = RequestGrammar(future, [], past, 30.0)
+        assert not grammar.ready([])
+        assert grammar.error_code == code and words in (grammar.error or "")
+    within = RequestGrammar(cf.Future(), [], time.monotonic() + 60.0, 30.0)
+    assert not within.ready([]) and within.error is None  # still waiting
 
 
 def test_choices_with_quotes_and_newlines(

@@ -56,6 +56,7 @@ class ErrorCode(enum.StrEnum):
 
     INVALID_REQUEST = "invalid_request"  # refused on admission: the client's fault
     KV_TRANSFER_FAILED = "kv_transfer_failed"  # a decode leg could not pull its prompt's KV
+    OVERLOADED = "overloaded"  # not the request's fault: the engine had no room for it in time
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -180,7 +180,7 @@ class Scheduler:
                 if grammar.error is None:
                     compiling.append(request)
                 else:
-                    self._fail(request, grammar.error, ErrorCode.INVALID_REQUEST)
+                    self._fail(request, grammar.error, grammar.error_code)
                 continue
             if request.kv_ready:  # its prompt's KV was pulled: decode on from the first token
                 hits, num_hit = None, request.num_computed_tokens

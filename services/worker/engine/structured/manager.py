@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from services.worker.engine.messages import ErrorCode
 from services.worker.engine.params import StructuredOutputParams
 from services.worker.engine.structured.bitmask import GrammarBitmask
 
@@ -233,6 +234,7 @@ class RequestGrammar:
         self.bound = bound
         self.matcher: Any = None
         self.error: str | None = None
+        self.error_code = ErrorCode.INVALID_REQUEST  # (with ``error``) whose fault it is
 
     def ready(self, output_token_ids: list[int]) -> bool:
         """Whether the request can run: its matcher exists (made now if its grammar has just
@@ -243,8 +245,14 @@ class RequestGrammar:
         if self.error is not None:
             return False
         if not self.future.done():
-            if time.monotonic() > self.deadline:
+            if time.monotonic() > self.deadline and self.future.running():
                 self.error = f"compiling the grammar took longer than {self.bound:g} s"
+            elif time.monotonic() > self.deadline:  # queued behind other grammars all along
+                self.error = (
+                    f"the engine's grammar compiler was busy: this grammar's "
+                    f"compilation did not start within {self.bound:g} s; retry"
+                )
+                self.error_code = ErrorCode.OVERLOADED
             return False
         failure = self.future.exception()
         if failure is not None:

@@ -13,9 +13,11 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_UNSPECIFIED: _ClassVar[ErrorCode]
     ERROR_CODE_INVALID_REQUEST: _ClassVar[ErrorCode]
     ERROR_CODE_KV_TRANSFER_FAILED: _ClassVar[ErrorCode]
+    ERROR_CODE_OVERLOADED: _ClassVar[ErrorCode]
 ERROR_CODE_UNSPECIFIED: ErrorCode
 ERROR_CODE_INVALID_REQUEST: ErrorCode
 ERROR_CODE_KV_TRANSFER_FAILED: ErrorCode
+ERROR_CODE_OVERLOADED: ErrorCode
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "remote_kv", "first_token_id")
