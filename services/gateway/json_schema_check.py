@@ -478,7 +478,7 @@ def _pointer(root: Any, ref: Any, path: Path) -> Path:
         if isinstance(node, dict) and key in node:
             keys.append(key)
             node = node[key]
-        elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
+        elif isinstance(node, list) and key.isascii() and key.isdigit() and int(key) < len(node):
             keys.append(int(key))
             node = node[int(key)]
         else:

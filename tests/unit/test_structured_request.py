@@ -422,6 +422,7 @@ def test_what_xgrammar_enforces_is_kept(schema: Any, value: Any) -> None:
         ({"type": "object", "required": [1]}, ("required",)),
         ({"type": "string", "format": []}, ("format",)),  # (not a name: unhashable, was a 500)
         ({"type": "string", "format": {}}, ("format",)),
+        ({"$defs": {"a": [{"type": "integer"}]}, "$ref": "#/$defs/a/\u00b2"}, ("$ref",)),
     ],
 )
 def test_malformed_schemas_are_refused_where_they_are(schema: Any, path: tuple) -> None:
