@@ -40,13 +40,14 @@ and an object has no properties beyond those it declares unless ``additionalProp
 ``patternProperties`` allows them. Known widening: ``.`` in a pattern also matches a newline.
 
 The walk is iterative and bounded (``MAX_NESTING`` JSON levels, ``MAX_DEPTH`` subschemas, each
-``$ref`` target once); proving oneOfs disjoint builds each const/enum's set of values once and
-compares at most ``MAX_ONEOF_WORK`` values in all, so a large body costs about what parsing it
-does.
+``$ref`` target once); proving oneOfs disjoint builds each const/enum's set of values once,
+proves each set of branches once, and spends at most ``MAX_ONEOF_WORK`` (values compared and
+``$ref`` hops followed) in all; a regex is read in one pass.
 """
 
 import json
 import math
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +57,9 @@ MAX_DEPTH = 48  # nested subschemas, from the root
 MAX_REF_HOPS = 32  # a $ref to a $ref to …
 MAX_DISCRIMINATORS = 16  # properties tried as a oneOf's discriminator
 MAX_NESTING = 128  # JSON levels anywhere in the document (const and enum values too)
+# a regex's characters: the engine's bound on any grammar (its params.MAX_GRAMMAR_CHARS), read
+# before the pattern is (the gateway's max_grammar_chars, lower, is checked after validation)
+MAX_PATTERN_CHARS = 1 << 20
 # const/enum values compared in proving oneOfs disjoint, over the whole schema: a branch's set
 # of values is built once, but a schema could still ask for many comparisons of large sets
 MAX_ONEOF_WORK = 1_000_000
@@ -364,6 +368,8 @@ def _check_regex(pattern: Any, path: Path) -> None:
 def regex_problem(pattern: str) -> str | None:
     """What of ``pattern`` the grammar engine would silently drop or misread, or None. (Syntax
     errors and the constructs it refuses outright come back from the engine as a 400.)"""
+    if len(pattern) > MAX_PATTERN_CHARS:
+        return f"a pattern is at most {MAX_PATTERN_CHARS} characters"
     i, n, in_class = 0, len(pattern), False
     while i < n:
         c = pattern[i]
@@ -393,6 +399,9 @@ def regex_problem(pattern: str) -> str | None:
     return _nested_repetition(pattern)
 
 
+_COUNTS = re.compile(r"\{([0-9]+)(,([0-9]*))?\}")
+
+
 def _quantifier(pattern: str, i: int) -> tuple[int, int | None, int] | None:
     """The quantifier at ``i`` (``*``, ``+``, ``?``, ``{m}``, ``{m,}``, ``{m,n}``): its least
     and most counts (None: unbounded) and where it ends (past a lazy or possessive mark)."""
@@ -401,12 +410,11 @@ def _quantifier(pattern: str, i: int) -> tuple[int, int | None, int] | None:
     if c in ("*", "+", "?"):
         lo, hi, end = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c] + (i + 1,)
     elif c == "{":
-        close = pattern.find("}", i)
-        lo_s, comma, hi_s = pattern[i + 1 : close].partition(",")
-        if close < 0 or not lo_s.isdigit() or not (hi_s.isdigit() or not hi_s):
+        m = _COUNTS.match(pattern, i)  # (anchored at i and ASCII digits only: linear in all)
+        if m is None:
             return None  # a literal "{"
-        lo, end = int(lo_s), close + 1
-        hi = (int(hi_s) if hi_s else None) if comma else lo
+        lo, end = int(m[1]), m.end()
+        hi = (int(m[3]) if m[3] else None) if m[2] else lo
     else:
         return None
     return lo, hi, end + (pattern[end : end + 1] in ("?", "+"))
@@ -500,14 +508,14 @@ def _at(root: Any, path: Path) -> Any:
 
 def _proved(root: Any, branches: list, path: Path, memo: _Memo) -> bool:
     """``_disjoint``, once for each set of branches, within the schema's ``MAX_ONEOF_WORK``."""
-    resolved = [_resolve(root, b) for b in branches]
-    key = tuple(map(id, resolved))
-    if key not in memo.proofs:
-        try:
+    try:
+        resolved = [_resolve(root, b, memo) for b in branches]
+        key = tuple(map(id, resolved))
+        if key not in memo.proofs:
             memo.proofs[key] = _disjoint(root, resolved, memo)
-        except _TooMuchWork:
-            raise SchemaRefused((*path, "oneOf"), "the schema's oneOf branches are too many or "
-                                "too large to prove disjoint: use anyOf") from None  # fmt: skip
+    except _TooMuchWork:
+        raise SchemaRefused((*path, "oneOf"), "the schema's oneOf branches are too many or "
+                            "too large to prove disjoint: use anyOf") from None  # fmt: skip
     return memo.proofs[key]
 
 
@@ -517,10 +525,15 @@ def _disjoint(root: Any, resolved: list, memo: _Memo) -> bool:
     return _by_type_or_value(resolved, memo) or _by_discriminator(root, resolved, memo)
 
 
-def _resolve(root: Any, schema: Any) -> Any:
+def _resolve(root: Any, schema: Any, memo: "_Memo") -> Any:
+    """The schema a chain of ``$ref`` ends at (None: too long, or nowhere), each hop counted
+    as work by the length of its pointer."""
     for _ in range(MAX_REF_HOPS):
         if not (isinstance(schema, dict) and "$ref" in schema):
             return schema
+        memo.work += 1 + len(str(schema["$ref"]))
+        if memo.work > MAX_ONEOF_WORK:
+            raise _TooMuchWork
         try:
             schema = _at(root, _pointer(root, schema["$ref"], ()))
         except SchemaRefused:
@@ -578,7 +591,7 @@ def _tag_values(root: Any, branch: Any, key: str, memo: _Memo) -> frozenset[str]
     properties, required = branch.get("properties"), branch.get("required")
     if not (isinstance(properties, dict) and isinstance(required, list) and key in required):
         return None
-    tag = _resolve(root, properties.get(key))
+    tag = _resolve(root, properties.get(key), memo)
     finite = _finite(tag)
     return None if finite is None else _value_keys(tag, finite, memo)
 

@@ -20,6 +20,7 @@ from services.worker import convert, metrics
 from services.worker.engine.async_llm import AsyncLLM
 from services.worker.engine.core_client import EngineDeadError
 from services.worker.engine.kv_transfer.params import KVTransferParams
+from services.worker.engine.messages import ErrorCode
 from services.worker.engine.outputs import RequestOutput
 from services.worker.engine.params import SamplingParams
 from services.worker.settings import WorkerSettings
@@ -29,6 +30,13 @@ from shared.protos.baton.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from shared.rpc import adopt_request_id
 
 logger = logging.getLogger(__name__)
+
+# a prefill that ended in error (its response has no error field): the call's status, which
+# the gateway maps as for any call (errors.from_status: 400, 503, else 502)
+PREFILL_ERRORS = {
+    ErrorCode.INVALID_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorCode.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
 
 # how long an unknown prefill peer is waited for, in heartbeat intervals (see kv_refusal)
 KV_PEER_WAIT_HEARTBEATS = 4
@@ -303,6 +311,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         async for out in self._run(request, params, leg):
             last = out
             prompt_logprobs += convert.prompt_logprobs(out)  # (with the first output)
+        if last is not None and last.error is not None:  # ended in error: by its kind, as a
+            # stream's error code tells the gateway (a 400, a 503 to retry, a 502)
+            code = PREFILL_ERRORS.get(last.error_code, grpc.StatusCode.INTERNAL)  # type: ignore[arg-type]
+            raise CallRejected(code, last.error)
         if last is None or not last.outputs or not (last.outputs[0].token_ids or prompt_only):
             raise CallRejected(grpc.StatusCode.INTERNAL, "prefill produced no token")
         first = last.outputs[0]

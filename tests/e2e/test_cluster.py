@@ -7,6 +7,7 @@ import os
 import signal
 from pathlib import Path
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -183,6 +184,27 @@ def test_prefill_rpc_returns_the_first_token(cluster: Cluster, tiny_model: Path)
     assert got.first_logprobs.logprobs[0] == pytest.approx(
         ref.outputs[0].logprobs[0][got.first_token_id].logprob, abs=1e-5
     )
+
+
+def test_a_prefill_that_ends_in_error_says_why(cluster: Cluster) -> None:
+    """A prefill the engine ends in error (here a grammar that does not compile) is refused
+    with its kind's status and the engine's message, not an INTERNAL "no token" (which the
+    gateway turned into a 502 where the client's grammar deserves a 400)."""
+    from shared.protos.baton.v1 import common_pb2
+
+    params = common_pb2.SamplingParams(
+        temperature=0, structured_output=common_pb2.StructuredOutput(regex="(ab")
+    )
+    request = worker_pb2.PrefillRequest(
+        request_id="prefill-bad-grammar", prompt_token_ids=[1, 2, 3], params=params
+    )
+    with (
+        internal_channel(cluster.ready["worker-0"]["address"]) as ch,
+        pytest.raises(grpc.RpcError) as e,
+    ):
+        worker_pb2_grpc.WorkerStub(ch).Prefill(request, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the regex grammar does not compile" in (e.value.details() or "")
 
 
 def test_one_request_id_in_every_services_logs(tiny_model: Path, tmp_path: Path) -> None:

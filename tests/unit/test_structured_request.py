@@ -468,6 +468,24 @@ def test_the_oneof_proofs_are_bounded() -> None:
         check_schema(distinct)
 
 
+def test_ref_chains_count_in_the_oneof_work() -> None:
+    """Branches behind long $ref chains, each oneOf listing them in another order (so that no
+    proof is reused): following the chains counts as work, and the schema is refused before
+    it costs the gateway seconds (it was accepted, 11 s at 1,500 such oneOfs)."""
+    hops = 30  # (with the branch's own $ref, 31: within MAX_REF_HOPS)
+    tag = {"type": "object", "required": ["k"]}
+    defs: dict[str, Any] = {f"t{i}": {**tag, "properties": {"k": {"const": i}}} for i in range(100)}
+    for i in range(100):
+        for h in range(hops):
+            nxt = f"t{i}" if h == hops - 1 else f"c{i}_{h + 1}"
+            defs[f"c{i}_{h}"] = {"$ref": f"#/$defs/{nxt}"}
+    one = [{"oneOf": [{"$ref": f"#/$defs/c{(i + r) % 100}_0"} for i in range(100)]}
+           for r in range(30)]  # fmt: skip
+    with pytest.raises(SchemaRefused, match="too many or too large to prove disjoint"):
+        check_schema({"type": "array", "prefixItems": one, "$defs": defs})
+    check_schema({"type": "array", "prefixItems": one[:2], "$defs": defs})  # two are proved
+
+
 def test_depth_is_bounded_and_each_ref_is_walked_once() -> None:
     deep: dict[str, Any] = {"type": "integer"}
     for _ in range(60):
@@ -513,6 +531,8 @@ def test_depth_is_bounded_and_each_ref_is_walked_once() -> None:
         (r"(a{1,5}|b)*", None),
         (r"[(]a*[)]*", None),
         (r"\(a*\)*", None),
+        (r"a{\u00b2}", None),  # a Unicode digit is no count: a literal (it raised ValueError)
+        ("a" * ((1 << 20) + 1), "at most 1048576 characters"),  # read before it is scanned
     ],
 )
 def test_regex_lint(pattern: str, problem: str | None) -> None:

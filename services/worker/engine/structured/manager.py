@@ -23,6 +23,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -60,7 +61,7 @@ class StructuredOutputManager:
         self.pin_memory = pin_memory
         self.timeout_s = timeout_s
         self._pool = cf.ThreadPoolExecutor(threads, thread_name_prefix="grammar")
-        self._compiled: OrderedDict[tuple[str, str], cf.Future[Any]] = OrderedDict()
+        self._compiled: OrderedDict[tuple[str, str], Compilation] = OrderedDict()
         self._lock = threading.Lock()
         self._threads = threads
         # the tokenizer's vocabulary, read once, off the step loop too
@@ -113,18 +114,24 @@ class StructuredOutputManager:
             )
         key = params.key()
         with self._lock:
-            future = self._compiled.get(key)
-            if future is None or (future.done() and future.exception() is not None):
-                future = self._pool.submit(self._compile, params)
-                self._compiled[key] = future
+            compilation = self._compiled.get(key)
+            failed = compilation is not None and compilation.future.done() and (
+                compilation.future.exception() is not None)  # fmt: skip
+            if compilation is None or failed:
+                compilation = Compilation()
+                compilation.future = self._pool.submit(self._compile, params, compilation)
+                self._compiled[key] = compilation
                 while len(self._compiled) > MAX_COMPILED_FUTURES:
                     self._compiled.popitem(last=False)
             self._compiled.move_to_end(key)
         prior = prompt[len(prompt) - params.replay_tokens :] if params.replay_tokens else []
-        return RequestGrammar(future, prior, time.monotonic() + self.timeout_s, self.timeout_s)
+        return RequestGrammar(compilation, prior, time.monotonic() + self.timeout_s, self.timeout_s)
 
-    def _compile(self, params: StructuredOutputParams) -> "xgr.CompiledGrammar":
+    def _compile(
+        self, params: StructuredOutputParams, compilation: "Compilation"
+    ) -> "xgr.CompiledGrammar":
         compiler = self._compiler.result()
+        compilation.began = time.monotonic()  # (the wait in the queue and for the compiler over)
         start = time.perf_counter()
         kind = params.kind
         try:
@@ -224,13 +231,23 @@ class GrammarError(ValueError):
     """A grammar that cannot be compiled, took too long, or rejects a request's own tokens."""
 
 
+@dataclass
+class Compilation:
+    """A grammar's compilation, shared by the requests that ask for that grammar: its result,
+    and when it began (``time.monotonic``; None while it waits for a compile thread)."""
+
+    future: "cf.Future[Any]" = field(default_factory=cf.Future)
+    began: float | None = None
+
+
 class RequestGrammar:
     """One request's grammar: its compilation, then its matcher."""
 
-    def __init__(self, future: "cf.Future[Any]", prior: list[int], deadline: float, bound: float):
-        self.future = future
+    def __init__(self, compilation: Compilation, prior: list[int], deadline: float, bound: float):
+        self.compilation = compilation
+        self.future = compilation.future
         self.prior = prior  # tokens generated under this grammar elsewhere (at the prompt's end)
-        self.deadline = deadline
+        self.deadline = deadline  # the request's arrival + bound
         self.bound = bound
         self.matcher: Any = None
         self.error: str | None = None
@@ -244,15 +261,16 @@ class RequestGrammar:
             return True
         if self.error is not None:
             return False
-        if not self.future.done():
-            if time.monotonic() > self.deadline and self.future.running():
-                self.error = f"compiling the grammar took longer than {self.bound:g} s"
-            elif time.monotonic() > self.deadline:  # queued behind other grammars all along
+        if not self.future.done():  # (bounded: by twice the bound after the request came)
+            now, began = time.monotonic(), self.compilation.began
+            if began is None and now > self.deadline:  # queued behind other grammars all along
                 self.error = (
                     f"the engine's grammar compiler was busy: this grammar's "
                     f"compilation did not start within {self.bound:g} s; retry"
                 )
                 self.error_code = ErrorCode.OVERLOADED
+            elif began is not None and now > max(self.deadline, began + self.bound):
+                self.error = f"compiling the grammar took longer than {self.bound:g} s"
             return False
         failure = self.future.exception()
         if failure is not None:
