@@ -399,7 +399,7 @@ def regex_problem(pattern: str) -> str | None:
     return _nested_repetition(pattern)
 
 
-_COUNTS = re.compile(r"\{([0-9]+)(,([0-9]*))?\}")
+_COUNTS = re.compile(r"\{([0-9]{1,9})(,([0-9]{0,9}))?\}")  # (longer: no count, a literal)
 
 
 def _quantifier(pattern: str, i: int) -> tuple[int, int | None, int] | None:
@@ -486,7 +486,8 @@ def _pointer(root: Any, ref: Any, path: Path) -> Path:
         if isinstance(node, dict) and key in node:
             keys.append(key)
             node = node[key]
-        elif isinstance(node, list) and key.isascii() and key.isdigit() and int(key) < len(node):
+        elif isinstance(node, list) and key.isascii() and key.isdigit() and len(key) < 10 and (
+            int(key) < len(node)):  # fmt: skip
             keys.append(int(key))
             node = node[int(key)]
         else:

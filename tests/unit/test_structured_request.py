@@ -423,6 +423,7 @@ def test_what_xgrammar_enforces_is_kept(schema: Any, value: Any) -> None:
         ({"type": "string", "format": []}, ("format",)),  # (not a name: unhashable, was a 500)
         ({"type": "string", "format": {}}, ("format",)),
         ({"$defs": {"a": [{"type": "integer"}]}, "$ref": "#/$defs/a/\u00b2"}, ("$ref",)),
+        ({"$defs": {"a": [{"type": "integer"}]}, "$ref": "#/$defs/a/" + "9" * 5000}, ("$ref",)),
     ],
 )
 def test_malformed_schemas_are_refused_where_they_are(schema: Any, path: tuple) -> None:
@@ -532,6 +533,7 @@ def test_depth_is_bounded_and_each_ref_is_walked_once() -> None:
         (r"[(]a*[)]*", None),
         (r"\(a*\)*", None),
         (r"a{\u00b2}", None),  # a Unicode digit is no count: a literal (it raised ValueError)
+        ("(a{1," + "9" * 5000 + "}){2}", None),  # nor 5,000 digits (int() refuses > 4,300)
         ("a" * ((1 << 20) + 1), "at most 1048576 characters"),  # read before it is scanned
     ],
 )
