@@ -23,12 +23,8 @@ from typing import Any, Protocol
 from pydantic_core import PydanticCustomError
 
 from services.gateway.errors import refuse
-from services.gateway.json_schema_check import (
-    SchemaRefused,
-    check_schema,
-    regex_problem,
-    serialize,
-)
+from services.gateway.json_schema_check import SchemaRefused, check_schema, serialize
+from services.gateway.regex_check import regex_problem
 from shared.protos.baton.v1 import common_pb2
 
 MAX_CHOICES = 4096  # strings of a choice constraint (the workers' own bound)

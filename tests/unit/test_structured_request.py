@@ -10,9 +10,10 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from services.gateway import errors
-from services.gateway.json_schema_check import SchemaRefused, check_schema, regex_problem
+from services.gateway.json_schema_check import SchemaRefused, check_schema
 from services.gateway.limits import check_limits
 from services.gateway.orchestrator import Job, generate_request
+from services.gateway.regex_check import regex_problem
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.settings import InputLimits
 from shared.protos.baton.v1 import common_pb2, worker_pb2
