@@ -245,13 +245,16 @@ class RequestGrammar:
 
     def __init__(self, compilation: Compilation, prior: list[int], deadline: float, bound: float):
         self.compilation = compilation
-        self.future = compilation.future
         self.prior = prior  # tokens generated under this grammar elsewhere (at the prompt's end)
         self.deadline = deadline  # the request's arrival + bound
         self.bound = bound
         self.matcher: Any = None
         self.error: str | None = None
         self.error_code = ErrorCode.INVALID_REQUEST  # (with ``error``) whose fault it is
+
+    @property
+    def future(self) -> "cf.Future[Any]":
+        return self.compilation.future
 
     def ready(self, output_token_ids: list[int]) -> bool:
         """Whether the request can run: its matcher exists (made now if its grammar has just
